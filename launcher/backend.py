@@ -1,0 +1,54 @@
+"""The one place that maps a backend name to its device, collective and environment.
+
+``npu`` (Ascend, torch-npu, HCCL), ``cuda`` (NVIDIA, NCCL) and ``cpu`` (gloo). ``auto`` picks the
+first one whose devices answer. Detection imports torch lazily, so host-side verbs never need it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    collective: str  # torch.distributed backend, also LLaMA-Factory's/HF's ``ddp_backend``
+    visible_devices_env: str | None  # the variable that selects devices for the job
+
+
+BACKENDS = {
+    "npu": Backend("npu", "hccl", "ASCEND_RT_VISIBLE_DEVICES"),
+    "cuda": Backend("cuda", "nccl", "CUDA_VISIBLE_DEVICES"),
+    "cpu": Backend("cpu", "gloo", None),
+}
+
+
+def device_count(name: str) -> int:
+    """How many devices of backend ``name`` this process can see (0 if none or not installed)."""
+    if name == "cpu":
+        return 1
+    try:
+        import torch
+    except ImportError:
+        return 0
+    if name == "cuda":
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if name == "npu":
+        try:
+            import torch_npu  # noqa: F401  (registers torch.npu)
+        except ImportError:
+            return 0
+        return torch.npu.device_count() if torch.npu.is_available() else 0
+    raise ValueError(f"unknown backend {name!r}; choose one of {sorted(BACKENDS)}")
+
+
+def resolve(requested: str) -> Backend:
+    """Turn ``auto`` into the first backend with devices (npu, then cuda, then cpu)."""
+    if requested != "auto":
+        if requested not in BACKENDS:
+            raise ValueError(f"unknown backend {requested!r}; choose auto, {', '.join(BACKENDS)}")
+        return BACKENDS[requested]
+    for name in ("npu", "cuda"):
+        if device_count(name) > 0:
+            return BACKENDS[name]
+    return BACKENDS["cpu"]
