@@ -11,12 +11,36 @@ in place before the model is built, which is why they are applied here and not i
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
+import traceback
 from pathlib import Path
 
 import yaml
 
 LAUNCH_FILE = "launch.json"
+ERRORS_DIR = "errors"
+
+
+def write_error_file(run_dir: Path, exc: BaseException) -> Path:
+    """Record this rank's failure as ``errors/rank<N>.json`` (the root cause the supervisor reports)."""
+    rank = os.environ.get("RANK", "0")
+    folder = run_dir / ERRORS_DIR
+    folder.mkdir(exist_ok=True)
+    path = folder / f"rank{rank}.json"
+    record = {
+        "rank": int(rank),
+        "time": time.time(),
+        "pid": os.getpid(),
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=2))
+    os.replace(tmp, path)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +49,15 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m launcher.entry RUN_DIR", file=sys.stderr)
         return 2
     run_dir = Path(argv[0]).resolve()
+    try:
+        return _train(run_dir)
+    except BaseException as exc:
+        if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            write_error_file(run_dir, exc)
+        raise
+
+
+def _train(run_dir: Path) -> int:
     launch = json.loads((run_dir / LAUNCH_FILE).read_text())
 
     import patches

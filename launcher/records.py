@@ -10,7 +10,7 @@ import json
 import os
 import socket
 import tempfile
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -57,7 +57,7 @@ TERMINAL = frozenset(
 
 
 def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

@@ -8,6 +8,7 @@ half-made run directory; after that, every end, refused or not, is recorded in `
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -17,6 +18,7 @@ from typing import Any
 
 from . import backend as backends
 from .config import ConfigError, RunConfig, load_run_config, validate_llamafactory_args
+from .entry import ERRORS_DIR
 from .job import job_command, job_env, run_job
 from .records import RunState, StatusRecord, append_event
 from .rundir import RunDir, llamafactory_args, make_run_dir, write_run_files
@@ -66,7 +68,22 @@ def prepare(config_path: Path) -> Prepared | None:
 _TRACEBACK = re.compile(rb"Traceback \(most recent call last\):")
 
 
-def root_cause(log_path: Path, max_bytes: int = 256 << 10, max_lines: int = 30) -> str | None:
+def root_cause(run_dir: RunDir, max_lines: int = 30) -> str | None:
+    """Why the job failed: the first failing rank's error file, else the log's last traceback."""
+    records = []
+    for path in (run_dir.path / ERRORS_DIR).glob("rank*.json"):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    if records:
+        first = min(records, key=lambda r: r.get("time", 0))
+        lines = str(first.get("traceback", "")).rstrip().splitlines()
+        return f"rank {first.get('rank')}: " + "\n".join(lines[-max_lines:])
+    return last_traceback(run_dir.log, max_lines=max_lines)
+
+
+def last_traceback(log_path: Path, max_bytes: int = 256 << 10, max_lines: int = 30) -> str | None:
     """The last Python traceback in the job log (its final ``max_lines`` lines), if any."""
     try:
         with open(log_path, "rb") as f:
@@ -131,7 +148,7 @@ def run_foreground(config_path: Path, echo: bool = True) -> int:
     state = _end_state(result.exit_code, result.signal, result.stop_signal)
     reason = None
     if state is not RunState.SUCCEEDED:
-        reason = root_cause(run_dir.log) or (
+        reason = root_cause(run_dir) or (
             f"killed by signal {result.signal}" if result.signal else f"exit code {result.exit_code}"
         )
     _finish(status, run_dir, state, exit_code=result.exit_code, signal=result.signal,

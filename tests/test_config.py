@@ -1,0 +1,143 @@
+"""Run-config validation: the launcher section (pydantic), our formal rules, LLaMA-Factory's parser."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launcher.backend import BACKENDS
+from launcher.config import ConfigError, load_run_config, validate_llamafactory_args
+from launcher.rundir import RunDir, llamafactory_args
+from tests.conftest import make_config
+
+# The seed's formal LLaMA-Factory settings, verbatim from the design brief.
+SEED_FORMAL = """
+stage: sft
+finetuning_type: lora
+lora_rank: 8
+lora_alpha: 16
+lora_dropout: 0.05
+lora_target: q_proj,k_proj,v_proj,o_proj
+template: qwen3_vl_nothink
+cutoff_len: 4096
+bf16: true
+gradient_checkpointing: true
+per_device_train_batch_size: 1
+gradient_accumulation_steps: 1
+learning_rate: 5.0e-5
+lr_scheduler_type: cosine
+warmup_ratio: 0.03
+num_train_epochs: 3.0
+max_grad_norm: 1.0
+save_only_model: true
+save_strategy: steps
+save_steps: 100
+eval_strategy: steps
+eval_steps: 100
+"""
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text('{"model_type": "qwen3_5"}')
+    return path
+
+
+def write(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_seed_formal_config_is_expressible_unchanged(tmp_path, model_dir):
+    lf = yaml.safe_load(SEED_FORMAL)
+    data = {
+        **lf,
+        "model_name_or_path": str(model_dir),
+        "dataset": "soulchat_r1_nothink",
+        "dataset_dir": str(tmp_path),
+        "do_train": True,
+        "launcher": {"backend": "cpu", "nproc_per_node": 8, "distribution": "fsdp2"},
+    }
+    config = load_run_config(write(tmp_path, data))
+    for key, value in lf.items():
+        assert config.llamafactory[key] == value
+    assert config.launcher.smoke is False
+    args = llamafactory_args(config, BACKENDS["cpu"], RunDir("x", tmp_path / "x"))
+    assert validate_llamafactory_args(args) == []
+
+
+def test_every_problem_is_reported_at_once_naming_its_key(tmp_path):
+    data = {
+        "cutoff_len": 1024,
+        "model_name_or_path": str(tmp_path / "absent"),
+        "launcher": {"backend": "tpu", "nproc_per_node": 0, "colour": "blue"},
+    }
+    with pytest.raises(ConfigError) as info:
+        load_run_config(write(tmp_path, data))
+    text = str(info.value)
+    for needle in (
+        "launcher.backend",
+        "launcher.nproc_per_node",
+        "launcher.colour: unknown key",
+        "cutoff_len: 1024 is below 4096",
+        "launcher.smoke: true",
+        "model_name_or_path",
+        "is not a folder here",
+    ):
+        assert needle in text, (needle, text)
+    assert len(info.value.problems) == 5
+
+
+def test_short_cutoff_is_allowed_and_recorded_for_smoke_runs(tmp_path, model_dir):
+    data = {"cutoff_len": 128, "model_name_or_path": str(model_dir), "launcher": {"smoke": True}}
+    config = load_run_config(write(tmp_path, data))
+    assert config.launcher.smoke is True
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_run_config(tmp_path / "nope.yaml")
+
+
+def test_not_a_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_run_config(path)
+
+
+def test_bad_run_name(tmp_path, model_dir):
+    data = {"model_name_or_path": str(model_dir), "launcher": {"smoke": True, "run_name": "../escape"}}
+    with pytest.raises(ConfigError, match="launcher.run_name"):
+        load_run_config(write(tmp_path, data))
+
+
+def test_output_dir_is_owned_by_the_launcher(tmp_path, model_dir):
+    data = {"model_name_or_path": str(model_dir), "output_dir": "saves/x", "launcher": {"smoke": True}}
+    config = load_run_config(write(tmp_path, data))
+    assert "output_dir" not in config.llamafactory
+    assert any("output_dir" in note and "ignored" in note for note in config.notes)
+    args = llamafactory_args(config, BACKENDS["cpu"], RunDir("r", tmp_path / "r"))
+    assert args["output_dir"] == str(tmp_path / "r" / "output")
+    assert args["use_cpu"] is True
+
+
+def test_qkvo_targets_are_flagged_as_full_attention_only(tmp_path, model_dir):
+    data = {"model_name_or_path": str(model_dir), "lora_target": "q_proj,v_proj", "launcher": {"smoke": True}}
+    notes = load_run_config(write(tmp_path, data)).notes
+    assert any("in_proj_qkv" in n and "full-attention" in n for n in notes)
+    data["lora_target"] = "q_proj,in_proj_qkv"
+    assert not any("in_proj_qkv" in n for n in load_run_config(write(tmp_path, data)).notes)
+
+
+def test_unknown_llamafactory_keys_are_refused_by_its_parser(tmp_path, demo_assets):
+    config = load_run_config(make_config(tmp_path, demo_assets, learning_rat=0.1, lora_rnk=4))
+    args = llamafactory_args(config, BACKENDS["cpu"], RunDir("x", tmp_path / "x"))
+    problems = validate_llamafactory_args(args)
+    assert len(problems) == 1
+    assert "learning_rat" in problems[0] and "lora_rnk" in problems[0]
