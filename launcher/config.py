@@ -55,6 +55,27 @@ class FsdpSettings(BaseModel):
     offload_params: bool = False
 
 
+class EarlyStopping(BaseModel):
+    """``launcher.early_stopping``: stop once ``metric`` has not improved for ``patience`` evaluations.
+
+    Mapped onto LLaMA-Factory's ``early_stopping_steps`` (HF's ``EarlyStoppingCallback``; it counts
+    evaluations, not steps) in ``rundir.llamafactory_args``, which also keeps the best adapter.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    patience: int = Field(ge=1)
+    metric: str = "eval_loss"
+
+    @field_validator("metric")
+    @classmethod
+    def _check_metric(cls, value: str) -> str:
+        # greater_is_better is set to false, so only a loss (lower is better) can be the metric
+        if not re.fullmatch(r"(eval_)?([A-Za-z0-9][A-Za-z0-9_.-]*_)?loss", value):
+            raise ValueError("use an eval loss: eval_loss, or eval_<dataset>_loss with eval_on_each_dataset")
+        return value
+
+
 class LauncherSection(BaseModel):
     """The ``launcher:`` section of a run config."""
 
@@ -68,6 +89,16 @@ class LauncherSection(BaseModel):
     output_root: Path = Path("outputs/runs")
     smoke: bool = False
     patches: dict[str, Any] = Field(default_factory=dict)
+    early_stopping: EarlyStopping | None = None
+    # several nodes: one launcher per node; NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT override these
+    nnodes: int = Field(default=1, ge=1)
+    node_rank: int = Field(default=0, ge=0)
+    master_addr: str | None = None
+    master_port: int | None = Field(default=None, ge=1, le=65535)
+    # supervision
+    stall_minutes: float = Field(default=30.0, gt=0)  # no trainer-log progress this long -> STALLED
+    stop_grace_s: float = Field(default=120.0, ge=0)  # SIGTERM to the job, then SIGKILL after this
+    entry: str = "launcher.entry"  # module each rank runs; replace only to wrap our entry
 
     @field_validator("run_name")
     @classmethod

@@ -1,30 +1,45 @@
-"""Start the distributed job and supervise it in the foreground.
+"""Build the distributed job's command and start it in its own session.
 
 The job is torchrun (``distribution: ddp``) or accelerate launch (``distribution: fsdp2``), one
-process per device, each running ``python -m launcher.entry RUN_DIR``. The job gets its own session
-so a terminal's signals reach it only through us; stopping it signals the whole process tree
-(torchrun and every rank, found with psutil), waits a grace period, then kills what is left.
+process per device, each running ``python -m launcher.entry RUN_DIR``. The job gets its own session,
+so a terminal's signals reach it only through the supervisor. Its output is copied line by line to
+the run's log file (and to the terminal when the supervisor runs in the foreground).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-import psutil
-
 from .backend import Backend
-from .config import RunConfig
-from .rundir import ACCELERATE_YAML, RunDir
+from .rundir import ACCELERATE_YAML
 
-DEFAULT_GRACE_S = 60.0
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """Where this node sits in a multi-node job (torchrun rendezvous); one node by default."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+
+    @classmethod
+    def from_env(cls, nnodes: int, node_rank: int, master_addr: str | None, master_port: int | None) -> NodeSpec:
+        """Config values, overridden by NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT when set."""
+        env = os.environ
+        return cls(
+            nnodes=int(env.get("NNODES", nnodes)),
+            node_rank=int(env.get("NODE_RANK", node_rank)),
+            master_addr=env.get("MASTER_ADDR", master_addr or "127.0.0.1"),
+            master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else master_port,
+        )
 
 
 def free_port() -> int:
@@ -33,23 +48,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def job_command(config: RunConfig, run_dir: RunDir) -> list[str]:
-    """The command line that starts every rank of the job."""
-    entry = ["-m", "launcher.entry", str(run_dir.path)]
-    launcher = config.launcher
-    if launcher.distribution == "fsdp2":
+def job_command(distribution: str, nproc_per_node: int, run_dir: Path, node: NodeSpec = NodeSpec(),
+                entry: str = "launcher.entry") -> list[str]:  # fmt: skip
+    """The command line that starts every rank of this node's part of the job."""
+    rank_cmd = ["-m", entry, str(run_dir)]
+    port = node.master_port or free_port()
+    if distribution == "fsdp2":
         return [
             sys.executable, "-m", "accelerate.commands.launch",
-            "--config_file", str(run_dir.path / ACCELERATE_YAML),
-            "--main_process_port", str(free_port()),
-            *entry,
+            "--config_file", str(run_dir / ACCELERATE_YAML),
+            "--num_machines", str(node.nnodes), "--machine_rank", str(node.node_rank),
+            "--main_process_ip", node.master_addr, "--main_process_port", str(port),
+            *rank_cmd,
         ]  # fmt: skip
-    return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone", "--nnodes", "1",
-        "--nproc-per-node", str(launcher.nproc_per_node),
-        *entry,
-    ]  # fmt: skip
+    if node.nnodes == 1:
+        rendezvous = ["--standalone", "--nnodes", "1"]
+    else:
+        rendezvous = [
+            "--nnodes", str(node.nnodes), "--node-rank", str(node.node_rank),
+            "--master-addr", node.master_addr, "--master-port", str(port),
+        ]  # fmt: skip
+    return [sys.executable, "-m", "torch.distributed.run", *rendezvous,
+            "--nproc-per-node", str(nproc_per_node), *rank_cmd]  # fmt: skip
 
 
 def job_env(backend: Backend) -> dict[str, str]:
@@ -63,95 +83,40 @@ def job_env(backend: Backend) -> dict[str, str]:
     return env
 
 
-@dataclass
-class JobResult:
-    exit_code: int | None = None  # the job's own exit status, when it exited
-    signal: int | None = None  # the signal that killed it, when it was killed
-    stop_signal: int | None = None  # the signal we received and passed on, if any
-    pids: list[int] = field(default_factory=list)
-
-    @property
-    def shell_code(self) -> int:
-        """The code a shell would show: the exit status, or 128 + signal."""
-        if self.signal is not None:
-            return 128 + self.signal
-        return self.exit_code if self.exit_code is not None else 1
-
-
 def _tee(stream: IO[bytes], log: IO[bytes], echo: IO[bytes] | None) -> None:
     for line in iter(stream.readline, b""):
         log.write(line)
         log.flush()
         if echo is not None:
-            echo.write(line)
-            echo.flush()
+            try:
+                echo.write(line)
+                echo.flush()
+            except (OSError, ValueError):
+                echo = None  # the terminal went away; keep logging
+    log.close()
 
 
-def stop_tree(root_pid: int, sig: int = signal.SIGTERM, grace_s: float = DEFAULT_GRACE_S) -> list[int]:
-    """Send ``sig`` to ``root_pid`` and all its descendants; SIGKILL whatever outlives ``grace_s``.
+class Job:
+    """A started job: its root process and the thread copying its output."""
 
-    Returns:
-        The pids that had to be killed.
-    """
-    try:
-        root = psutil.Process(root_pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-    for proc in procs:
-        try:
-            proc.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=5)
-    return [p.pid for p in alive]
-
-
-def run_job(cmd: list[str], env: dict[str, str], log_path: Path, echo: bool = True,
-            grace_s: float = DEFAULT_GRACE_S, on_start=None) -> JobResult:  # fmt: skip
-    """Run the job to its end, copying its output to ``log_path`` (and the terminal if ``echo``).
-
-    SIGINT, SIGTERM and SIGHUP received meanwhile stop the whole job tree gracefully.
-    """
-    result = JobResult()
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
+    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path, echo: bool):
+        log = open(log_path, "ab")  # noqa: SIM115  (closed by the tee thread when the job's output ends)
+        self.proc = subprocess.Popen(
             cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
-        result.pids = [proc.pid]
-        if on_start is not None:
-            on_start(proc.pid)
-        stopper: list[threading.Thread] = []
+        self._tee = threading.Thread(
+            target=_tee, args=(self.proc.stdout, log, sys.stdout.buffer if echo else None), daemon=True
+        )
+        self._tee.start()
 
-        def _handle(signum, _frame):
-            if result.stop_signal is None:
-                result.stop_signal = signum
-                t = threading.Thread(target=stop_tree, args=(proc.pid, signal.SIGTERM, grace_s), daemon=True)
-                t.start()
-                stopper.append(t)
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
 
-        previous = {s: signal.signal(s, _handle) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-        try:
-            tee = threading.Thread(
-                target=_tee, args=(proc.stdout, log, sys.stdout.buffer if echo else None), daemon=True
-            )
-            tee.start()
-            code = proc.wait()
-            tee.join(timeout=10)
-            for t in stopper:
-                t.join()
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-    if code < 0:
-        result.signal = -code
-    else:
-        result.exit_code = code
-    return result
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def finish(self) -> None:
+        """Wait for the output copy to drain after the job's root process ended."""
+        self._tee.join(timeout=10)

@@ -51,6 +51,7 @@ TERMINAL = frozenset(
         RunState.CANCELLED,
         RunState.TERMINATED,
         RunState.OUT_OF_MEMORY,
+        RunState.SUPERVISOR_LOST,
         RunState.NODE_LOST,
     }
 )
@@ -103,6 +104,13 @@ class StatusRecord:
             "state": RunState.PENDING.value,
             "created": now_iso(),
         }
+
+    @classmethod
+    def reopen(cls, run_dir: Path, data: dict[str, Any]) -> StatusRecord:
+        """Continue an existing record (a resumed attempt, or a state fixed up from outside)."""
+        record = cls(run_dir, str(data.get("run_id", run_dir.name)))
+        record.data.update(data)
+        return record
 
     def update(self, **fields: Any) -> None:
         for key, value in fields.items():

@@ -93,8 +93,22 @@ def llamafactory_args(config: RunConfig, backend: Backend, run_dir: RunDir) -> d
     """The LLaMA-Factory arguments the job will use: the user's, plus what the launcher decides."""
     args = dict(config.llamafactory)
     args["output_dir"] = str(run_dir.output)
+    # LLaMA-Factory deletes trainer_log.jsonl under overwrite_output_dir; a run folder is always new.
+    args.pop("overwrite_output_dir", None)
     if backend.name == "cpu":
         args["use_cpu"] = True  # also keeps a CPU run off any GPU the host may have
+    early = config.launcher.early_stopping
+    if early is not None:
+        # LLaMA-Factory adds HF's EarlyStoppingCallback(early_stopping_patience=early_stopping_steps)
+        # (llamafactory/train/tuner.py). HF tracks the best checkpoint by metric_for_best_model and never
+        # rotates it away; load_best_model_at_end then puts the best adapter at the top of output/ (HF checks
+        # that save and eval strategies match and save_steps is a multiple of eval_steps). Under FSDP the
+        # Trainer refuses load_best_model_at_end with save_only_model, and loading would need full-model
+        # checkpoints, so there the best adapter stays in its checkpoint folder (`launcher report` names it).
+        args["early_stopping_steps"] = early.patience
+        args["metric_for_best_model"] = early.metric
+        args["greater_is_better"] = False
+        args["load_best_model_at_end"] = config.launcher.distribution != "fsdp2"
     # ddp_backend is left to accelerate, which picks gloo/nccl/hccl from the device; setting it here
     # would make TrainingArguments initialise a process group while the launcher validates.
     return args
@@ -127,16 +141,31 @@ def accelerate_config(config: RunConfig, backend: Backend) -> dict[str, Any]:
     }
 
 
-def write_run_files(config: RunConfig, backend: Backend, run_dir: RunDir, lf_args: dict[str, Any]) -> None:
-    """Write the config copy, the exact job inputs and the manifest into the run folder."""
+def attempt_name(name: str, attempt: int) -> str:
+    """``llamafactory.yaml`` for the first attempt, ``llamafactory.attempt2.yaml`` for the second..."""
+    if attempt == 1:
+        return name
+    stem, dot, suffix = name.partition(".")
+    return f"{stem}.attempt{attempt}{dot}{suffix}"
+
+
+def write_run_files(config: RunConfig, backend: Backend, run_dir: RunDir, lf_args: dict[str, Any],
+                    attempt: int = 1) -> None:  # fmt: skip
+    """Write the config copy, the exact job inputs and the manifest into the run folder.
+
+    A resumed attempt writes its own ``*.attemptN.*`` files next to the first attempt's.
+    """
     path = run_dir.path
-    shutil.copyfile(config.source, path / "config.yaml")
-    (path / LF_YAML).write_text(dump_yaml(lf_args))
+    if attempt == 1:
+        shutil.copyfile(config.source, path / "config.yaml")
+    lf_yaml = attempt_name(LF_YAML, attempt)
+    (path / lf_yaml).write_text(dump_yaml(lf_args))
     if config.launcher.distribution == "fsdp2":
         (path / ACCELERATE_YAML).write_text(dump_yaml(accelerate_config(config, backend)))
-    launch = {"patches": config.patches, "backend": backend.name, "llamafactory_yaml": LF_YAML}
+    launch = {"patches": config.patches, "backend": backend.name, "llamafactory_yaml": lf_yaml, "attempt": attempt}
     (path / "launch.json").write_text(json.dumps(launch, indent=2) + "\n")
-    (path / "manifest.json").write_text(json.dumps(manifest(config, backend, run_dir), indent=2) + "\n")
+    info = manifest(config, backend, run_dir)
+    (path / attempt_name("manifest.json", attempt)).write_text(json.dumps(info, indent=2) + "\n")
 
 
 def manifest(config: RunConfig, backend: Backend, run_dir: RunDir) -> dict[str, Any]:

@@ -1,0 +1,104 @@
+"""The run lock: at most one live run per output root (one server's devices).
+
+A kernel lock (filelock, ``flock``) on ``<output_root>/launcher.lock``, taken without waiting. The
+kernel releases it when the holder dies, however it dies; the lock file itself is never deleted or
+truncated. Who holds it is written *after* acquiring, into a separate ``launcher.lock.owner.json``,
+and is only a hint for messages: liveness is always judged from the processes themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock, Timeout
+
+from .procs import boot_id, self_identity
+from .records import now_iso, write_json_atomic
+
+LOCK_NAME = "launcher.lock"
+OWNER_NAME = "launcher.lock.owner.json"
+
+
+class LockBusy(RuntimeError):
+    """Another process holds the run lock; ``owner`` is what it wrote about itself (may be empty)."""
+
+    def __init__(self, lock_path: Path, owner: dict[str, Any]):
+        self.lock_path = lock_path
+        self.owner = owner
+        who = (
+            f"run {owner.get('run_id')} (supervisor pid {owner.get('pid')} on {owner.get('hostname')}, "
+            f"since {owner.get('since')}, run dir {owner.get('run_dir')})"
+            if owner
+            else "a process that has not written its identity yet"
+        )
+        super().__init__(
+            f"another run is live: {who}. Follow it with `launcher status`, or stop it with "
+            f"`launcher stop {owner.get('run_id', '')}`".rstrip()
+            + f" (lock: {lock_path})"
+        )
+
+
+class RunLock:
+    """A held run lock. Release it only after the run's terminal record is on disk."""
+
+    def __init__(self, root: Path):
+        root.mkdir(parents=True, exist_ok=True)
+        self.path = root / LOCK_NAME
+        self.owner_path = root / OWNER_NAME
+        self._lock = FileLock(str(self.path), timeout=0, thread_local=False)
+
+    def acquire(self) -> RunLock:
+        """Take the lock without waiting; raise ``LockBusy`` naming the holder if it is taken."""
+        try:
+            self._lock.acquire(blocking=False)
+        except Timeout:
+            raise LockBusy(self.path, read_owner(self.path.parent)) from None
+        return self
+
+    def describe(self, run_id: str, run_dir: Path) -> None:
+        """Record who holds the lock (written after acquiring; a hint for messages)."""
+        write_json_atomic(
+            self.owner_path,
+            {
+                **self_identity(),
+                "run_id": run_id,
+                "run_dir": str(run_dir),
+                "hostname": socket.gethostname(),
+                "boot_id": boot_id(),
+                "since": now_iso(),
+            },
+        )
+
+    def release(self) -> None:
+        if self._lock.is_locked:
+            self._lock.release(force=True)
+
+    @property
+    def held(self) -> bool:
+        return self._lock.is_locked
+
+
+def read_owner(root: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((root / OWNER_NAME).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def is_locked(root: Path) -> bool:
+    """Whether some process holds the lock now (takes and drops it if free; never waits)."""
+    if not (root / LOCK_NAME).exists():
+        return False
+    probe = FileLock(str(root / LOCK_NAME), timeout=0, thread_local=False)
+    try:
+        probe.acquire(blocking=False)
+    except Timeout:
+        return True
+    probe.release(force=True)
+    return False
+
+

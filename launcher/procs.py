@@ -1,0 +1,98 @@
+"""Process identity and liveness, judged from the live system, never trusted from a file.
+
+A recorded process is the same live process only if its pid exists, its start time matches and
+(when recorded) its command line still names the run. A pid alone can be reused after a reboot or a
+long run; "unknown" never leads to killing anything.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def boot_id() -> str | None:
+    try:
+        return _BOOT_ID.read_text().strip()
+    except OSError:
+        return None
+
+
+def identity(proc: psutil.Process) -> dict[str, Any]:
+    """What we record about a process to recognise it later."""
+    with proc.oneshot():
+        return {"pid": proc.pid, "create_time": proc.create_time(), "cmdline": " ".join(proc.cmdline())[:500]}
+
+
+def self_identity() -> dict[str, Any]:
+    return identity(psutil.Process())
+
+
+def find_live(record: dict[str, Any], must_contain: str | None = None) -> psutil.Process | None:
+    """The live process matching ``record`` (pid + start time [+ command line]), or None."""
+    try:
+        proc = psutil.Process(int(record["pid"]))
+        if abs(proc.create_time() - float(record["create_time"])) > 0.5:
+            return None
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        if must_contain and must_contain not in " ".join(proc.cmdline()):
+            return None
+        return proc
+    except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError, TypeError, ValueError):
+        return None
+
+
+def live_processes(records: list[dict[str, Any]], must_contain: str | None = None) -> list[psutil.Process]:
+    found = (find_live(r, must_contain) for r in records)
+    return [p for p in found if p is not None]
+
+
+def tree(root_pid: int) -> list[psutil.Process]:
+    """``root_pid`` and all its descendants that exist now."""
+    try:
+        root = psutil.Process(root_pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def terminate(procs: list[psutil.Process], grace_s: float, sig: int = signal.SIGTERM) -> list[int]:
+    """Send ``sig`` to every process (and its process group), SIGKILL whatever outlives ``grace_s``.
+
+    Each rank of a torchrun job runs in its own session and process group, so each group is
+    signalled, not only torchrun's. Returns the pids that had to be killed.
+    """
+    groups = set()
+    for proc in procs:
+        try:
+            groups.add(_pgid(proc.pid))
+            proc.send_signal(sig)
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            pass
+    for pgid in groups - {None, _pgid(psutil.Process().pid)}:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+    return [p.pid for p in alive]
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
