@@ -123,7 +123,7 @@ def accelerate_config(config: RunConfig, backend: Backend) -> dict[str, Any]:
         "distributed_type": "FSDP",
         "num_machines": 1,
         "machine_rank": 0,
-        "num_processes": config.launcher.nproc_per_node,
+        "num_processes": config.launcher.nproc_per_node * config.launcher.nnodes,  # accelerate counts all nodes
         "main_training_function": "main",
         "mixed_precision": mixed,
         "use_cpu": backend.name == "cpu",

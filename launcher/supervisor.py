@@ -150,6 +150,7 @@ class Supervisor:
     echo: bool = True
     poll_s: float = 1.0
     attempt: int = 1
+    node_rank: int = 0
     _stop_signal: int | None = None
     _known: dict[tuple[int, float], dict[str, Any]] = field(default_factory=dict)
 
@@ -163,6 +164,7 @@ class Supervisor:
                                  config.launcher.master_addr, config.launcher.master_port)  # fmt: skip
         cmd = job_command(config.launcher.distribution, config.launcher.nproc_per_node, self.run_dir.path,
                           node, entry=config.launcher.entry)  # fmt: skip
+        self.node_rank = node.node_rank
         handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
         previous = {s: signal.signal(s, self._on_signal) for s in handled}
         try:
@@ -257,6 +259,9 @@ class Supervisor:
                 f"stopped by `launcher stop` ({request.get('by')})" if request
                 else f"received {signal.Signals(stopped_by).name}; the job was stopped gracefully"
             )
+        elif code == 0 and self.node_rank > 0:
+            state = RunState.SUCCEEDED  # rank 0's node saves the adapter and runs the acceptance checks
+            fields["acceptance"] = {"checked": False, "reason": f"node {self.node_rank}: acceptance runs on node 0"}
         elif code == 0:
             state, fields["acceptance"] = self._accept()
         else:
@@ -354,6 +359,7 @@ def _open_run(prepared: Prepared, lock: RunLock, resume: dict[str, Any] | None) 
     status.update(
         state=RunState.PENDING, smoke=config.launcher.smoke, backend=backend.name, attempt=attempt,
         supervisor=self_identity(), boot_id=boot_id(), trainer_log=str(run_dir.trainer_log),
+        container=os.environ.get("LAUNCHER_CONTAINER"),
         run_dir=str(run_dir.path), exit_code=None, signal=None, reason=None, ended=None,
         resumed_from=str(resume["checkpoint"]) if resume else None,
         resume_mode=resume.get("mode") if resume else None,
