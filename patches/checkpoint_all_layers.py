@@ -1,0 +1,198 @@
+"""Checkpoint every decoder layer and vision block non-reentrantly, frozen layers included.
+
+Upstream behaviour (LLaMA-Factory 0.9.5, ``src/llamafactory/model/model_utils/checkpointing.py``):
+``prepare_model_for_training`` replaces ``model.gradient_checkpointing_enable`` with
+``partial(_gradient_checkpointing_enable, ...)``, looking ``_gradient_checkpointing_enable`` up in its module
+globals at call time. That function defaults to ``use_reentrant=True`` and wraps the checkpoint function so
+that a layer is checkpointed only if it owns a trainable parameter. With LoRA on ``q,k,v,o`` only the
+full-attention layers qualify: on Qwen3.5-27B the 48 Gated DeltaNet layers and their MLPs run
+un-checkpointed although gradients flow through them (111.8 GiB peak instead of 66.9 GiB at 4096 tokens,
+DESIGN.md section 2). LLaMA-Factory turns non-reentrant on by itself only under FSDP2; the trainable-only
+rule stays either way. The HF ``Trainer`` (transformers 5.6.0, ``_inner_training_loop``) calls
+``model.gradient_checkpointing_enable(args.gradient_checkpointing_kwargs)`` again just before the loop, so a
+fix made only at model build time could be undone.
+
+What this patch does:
+
+1. replaces the module global ``_gradient_checkpointing_enable`` with ours (same signature), so model
+   preparation and the Trainer's re-enable both set ``partial(torch.utils.checkpoint.checkpoint,
+   use_reentrant=False)`` on every module carrying a ``gradient_checkpointing`` flag (exactly the modules
+   ``PreTrainedModel._set_gradient_checkpointing`` would set: every ``GradientCheckpointingLayer`` plus the
+   text/vision model flags). Other requested checkpoint kwargs are kept; ``use_reentrant`` is forced off
+   and the requested value is recorded. ``use_unsloth_gc: true`` is refused (it is a different mechanism).
+2. at the first real ``Trainer.training_step`` (``trainer_hook``), applies the same again to the model the
+   Trainer hands over (PEFT/DDP/FSDP wrappers included), unless the LLaMA-Factory config asked for no
+   checkpointing at all, and records what the step actually did (``checkpoint_census``), including the
+   number of FSDP units.
+
+When the patch is turned off, the first-step observation still runs (it only reads), so the record shows
+what LLaMA-Factory did by itself.
+
+Versions: written and tested against llamafactory 0.9.5 and transformers 5.6.0 (``SUPPORTED``).
+Delete this patch when LLaMA-Factory checkpoints frozen layers (or offers an option for it) and defaults to
+non-reentrant checkpointing, and the first-step record of a run without the patch shows every decoder layer
+``non_reentrant``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from functools import partial
+from typing import Any
+
+from packaging.specifiers import SpecifierSet
+from pydantic import BaseModel, ConfigDict
+
+from . import trainer_hook
+from .checkpoint_census import StepObserver, describe_checkpoint_func
+from .errors import PatchError
+from .proof import ProofFile, utc_now
+from .versions import require_global_loads, require_symbols
+
+logger = logging.getLogger(__name__)
+
+NAME = "checkpoint_all_layers"
+SUPPORTED = {"llamafactory": SpecifierSet(">=0.9.5,<0.9.6"), "transformers": SpecifierSet(">=5.6.0,<5.7")}
+LF_MODULE = "llamafactory.model.model_utils.checkpointing"
+_MARKER = "__deltanet_launcher_patch__"
+
+
+class Options(BaseModel):
+    """``launcher.patches.checkpoint_all_layers``: no options besides ``enabled``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    enabled: bool = True
+
+
+def check_symbols() -> None:
+    """LLaMA-Factory's function exists and is still looked up at call time; the transformers hooks exist."""
+    lf = require_symbols(
+        NAME, LF_MODULE, ("_gradient_checkpointing_enable", "prepare_model_for_training"), "llamafactory"
+    )
+    require_global_loads(NAME, lf.prepare_model_for_training, ("_gradient_checkpointing_enable",), "llamafactory")
+    require_symbols(NAME, "transformers.modeling_layers", ("GradientCheckpointingLayer",), "transformers")
+    transformers = require_symbols(NAME, "transformers", ("Trainer",), "transformers")
+    if not callable(getattr(transformers.Trainer, "training_step", None)):
+        raise PatchError(NAME, "transformers.Trainer has no training_step", "install transformers>=5.6.0,<5.7")
+
+
+def non_reentrant_checkpoint(**kwargs: Any) -> partial:
+    """``torch.utils.checkpoint.checkpoint`` with ``use_reentrant=False`` and any other given kwargs."""
+    from torch.utils.checkpoint import checkpoint
+
+    return partial(checkpoint, **{**kwargs, "use_reentrant": False})
+
+
+def checkpoint_every_layer(model, func) -> int:
+    """Enable checkpointing with ``func`` on every module that has a ``gradient_checkpointing`` flag.
+
+    Returns:
+        How many of them are ``GradientCheckpointingLayer`` modules.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = 0
+    for module in model.modules():
+        if hasattr(module, "gradient_checkpointing"):
+            module._gradient_checkpointing_func = func
+            module.gradient_checkpointing = True
+            layers += isinstance(module, GradientCheckpointingLayer)
+    return layers
+
+
+_state: dict[str, Any] = {}
+
+
+def _gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, use_unsloth_gc: bool = False) -> None:
+    """Stands in for LLaMA-Factory's function of the same name: every layer, non-reentrant."""
+    if not self.supports_gradient_checkpointing:
+        raise ValueError(f"{self.__class__.__name__} does not support gradient checkpointing.")
+    if use_unsloth_gc:
+        raise PatchError(
+            NAME,
+            "the LLaMA-Factory config sets use_unsloth_gc: true, Unsloth's CPU-offloading checkpoint, which "
+            "this patch would replace (and which hard-codes CUDA)",
+            "remove use_unsloth_gc from the LLaMA-Factory config, or turn this patch off with "
+            "launcher.patches.checkpoint_all_layers: false",
+        )
+    requested = dict(gradient_checkpointing_kwargs or {})
+    func = non_reentrant_checkpoint(**{k: v for k, v in requested.items() if k != "use_reentrant"})
+    layers = checkpoint_every_layer(self, func)
+    _state["func"] = func
+    calls = _state.setdefault("enable_calls", [])
+    calls.append(
+        {
+            "requested_kwargs": requested,
+            "function": describe_checkpoint_func(func),
+            "checkpoint_layers": layers,
+            "at": utc_now(),
+        }
+    )
+    if _state.get("proof") is not None:
+        _state["proof"].update(model_preparation={"enable_calls": calls})
+
+
+setattr(_gradient_checkpointing_enable, _MARKER, NAME)
+
+
+def apply(options: dict[str, Any], *, backend: str, proof: ProofFile) -> dict[str, Any]:
+    """Install the replacement and the first-step hook; idempotent (the original is saved once)."""
+    lf = importlib.import_module(LF_MODULE)
+    if getattr(lf._gradient_checkpointing_enable, _MARKER, None) != NAME:
+        _state["original"] = lf._gradient_checkpointing_enable
+    lf._gradient_checkpointing_enable = _gradient_checkpointing_enable
+    _state.update(proof=proof, enabled=True, enable_calls=[], func=non_reentrant_checkpoint())
+    trainer_hook.on_first_training_step(NAME, before=_before_first_step, after=_after_first_step)
+    return {
+        "replaced": [
+            f"{LF_MODULE}._gradient_checkpointing_enable",
+            "transformers.Trainer.training_step (first call)",
+        ],
+        "function": describe_checkpoint_func(_state["func"]),
+    }
+
+
+def observe(*, backend: str, proof: ProofFile) -> None:
+    """Disabled: leave LLaMA-Factory alone, but record what its checkpointing did at the first step."""
+    restore()
+    _state.update(proof=proof, enabled=False)
+    trainer_hook.on_first_training_step(NAME, before=_before_first_step, after=_after_first_step)
+
+
+def restore() -> None:
+    """Put LLaMA-Factory's function back if we replaced it, and forget this process's state."""
+    lf = sys.modules.get(LF_MODULE)
+    if lf is not None and "original" in _state:
+        lf._gradient_checkpointing_enable = _state["original"]
+    _state.clear()
+
+
+def _before_first_step(trainer, model) -> None:
+    info: dict[str, Any] = {}
+    if _state["enabled"]:
+        requested = bool(_state["enable_calls"]) or bool(getattr(trainer.args, "gradient_checkpointing", False))
+        if requested:
+            info["reapplied_layers"] = checkpoint_every_layer(model, _state["func"])
+        else:
+            info["reapplied_layers"] = 0
+            info["note"] = (
+                "the LLaMA-Factory config asks for no gradient checkpointing "
+                "(disable_gradient_checkpointing: true and gradient_checkpointing: false); left off"
+            )
+    try:
+        _state["observer"] = StepObserver(model)
+    except Exception as exc:  # observing must never stop a run
+        logger.exception("cannot observe checkpointing at the first training step")
+        _state["proof"].update(first_training_step={**info, "observer_error": f"{type(exc).__name__}: {exc}"})
+        _state["observer"] = None
+    _state["first_step_info"] = info
+
+
+def _after_first_step(trainer, model) -> None:
+    observer = _state.get("observer")
+    if observer is None:
+        return
+    census = observer.finish()
+    _state["proof"].update(first_training_step={**_state["first_step_info"], **census, "recorded_at": utc_now()})

@@ -1,0 +1,340 @@
+"""Route the Gated DeltaNet chunk kernel of ``qwen3_5``/``qwen3_5_moe`` per backend, and prove what ran.
+
+Upstream behaviour (transformers 5.6.0, ``models/qwen3_5/modeling_qwen3_5.py``; ``qwen3_5_moe`` is the
+same code): at import, the module globals ``chunk_gated_delta_rule``, ``fused_recurrent_gated_delta_rule``
+and ``FusedRMSNormGated`` come from FLA only if ``is_flash_linear_attention_available()``, which requires
+CUDA; ``causal_conv1d_fn``/``causal_conv1d_update`` likewise need CUDA. ``Qwen3_5GatedDeltaNet.__init__``
+binds ``self.chunk_gated_delta_rule = chunk_gated_delta_rule or torch_chunk_gated_delta_rule`` (and the
+norm, conv and recurrent kernels) from those globals at construction. So on an Ascend NPU the DeltaNet
+layers silently run the pure-torch chunk loop even with FLA + triton-ascend installed (about 40x slower
+per kernel). ``is_fast_path_available`` is computed once at import and only decides whether the
+constructor logs "falling back to torch"; no code path depends on it.
+
+What this patch does, before the model is built (``select_route`` decides, ``apply`` installs):
+
+=======  ============  ===============================  =========================================
+backend  kernel        chunk kernel                     conv1d / gated RMSNorm / recurrent (decode)
+=======  ============  ===============================  =========================================
+npu      auto or fla   FLA (triton-ascend); required    torch nn.Conv1d / torch norm / torch
+cuda     auto          FLA if it imports, else torch    upstream choice / FLA norm / FLA
+cuda     fla           FLA; required                    upstream choice / FLA norm / FLA
+cpu      auto          transformers' torch reference    torch / torch / torch
+any      torch         transformers' torch reference    torch / torch / torch
+=======  ============  ===============================  =========================================
+
+On NPU the FLA fused norm stays off because it calls ``torch.cuda.current_device()``, and the recurrent
+kernel (used only for one-token decoding) stays torch: not validated on triton-ascend. When FLA is
+installed but refuses the device (its Hopper guard for Triton >= 3.4, < 3.7.1; see ``fla_probe``), the run
+stops here with FLA's reason and the fix, unless the config says ``kernel: torch``. We never lift FLA's
+guard. The chosen chunk kernel is wrapped in a ``KernelRecorder``: it checks the device of every call,
+records the first call on each rank, and at the first training step the patch checks that every DeltaNet
+layer of the model is bound to it (a model built before the patch was applied fails the run there).
+
+Versions: written and tested against transformers 5.6.0 (``SUPPORTED`` allows 5.6.x) and fla-core 0.6.0
+(``fla_probe.FLA_SUPPORTED``; checked only when FLA is used). On CPU, NPU and CUDA are exercised only at
+the selection level and with a stand-in FLA module: there is no NPU or GPU on the test machine.
+
+Delete this patch when transformers selects FLA on NPU by itself (``is_flash_linear_attention_available``
+no longer requires CUDA, and the norm no longer calls ``torch.cuda``) and a run's record shows FLA ran.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+from pydantic import BaseModel, ConfigDict
+
+from . import trainer_hook
+from .errors import PatchError
+from .fla_probe import FLA_SUPPORTED, FlaFacts, fla_presence, probe_fla
+from .kernel_recorder import CallLog, KernelRecorder, qualified_name
+from .proof import ProofFile, utc_now
+from .versions import require_global_loads, require_symbols
+
+NAME = "deltanet_routing"
+SUPPORTED = {"transformers": SpecifierSet(">=5.6.0,<5.7")}
+BACKEND_DEVICE = {"npu": "npu", "cuda": "cuda", "cpu": "cpu"}
+FLA_PLATFORMS = {"npu": ("npu",), "cuda": ("cuda", "hip")}  # fla.utils.device_platform per backend (ROCm: hip)
+ROUTED_GLOBALS = (
+    "chunk_gated_delta_rule",
+    "fused_recurrent_gated_delta_rule",
+    "FusedRMSNormGated",
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+    "is_fast_path_available",
+)
+TORCH_KERNEL_FIX = "or set launcher.patches.deltanet_routing.kernel: torch to train on the slow torch reference"
+
+
+class Options(BaseModel):
+    """``launcher.patches.deltanet_routing``: ``kernel`` is auto (per backend), fla, or torch."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    enabled: bool = True
+    kernel: Literal["auto", "fla", "torch"] = "auto"
+
+
+@dataclass(frozen=True)
+class Target:
+    module: str
+    deltanet_class: str
+    torch_norm_class: str
+
+
+TARGETS = (
+    Target("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet", "Qwen3_5RMSNormGated"),
+    Target(
+        "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+        "Qwen3_5MoeGatedDeltaNet",
+        "Qwen3_5MoeRMSNormGated",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Route:
+    """Which implementation each DeltaNet piece gets; ``upstream`` keeps transformers' import-time choice."""
+
+    kernel: Literal["fla", "torch"]
+    norm: Literal["fla", "torch"]
+    recurrent: Literal["fla", "torch"]
+    conv: Literal["upstream", "torch"]
+    reason: str
+
+
+def _torch_route(reason: str) -> Route:
+    return Route(kernel="torch", norm="torch", recurrent="torch", conv="torch", reason=reason)
+
+
+def select_route(backend: str, kernel: str, fla: FlaFacts) -> Route:
+    """Decide the route from the backend, the configured ``kernel`` and what FLA offers (pure logic).
+
+    Raises:
+        PatchError: the configured kernel cannot run here; the message carries FLA's reason and the fix.
+    """
+    if kernel == "torch":
+        note = f"; FLA would have refused: {fla.refusal}" if fla.refusal else ""
+        return _torch_route(f"the config chose kernel: torch{note}")
+    if backend == "cpu":
+        if kernel == "fla":
+            raise PatchError(
+                NAME,
+                "kernel: fla was requested on backend cpu, but FLA's Triton kernels need an accelerator",
+                "set launcher.patches.deltanet_routing.kernel: auto (or torch) for CPU runs",
+            )
+        return _torch_route("backend cpu: transformers' torch reference")
+    if not fla.installed:
+        if backend == "cuda" and kernel == "auto":
+            return _torch_route("FLA is not installed; CUDA falls back to the torch reference (slow)")
+        raise PatchError(
+            NAME,
+            f"kernel: {kernel} on backend {backend} needs FLA, which is not installed",
+            f"install fla-core{FLA_SUPPORTED}"
+            + (" with triton-ascend (the NPU image has both)" if backend == "npu" else "")
+            + f", {TORCH_KERNEL_FIX}",
+        )
+    _require_supported_fla(fla.version)
+    if fla.import_error:
+        raise PatchError(
+            NAME,
+            f"FLA {fla.version} is installed but does not import: {fla.import_error}",
+            "repair the FLA/Triton install (on NPU only triton-ascend may provide `triton`), " + TORCH_KERNEL_FIX,
+        )
+    if fla.platform not in FLA_PLATFORMS[backend]:
+        raise PatchError(
+            NAME,
+            f"FLA's Triton backend is {fla.platform!r}, but this run's backend is {backend}",
+            "install the Triton that matches the device (triton-ascend on NPU; community triton next to it "
+            f"breaks both), {TORCH_KERNEL_FIX}",
+        )
+    if fla.refusal and not fla.workaround:
+        raise PatchError(
+            NAME,
+            fla.refusal,
+            "use a Triton that FLA accepts (>= 3.7.1; the CUDA image pins one) or install tilelang so FLA "
+            f"routes the backward around the guard, {TORCH_KERNEL_FIX}",
+        )
+    reason = f"backend {backend}: FLA {fla.version} ({fla.platform})"
+    if fla.refusal:
+        reason += f"; FLA's Hopper guard is avoided by its {fla.workaround} backend"
+    if backend == "npu":
+        return Route(kernel="fla", norm="torch", recurrent="torch", conv="torch", reason=reason)
+    return Route(kernel="fla", norm="fla", recurrent="fla", conv="upstream", reason=reason)
+
+
+def _require_supported_fla(version: str | None) -> None:
+    try:
+        supported = version is not None and FLA_SUPPORTED.contains(Version(version), prereleases=True)
+    except InvalidVersion:
+        supported = False
+    if not supported:
+        raise PatchError(
+            NAME,
+            f"FLA (fla-core) {version or 'of unknown version'} is installed; this patch was checked "
+            f"against fla-core{FLA_SUPPORTED} (its API and its Hopper guard)",
+            f"pip install 'fla-core{FLA_SUPPORTED}', {TORCH_KERNEL_FIX}",
+        )
+
+
+def check_symbols() -> None:
+    """The module globals we replace exist, and the DeltaNet constructor still reads them."""
+    for target in TARGETS:
+        names = (
+            *ROUTED_GLOBALS,
+            "torch_chunk_gated_delta_rule",
+            target.deltanet_class,
+            target.torch_norm_class,
+        )
+        module = require_symbols(NAME, target.module, names, "transformers")
+        init = getattr(module, target.deltanet_class).__init__
+        require_global_loads(
+            NAME, init, ("chunk_gated_delta_rule", "FusedRMSNormGated", "causal_conv1d_fn"), "transformers"
+        )
+
+
+@dataclass(frozen=True)
+class FlaKernels:
+    chunk: Any = None
+    fused_recurrent: Any = None
+    fused_norm: Any = None
+
+
+def load_fla_kernels() -> FlaKernels:
+    from fla.modules import FusedRMSNormGated
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    return FlaKernels(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, FusedRMSNormGated)
+
+
+_ORIGINALS: dict[str, dict[str, Any]] = {}  # module name -> its globals before our first apply
+_active: dict[str, Any] = {}  # the installed route, its call log and proof file
+
+
+def apply(options: dict[str, Any], *, backend: str, proof: ProofFile) -> dict[str, Any]:
+    """Select and install the route; idempotent (always wraps the saved upstream values, never a recorder)."""
+    # On CUDA transformers has imported FLA already (if installed); on NPU import it only to use it.
+    wants_fla = backend == "cuda" or (backend == "npu" and options["kernel"] != "torch")
+    fla = probe_fla(backend) if wants_fla else fla_presence()
+    route = select_route(backend, options["kernel"], fla)
+    kernels = load_fla_kernels() if route.kernel == "fla" else FlaKernels()
+    log = CallLog(lambda call: proof.update(first_call={**call, "recorded_at": utc_now()}))
+    for target in TARGETS:
+        module = importlib.import_module(target.module)
+        originals = _ORIGINALS.setdefault(target.module, {name: getattr(module, name) for name in ROUTED_GLOBALS})
+        chunk = kernels.chunk if route.kernel == "fla" else module.torch_chunk_gated_delta_rule
+        values = {
+            "chunk_gated_delta_rule": KernelRecorder(
+                chunk,
+                label=route.kernel,
+                expected_device=BACKEND_DEVICE[backend],
+                log=log,
+                patch=NAME,
+                backend=backend,
+            ),
+            "fused_recurrent_gated_delta_rule": kernels.fused_recurrent if route.recurrent == "fla" else None,
+            "FusedRMSNormGated": kernels.fused_norm if route.norm == "fla" else None,
+            "causal_conv1d_fn": originals["causal_conv1d_fn"] if route.conv == "upstream" else None,
+            "causal_conv1d_update": originals["causal_conv1d_update"] if route.conv == "upstream" else None,
+            # Only drives the constructor's "falling back to torch" warning; true iff the chunk kernel is FLA.
+            "is_fast_path_available": route.kernel == "fla",
+        }
+        for name, value in values.items():
+            setattr(module, name, value)
+    _active.update(route=route, log=log, proof=proof, first_step={})
+    trainer_hook.on_first_training_step(NAME, before=_before_first_step, after=_after_first_step)
+    return {
+        "route": {
+            **asdict(route),
+            **describe_bindings(TARGETS[0]),
+            "expected_device": BACKEND_DEVICE[backend],
+        },
+        "fla": fla.as_record(),
+    }
+
+
+def describe_bindings(target: Target) -> dict[str, str]:
+    """What a DeltaNet layer built now would bind, read from the module globals (names, not objects)."""
+    module = importlib.import_module(target.module)
+    chunk = module.chunk_gated_delta_rule
+    if isinstance(chunk, KernelRecorder):
+        chunk_name = f"{chunk.kernel_name} (recorded)"
+    else:
+        chunk_name = qualified_name(chunk or module.torch_chunk_gated_delta_rule)
+    norm = module.FusedRMSNormGated or getattr(module, target.torch_norm_class)
+    conv = module.causal_conv1d_fn
+    recurrent = module.fused_recurrent_gated_delta_rule or module.torch_recurrent_gated_delta_rule
+    return {
+        "chunk_gated_delta_rule": chunk_name,
+        "rms_norm_gated": qualified_name(norm),
+        "causal_conv1d": qualified_name(conv) if conv is not None else "torch.nn.Conv1d (transformers fallback)",
+        "recurrent_gated_delta_rule": qualified_name(recurrent),
+    }
+
+
+def observe(*, backend: str, proof: ProofFile) -> None:
+    """Disabled: put upstream's globals back if we changed them, and record what transformers binds."""
+    restore()
+    proof.update(upstream=describe_bindings(TARGETS[0]))
+
+
+def restore() -> None:
+    """Undo ``apply`` in this process (tests, and a disabled patch after an enabled one)."""
+    for module_name, originals in _ORIGINALS.items():
+        module = importlib.import_module(module_name)
+        for name, value in originals.items():
+            setattr(module, name, value)
+    _ORIGINALS.clear()
+    _active.clear()
+
+
+def _deltanet_layers(model) -> list:
+    classes = tuple(getattr(importlib.import_module(t.module), t.deltanet_class) for t in TARGETS)
+    return [module for module in model.modules() if isinstance(module, classes)]
+
+
+def _before_first_step(trainer, model) -> None:
+    log: CallLog = _active["log"]
+    layers = _deltanet_layers(model)
+    unrouted = [
+        layer
+        for layer in layers
+        if not (isinstance(layer.chunk_gated_delta_rule, KernelRecorder) and layer.chunk_gated_delta_rule.log is log)
+    ]
+    norms: dict[str, int] = {}
+    for layer in layers:
+        norms[type(layer.norm).__name__] = norms.get(type(layer.norm).__name__, 0) + 1
+    _active["first_step"] = {
+        "deltanet_layers": len(layers),
+        "routed_layers": len(layers) - len(unrouted),
+        "norm_classes": norms,
+        "calls_before_step": log.calls,
+    }
+    if unrouted:
+        bound = sorted({qualified_name(layer.chunk_gated_delta_rule) for layer in unrouted})
+        error = PatchError(
+            NAME,
+            f"{len(unrouted)} of {len(layers)} DeltaNet layers are bound to {', '.join(bound)} instead of "
+            "the "
+            "routed kernel: the model was built before the patch was applied",
+            "apply the patches before LLaMA-Factory builds the model (python -m launcher.entry does); "
+            "do not build "
+            "the model earlier in the training process",
+        )
+        _active["proof"].update(status="failed", error=str(error))
+        raise error
+
+
+def _after_first_step(trainer, model) -> None:
+    record = dict(_active["first_step"])
+    record["kernel_calls_in_step"] = _active["log"].calls - record.pop("calls_before_step")
+    if record["deltanet_layers"] and not record["kernel_calls_in_step"]:
+        record["note"] = (
+            "the DeltaNet layers ran without calling the routed chunk_gated_delta_rule: their forward "
+            "was replaced (LLaMA-Factory 0.9.5 does so for qwen3_5 with flash_attn: fa2, calling FLA "
+            "directly), so the device check and this record do not cover them"
+        )
+    _active["proof"].update(first_training_step={**record, "recorded_at": utc_now()})

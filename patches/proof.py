@@ -1,0 +1,96 @@
+"""Proof records: one JSON file per rank and patch, ``PROOF_DIR/rank<RANK>/<patch>.json``.
+
+Every write goes to a temporary file in the same folder, is fsynced, and replaces the record with
+``os.replace``, so a reader (``launcher status`` on the host) never sees half a file. A record starts when
+the patch is applied (or found disabled) and later facts, such as the first kernel call or the first training
+step, are merged into it by the same process. Each rank writes only its own folder, so ranks never race.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+
+def utc_now() -> str:
+    """The current time as an ISO-8601 UTC string with milliseconds."""
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the distributed job, from the environment torchrun/accelerate set."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+
+    @classmethod
+    def from_env(cls) -> RankInfo:
+        values = {}
+        for key, default in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)):
+            raw = os.environ.get(key)
+            try:
+                values[key] = default if raw in (None, "") else int(raw)
+            except ValueError:
+                raise ValueError(f"environment variable {key}={raw!r} is not an integer") from None
+        return cls(values["RANK"], values["LOCAL_RANK"], values["WORLD_SIZE"])
+
+    def as_record(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "world_size": self.world_size,
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+        }
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` as JSON to ``path`` so that readers see either the old or the new file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2, sort_keys=False, default=str)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+class ProofFile:
+    """The proof record of one patch on one rank."""
+
+    def __init__(self, proof_dir: Path, patch: str, rank: int) -> None:
+        self.patch = patch
+        self.path = Path(proof_dir) / f"rank{rank}" / f"{patch}.json"
+
+    def start(self, record: dict[str, Any]) -> None:
+        """Begin a fresh record for this process (a stale file from an earlier process is replaced)."""
+        write_json_atomic(self.path, {**record, "recorded_at": utc_now()})
+
+    def read(self) -> dict[str, Any]:
+        """The record as it is on disk, or ``{}`` when none was written yet."""
+        try:
+            return json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return {}
+
+    def update(self, **fields: Any) -> None:
+        """Merge ``fields`` into the top level of the record."""
+        write_json_atomic(self.path, {**self.read(), **fields, "updated_at": utc_now()})
+
+
+def proof_path(proof_dir: Path, patch: str, rank: int) -> Path:
+    """Where the record of ``patch`` on ``rank`` lives (for readers such as the launcher)."""
+    return ProofFile(proof_dir, patch, rank).path
+
+
+def read_proof(proof_dir: Path, patch: str, rank: int = 0) -> dict[str, Any]:
+    """The record of ``patch`` on ``rank``, or ``{}`` when that rank wrote none (yet)."""
+    return ProofFile(proof_dir, patch, rank).read()

@@ -1,0 +1,121 @@
+"""The patch registry: which patches exist, in which order they apply, and how one is applied.
+
+Order (fixed; ``PATCH_NAMES``):
+
+1. ``deltanet_routing`` - replaces module globals of transformers' qwen3_5 modeling code, which the
+   DeltaNet constructor reads, so it must be in place before the model is built.
+2. ``checkpoint_all_layers`` - replaces a LLaMA-Factory model-preparation function and hooks the first
+   ``Trainer.training_step``; it needs nothing from the first patch and must also precede the model build.
+
+For each patch, in that order, ``apply_enabled``:
+
+- disabled: writes ``{"enabled": false, ...}``, undoes the patch if this process applied it earlier, and
+  lets the patch record what upstream does by itself (read-only);
+- enabled: checks the package versions against ``SUPPORTED`` and the upstream symbols, applies the patch
+  idempotently, and records the result. Any failure is recorded in the proof file and raised as
+  ``PatchError``, which stops the run before the model is built.
+
+A patch module provides ``NAME``, ``SUPPORTED``, ``Options`` (pydantic, ``extra="forbid"``),
+``check_symbols()``, ``apply(options, *, backend, proof) -> dict``, ``observe(*, backend, proof)`` and
+``restore()``. Patch modules import torch and upstream packages only inside functions.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from . import checkpoint_all_layers, deltanet_routing, trainer_hook
+from .errors import PatchError
+from .proof import ProofFile, RankInfo
+from .settings import normalize_settings
+from .versions import check_versions
+
+logger = logging.getLogger(__name__)
+
+PATCHES: dict[str, ModuleType] = {
+    deltanet_routing.NAME: deltanet_routing,
+    checkpoint_all_layers.NAME: checkpoint_all_layers,
+}
+PATCH_NAMES: tuple[str, ...] = tuple(PATCHES)
+BACKENDS = ("npu", "cuda", "cpu")
+
+
+def _header(name: str, options: dict[str, Any], backend: str, rank: RankInfo) -> dict[str, Any]:
+    module = PATCHES[name]
+    return {
+        "patch": name,
+        "enabled": options["enabled"],
+        "options": {k: v for k, v in options.items() if k != "enabled"},
+        "backend": backend,
+        **rank.as_record(),
+        "supported": {dist: str(spec) for dist, spec in module.SUPPORTED.items()},
+    }
+
+
+def apply_enabled(settings: Mapping[str, Any], *, backend: str, proof_dir: Path) -> list[str]:
+    """Apply the enabled patches in registry order and write one proof record per patch on this rank.
+
+    Args:
+        settings: the ``launcher.patches`` mapping, raw or as returned by ``normalize_settings``.
+        backend: ``npu``, ``cuda`` or ``cpu``.
+        proof_dir: the run's proof folder; records go to ``proof_dir/rank<RANK>/<patch>.json``.
+
+    Returns:
+        The names of the patches applied, in order.
+
+    Raises:
+        ValueError: invalid settings or backend.
+        PatchError: an enabled patch cannot apply (wrong version, missing upstream symbol, unusable kernel).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend is {backend!r}; expected one of {', '.join(BACKENDS)}")
+    normalized = normalize_settings(settings)
+    rank = RankInfo.from_env()
+    trainer_hook.clear()
+    applied: list[str] = []
+    for name, module in PATCHES.items():
+        options = normalized[name]
+        proof = ProofFile(Path(proof_dir), name, rank.rank)
+        header = _header(name, options, backend, rank)
+        if not options["enabled"]:
+            proof.start({**header, "status": "disabled"})
+            try:
+                module.observe(backend=backend, proof=proof)
+            except Exception as exc:  # observing a disabled patch must never stop a run
+                logger.exception("patch %s is disabled; recording upstream behaviour failed", name)
+                proof.update(observer_error=f"{type(exc).__name__}: {exc}")
+            logger.info("patch %s: disabled by the config", name)
+            continue
+        proof.start({**header, "status": "checking"})
+        try:
+            found = check_versions(name, module.SUPPORTED)
+            proof.update(versions=found)
+            module.check_symbols()
+            facts = module.apply(options, backend=backend, proof=proof)
+        except PatchError as exc:
+            proof.update(status="failed", error=str(exc))
+            raise
+        except Exception as exc:
+            error = PatchError(
+                name,
+                f"applying failed with {type(exc).__name__}: {exc}",
+                f"see the traceback; turn the patch off with launcher.patches.{name}: false "
+                "only if you accept the upstream behaviour it fixes",
+            )
+            proof.update(status="failed", error=str(error))
+            raise error from exc
+        proof.update(status="applied", **facts)
+        logger.info("patch %s: applied (%s)", name, ", ".join(f"{d} {v}" for d, v in found.items()))
+        applied.append(name)
+    return applied
+
+
+def restore_all() -> None:
+    """Undo every patch in this process and unhook the Trainer (for tests)."""
+    for module in reversed(PATCHES.values()):
+        module.restore()
+    trainer_hook.uninstall()

@@ -1,0 +1,92 @@
+"""The ``launcher.patches`` section: defaults, accepted forms, every problem reported at once.
+
+These run on the host side of the contract: no torch, transformers or LLaMA-Factory is imported.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import patches
+from patches.registry import PATCHES
+
+DEFAULTS = {"deltanet_routing": {"enabled": True, "kernel": "auto"}, "checkpoint_all_layers": {"enabled": True}}
+
+
+def test_registry_order_is_routing_then_checkpointing():
+    assert patches.PATCH_NAMES == ("deltanet_routing", "checkpoint_all_layers")
+    assert tuple(PATCHES) == patches.PATCH_NAMES
+
+
+@pytest.mark.parametrize("raw", [None, {}])
+def test_unmentioned_patches_are_enabled_with_defaults(raw):
+    settings = patches.normalize_settings(raw)
+    assert settings == DEFAULTS
+    assert tuple(settings) == patches.PATCH_NAMES
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ({"deltanet_routing": False}, {"enabled": False, "kernel": "auto"}),
+        ({"deltanet_routing": {"kernel": "torch"}}, {"enabled": True, "kernel": "torch"}),
+        ({"deltanet_routing": {"enabled": False, "kernel": "fla"}}, {"enabled": False, "kernel": "fla"}),
+    ],
+)
+def test_bool_and_mapping_forms(raw, expected):
+    settings = patches.normalize_settings(raw)
+    assert settings["deltanet_routing"] == expected
+    assert settings["checkpoint_all_layers"] == {"enabled": True}
+
+
+def test_normalized_settings_are_a_fixed_point():
+    once = patches.normalize_settings({"checkpoint_all_layers": False, "deltanet_routing": {"kernel": "torch"}})
+    assert patches.normalize_settings(once) == once
+
+
+def test_every_problem_is_reported_at_once_with_its_key_and_fix():
+    raw = {
+        "deltanet_routng": True,
+        "deltanet_routing": {"kernal": "torch", "kernel": "cuda", "enabled": "yes"},
+        "checkpoint_all_layers": None,
+    }
+    with pytest.raises(ValueError) as info:
+        patches.normalize_settings(raw)
+    lines = str(info.value).splitlines()
+    assert lines[0] == "5 problem(s) in launcher.patches:"
+    message = "\n".join(lines)
+    assert "launcher.patches.deltanet_routng: unknown patch (did you mean deltanet_routing?)" in message
+    assert "known patches: deltanet_routing, checkpoint_all_layers" in message
+    assert "launcher.patches.deltanet_routing.kernal: unknown option" in message
+    assert "its options are enabled, kernel" in message
+    assert "launcher.patches.deltanet_routing.kernel is 'cuda'; expected one of 'auto', 'fla' or 'torch'" in message
+    assert "launcher.patches.deltanet_routing.enabled is 'yes'; expected true or false" in message
+    assert "launcher.patches.checkpoint_all_layers is None; expected true, false, or a mapping" in message
+
+
+def test_checkpointing_has_no_options_besides_enabled():
+    with pytest.raises(ValueError, match=r"checkpoint_all_layers\.use_reentrant: unknown option"):
+        patches.normalize_settings({"checkpoint_all_layers": {"use_reentrant": True}})
+
+
+def test_a_non_mapping_section_is_refused():
+    with pytest.raises(ValueError, match="launcher.patches is .*expected a mapping of patch name"):
+        patches.normalize_settings(["deltanet_routing"])
+
+
+def test_apply_enabled_refuses_an_unknown_backend(tmp_path):
+    with pytest.raises(ValueError, match="backend is 'tpu'; expected one of npu, cuda, cpu"):
+        patches.apply_enabled({}, backend="tpu", proof_dir=tmp_path)
+
+
+def test_package_imports_and_validates_without_torch():
+    code = (
+        "import sys, patches; patches.normalize_settings({'deltanet_routing': {'kernel': 'torch'}}); "
+        "heavy = {'torch', 'transformers', 'llamafactory'} & set(sys.modules); "
+        "assert not heavy, heavy"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
