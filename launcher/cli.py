@@ -253,15 +253,30 @@ VERBS: tuple[Verb, ...] = (
          "table and the recommended checkpoint; writes report.md (no torch needed)",
          "launcher report demo-cpu-20261130-101500\n  launcher report RUN --patience 5 --no-plot",
          _lazy(".report", "add_report_arguments"), _lazy(".report", "cli_report")),
+    Verb("validate-kernels",
+         "check the routed Gated DeltaNet kernel in bf16 against an fp32 reference: output and q/k/v/g/beta "
+         "gradients, T != H, grouped heads, packed sequences, the 27B shape with peak memory and timings",
+         "launcher validate-kernels --device cpu\n  launcher validate-kernels --device cuda --json kernels.json\n"
+         "  launcher validate-kernels --device npu --suite quick",
+         _lazy(".kernels_cli", "add_arguments"), _lazy(".kernels_cli", "cli_validate_kernels")),
     Verb("demo-assets", "build the tiny random Qwen3.5 model, tokenizer, processor and demo dataset (no download)",
          "launcher demo-assets --out demo\n  launcher demo-assets --out demo --force",
          _args_demo_assets, _cmd_demo_assets),
+    Verb("data",
+         "data tools: `prepare` converts SoulChat-R1 files for LLaMA-Factory; `stats` measures token lengths and "
+         "supervised tokens after the chat template (no conversation text printed unless --show-samples)",
+         "launcher data prepare --format soulchat-r1 catch_mdpcot.json --out /data --reasoning drop\n"
+         "  launcher data prepare --format soulchat-r1 catch_dialogue.json --out /data --system-from-target\n"
+         "  launcher data stats configs/qwen3_5_27b_lora_soulchat.yaml",
+         _lazy(".data.cli", "add_data_arguments"), _lazy(".data.cli", "cli_data")),
     Verb("_supervise", "internal: the detached supervisor started by `launcher start`", "",
          _args_supervise, _cmd_supervise, hidden=True),
 )  # fmt: skip
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``launcher`` parser. ``only`` adds the arguments of that verb alone: some verbs' argument
+    functions import their module (preflight, verify, report), which a `status` call should not pay for."""
     shown = [v for v in VERBS if not v.hidden]
     parser = argparse.ArgumentParser(
         prog="launcher",
@@ -279,13 +294,16 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
             **kwargs,
         )
-        verb.add_arguments(p)
+        if only is None or verb.name == only:
+            verb.add_arguments(p)
         p.set_defaults(_run=verb.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    ns = build_parser(only=chosen if chosen in {v.name for v in VERBS} else None).parse_args(argv)
     try:
         return ns._run(ns)
     except KeyboardInterrupt:

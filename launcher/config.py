@@ -132,10 +132,14 @@ def _pydantic_problems(err: ValidationError, prefix: str) -> list[str]:
     for e in err.errors():
         key = ".".join(str(p) for p in (prefix, *e["loc"]))
         if e["type"] == "extra_forbidden":
-            problems.append(f"{key}: unknown key; allowed keys: {', '.join(LauncherSection.model_fields)}")
+            model = _SECTION_MODELS.get(str(e["loc"][0]), LauncherSection) if len(e["loc"]) > 1 else LauncherSection
+            problems.append(f"{key}: unknown key; allowed keys: {', '.join(model.model_fields)}")
         else:
             problems.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
     return problems
+
+
+_SECTION_MODELS: dict[str, type[BaseModel]] = {"fsdp": FsdpSettings, "early_stopping": EarlyStopping}
 
 
 def load_run_config(path: Path) -> RunConfig:
@@ -201,6 +205,18 @@ def _check_formal_rules(data: dict[str, Any], launcher: LauncherSection) -> list
             f"dialogues (set cutoff_len: {FORMAL_MIN_CUTOFF} or more, or mark a short test run with "
             "launcher.smoke: true)"
         )
+    if launcher.early_stopping is not None:
+        eval_s, save_s = str(data.get("eval_strategy", "no")), str(data.get("save_strategy", "steps"))
+        if eval_s == "no" or eval_s != save_s:
+            problems.append(
+                f"launcher.early_stopping: needs evaluations and checkpoints on the same schedule (eval_strategy is "
+                f"{eval_s!r}, save_strategy {save_s!r}); set both to steps"
+            )
+        elif eval_s == "steps" and int(data.get("save_steps", 500)) % int(data.get("eval_steps") or 500):
+            problems.append(
+                f"launcher.early_stopping: save_steps {data.get('save_steps')} is not a multiple of eval_steps "
+                f"{data.get('eval_steps')}; the best evaluation must have a checkpoint (e.g. equal values)"
+            )
     model = data.get("model_name_or_path")
     if model is None:
         problems.append("model_name_or_path: missing; set it to the model folder (config.json and shards)")

@@ -46,7 +46,10 @@ def start_detached(config_path: Path, resume: dict[str, Any] | None = None) -> i
     reply = json.loads(line)
     if not reply.get("ok"):
         print(f"error: {reply.get('error')}", file=sys.stderr)
+        early_log.unlink(missing_ok=True)  # it holds only the message just printed; no run folder to move it to
         return int(reply.get("code", 2))
+    for warning in reply.get("warnings", []):  # the detached supervisor's stderr is its log, not this terminal
+        print(f"warning: {warning}", file=sys.stderr)
     _move_early_log(early_log, Path(reply["run_dir"]))
     print(
         f"started run {reply['run_id']} (supervisor pid {reply['pid']})\n"

@@ -64,6 +64,11 @@ def _train(run_dir: Path) -> int:
 
     patches.apply_enabled(launch["patches"], backend=launch["backend"], proof_dir=run_dir / "proof")
 
+    from launcher.privacy import log_examples_wanted, protect_training_log
+
+    if not log_examples_wanted(run_dir):  # no training text in the log unless the config asks for it
+        protect_training_log()
+
     from llamafactory.train.tuner import run_exp
 
     args = yaml.safe_load((run_dir / launch["llamafactory_yaml"]).read_text())

@@ -18,7 +18,9 @@ from typing import Any
 class TrainerLogFollower:
     def __init__(self, path: Path):
         self.path = path
-        self._inode: int | None = None
+        # The followed file stays open: while it is, a deleted file's inode number cannot be reused by
+        # the file that replaces it (ext4 reuses a freed number at once), so a new inode means a new file.
+        self._file: Any = None
         self._offset = 0
         self._partial = b""
         self.summary: dict[str, Any] = {}
@@ -29,13 +31,17 @@ class TrainerLogFollower:
             st = os.stat(self.path)
         except OSError:
             return False
-        if st.st_ino != self._inode or st.st_size < self._offset:
-            self._inode, self._offset, self._partial = st.st_ino, 0, b""
-        if st.st_size == self._offset:
+        if self._file is None or os.fstat(self._file.fileno()).st_ino != st.st_ino or st.st_size < self._offset:
+            self.close()
+            try:
+                self._file = open(self.path, "rb")  # noqa: SIM115  (kept open between polls, see __init__)
+            except OSError:
+                return False
+            self._offset, self._partial = 0, b""
+        self._file.seek(self._offset)
+        data = self._file.read()
+        if not data:
             return False
-        with open(self.path, "rb") as f:
-            f.seek(self._offset)
-            data = f.read(st.st_size - self._offset)
         self._offset += len(data)
         lines = (self._partial + data).split(b"\n")
         self._partial = lines.pop()  # empty if the data ended with a newline
@@ -49,6 +55,11 @@ class TrainerLogFollower:
                 self._add(record)
                 seen = True
         return seen
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def _add(self, record: dict[str, Any]) -> None:
         s = self.summary

@@ -2,8 +2,8 @@
 
 The job is torchrun (``distribution: ddp``) or accelerate launch (``distribution: fsdp2``), one
 process per device, each running ``python -m launcher.entry RUN_DIR``. The job gets its own session,
-so a terminal's signals reach it only through the supervisor. Its output is copied line by line to
-the run's log file (and to the terminal when the supervisor runs in the foreground).
+so a terminal's signals reach it only through the supervisor. Its output goes straight into the
+run's log file, and from there to the terminal when the supervisor runs in the foreground.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -83,32 +84,46 @@ def job_env(backend: Backend) -> dict[str, str]:
     return env
 
 
-def _tee(stream: IO[bytes], log: IO[bytes], echo: IO[bytes] | None) -> None:
-    for line in iter(stream.readline, b""):
-        log.write(line)
-        log.flush()
-        if echo is not None:
-            try:
-                echo.write(line)
-                echo.flush()
-            except (OSError, ValueError):
-                echo = None  # the terminal went away; keep logging
-    log.close()
+def _echo(log_path: Path, offset: int, out: IO[bytes], done: threading.Event, poll_s: float = 0.2) -> None:
+    """Copy what the job appends to its log onto the terminal, until the job ended and all is shown."""
+    with open(log_path, "rb") as log:
+        log.seek(offset)
+        while True:
+            chunk = log.read(1 << 16)
+            if chunk:
+                try:
+                    out.write(chunk)
+                    out.flush()
+                except (OSError, ValueError):
+                    return  # the terminal went away; the log has everything
+            elif done.is_set():
+                return
+            else:
+                time.sleep(poll_s)
 
 
 class Job:
-    """A started job: its root process and the thread copying its output."""
+    """A started job: its root process, writing straight into the run's log file.
+
+    The job's output does not pass through a pipe to the supervisor: if the supervisor died (SIGKILL,
+    OOM killer), a pipe would break and every rank would die of EPIPE at its next print. With the log
+    file as stdout, an orphaned job keeps training and ``launcher stop`` can still end it cleanly.
+    """
 
     def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path, echo: bool):
-        log = open(log_path, "ab")  # noqa: SIM115  (closed by the tee thread when the job's output ends)
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-        self._tee = threading.Thread(
-            target=_tee, args=(self.proc.stdout, log, sys.stdout.buffer if echo else None), daemon=True
-        )
-        self._tee.start()
+        with open(log_path, "ab") as log:
+            offset = log.tell()
+            self.proc = subprocess.Popen(
+                cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        self._done = threading.Event()
+        self._echo = None
+        if echo:
+            self._echo = threading.Thread(
+                target=_echo, args=(log_path, offset, sys.stdout.buffer, self._done), daemon=True
+            )
+            self._echo.start()
 
     @property
     def pid(self) -> int:
@@ -118,5 +133,7 @@ class Job:
         return self.proc.poll()
 
     def finish(self) -> None:
-        """Wait for the output copy to drain after the job's root process ended."""
-        self._tee.join(timeout=10)
+        """After the job's root process ended: let the terminal copy catch up with the log."""
+        self._done.set()
+        if self._echo is not None:
+            self._echo.join(timeout=10)

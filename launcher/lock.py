@@ -15,7 +15,7 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
-from .procs import boot_id, self_identity
+from .procs import boot_id, find_live, self_identity
 from .records import now_iso, write_json_atomic
 
 LOCK_NAME = "launcher.lock"
@@ -28,15 +28,17 @@ class LockBusy(RuntimeError):
     def __init__(self, lock_path: Path, owner: dict[str, Any]):
         self.lock_path = lock_path
         self.owner = owner
-        who = (
-            f"run {owner.get('run_id')} (supervisor pid {owner.get('pid')} on {owner.get('hostname')}, "
-            f"since {owner.get('since')}, run dir {owner.get('run_dir')})"
-            if owner
-            else "a process that has not written its identity yet"
-        )
+        if owner.get("run_id"):
+            who = (f"run {owner.get('run_id')} (supervisor pid {owner.get('pid')} on {owner.get('hostname')}, "
+                   f"since {owner.get('since')}, run dir {owner.get('run_dir')})")  # fmt: skip
+        elif owner:  # the holder is still validating its config; its run folder does not exist yet
+            who = (f"a run being set up (supervisor pid {owner.get('pid')} on {owner.get('hostname')}, "
+                   f"since {owner.get('since')})")  # fmt: skip
+        else:
+            who = "a process that has not written its identity yet"
         super().__init__(
             f"another run is live: {who}. Follow it with `launcher status`, or stop it with "
-            f"`launcher stop {owner.get('run_id', '')}`".rstrip()
+            + (f"`launcher stop {owner['run_id']}`" if owner.get("run_id") else "`launcher stop`")
             + f" (lock: {lock_path})"
         )
 
@@ -56,16 +58,17 @@ class RunLock:
             self._lock.acquire(blocking=False)
         except Timeout:
             raise LockBusy(self.path, read_owner(self.path.parent)) from None
+        self.describe(None, None)  # at once: until the run folder exists, an earlier run's owner file is stale
         return self
 
-    def describe(self, run_id: str, run_dir: Path) -> None:
+    def describe(self, run_id: str | None, run_dir: Path | None) -> None:
         """Record who holds the lock (written after acquiring; a hint for messages)."""
         write_json_atomic(
             self.owner_path,
             {
                 **self_identity(),
                 "run_id": run_id,
-                "run_dir": str(run_dir),
+                "run_dir": str(run_dir) if run_dir else None,
                 "hostname": socket.gethostname(),
                 "boot_id": boot_id(),
                 "since": now_iso(),
@@ -82,11 +85,13 @@ class RunLock:
 
 
 def read_owner(root: Path) -> dict[str, Any]:
+    """What the lock holder wrote about itself; empty if unreadable or if that process is not alive
+    (an earlier run's file, read in the instant before a new holder rewrites it)."""
     try:
         data = json.loads((root / OWNER_NAME).read_text())
     except (OSError, json.JSONDecodeError):
         return {}
-    return data if isinstance(data, dict) else {}
+    return data if isinstance(data, dict) and find_live(data) is not None else {}
 
 
 def is_locked(root: Path) -> bool:

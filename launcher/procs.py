@@ -69,18 +69,24 @@ def terminate(procs: list[psutil.Process], grace_s: float, sig: int = signal.SIG
     Each rank of a torchrun job runs in its own session and process group, so each group is
     signalled, not only torchrun's. Returns the pids that had to be killed.
     """
-    groups = set()
+    # Each process gets the signal once: torchrun treats a second SIGTERM during its own shutdown as a
+    # new failure (a SignalException from inside its cleanup, and a meaningless exit code).
+    own = _pgid(os.getpid())
+    by_group: dict[int | None, list[psutil.Process]] = {}
     for proc in procs:
+        by_group.setdefault(_pgid(proc.pid), []).append(proc)
+    for pgid, members in by_group.items():
         try:
-            groups.add(_pgid(proc.pid))
-            proc.send_signal(sig)
-        except (psutil.NoSuchProcess, ProcessLookupError):
-            pass
-    for pgid in groups - {None, _pgid(psutil.Process().pid)}:
-        try:
-            os.killpg(pgid, sig)
+            if pgid is not None and pgid != own:
+                os.killpg(pgid, sig)
+                continue
         except (ProcessLookupError, PermissionError):
             pass
+        for proc in members:  # our own group (never signalled as a whole), or the group call failed
+            try:
+                proc.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
     _, alive = psutil.wait_procs(procs, timeout=grace_s)
     for proc in alive:
         try:

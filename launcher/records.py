@@ -126,8 +126,10 @@ def read_status(run_dir: Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except FileNotFoundError as err:
         raise ValueError(f"unreadable: {path} (missing)") from err
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"unreadable: {path} ({err})") from err
     if not isinstance(data, dict) or data.get("schema") != SCHEMA_VERSION:
         raise ValueError(f"unreadable: {path} (not a status record of schema {SCHEMA_VERSION})")
+    if data.get("state") not in {s.value for s in RunState}:  # every reader turns it into a RunState
+        raise ValueError(f"unreadable: {path} (unknown state {data.get('state')!r})")
     return data

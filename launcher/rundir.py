@@ -25,10 +25,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .backend import Backend
-from .config import RunConfig, dump_yaml
+
+if TYPE_CHECKING:  # config imports pydantic and patches; host-side readers of run folders need neither
+    from .config import RunConfig
 
 OUTPUT_SUBDIR = "output"
 LF_YAML = "llamafactory.yaml"
@@ -155,6 +157,8 @@ def write_run_files(config: RunConfig, backend: Backend, run_dir: RunDir, lf_arg
 
     A resumed attempt writes its own ``*.attemptN.*`` files next to the first attempt's.
     """
+    from .config import dump_yaml
+
     path = run_dir.path
     if attempt == 1:
         shutil.copyfile(config.source, path / "config.yaml")

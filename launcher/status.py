@@ -147,7 +147,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "percent": round(100.0 * step / total, 1) if step is not None and total else None,
         "epoch": progress.get("epoch"),
         "loss": last_loss.get("loss"),
-        "eval_loss": last_eval.get("eval_loss"),
+        "eval_loss": last_eval.get("eval_loss", summary.get("eval_loss")),
         "best_eval_loss": summary.get("best_eval_loss"),
         "best_eval_step": summary.get("best_eval_step"),
         "lr": last_loss.get("lr"),
@@ -156,6 +156,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "last_checkpoint": last_complete_checkpoint(trainer_log.parent),
         "exit_code": status.get("exit_code"),
         "signal": status.get("signal"),
+        "failed_rank": status.get("failed_rank"),
         "reason": status.get("reason"),
         "run_dir": str(run_dir),
         "trainer_log": str(trainer_log),
@@ -203,7 +204,11 @@ def render(info: dict[str, Any]) -> str:
         ("checkpoint", ckpt_text),
     ]
     if info["exit_code"] is not None or info["signal"] is not None:
-        rows.append(("exit", f"code {info['exit_code']}" if info["signal"] is None else f"signal {info['signal']}"))
+        exit_text = f"code {info['exit_code']}" if info["signal"] is None else f"signal {info['signal']}"
+        if rank := info.get("failed_rank"):  # torchrun exits 1; what the failing rank itself died of
+            died = f"signal {rank['signal']}" if rank.get("signal") is not None else f"code {rank.get('exit_code')}"
+            exit_text += f" (rank {rank.get('rank')}: {died})"
+        rows.append(("exit", exit_text))
     if info["reason"]:
         rows.append(("reason", info["reason"].strip().splitlines()[-1]))
     rows += [("run dir", info["run_dir"]), ("trainer log", info["trainer_log"])]

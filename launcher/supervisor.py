@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -152,6 +153,9 @@ class Supervisor:
     attempt: int = 1
     node_rank: int = 0
     _stop_signal: int | None = None
+    # where this attempt's job began: its log output and error files only (a resumed run shares them)
+    _job_since: float = 0.0
+    _log_start: int = 0
     _known: dict[tuple[int, float], dict[str, Any]] = field(default_factory=dict)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
@@ -168,6 +172,8 @@ class Supervisor:
         handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
         previous = {s: signal.signal(s, self._on_signal) for s in handled}
         try:
+            self._job_since = time.time()
+            self._log_start = self.run_dir.log.stat().st_size if self.run_dir.log.exists() else 0
             job = Job(cmd, job_env(self.prepared.backend), self.run_dir.log, echo=self.echo)
             self._remember(job.pid)
             self.status.update(state=RunState.RUNNING, job_pid=job.pid, command=cmd, started=now_iso(),
@@ -226,6 +232,7 @@ class Supervisor:
                 last_beat = time.monotonic()
             time.sleep(self.poll_s)
         follower.poll()
+        follower.close()
         self.status.data["progress"] = follower.summary
         return code, stopped_by
 
@@ -239,6 +246,10 @@ class Supervisor:
         procs = self._remember(job.pid)
         procs += [p for p in (find_live(r) for r in self._known.values()) if p is not None and p not in procs]
         killed = terminate(procs, grace_s=grace)
+        # psutil reaped the job's root (our child) while waiting for it; Popen would then read ECHILD as exit 0
+        root = next((p for p in procs if p.pid == job.pid), None)
+        if getattr(root, "returncode", None) is not None:
+            job.proc.returncode = int(root.returncode)
         if killed:
             append_event(self.run_dir.path, "killed_after_grace", pids=killed, grace_s=grace)
 
@@ -265,8 +276,14 @@ class Supervisor:
         elif code == 0:
             state, fields["acceptance"] = self._accept()
         else:
-            cause = root_cause(self.run_dir)
+            cause = root_cause(self.run_dir, since=self._job_since, log_start=self._log_start)
             what = f"killed by signal {sig} ({signal.Signals(sig).name})" if sig else f"exit code {exit_code}"
+            # torchrun/accelerate exit 1 whatever a rank died of; the rank's own code or signal is in the
+            # failure summary they print (torch.distributed.elastic ChildFailedError).
+            failed = rank_failure(self.run_dir.log, start=self._log_start) if sig is None else None
+            if failed:
+                fields["failed_rank"] = failed
+                what += f"; first failure: {_describe_rank_failure(failed)}"
             if leftover_pids:
                 what += f"; {len(leftover_pids)} leftover process(es) {leftover_pids} were stopped"
             state = RunState.OUT_OF_MEMORY if _looks_like_oom(cause) else RunState.FAILED
@@ -277,16 +294,19 @@ class Supervisor:
         print(f"run {self.run_dir.run_id} ended {state.value} "
               f"({'exit code ' + str(exit_code) if sig is None else 'signal ' + str(sig)})\n"
               f"  adapter:     {self.run_dir.output}\n  trainer log: {self.run_dir.trainer_log}", flush=True)  # fmt: skip
+        if stopped_by is not None:  # stopped from outside: never exit 0 whatever torchrun said (128+N, as a shell)
+            return 128 + stopped_by
         return 128 + sig if sig is not None else int(exit_code)
 
     def _accept(self) -> tuple[RunState, dict[str, Any]]:
         """Run the acceptance checklist on a job that exited 0."""
+        from .verify import verify_run
+
         try:
-            from .verify import verify_run
-        except ImportError:  # acceptance not available in this build
-            return RunState.SUCCEEDED, {"checked": False}
-        report = verify_run(self.run_dir.path)
-        summary = {"checked": True, "passed": report.passed}
+            report = verify_run(self.run_dir.path, exit_code=0)  # the record is not written yet
+        except OSError as err:  # e.g. verify.json could not be written: the checklist did not complete
+            return RunState.FAILED_ACCEPTANCE, {"checked": False, "error": str(err)}
+        summary = {"checked": True, "passed": report.passed, "failed": [c.name for c in report.failed]}
         return (RunState.SUCCEEDED if report.passed else RunState.FAILED_ACCEPTANCE), summary
 
 
@@ -303,39 +323,81 @@ def _looks_like_oom(cause: str | None) -> bool:
     return "outofmemoryerror" in text or "out of memory" in text
 
 
-def root_cause(run_dir: RunDir, max_lines: int = 30) -> str | None:
+_RANK_FAILURE = re.compile(
+    r"Root Cause \(first observed failure\):\s*\[\d+\]:.*?"
+    r"rank\s*:\s*(-?\d+).*?exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)",
+    re.S,
+)
+
+
+def rank_failure(log_path: Path, max_bytes: int = 256 << 10, start: int = 0) -> dict[str, Any] | None:
+    """The first failing rank as torch elastic reports it: rank, pid, and exit code or signal.
+
+    torchrun (and accelerate launch, which runs it) exits 1 when any rank fails; the rank's own exit
+    code (negative: the signal) is only in the ``ChildFailedError`` summary it prints
+    (``torch/distributed/elastic/multiprocessing/errors/__init__.py``, ``_FAILURE_FORMAT_TEMPLATE``).
+    """
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(start, f.seek(0, os.SEEK_END) - max_bytes))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    found = list(_RANK_FAILURE.finditer(tail))
+    if not found:
+        return None
+    rank, code, pid = (int(x) for x in found[-1].groups())
+    return {"rank": rank, "pid": pid, "exit_code": code if code >= 0 else None, "signal": -code if code < 0 else None}
+
+
+def _describe_rank_failure(failed: dict[str, Any]) -> str:
+    if failed["signal"] is not None:
+        try:
+            name = signal.Signals(failed["signal"]).name
+        except ValueError:
+            name = "?"
+        return f"rank {failed['rank']} (pid {failed['pid']}) killed by signal {failed['signal']} ({name})"
+    return f"rank {failed['rank']} (pid {failed['pid']}) exit code {failed['exit_code']}"
+
+
+def root_cause(run_dir: RunDir, max_lines: int = 30, since: float = 0.0, log_start: int = 0) -> str | None:
     """Why the job failed: the first failing rank's error file, else the log's last traceback."""
     records = []
     for path in (run_dir.path / ERRORS_DIR).glob("rank*.json"):
         try:
-            records.append(json.loads(path.read_text()))
+            record = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
+        if isinstance(record, dict) and float(record.get("time", 0)) >= since:  # not an earlier attempt's
+            records.append(record)
     if records:
         first = min(records, key=lambda r: r.get("time", 0))
         lines = str(first.get("traceback", "")).rstrip().splitlines()
         return f"rank {first.get('rank')}: " + "\n".join(lines[-max_lines:])
-    return last_traceback(run_dir.log, max_lines=max_lines)
+    return last_traceback(run_dir.log, max_lines=max_lines, start=log_start)
 
 
-def last_traceback(log_path: Path, max_bytes: int = 256 << 10, max_lines: int = 30) -> str | None:
+def last_traceback(log_path: Path, max_bytes: int = 256 << 10, max_lines: int = 30, start: int = 0) -> str | None:
     """The last Python traceback in the job log (its final ``max_lines`` lines), if any."""
     try:
         with open(log_path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
+            f.seek(max(start, f.seek(0, os.SEEK_END) - max_bytes))
             tail = f.read()
     except OSError:
         return None
-    start = tail.rfind(b"Traceback (most recent call last):")
-    if start < 0:
-        return None
-    lines = tail[start:].decode(errors="replace").splitlines()
-    block = [lines[0]]
-    for line in lines[1:]:
-        block.append(line)
-        if line and not line.startswith((" ", "\t")):
-            break
-    return "\n".join(block[-max_lines:])
+    end = len(tail)
+    while (at := tail.rfind(b"Traceback (most recent call last):", 0, end)) >= 0:
+        lines = tail[at:].decode(errors="replace").splitlines()
+        block = [lines[0]]
+        for line in lines[1:]:
+            block.append(line)
+            if line and not line.startswith((" ", "\t")):
+                break
+        # torchrun's own traceback says only that a child failed; the rank's traceback, if any, is earlier
+        if "ChildFailedError" not in block[-1]:
+            return "\n".join(block[-max_lines:])
+        end = at
+    return None
 
 
 # --- entry points -----------------------------------------------------------------------------------
@@ -388,7 +450,8 @@ def supervise(config_path: Path, *, echo: bool = True, handshake: Any = None,
         except ConfigError as err:
             raise SetupRefused(str(err)) from None
         lock = RunLock(config.launcher.output_root).acquire()
-        for warning in check_earlier_runs(config.launcher.output_root):
+        warnings = check_earlier_runs(config.launcher.output_root)
+        for warning in warnings:
             print(f"warning: {warning}", file=sys.stderr)
         prepared = prepare(config_path)
         run_dir, status, attempt = _open_run(prepared, lock, resume)
@@ -404,7 +467,7 @@ def supervise(config_path: Path, *, echo: bool = True, handshake: Any = None,
         return err.code
     try:
         _shake(ok=True, run_id=run_dir.run_id, run_dir=str(run_dir.path), trainer_log=str(run_dir.trainer_log),
-               log=str(run_dir.log), pid=os.getpid())  # fmt: skip
+               log=str(run_dir.log), pid=os.getpid(), warnings=warnings)  # fmt: skip
         if echo:
             print(f"run {run_dir.run_id}\n  run dir:     {run_dir.path}\n  trainer log: {run_dir.trainer_log}"
                   f"\n  job log:     {run_dir.log}", flush=True)  # fmt: skip

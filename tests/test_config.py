@@ -141,3 +141,23 @@ def test_unknown_llamafactory_keys_are_refused_by_its_parser(tmp_path, demo_asse
     problems = validate_llamafactory_args(args)
     assert len(problems) == 1
     assert "learning_rat" in problems[0] and "lora_rnk" in problems[0]
+
+
+def test_unknown_nested_keys_list_the_nested_allowed_keys(tmp_path, model_dir):
+    data = {"model_name_or_path": str(model_dir),
+            "launcher": {"smoke": True, "fsdp": {"wrap": ["X"]}, "early_stopping": {"patience": 2, "mode": "min"}}}
+    with pytest.raises(ConfigError) as info:
+        load_run_config(write(tmp_path, data))
+    text = str(info.value)
+    assert "launcher.fsdp.wrap: unknown key; allowed keys: wrap_classes, reshard_after_forward" in text
+    assert "launcher.early_stopping.mode: unknown key; allowed keys: patience, metric" in text
+
+
+def test_early_stopping_needs_aligned_eval_and_save(tmp_path, model_dir):
+    base = {"model_name_or_path": str(model_dir), "launcher": {"smoke": True, "early_stopping": {"patience": 2}}}
+    with pytest.raises(ConfigError, match="eval_strategy is 'no'"):
+        load_run_config(write(tmp_path, {**base, "save_strategy": "steps"}))
+    misaligned = {**base, "eval_strategy": "steps", "save_strategy": "steps", "eval_steps": 30, "save_steps": 50}
+    with pytest.raises(ConfigError, match="save_steps 50 is not a multiple of eval_steps 30"):
+        load_run_config(write(tmp_path, misaligned))
+    load_run_config(write(tmp_path, {**misaligned, "save_steps": 60}))

@@ -80,15 +80,16 @@ def test_invalid_llamafactory_key_fails_before_training(tmp_path, demo_assets):
 
 
 def test_job_failure_is_recorded_with_its_exit_code_and_traceback(tmp_path, demo_assets):
-    cfg = make_config(tmp_path, demo_assets, dataset="no_such_dataset")
+    # preflight cannot see this one: PEFT refuses the target while LLaMA-Factory builds the model
+    cfg = make_config(tmp_path, demo_assets, lora_target="no_such_proj")
     proc = launcher_cmd("run", cfg, "--quiet")
     assert proc.returncode == 1
     run_dir = only_run_dir(tmp_path / "runs")
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "FAILED" and status["exit_code"] == 1
-    assert "no_such_dataset" in status["reason"]
+    assert "target_modules" in status["reason"] and "rank 0" in status["reason"]
     events = read_jsonl(run_dir / "events.jsonl")
-    assert [e["event"] for e in events] == ["created", "started", "ended"]
+    assert [e["event"] for e in events] == ["created", "preflight", "started", "ended"]
 
 
 @pytest.mark.parametrize(

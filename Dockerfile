@@ -1,0 +1,144 @@
+# syntax=docker/dockerfile:1
+#
+# Training images for LoRA fine-tuning of Qwen3.5 (hybrid Gated DeltaNet) with LLaMA-Factory 0.9.5.
+#
+#   npu  (default target): Ascend 910B. CANN 8.5.0, Python 3.11, torch 2.7.1 (CPU build) + torch-npu
+#        2.7.1.post2, triton-ascend 3.2.0 (no community triton), fla-core 0.6.0; Python from requirements.lock.
+#   cuda: NVIDIA GPUs (x86_64). torch 2.7.1 (CUDA 12.6 wheels) + triton 3.3.1, fla-core 0.6.0; Python from
+#        requirements-cuda.lock.
+#
+#   docker compose build train                      # npu (what `docker compose up train` runs)
+#   docker compose --profile cuda build train-cuda  # cuda
+#   docker build --target cuda -t deltanet-launcher:cuda .
+#
+# Why these versions (docs/environment.md has the table and the commands that checked them):
+# - Verified here with pip/uv against PyPI: triton-ascend 3.2.0 is the newest triton-ascend on PyPI;
+#   torch-npu 2.7.1.post2's wheels require torch==2.7.1 (aarch64) / torch==2.7.1+cpu (x86_64);
+#   PyPI's aarch64 torch 2.7.1 has no CUDA or triton dependencies (a CPU build), its x86_64 wheel is a
+#   CUDA build that pulls triton 3.3.1; fla-core 0.6.0 is pure Python (needs einops only).
+# - Taken from upstream documentation (not verifiable without an NPU):
+#   * triton-ascend installation guide (Ascend/triton-ascend, docs/en/installation_guide.md): 3.2.0 goes
+#     with CANN 8.5.0 and torch_npu 2.7.1; community triton and triton-ascend cannot coexist.
+#   * Ascend/pytorch README, "Ascend Extension for PyTorch Version Matching Table": torch_npu 2.7.1.post2
+#     (branch v2.7.1-7.3.0) goes with PyTorch 2.7.1 and CANN 8.5.0.
+#   * CANN 8.5.0 release notes, "CANN Version Mapping": host driver (Ascend HDK) 25.0.X, 25.2.X, 25.3.X
+#     or 25.5.X; `launcher preflight` compares the mounted driver against that list.
+#   * fla-core 0.6.0 declares torch_npu 2.10.0.post7 + triton-ascend 3.6.0 for NPU in its own metadata;
+#     triton-ascend 3.6.0 is not on PyPI, so fla-core 0.6.0 on triton-ascend 3.2.0 is an undeclared pair
+#     and `launcher preflight` runs the DeltaNet kernel on the device before every run.
+#   * FLA refuses Hopper GPUs with 3.4.0 <= triton < 3.7.1 (fla-org/flash-linear-attention#640); the CUDA
+#     target's triton 3.3.1 is below that range.
+#
+# User and permissions: the images run as root inside the container, on purpose. The Ascend device
+# nodes (/dev/davinci*, davinci_manager, devmm_svm, hisi_hdc) belong to the host's HwHiAiUser group with
+# mode 0660 and that group's id differs from host to host, so a fixed non-root user cannot open them. The
+# container is still not privileged: compose.yaml passes only the listed devices, mounts the driver
+# read-only and sets no-new-privileges. Files written to the mounted outputs are owned by root on the
+# host; docs/environment.md shows how to run as your own uid with the HwHiAiUser group instead.
+#
+# Layers are ordered for cache reuse: base image, then the locked install (changes only with the lock),
+# then the project's own files (change often). No secrets are used or stored: everything comes from PyPI.
+
+# Base images. Record the digest (`docker buildx imagetools inspect <tag>`) at first pull and pin it by
+# appending @sha256:... to the tag; it is not recorded yet because no registry is reachable from where
+# this file was written. Tag scheme: <cann-version>-<chip>-<os><os-version>-<py-version>
+# (Ascend/cann-container-image, cann/8.5.0-910b-ubuntu22.04-py3.11/Dockerfile).
+ARG CANN_IMAGE=quay.io/ascend/cann:8.5.0-910b-ubuntu22.04-py3.11
+# Full Debian image, not -slim: Triton compiles a small C launcher with gcc and Python.h at run time.
+ARG CUDA_BASE_IMAGE=python:3.11.14-bookworm
+
+# ---------------------------------------------------------------------------------------------------
+FROM ${CUDA_BASE_IMAGE} AS cuda
+
+ARG TORCH_VERSION=2.7.1
+ARG TRITON_VERSION=3.3.1
+ARG FLA_VERSION=0.6.0
+ARG LLAMAFACTORY_VERSION=0.9.5
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:${PATH} \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1 \
+    HF_HUB_OFFLINE=1
+
+WORKDIR /opt/launcher
+RUN python3.11 -m venv /opt/venv
+
+# --no-deps: the lock is the complete, resolved set; pip only verifies hashes and installs it.
+COPY requirements-cuda.lock ./
+RUN pip install --no-cache-dir --no-deps --require-hashes --only-binary=:all: -r requirements-cuda.lock
+
+COPY docker/verify_image.py docker/
+RUN python docker/verify_image.py "torch==${TORCH_VERSION}" "triton==${TRITON_VERSION}" \
+        "fla-core==${FLA_VERSION}" "llamafactory==${LLAMAFACTORY_VERSION}" --absent triton-ascend
+
+COPY pyproject.toml README.md ./
+COPY patches/ patches/
+COPY launcher/ launcher/
+RUN pip install --no-cache-dir --no-deps --no-build-isolation --no-index --editable .
+COPY configs/ configs/
+COPY requirements.in requirements.lock requirements-cuda.in ./
+COPY docker/entrypoint.sh /usr/local/bin/launcher-entrypoint
+
+# The commit of the project, recorded in every run's manifest (compose passes it as a build arg).
+ARG LAUNCHER_GIT_COMMIT=""
+ENV LAUNCHER_GIT_COMMIT=${LAUNCHER_GIT_COMMIT} \
+    LAUNCHER_BASE_IMAGE=${CUDA_BASE_IMAGE}
+
+ENTRYPOINT ["/usr/local/bin/launcher-entrypoint"]
+CMD ["launcher", "--help"]
+
+# ---------------------------------------------------------------------------------------------------
+FROM ${CANN_IMAGE} AS npu
+
+ARG CANN_VERSION=8.5.0
+ARG TORCH_VERSION=2.7.1
+ARG TORCH_NPU_VERSION=2.7.1.post2
+ARG TRITON_ASCEND_VERSION=3.2.0
+ARG FLA_VERSION=0.6.0
+ARG LLAMAFACTORY_VERSION=0.9.5
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# LAUNCHER_CANN_VERSION: read by docker/entrypoint.sh (which set_env.sh files to source) and by
+# `launcher preflight` (driver compatibility). Ascend's recommended host-dispatch settings
+# (TASK_QUEUE_ENABLE, CPU_AFFINITY_CONF) are set in compose.yaml so they can be changed per run.
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:${PATH} \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1 \
+    HF_HUB_OFFLINE=1 \
+    LAUNCHER_CANN_VERSION=${CANN_VERSION}
+
+WORKDIR /opt/launcher
+# The base image's Python 3.11 (its own build, on PATH); CANN's Python modules reach the venv through
+# the PYTHONPATH that set_env.sh sets.
+RUN python3.11 -m venv /opt/venv
+
+# --no-deps: the lock is the complete, resolved set. Without it pip would try to satisfy torch-npu's
+# x86_64 requirement torch==2.7.1+cpu (not on PyPI) and torch's own `triton` requirement on x86_64,
+# which must not be installed next to triton-ascend.
+COPY requirements.lock ./
+RUN pip install --no-cache-dir --no-deps --require-hashes --only-binary=:all: -r requirements.lock
+
+COPY docker/verify_image.py docker/
+RUN python docker/verify_image.py "torch==${TORCH_VERSION}" "torch-npu==${TORCH_NPU_VERSION}" \
+        "triton-ascend==${TRITON_ASCEND_VERSION}" "fla-core==${FLA_VERSION}" \
+        "llamafactory==${LLAMAFACTORY_VERSION}" --absent triton
+
+COPY pyproject.toml README.md ./
+COPY patches/ patches/
+COPY launcher/ launcher/
+RUN pip install --no-cache-dir --no-deps --no-build-isolation --no-index --editable .
+COPY configs/ configs/
+COPY requirements.in requirements.lock requirements-cuda.in ./
+COPY docker/entrypoint.sh /usr/local/bin/launcher-entrypoint
+
+ARG LAUNCHER_GIT_COMMIT=""
+ENV LAUNCHER_GIT_COMMIT=${LAUNCHER_GIT_COMMIT} \
+    LAUNCHER_BASE_IMAGE=${CANN_IMAGE}
+
+# The CANN environment is sourced by the entrypoint, so it is in effect for the main process (the
+# base image's own ENTRYPOINT, which did the same, is replaced by this one).
+ENTRYPOINT ["/usr/local/bin/launcher-entrypoint"]
+CMD ["launcher", "--help"]

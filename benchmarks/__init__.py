@@ -1,0 +1,6 @@
+"""Benchmarks and measuring scripts; not part of the installed ``launcher``/``patches`` packages.
+
+``patch_bench`` (patches on/off through ``launcher run``), ``bench_entry`` (the rank entry it uses),
+``bench_assets`` (config-only model folder and 4096-token data), ``fla_guard`` (lifts FLA's Hopper guard in a
+measuring process only), ``status_bench`` (``launcher status`` on a huge trainer log).
+"""

@@ -1,0 +1,186 @@
+"""Rank entry of the patch benchmark: measuring wrapped around ``launcher.entry`` (config ``launcher.entry``).
+
+    python -m benchmarks.bench_entry RUN_DIR        (torchrun starts it through `launcher run CONFIG`)
+
+In this process only, before handing over to ``launcher.entry.main`` (which applies the patches and runs
+LLaMA-Factory exactly as a real run does):
+
+1. on CUDA, lifts FLA's Hopper guard (``benchmarks.fla_guard``; the lent H200 has Triton 3.6.0) and records it;
+2. runs ``launcher validate-kernels`` cases (``$BENCH_KERNEL_CASES``, e.g. ``full:qwen3_5_27b``) on the
+   kernel this run routes to, against the fp32 reference, and records the report: the guard is lifted only
+   together with this evidence;
+3. makes ``PreTrainedModel.from_pretrained`` build a model folder marked ``random_init.json``
+   (``benchmarks.bench_assets``) from its config with random weights directly on this rank's device, in the
+   dtype LLaMA-Factory asks for (other folders load normally);
+4. times every ``Trainer.training_step`` (forward + backward, device synchronised before and after), the
+   period from its start to the next step's start (the whole optimizer step: forward, backward, optimizer,
+   logging, the next batch; the last step has none) and
+   reads the peak allocated memory after each step (``torch.cuda.max_memory_allocated``, the counter
+   LLaMA-Factory's ``vram_allocated`` reads too; reset after the kernel check, so it holds the weights and
+   the training, not the check).
+
+Everything lands in ``RUN_DIR/bench/rank<RANK>.json``, rewritten after every step so a crash keeps the steps
+done. ``launcher.entry.main`` ends it, as the ``launcher.entry`` config key requires.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from launcher import entry
+from patches.proof import utc_now, write_json_atomic
+
+KERNEL_CASES_ENV = "BENCH_KERNEL_CASES"
+
+
+class Recorder:
+    """The rank's benchmark record, written atomically after every change."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / "bench" / f"rank{os.environ.get('RANK', '0')}.json"
+        self.data: dict[str, Any] = {"entry": __name__, "started_at": utc_now(), "steps": []}
+
+    def update(self, **fields: Any) -> None:
+        self.data.update(fields)
+        write_json_atomic(self.path, self.data)
+
+    def add_step(self, step: dict[str, Any]) -> None:
+        self.data["steps"].append(step)
+        self.update()
+
+
+def rank_device(backend: str) -> str:
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "npu":
+        import torch_npu  # noqa: F401  (registers the npu device)
+    return "cpu" if backend == "cpu" else f"{backend}:{local}"
+
+
+def run_kernel_check(backend: str, patch_settings: dict[str, Any], spec: str) -> dict[str, Any] | None:
+    """``launcher validate-kernels`` cases ``suite:case,case`` on the kernel this run routes to."""
+    if not spec or spec == "none":
+        return None
+    from launcher.kernels import validate
+
+    suite, _, names = spec.partition(":")
+    routing = patch_settings.get("deltanet_routing") or {}
+    kernel = routing.get("kernel", "auto") if routing.get("enabled", True) else "auto"  # upstream picks as auto
+    report = validate(backend, kernel=kernel, suite=suite, cases=tuple(n for n in names.split(",") if n) or None)
+    return report.to_dict()
+
+
+def install_random_init(device: str, recorder: Recorder) -> None:
+    """``from_pretrained`` of a folder holding the random-init marker builds the model on ``device``."""
+    import torch
+    from transformers import AutoConfig, PreTrainedModel
+
+    from benchmarks.bench_assets import MARKER
+
+    original = PreTrainedModel.from_pretrained.__func__
+
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        marker = Path(str(pretrained_model_name_or_path)) / MARKER
+        if not marker.is_file():
+            return original(cls, pretrained_model_name_or_path, *args, **kwargs)
+        config = kwargs.get("config") or AutoConfig.from_pretrained(marker.parent)
+        dtype = kwargs.get("dtype", kwargs.get("torch_dtype", "auto"))
+        if dtype in (None, "auto"):
+            dtype = config.dtype or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        torch.manual_seed(json.loads(marker.read_text()).get("seed", 0))
+        started = time.perf_counter()
+        with torch.device(device):
+            model = cls._from_config(config, dtype=dtype)
+        model.eval()  # as from_pretrained returns it; LLaMA-Factory switches to train()
+        if device != "cpu":
+            getattr(torch, device.split(":")[0]).synchronize()
+        recorder.update(model_build={
+            "how": f"{cls.__name__}._from_config(config, dtype={dtype}) under torch.device({device!r}), "
+                   "random init, seed from the marker; replaces from_pretrained for this folder only",
+            "seconds": round(time.perf_counter() - started, 2),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "dtype": str(dtype),
+        })  # fmt: skip
+        return model
+
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+
+
+def install_step_timer(torch, dev, recorder: Recorder) -> None:
+    """Time each ``Trainer.training_step`` and the period between step starts; read peak memory after it."""
+    from transformers import Trainer
+
+    original = Trainer.training_step
+    state: dict[str, Any] = {"last_start": None}
+
+    @functools.wraps(original)
+    def training_step(self, model, inputs, *args, **kwargs):
+        dev.sync()
+        start = time.perf_counter()
+        if state["last_start"] is not None:  # the previous step's whole period ends where this one starts
+            recorder.data["steps"][-1]["period_s"] = round(start - state["last_start"], 4)
+        state["last_start"] = start
+        allocated = dev.module.memory_allocated() / 2**30 if dev.module is not None else None
+        result = original(self, model, inputs, *args, **kwargs)
+        dev.sync()
+        ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
+        mask = inputs.get("attention_mask") if hasattr(inputs, "get") else None
+        recorder.add_step({
+            "step": len(recorder.data["steps"]) + 1,
+            "seconds": round(time.perf_counter() - start, 4),
+            "period_s": None,
+            # LLaMA-Factory's collator appends a masked dummy image to text-only batches of VL models (and pads
+            # to a multiple of 8): seq_len counts those positions, tokens only the sample's own tokens.
+            "tokens": int(mask.sum()) if mask is not None else (int(ids.numel()) if ids is not None else None),
+            "seq_len": int(ids.shape[-1]) if ids is not None else None,
+            "allocated_at_start_gib": None if allocated is None else round(allocated, 3),
+            "peak_allocated_gib": dev.peak_gib(),
+        })  # fmt: skip
+        return result
+
+    Trainer.training_step = training_step
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m benchmarks.bench_entry RUN_DIR", file=sys.stderr)
+        return 2
+    run_dir = Path(argv[0]).resolve()
+    launch = json.loads((run_dir / entry.LAUNCH_FILE).read_text())
+    backend = launch["backend"]
+    recorder = Recorder(run_dir)
+    try:
+        import torch
+
+        from launcher.kernels import Device
+
+        dev = Device(torch, rank_device(backend))
+        guard = None
+        if backend == "cuda":
+            from benchmarks.fla_guard import lift_hopper_guard
+
+            guard = lift_hopper_guard()
+        recorder.update(backend=backend, device=dev.name, fla_guard=guard)
+        check = run_kernel_check(backend, launch["patches"], os.environ.get(KERNEL_CASES_ENV, ""))
+        recorder.update(kernel_check=check)
+        dev.reset_peak()  # the kernel check's memory is not the training's
+        install_random_init(dev.name, recorder)
+        install_step_timer(torch, dev, recorder)
+    except BaseException as exc:
+        entry.write_error_file(run_dir, exc)
+        raise
+    try:
+        return entry.main(argv)
+    finally:
+        recorder.update(ended_at=utc_now(), process_peak_allocated_gib=dev.peak_gib())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

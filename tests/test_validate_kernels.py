@@ -1,0 +1,186 @@
+"""``launcher validate-kernels`` on the CPU: the routed torch kernel in bf16 against the fp32 reference.
+
+On CPU the routed kernel is transformers' torch chunk implementation itself, so a pass there shows bf16
+rounding only. These tests show the comparison is live: kernels broken on purpose (layout read as
+[B, H, T, D], wrong output scale, state leaking across packed sequences, NaN, a crash) fail, and bf16 fails a
+threshold below its rounding. FLA's kernel needs an accelerator; docs/benchmarks.md records the H200 run.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from launcher import kernel_check, kernels  # noqa: E402
+from launcher.cli import main  # noqa: E402
+
+SMALL = kernels.Case("small", 1, 100, 3, 16)  # T=100 != H=3, not a multiple of the 64-token chunk
+
+
+def reference(*args, **kwargs):
+    return kernels.torch_reference()(*args, **kwargs)
+
+
+def check(kernel, case: kernels.Case = SMALL, threshold: float = kernels.DEFAULT_THRESHOLD) -> kernels.CaseResult:
+    return kernels.check_case(torch, case, kernel, kernels.torch_reference(), kernels.Device(torch, "cpu"), threshold)
+
+
+def swapped_layout(q, k, v, g, beta, **kw):
+    """Reads FLA's [B, T, H, D] as [B, H, T, D]: runs over heads instead of time."""
+    out, state = reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g=g.transpose(1, 2),
+                           beta=beta.transpose(1, 2), **kw)  # fmt: skip
+    return out.transpose(1, 2), state
+
+
+def wrong_scale(*args, **kw):
+    out, state = reference(*args, **kw)
+    return out * 1.1, state
+
+
+def honours_cu_seqlens(q, k, v, g, beta, cu_seqlens=None, **kw):
+    """A stand-in for a varlen kernel: each packed sequence alone, concatenated."""
+    if cu_seqlens is None:
+        return reference(q, k, v, g=g, beta=beta, **kw)
+    bounds = cu_seqlens.tolist()
+    outs = [reference(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e], **kw)[0]
+            for s, e in zip(bounds[:-1], bounds[1:], strict=True)]  # fmt: skip
+    return torch.cat(outs, dim=1), None
+
+
+def leaks_state(q, k, v, g, beta, cu_seqlens=None, **kw):
+    """Accepts cu_seqlens but ignores it: each sequence starts from the previous one's state."""
+    return reference(q, k, v, g=g, beta=beta, **kw)
+
+
+def test_quick_suite_passes_on_cpu_with_bf16_rounding_only():
+    report = kernels.validate("cpu", suite="quick")
+    assert report.ok, report.to_dict()
+    assert "torch_chunk_gated_delta_rule" in report.kernel
+    by_name = {c.name: c for c in report.cases}
+    for name in ("layout", "grouped"):
+        case = by_name[name]
+        assert case.status == "pass" and case.finite
+        assert set(case.errors) == {"out", "dq", "dk", "dv", "dg", "dbeta"}
+        assert min(case.errors.values()) > 0 and case.max_error < 0.02  # bf16 rounding: small, never zero
+    varlen = by_name["varlen"]
+    assert varlen.status == "skip" and "cu_seqlens" in varlen.note and varlen.cu_seqlens == [0, 45, 130, 200]
+
+
+def test_bf16_fails_a_threshold_below_its_rounding():
+    result = check(reference, threshold=1e-5)
+    assert result.status == "fail" and "threshold" in result.note
+
+
+@pytest.mark.parametrize(("kernel", "worst_at_least"), [(swapped_layout, 0.3), (wrong_scale, 0.09)])
+def test_broken_kernels_fail(kernel, worst_at_least):
+    result = check(kernel)
+    assert result.status == "fail", result
+    assert result.max_error >= worst_at_least
+
+
+def test_varlen_kernel_that_honours_cu_seqlens_passes_and_a_leaky_one_fails():
+    case = next(c for c in kernels.SUITES["quick"] if c.name == "varlen")
+    good = check(honours_cu_seqlens, case)
+    assert good.status == "pass", good
+    assert max(good.errors_vs_alone.values()) < 1e-6 and good.max_error < 0.02
+    leaky = check(leaks_state, case)
+    assert leaky.status == "fail" and max(leaky.errors_vs_alone.values()) > 0.3
+    assert "vs alone" in leaky.note
+
+
+def test_non_finite_output_and_crashing_kernel_fail():
+    def nan_kernel(*args, **kw):
+        out, state = reference(*args, **kw)
+        return out * float("nan"), state
+
+    def crash(*args, **kw):
+        raise RuntimeError("kernel exploded")
+
+    assert check(nan_kernel).status == "fail"
+    crashed = check(crash)
+    assert crashed.status == "fail" and "kernel exploded" in crashed.note
+
+
+def test_grouped_heads_give_gradients_of_the_key_heads():
+    case = kernels.Case("g", 1, 70, 6, 16, key_heads=2)
+    out, grads = kernels.run_kernel(torch, reference, kernels.make_inputs(torch, case), case, device="cpu",
+                                    dtype=torch.bfloat16)  # fmt: skip
+    assert list(out.shape) == [1, 70, 6, 16]
+    assert list(grads["q"].shape) == list(grads["k"].shape) == [1, 70, 2, 16]
+    assert list(grads["g"].shape) == [1, 70, 6] and grads["g"].dtype == torch.float32  # g stays fp32
+
+
+def test_inputs_look_like_the_model_makes_them():
+    inputs = kernels.make_inputs(torch, kernels.Case("x", 1, 64, 4, 8))
+    assert inputs["g"].dtype == torch.float32 and bool((inputs["g"] < 0).all())
+    assert inputs["beta"].dtype == torch.bfloat16 and bool(((inputs["beta"] > 0) & (inputs["beta"] < 1)).all())
+
+
+def test_every_case_has_t_different_from_h_and_the_model_case_is_there():
+    for suite in kernels.SUITES.values():
+        for case in suite:
+            assert case.seq_len != case.heads, case
+            assert case.seq_lens is None or (case.batch == 1 and sum(case.seq_lens) == case.seq_len)
+    full = {c.name: c for c in kernels.SUITES["full"]}
+    model = full["qwen3_5_27b"]
+    assert model.shape == [1, 4096, 48, 128] and model.key_heads == 16 and model.timing and model.memory
+    assert (full["grouped"].key_heads, full["grouped"].heads) == (16, 48)
+
+
+def test_timing_compares_the_routed_kernel_with_the_torch_fallback():
+    def routed(*args, **kw):
+        return reference(*args, **kw)
+
+    case = kernels.Case("t", 1, 64, 2, 16, timing=True, memory=True)
+    result = kernels.check_case(torch, case, routed, kernels.torch_reference(), kernels.Device(torch, "cpu"), 0.05,
+                                fallback=kernels.torch_reference())  # fmt: skip
+    assert result.status == "pass"
+    assert set(result.timing_ms) == {"routed", "torch_fallback"} and all(v > 0 for v in result.timing_ms.values())
+    assert result.peak_memory_gib is None  # no memory counters on the CPU
+
+
+def test_cli_writes_json_and_exits_zero(tmp_path, capsys):
+    out = tmp_path / "kernels.json"
+    assert main(["validate-kernels", "--device", "cpu", "--case", "layout", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["ok"] and [c["name"] for c in data["cases"]] == ["layout"]
+    assert data["options"] == {"device": "cpu", "kernel": "auto", "suite": "quick", "cases": ["layout"],
+                               "threshold": 0.05}  # fmt: skip
+    assert "PASSED" in capsys.readouterr().out
+
+
+def test_cli_reports_a_refused_route_with_its_fix(tmp_path, capsys):
+    out = tmp_path / "kernels.json"
+    assert main(["validate-kernels", "--device", "cpu", "--kernel", "fla", "--json", str(out)]) == 1
+    data = json.loads(out.read_text())
+    assert not data["ok"] and "kernel: fla" in data["error"] and data["cases"] == []
+    assert "no kernel to check" in capsys.readouterr().out
+
+
+def test_unknown_case_is_an_error():
+    report = kernels.validate("cpu", cases=("nope",))
+    assert not report.ok and "nope" in report.error and "layout" in report.error
+
+
+def test_preflight_kernel_check_runs_the_quick_suite():
+    result = kernel_check.check("cpu")
+    assert result["ok"], result
+    suite = result["validate_kernels"]
+    assert suite["ok"] and set(suite["cases"]) == {"layout", "grouped", "varlen"}
+    assert suite["cases"]["varlen"] == "skip"
+
+
+def test_preflight_kernel_check_fails_when_the_quick_suite_fails(monkeypatch):
+    def failing(backend, **kw):
+        report = kernels.Report(backend, backend, "k", 0.05, "quick")
+        report.cases.append(kernels.CaseResult("layout", [2, 150, 4, 32], None, "fail", note="out differs by 40%"))
+        return report
+
+    monkeypatch.setattr(kernels, "validate", failing)
+    result = kernel_check.check("cpu")
+    assert not result["ok"] and "layout: out differs by 40%" in result["error"]
+    assert kernel_check.check("cpu", suite=False)["ok"]
