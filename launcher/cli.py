@@ -42,17 +42,11 @@ def _add_run_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _run_dir(ns: argparse.Namespace) -> Path | None:
-    if ns.run is None:
-        from .status import latest_run
-
-        found = latest_run(ns.root)
-        if found is None:
-            print(f"error: no runs under {ns.root} (pass a run directory, or --root DIR)", file=sys.stderr)
-        return found.resolve() if found else None
-    from .runs import RunNotFound, resolve_run_dir
+    """The run directory RUN names (or the newest under --root); prints why not and returns None."""
+    from .runs import RunNotFound, newest_run_dir, resolve_run_dir
 
     try:
-        return resolve_run_dir(ns.run, ns.root)
+        return resolve_run_dir(ns.run, ns.root) if ns.run else newest_run_dir(ns.root)
     except RunNotFound as err:
         print(f"error: {err}", file=sys.stderr)
         return None

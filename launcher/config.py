@@ -99,6 +99,10 @@ class LauncherSection(BaseModel):
     stall_minutes: float = Field(default=30.0, gt=0)  # no trainer-log progress this long -> STALLED
     stop_grace_s: float = Field(default=120.0, ge=0)  # SIGTERM to the job, then SIGKILL after this
     entry: str = "launcher.entry"  # module each rank runs; replace only to wrap our entry
+    # data: preflight warns when more than this share of samples is truncated at cutoff_len
+    truncation_warn_share: float = Field(default=0.05, ge=0, le=1)
+    # privacy: LLaMA-Factory's decoded training-example dump reaches the log only when true
+    log_examples: bool = False
 
     @field_validator("run_name")
     @classmethod

@@ -75,6 +75,7 @@ class PreflightReport:
     backend: str
     checks: list[Check] = field(default_factory=list)
     created: str = field(default_factory=now_iso)
+    data_stats: dict[str, Any] | None = None  # the short token statistics, written as data_stats.json
 
     @property
     def ok(self) -> bool:
@@ -85,7 +86,9 @@ class PreflightReport:
         return [c.name for c in self.checks if not c.ok]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "failed": self.failed, **asdict(self)}
+        data = asdict(self)
+        data.pop("data_stats")  # its own file
+        return {"ok": self.ok, "failed": self.failed, **data}
 
     def write(self, path: Path) -> Path:
         """Write the report as JSON to ``path`` (a run directory gets ``preflight.json``)."""
@@ -144,7 +147,9 @@ def run_preflight(
         ("model", lambda: check_model(model_dir, skip)),
         ("dataset", lambda: [check_dataset(lf)]),
         ("output", lambda: [check_output(Path(config.launcher.output_root), config.launcher.smoke)]),
+        ("data_stats", lambda: [check_data_stats(config, stats)]),
     ]
+    stats: dict[str, Any] = {}
     report = PreflightReport(str(config.source), backend)
     for name, step in steps:
         if name in skip:
@@ -157,7 +162,26 @@ def run_preflight(
             rows = [(name, "fail", f"check crashed: {type(err).__name__}: {err}")]
         elapsed = round(time.monotonic() - started, 2)
         report.checks.extend(Check(n, s, d, elapsed) for n, s, d in rows)
+    report.data_stats = stats.get("result")
     return report
+
+
+def check_data_stats(config, out: dict[str, Any], sample: int = 500) -> Row:
+    """Token statistics of a sample per split after the chat template (``launcher data stats``, short form).
+
+    Warns when more than ``launcher.truncation_warn_share`` of the samples are truncated at ``cutoff_len``
+    or samples are left with no supervised token. Conversation text is never shown.
+    """
+    from .data.stats import StatsError, short_stats, short_stats_line
+
+    try:
+        result = short_stats(config, sample=sample, warn_share=config.launcher.truncation_warn_share)
+    except StatsError as err:
+        return ("data_stats", "warn", f"token statistics not measured: {err}")
+    out["result"] = result
+    warnings = result.get("warnings") or []
+    detail = short_stats_line(result) + "".join(f"; WARNING: {w}" for w in warnings)
+    return ("data_stats", "warn" if warnings else "ok", detail)
 
 
 def check_backend(prepared: Prepared) -> Row:
@@ -404,6 +428,10 @@ def preflight_run_dir(prepared: Prepared, run_dir: Path, status) -> bool:
     report = run_preflight(prepared)
     report.render()
     report.write(run_dir)
+    if report.data_stats is not None:
+        from .data.statsview import write_json
+
+        write_json(report.data_stats, run_dir)
     append_event(run_dir, "preflight", ok=report.ok, failed=report.failed)
     if report.ok:
         return True

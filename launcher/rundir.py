@@ -166,7 +166,8 @@ def write_run_files(config: RunConfig, backend: Backend, run_dir: RunDir, lf_arg
     (path / lf_yaml).write_text(dump_yaml(lf_args))
     if config.launcher.distribution == "fsdp2":
         (path / ACCELERATE_YAML).write_text(dump_yaml(accelerate_config(config, backend)))
-    launch = {"patches": config.patches, "backend": backend.name, "llamafactory_yaml": lf_yaml, "attempt": attempt}
+    launch = {"patches": config.patches, "backend": backend.name, "llamafactory_yaml": lf_yaml, "attempt": attempt,
+              "log_examples": config.launcher.log_examples}  # fmt: skip
     (path / "launch.json").write_text(json.dumps(launch, indent=2) + "\n")
     info = manifest(config, backend, run_dir)
     (path / attempt_name("manifest.json", attempt)).write_text(json.dumps(info, indent=2) + "\n")

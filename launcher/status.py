@@ -223,11 +223,6 @@ def list_runs(root: Path) -> list[Path]:
     return sorted(runs, key=lambda p: p.stat().st_mtime)
 
 
-def latest_run(root: Path) -> Path | None:
-    runs = list_runs(root)
-    return runs[-1] if runs else None
-
-
 def show_status(run_dir: Path, as_json: bool, watch: float | None) -> int:
     while True:
         try:

@@ -311,13 +311,8 @@ def test_training_log_carries_no_training_text(tmp_path, demo_assets):
         if path.is_file():
             assert SENTINEL.encode() not in path.read_bytes(), path
 
-    # the control: with the dump asked for, the same data does reach the log
-    from launcher.config import LauncherSection
-
-    if "log_examples" in LauncherSection.model_fields:
-        opt_in = {"log_examples": True}
-    else:  # until the key exists: an entry that behaves as if it were set
-        opt_in = {"entry": "tests.entry_log_examples"}
+    # the control: with the dump asked for (launcher.log_examples: true), the same data does reach the log
+    opt_in = {"log_examples": True}
     (tmp_path / "opt-in").mkdir()
     cfg = make_config(tmp_path / "opt-in", demo_assets, launcher=opt_in, dataset_dir=str(data_dir), dataset=name,
                       eval_dataset=f"{name}_val", max_steps=1, save_steps=1, eval_steps=1)  # fmt: skip
