@@ -132,8 +132,9 @@ def stop_run(run_dir: Path, grace_s: float | None, wait_s: float | None = None) 
     procs = _live(status, run_dir)
     killed = terminate(procs, grace_s=grace_s if grace_s is not None else 30.0) if procs else []
     record = StatusRecord.reopen(run_dir, status)
-    reason = (f"supervisor lost; `launcher stop` stopped {len(procs)} leftover process(es) "
-              f"{[p.pid for p in procs]}" + (f", killed after the grace period: {killed}" if killed else ""))  # fmt: skip
+    reason = f"supervisor lost; `launcher stop` stopped {len(procs)} leftover process(es) {[p.pid for p in procs]}"
+    if killed:
+        reason += f", killed after the grace period: {killed}"
     if RunState(status["state"]) not in TERMINAL:
         record.update(state=RunState.SUPERVISOR_LOST, ended=now_iso(), reason=reason, processes=[])
     append_event(run_dir, "cleanup", state=record.data["state"], reason=reason)

@@ -99,8 +99,9 @@ def _container_state(status: dict[str, Any]) -> str | None:
     if not name:
         return None
     try:
-        import docker
         from docker.errors import DockerException, NotFound
+
+        import docker
     except ImportError:
         return None
     try:
@@ -130,7 +131,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
     elapsed = _since(status.get("started")) if status.get("ended") is None else None
     if status.get("started") and status.get("ended"):
         try:
-            elapsed = (datetime.fromisoformat(status["ended"]) - datetime.fromisoformat(status["started"])).total_seconds()
+            ended, started = datetime.fromisoformat(status["ended"]), datetime.fromisoformat(status["started"])
+            elapsed = (ended - started).total_seconds()
         except ValueError:
             elapsed = None
     return {

@@ -32,12 +32,12 @@ from typing import Any
 from . import backend as backends
 from .config import ConfigError, RunConfig, load_run_config, validate_llamafactory_args
 from .entry import ERRORS_DIR
+from .follow import TrainerLogFollower
 from .job import Job, NodeSpec, job_command, job_env
 from .lock import LockBusy, RunLock
 from .procs import boot_id, find_live, identity, self_identity, terminate, tree
 from .records import TERMINAL, RunState, StatusRecord, append_event, now_iso, read_status, write_json_atomic
 from .rundir import RunDir, llamafactory_args, make_run_dir, write_run_files
-from .follow import TrainerLogFollower
 
 STOP_REQUEST = "stop_request.json"
 EXIT_REFUSED = 3  # another run is live, or its processes are
@@ -293,7 +293,8 @@ class Supervisor:
                      **{k: v for k, v in fields.items() if k != "acceptance"})  # fmt: skip
         print(f"run {self.run_dir.run_id} ended {state.value} "
               f"({'exit code ' + str(exit_code) if sig is None else 'signal ' + str(sig)})\n"
-              f"  adapter:     {self.run_dir.output}\n  trainer log: {self.run_dir.trainer_log}", flush=True)  # fmt: skip
+              f"  adapter:     {self.run_dir.output}\n  trainer log: {self.run_dir.trainer_log}",
+              flush=True)  # fmt: skip
         if stopped_by is not None:  # stopped from outside: never exit 0 whatever torchrun said (128+N, as a shell)
             return 128 + stopped_by
         return 128 + sig if sig is not None else int(exit_code)

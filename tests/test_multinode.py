@@ -29,7 +29,8 @@ def test_two_nodes_on_loopback_train_the_tiny_model(tmp_path, demo_assets):
         env = {**os.environ, "NNODES": "2", "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port)}  # fmt: skip
         procs.append(subprocess.Popen([sys.executable, "-m", "launcher", "run", str(cfg), "--quiet"], cwd=REPO,
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))  # fmt: skip
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
 

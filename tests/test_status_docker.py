@@ -10,11 +10,11 @@ import subprocess
 import sys
 import time
 
-import docker
 import psutil
 import pytest
 from docker.errors import DockerException, NotFound
 
+import docker
 from launcher.procs import boot_id, identity
 from launcher.records import RunState, StatusRecord
 from launcher.status import collect
