@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -31,12 +30,12 @@ from typing import Any
 
 from . import backend as backends
 from .config import ConfigError, RunConfig, load_run_config, validate_llamafactory_args
-from .entry import ERRORS_DIR
 from .follow import TrainerLogFollower
 from .job import Job, NodeSpec, job_command, job_env
 from .lock import LockBusy, RunLock
 from .procs import boot_id, find_live, identity, self_identity, terminate, tree
 from .records import TERMINAL, RunState, StatusRecord, append_event, now_iso, read_status, write_json_atomic
+from .rootcause import describe_rank_failure, looks_like_oom, rank_failure, root_cause
 from .rundir import RunDir, llamafactory_args, make_run_dir, write_run_files
 
 STOP_REQUEST = "stop_request.json"
@@ -283,10 +282,10 @@ class Supervisor:
             failed = rank_failure(self.run_dir.log, start=self._log_start) if sig is None else None
             if failed:
                 fields["failed_rank"] = failed
-                what += f"; first failure: {_describe_rank_failure(failed)}"
+                what += f"; first failure: {describe_rank_failure(failed)}"
             if leftover_pids:
                 what += f"; {len(leftover_pids)} leftover process(es) {leftover_pids} were stopped"
-            state = RunState.OUT_OF_MEMORY if _looks_like_oom(cause) else RunState.FAILED
+            state = RunState.OUT_OF_MEMORY if looks_like_oom(cause) else RunState.FAILED
             fields["reason"] = f"{what}\n{cause}" if cause else what
         self.status.update(state=state, **fields, processes=[])
         append_event(self.run_dir.path, "ended", state=state.value,
@@ -317,88 +316,6 @@ def _read_stop_request(run_dir: Path) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError):
         return None
     return data if isinstance(data, dict) else None
-
-
-def _looks_like_oom(cause: str | None) -> bool:
-    text = (cause or "").lower()
-    return "outofmemoryerror" in text or "out of memory" in text
-
-
-_RANK_FAILURE = re.compile(
-    r"Root Cause \(first observed failure\):\s*\[\d+\]:.*?"
-    r"rank\s*:\s*(-?\d+).*?exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)",
-    re.S,
-)
-
-
-def rank_failure(log_path: Path, max_bytes: int = 256 << 10, start: int = 0) -> dict[str, Any] | None:
-    """The first failing rank as torch elastic reports it: rank, pid, and exit code or signal.
-
-    torchrun (and accelerate launch, which runs it) exits 1 when any rank fails; the rank's own exit
-    code (negative: the signal) is only in the ``ChildFailedError`` summary it prints
-    (``torch/distributed/elastic/multiprocessing/errors/__init__.py``, ``_FAILURE_FORMAT_TEMPLATE``).
-    """
-    try:
-        with open(log_path, "rb") as f:
-            f.seek(max(start, f.seek(0, os.SEEK_END) - max_bytes))
-            tail = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    found = list(_RANK_FAILURE.finditer(tail))
-    if not found:
-        return None
-    rank, code, pid = (int(x) for x in found[-1].groups())
-    return {"rank": rank, "pid": pid, "exit_code": code if code >= 0 else None, "signal": -code if code < 0 else None}
-
-
-def _describe_rank_failure(failed: dict[str, Any]) -> str:
-    if failed["signal"] is not None:
-        try:
-            name = signal.Signals(failed["signal"]).name
-        except ValueError:
-            name = "?"
-        return f"rank {failed['rank']} (pid {failed['pid']}) killed by signal {failed['signal']} ({name})"
-    return f"rank {failed['rank']} (pid {failed['pid']}) exit code {failed['exit_code']}"
-
-
-def root_cause(run_dir: RunDir, max_lines: int = 30, since: float = 0.0, log_start: int = 0) -> str | None:
-    """Why the job failed: the first failing rank's error file, else the log's last traceback."""
-    records = []
-    for path in (run_dir.path / ERRORS_DIR).glob("rank*.json"):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if isinstance(record, dict) and float(record.get("time", 0)) >= since:  # not an earlier attempt's
-            records.append(record)
-    if records:
-        first = min(records, key=lambda r: r.get("time", 0))
-        lines = str(first.get("traceback", "")).rstrip().splitlines()
-        return f"rank {first.get('rank')}: " + "\n".join(lines[-max_lines:])
-    return last_traceback(run_dir.log, max_lines=max_lines, start=log_start)
-
-
-def last_traceback(log_path: Path, max_bytes: int = 256 << 10, max_lines: int = 30, start: int = 0) -> str | None:
-    """The last Python traceback in the job log (its final ``max_lines`` lines), if any."""
-    try:
-        with open(log_path, "rb") as f:
-            f.seek(max(start, f.seek(0, os.SEEK_END) - max_bytes))
-            tail = f.read()
-    except OSError:
-        return None
-    end = len(tail)
-    while (at := tail.rfind(b"Traceback (most recent call last):", 0, end)) >= 0:
-        lines = tail[at:].decode(errors="replace").splitlines()
-        block = [lines[0]]
-        for line in lines[1:]:
-            block.append(line)
-            if line and not line.startswith((" ", "\t")):
-                break
-        # torchrun's own traceback says only that a child failed; the rank's traceback, if any, is earlier
-        if "ChildFailedError" not in block[-1]:
-            return "\n".join(block[-max_lines:])
-        end = at
-    return None
 
 
 # --- entry points -----------------------------------------------------------------------------------

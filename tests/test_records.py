@@ -21,7 +21,8 @@ import launcher.trainer_log as trainer_log
 from launcher.follow import TrainerLogFollower
 from launcher.procs import identity
 from launcher.records import SCHEMA_VERSION, StatusRecord, read_status
-from launcher.supervisor import check_earlier_runs, rank_failure, root_cause
+from launcher.rootcause import rank_failure, root_cause
+from launcher.supervisor import check_earlier_runs
 from launcher.trainer_log import last_progress, read_trainer_log_tail
 from tests.conftest import REPO
 from tests.fake_rank import eval_line, progress_line
