@@ -43,10 +43,10 @@ def _add_run_arg(p: argparse.ArgumentParser) -> None:
 
 def _run_dir(ns: argparse.Namespace) -> Path | None:
     """The run directory RUN names (or the newest under --root); prints why not and returns None."""
-    from .runs import RunNotFound, newest_run_dir, resolve_run_dir
+    from .runs import RunNotFound, run_dir_for
 
     try:
-        return resolve_run_dir(ns.run, ns.root) if ns.run else newest_run_dir(ns.root)
+        return run_dir_for(ns.run, ns.root)
     except RunNotFound as err:
         print(f"error: {err}", file=sys.stderr)
         return None

@@ -59,6 +59,15 @@ def newest_run_dir(root: Path) -> Path:
     return (root / recent[0]).resolve()
 
 
+def run_dir_for(run: str | Path | None, root: Path = DEFAULT_RUNS_ROOT) -> Path:
+    """The run directory a verb's RUN argument names, or the newest run under ``root`` when it is None.
+
+    Raises:
+        RunNotFound: as ``resolve_run_dir`` and ``newest_run_dir``.
+    """
+    return resolve_run_dir(run, root) if run else newest_run_dir(root)
+
+
 def recent_run_ids(root: Path, limit: int = 5) -> list[str]:
     """The newest run ids under ``root`` (by modification time), newest first."""
     try:

@@ -38,9 +38,8 @@ from .runs import (
     RunNotFound,
     eval_configured,
     load_run_files,
-    newest_run_dir,
     read_json_object,
-    resolve_run_dir,
+    run_dir_for,
     selection_metric_name,
 )
 from .trainer_log import TRAINER_LOG, read_trainer_log_tail
@@ -486,7 +485,7 @@ def cli_verify(ns) -> int:
     import sys
 
     try:
-        run_dir = resolve_run_dir(ns.run, ns.root) if ns.run else newest_run_dir(ns.root)
+        run_dir = run_dir_for(ns.run, ns.root)
     except RunNotFound as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
