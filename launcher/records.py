@@ -61,13 +61,16 @@ def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Replace ``path`` with ``data`` as JSON so that readers never see a partial file."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` so that readers see the old file or the new one, never half of one.
+
+    The text goes to a temporary file in the same folder, is fsynced and renamed over ``path``, and the
+    folder is fsynced. If anything fails, the old file stays as it was.
+    """
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, default=str)
-            f.write("\n")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -79,6 +82,11 @@ def write_json_atomic(path: Path, data: Any) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Replace ``path`` with ``data`` as JSON so that readers never see a partial file."""
+    write_text_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def append_event(run_dir: Path, kind: str, **fields: Any) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from .curves import (
     overfitting_verdict,
     read_trainer_state,
 )
-from .records import now_iso, write_json_atomic
+from .records import now_iso, write_json_atomic, write_text_atomic
 from .runs import (
     DEFAULT_RUNS_ROOT,
     RunNotFound,
@@ -199,7 +199,7 @@ def build_report(run_dir: Path, patience: int | None = None, plot: bool = True, 
     if write:
         if plot and (curves.train or evals):
             report.plot = plot_curves(report, run_dir / LOSS_PNG)
-        _write_text_atomic(run_dir / REPORT_MD, render_markdown(report))
+        write_text_atomic(run_dir / REPORT_MD, render_markdown(report))
         write_json_atomic(run_dir / REPORT_JSON, report.to_dict())
     return report
 
@@ -372,17 +372,6 @@ def plot_curves(report: RunReport, path: Path) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def print_summary(report: RunReport) -> None:

@@ -186,7 +186,8 @@ def manifest(config: RunConfig, backend: Backend, run_dir: RunDir) -> dict[str, 
         "notes": config.notes,
         "packages": package_versions(),
         "git_commit": git_commit(),
-        "image": {"tag": os.environ.get("LAUNCHER_IMAGE"), "digest": os.environ.get("LAUNCHER_IMAGE_DIGEST")},
+        "image": {"tag": os.environ.get("LAUNCHER_IMAGE"), "digest": os.environ.get("LAUNCHER_IMAGE_DIGEST"),
+                  "base": os.environ.get("LAUNCHER_BASE_IMAGE")},  # fmt: skip
         "model": model_fingerprint(Path(str(lf.get("model_name_or_path", "")))),
         "data": data_fingerprint(lf),
     }

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..records import write_text_atomic
+from ..rundir import sha256_file
 from . import soulchat
 from .soulchat import Kind, Options, Rejected
 
@@ -140,21 +140,6 @@ def default_name(kind: Kind, reasoning: str) -> str:
     return f"soulchat_r1{'_dialogue' if kind == 'dialogue' else ''}_{'nothink' if reasoning == 'drop' else 'think'}"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _read_info(out: Path) -> dict[str, Any]:
     path = out / INFO_FILE
     if not path.exists():
@@ -231,16 +216,16 @@ def prepare(src: Path, out: Path, options: Options, *, val_file: Path | None = N
 
     rejects = train_part.rejects + (val_part.rejects if val_part else [])
     out.mkdir(parents=True, exist_ok=True)
-    _write_atomic(files["train"], json.dumps(train, ensure_ascii=False, indent=1) + "\n")
+    write_text_atomic(files["train"], json.dumps(train, ensure_ascii=False, indent=1) + "\n")
     info[name] = soulchat.dataset_info_entry(train_part.kind, files["train"].name)
     if val:
-        _write_atomic(files["val"], json.dumps(val, ensure_ascii=False, indent=1) + "\n")
+        write_text_atomic(files["val"], json.dumps(val, ensure_ascii=False, indent=1) + "\n")
         info[f"{name}_val"] = soulchat.dataset_info_entry(train_part.kind, files["val"].name)
     else:
         files.pop("val")
         (out / f"{name}_val.json").unlink(missing_ok=True)  # a stale one from an earlier --force run
         info.pop(f"{name}_val", None)
-    _write_atomic(files["rejects"], "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rejects))
+    write_text_atomic(files["rejects"], "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rejects))
     counts = {
         "records": train_part.records + (val_part.records if val_part else 0),
         "train": len(train),
@@ -253,7 +238,7 @@ def prepare(src: Path, out: Path, options: Options, *, val_file: Path | None = N
         "kind": train_part.kind,
         "name": name,
         "sources": [
-            {"path": str(p.source), "sha256": _sha256(p.source), "records": p.records}
+            {"path": str(p.source), "sha256": sha256_file(p.source), "records": p.records}
             for p in (train_part, val_part)
             if p is not None
         ],  # fmt: skip
@@ -266,8 +251,8 @@ def prepare(src: Path, out: Path, options: Options, *, val_file: Path | None = N
         "counts": counts,
         "files": {k: p.name for k, p in files.items()},
     }
-    _write_atomic(files["summary"], json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
-    _write_atomic(out / INFO_FILE, json.dumps(info, indent=2, ensure_ascii=False) + "\n")
+    write_text_atomic(files["summary"], json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    write_text_atomic(out / INFO_FILE, json.dumps(info, indent=2, ensure_ascii=False) + "\n")
     files["info"] = out / INFO_FILE
     sources = ", ".join(p.source.name for p in (train_part, val_part) if p is not None)
     return PrepareResult(name=name, kind=train_part.kind, out=out, files=files, counts=counts, train=train, val=val,
