@@ -1,6 +1,6 @@
 """Assets of the patch benchmark: a config-only model folder and a dataset of full-length samples.
 
-The model folder holds ``config.json`` (the Qwen3.5-27B shape of DESIGN.md section 2, or the tiny demo shape),
+The model folder holds ``config.json`` (the Qwen3.5-27B shape of docs/upstream.md, or the tiny demo shape),
 the demo tokenizer and a ``Qwen3VLProcessor`` matching the vision config, and ``random_init.json``: the
 marker that makes ``benchmarks.bench_entry`` build the model from the config with random weights on the
 device instead of loading weights (writing 55 GB of random weights to disk would measure nothing more).
@@ -23,7 +23,7 @@ from launcher.demo import _CLIENT, _COUNSELOR, _SYSTEM, TinyShape, build_model_c
 MARKER = "random_init.json"
 DATASET = "bench_long"
 
-# DESIGN.md section 2 (Qwen3.5-27B): 64 layers, every fourth full attention (0-based 3, 7, ..., 63).
+# docs/upstream.md (Qwen3.5-27B): 64 layers, every fourth full attention (0-based 3, 7, ..., 63).
 QWEN3_5_27B = TinyShape(
     hidden_size=5120,
     intermediate_size=17408,

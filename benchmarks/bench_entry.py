@@ -66,7 +66,7 @@ def run_kernel_check(backend: str, patch_settings: dict[str, Any], spec: str) ->
     """``launcher validate-kernels`` cases ``suite:case,case`` on the kernel this run routes to."""
     if not spec or spec == "none":
         return None
-    from launcher.kernels import validate
+    from launcher.checks.kernels import validate
 
     suite, _, names = spec.partition(":")
     routing = patch_settings.get("deltanet_routing") or {}
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
 
-        from launcher.kernels import Device
+        from launcher.checks.kernels import Device
 
         dev = Device(torch, rank_device(backend))
         guard = None

@@ -1,4 +1,4 @@
-"""Benchmark: the patches on and off through the real launcher path (issue 3, item 5).
+"""Benchmark: the patches on and off through the real launcher path.
 
     python -m benchmarks.patch_bench --out DIR [--steps 6] [--variants on,off] [--shape 27b|tiny]
                                      [--backend cuda|cpu]
@@ -18,7 +18,7 @@
 5. ``DIR/results.json``: per variant the run's end state, step times (median after ``--warmup`` steps),
    tokens/s = tokens per step / median forward+backward time, the step period and LLaMA-Factory's own
    throughput, peak allocated memory, which kernel ran (proof records), how layers were checkpointed in the
-   first step, and the kernel check of the rank process; then the targets of issue 3 are compared.
+   first step, and the kernel check of the rank process; then the targets (docs/benchmarks.md) are compared.
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ def _lines(path: Path) -> list[str]:
 
 
 def targets(variant: dict[str, Any]) -> dict[str, Any]:
-    """Issue 3's targets for the patched run on one H200."""
+    """The targets for the patched run on one H200 (docs/benchmarks.md)."""
     peak, tps = variant.get("peak_allocated_gib"), variant.get("tokens_per_s")
     return {
         "peak_allocated_gib": {"value": peak, "limit": TARGET_PEAK_GIB,

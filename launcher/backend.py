@@ -6,7 +6,10 @@ first one whose devices answer. Detection imports torch lazily, so host-side ver
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+
+from launcher import SOURCE_ROOT
 
 
 @dataclass(frozen=True)
@@ -52,3 +55,19 @@ def resolve(requested: str) -> Backend:
         if device_count(name) > 0:
             return BACKENDS[name]
     return BACKENDS["cpu"]
+
+
+def child_env(backend: Backend) -> dict[str, str]:
+    """The environment of a process the launcher starts (the job, preflight's kernel check).
+
+    The caller's environment passes through whole (device selection, NCCL/HCCL settings); on top of it:
+    unbuffered output, the repository root on PYTHONPATH so the child imports this launcher and its
+    patches, and, for a CPU run, no visible GPU.
+    """
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    root = str(SOURCE_ROOT)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    if backend.name == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU run stays on the CPU even on a GPU host
+    return env

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import yaml
 
-LAUNCH_FILE = "launch.json"
-ERRORS_DIR = "errors"
+from launcher.files import write_json_atomic
+from launcher.state.runs import ERRORS_DIR, LAUNCH_FILE
 
 
 def write_error_file(run_dir: Path, exc: BaseException) -> Path:
@@ -37,9 +37,7 @@ def write_error_file(run_dir: Path, exc: BaseException) -> Path:
         "message": str(exc),
         "traceback": "".join(traceback.format_exception(exc)),
     }
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=2))
-    os.replace(tmp, path)
+    write_json_atomic(path, record)
     return path
 
 
@@ -64,7 +62,7 @@ def _train(run_dir: Path) -> int:
 
     patches.apply_enabled(launch["patches"], backend=launch["backend"], proof_dir=run_dir / "proof")
 
-    from launcher.privacy import log_examples_wanted, protect_training_log
+    from launcher.data.privacy import log_examples_wanted, protect_training_log
 
     if not log_examples_wanted(run_dir):  # no training text in the log unless the config asks for it
         protect_training_log()

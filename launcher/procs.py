@@ -8,6 +8,7 @@ long run; "unknown" never leads to killing anything.
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import psutil
 
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+_PID_NS = Path("/proc/self/ns/pid")
 
 
 def boot_id() -> str | None:
@@ -24,6 +26,34 @@ def boot_id() -> str | None:
         return None
 
 
+def pid_namespace() -> str | None:
+    """This process's pid namespace (``pid:[4026531836]``): pids recorded in another one mean nothing here."""
+    try:
+        return os.readlink(_PID_NS)
+    except OSError:
+        return None
+
+
+_MOUNTINFO = Path("/proc/self/mountinfo")
+# Docker bind-mounts /etc/hostname (and resolv.conf, hosts) from /var/lib/docker/containers/<id>/
+_CONTAINER_ID = re.compile(r"/containers/([0-9a-f]{64})/")
+
+
+def container_identity() -> dict[str, Any] | None:
+    """The container this process runs in, as far as it can tell from inside: ``LAUNCHER_CONTAINER`` (the
+    name compose gives it), its id from ``/proc/self/mountinfo``, and the image the compose file names
+    (``LAUNCHER_IMAGE``, ``LAUNCHER_IMAGE_DIGEST``). None outside a container."""
+    name = os.environ.get("LAUNCHER_CONTAINER")
+    try:
+        found = _CONTAINER_ID.search(_MOUNTINFO.read_text())
+    except OSError:
+        found = None
+    if not name and not found:
+        return None
+    image = {"tag": os.environ.get("LAUNCHER_IMAGE"), "digest": os.environ.get("LAUNCHER_IMAGE_DIGEST") or None}
+    return {"name": name, "id": found.group(1) if found else None, "image": image}
+
+
 def identity(proc: psutil.Process) -> dict[str, Any]:
     """What we record about a process to recognise it later."""
     with proc.oneshot():
@@ -31,7 +61,8 @@ def identity(proc: psutil.Process) -> dict[str, Any]:
 
 
 def self_identity() -> dict[str, Any]:
-    return identity(psutil.Process())
+    """This process's identity plus its pid namespace."""
+    return {**identity(psutil.Process()), "pid_ns": pid_namespace()}
 
 
 def find_live(record: dict[str, Any], must_contain: str | None = None) -> psutil.Process | None:
@@ -47,11 +78,6 @@ def find_live(record: dict[str, Any], must_contain: str | None = None) -> psutil
         return proc
     except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError, TypeError, ValueError):
         return None
-
-
-def live_processes(records: list[dict[str, Any]], must_contain: str | None = None) -> list[psutil.Process]:
-    found = (find_live(r, must_contain) for r in records)
-    return [p for p in found if p is not None]
 
 
 def tree(root_pid: int) -> list[psutil.Process]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from .errors import PatchError
 from .proof import proof_path, read_proof
-from .registry import BACKENDS, PATCH_NAMES, apply_enabled
-from .settings import normalize_settings
+from .registry import BACKENDS, PATCH_NAMES, apply_enabled, normalize_settings
 
 __all__ = ["BACKENDS", "PATCH_NAMES", "PatchError", "apply_enabled", "normalize_settings", "proof_path", "read_proof"]

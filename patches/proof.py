@@ -16,6 +16,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from launcher import files
+
 
 def utc_now() -> str:
     """The current time as an ISO-8601 UTC string with milliseconds."""
@@ -52,15 +54,9 @@ class RankInfo:
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` as JSON to ``path`` so that readers see either the old or the new file."""
+    """Write ``data`` as JSON to ``path`` (its folder made first) so that readers see the old or the new file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2, sort_keys=False, default=str)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    files.write_json_atomic(path, data)
 
 
 class ProofFile:

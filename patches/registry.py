@@ -28,10 +28,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from . import checkpoint_all_layers, deltanet_routing, trainer_hook
+from . import checkpoint_all_layers, deltanet_routing, settings, trainer_hook
 from .errors import PatchError
 from .proof import ProofFile, RankInfo
-from .settings import normalize_settings
 from .versions import check_versions
 
 logger = logging.getLogger(__name__)
@@ -42,6 +41,12 @@ PATCHES: dict[str, ModuleType] = {
 }
 PATCH_NAMES: tuple[str, ...] = tuple(PATCHES)
 BACKENDS = ("npu", "cuda", "cpu")
+
+
+def normalize_settings(raw: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """The ``launcher.patches`` section as name -> full options for every registered patch, in order
+    (see ``settings.normalize_settings``); raises ``ValueError`` listing every problem."""
+    return settings.normalize_settings(raw, PATCHES)
 
 
 def _header(name: str, options: dict[str, Any], backend: str, rank: RankInfo) -> dict[str, Any]:

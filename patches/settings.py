@@ -10,17 +10,12 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
+from types import ModuleType
 from typing import Any
 
 from pydantic import ValidationError
 
 WHERE = "launcher.patches"
-
-
-def _patches():
-    from .registry import PATCHES  # registry imports this module
-
-    return PATCHES
 
 
 def _option_problems(name: str, error: ValidationError, fields: list[str]) -> list[str]:
@@ -46,13 +41,13 @@ def _settings_error(problems: list[str]) -> ValueError:
     return ValueError(f"{len(problems)} problem(s) in {WHERE}:\n" + "\n".join(f"- {p}" for p in problems))
 
 
-def normalize_settings(raw: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
-    """Turn the ``launcher.patches`` mapping into name -> full options for every registered patch.
+def normalize_settings(raw: Mapping[str, Any] | None, patches: Mapping[str, ModuleType]) -> dict[str, dict[str, Any]]:
+    """Turn the ``launcher.patches`` mapping into name -> full options for every patch in ``patches``
+    (the registry's, in its order).
 
     Raises:
         ValueError: listing every problem (unknown patch, unknown option, bad value), one per line.
     """
-    patches = _patches()
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):

@@ -19,8 +19,10 @@ from typing import Any
 
 import psutil
 
+from launcher.files import write_json_atomic
 from launcher.procs import boot_id, identity
-from launcher.records import SCHEMA_VERSION
+from launcher.state.record import SCHEMA_VERSION, RunRecord
+from launcher.state.states import RunState
 from tests.conftest import REPO, make_config
 
 # The kernel check runs a DeltaNet forward/backward in a child process (tens of seconds on this CPU);
@@ -79,6 +81,31 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float = 120, every: f
                 return last
         time.sleep(every)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+def spawn(args: list[str], marker: str, **popen: Any) -> subprocess.Popen:
+    """Start ``args`` and return once the new process runs them (its command line names ``marker``): right
+    after ``Popen`` the child may not have exec'd yet and still shows its parent's command line."""
+    proc = subprocess.Popen(args, **popen)
+    wait_for(f"process {proc.pid} to run {marker!r}", lambda: marker in " ".join(psutil.Process(proc.pid).cmdline()),
+             timeout=60)  # fmt: skip
+    return proc
+
+
+def wait_for_growth(path: Path, lines: int = 2, timeout: float = 120) -> None:
+    """Wait until ``path`` gains ``lines`` more newline-ended lines than it has now (the writer is alive)."""
+    start = path.read_bytes().count(b"\n") if path.exists() else 0
+    wait_for(f"{lines} new line(s) in {path}", lambda: path.read_bytes().count(b"\n") >= start + lines, timeout)
+
+
+def write_record(run_dir: Path, run_id: str = "run", **fields: Any) -> Path:
+    """Write a ``status.json`` holding ``fields`` as the launcher would, without going through transitions
+    (a crafted record in any state, for the readers under test)."""
+    if isinstance(fields.get("state"), str):
+        fields["state"] = RunState(fields["state"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run_dir / "status.json", RunRecord(run_id=run_id, run_dir=str(run_dir), **fields).to_dict())
+    return run_dir
 
 
 def read_status(run_dir: Path) -> dict[str, Any]:
@@ -173,7 +200,7 @@ def crafted_run(tmp_path: Path, name: str = RUN_ID, **fields) -> Path:
     """A run folder whose status.json says what ``fields`` say (a dead supervisor by default)."""
     run_dir = tmp_path / "runs" / name
     (run_dir / "output").mkdir(parents=True)
-    dead = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "launcher", "_supervise"])
+    dead = spawn([sys.executable, "-c", "import time; time.sleep(60)", "launcher", "_supervise"], "_supervise")
     dead_identity = identity(psutil.Process(dead.pid))
     dead.kill()
     dead.wait()

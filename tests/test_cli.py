@@ -26,3 +26,22 @@ def test_every_verb_has_help_with_an_example(verb, capsys):
 def test_console_entry_runs_without_a_verb_as_a_usage_error():
     proc = launcher_cmd()
     assert proc.returncode == 2 and "VERB" in proc.stderr
+
+
+def test_host_verbs_find_runs_from_launcher_root_or_a_configs_output_root(tmp_path):
+    """Without --root, the runs folder is $LAUNCHER_ROOT, or the output_root of the config given with --config."""
+    import os
+
+    from tests.fake_runs import crafted_run, launcher
+
+    run_dir = crafted_run(tmp_path, name="r-20261201-101500", state="FAILED", ended="2026-12-01T10:20:00+00:00")
+    env = {**os.environ, "LAUNCHER_ROOT": str(run_dir.parent)}
+    shown = launcher("status", "--json", env=env, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert '"run_id": "r-20261201-101500"' in shown.stdout
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"launcher:\n  output_root: {run_dir.parent}\nstage: sft\n")
+    listed = launcher("list", "--config", cfg, timeout=60)
+    assert listed.returncode == 0 and "r-20261201-101500" in listed.stdout and "FAILED" in listed.stdout
+    nowhere = launcher("status", "--root", tmp_path / "none", timeout=60)
+    assert nowhere.returncode == 2 and "LAUNCHER_ROOT" in nowhere.stderr and "Traceback" not in nowhere.stderr

@@ -7,9 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.backend import BACKENDS
-from launcher.config import ConfigError, load_run_config, validate_llamafactory_args
-from launcher.rundir import RunDir, llamafactory_args
+from launcher.run.config import ConfigError, llamafactory_args, load_run_config, validate_llamafactory_args
 from tests.conftest import make_config
 
 # The seed's formal LLaMA-Factory settings, verbatim from the design brief.
@@ -67,7 +65,7 @@ def test_seed_formal_config_is_expressible_unchanged(tmp_path, model_dir):
     for key, value in lf.items():
         assert config.llamafactory[key] == value
     assert config.launcher.smoke is False
-    args = llamafactory_args(config, BACKENDS["cpu"], RunDir("x", tmp_path / "x"))
+    args = llamafactory_args(config, "cpu", tmp_path / "x" / "output")
     assert validate_llamafactory_args(args) == []
 
 
@@ -122,7 +120,7 @@ def test_output_dir_is_owned_by_the_launcher(tmp_path, model_dir):
     config = load_run_config(write(tmp_path, data))
     assert "output_dir" not in config.llamafactory
     assert any("output_dir" in note and "ignored" in note for note in config.notes)
-    args = llamafactory_args(config, BACKENDS["cpu"], RunDir("r", tmp_path / "r"))
+    args = llamafactory_args(config, "cpu", tmp_path / "r" / "output")
     assert args["output_dir"] == str(tmp_path / "r" / "output")
     assert args["use_cpu"] is True
 
@@ -137,15 +135,17 @@ def test_qkvo_targets_are_flagged_as_full_attention_only(tmp_path, model_dir):
 
 def test_unknown_llamafactory_keys_are_refused_by_its_parser(tmp_path, demo_assets):
     config = load_run_config(make_config(tmp_path, demo_assets, learning_rat=0.1, lora_rnk=4))
-    args = llamafactory_args(config, BACKENDS["cpu"], RunDir("x", tmp_path / "x"))
+    args = llamafactory_args(config, "cpu", tmp_path / "x" / "output")
     problems = validate_llamafactory_args(args)
     assert len(problems) == 1
     assert "learning_rat" in problems[0] and "lora_rnk" in problems[0]
 
 
 def test_unknown_nested_keys_list_the_nested_allowed_keys(tmp_path, model_dir):
-    data = {"model_name_or_path": str(model_dir),
-            "launcher": {"smoke": True, "fsdp": {"wrap": ["X"]}, "early_stopping": {"patience": 2, "mode": "min"}}}
+    data = {
+        "model_name_or_path": str(model_dir),
+        "launcher": {"smoke": True, "fsdp": {"wrap": ["X"]}, "early_stopping": {"patience": 2, "mode": "min"}},
+    }
     with pytest.raises(ConfigError) as info:
         load_run_config(write(tmp_path, data))
     text = str(info.value)

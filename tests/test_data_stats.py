@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launcher.config import load_run_config
 from launcher.data.lfdata import StatsError, load_lf_data, load_splits
 from launcher.data.prepare import prepare
 from launcher.data.soulchat import Options
 from launcher.data.stats import CUT_LEN, CUT_SUP, FULL_LEN, FULL_SUP, compute_stats, measure_samples, short_stats
+from launcher.run.config import load_run_config
 from tests.conftest import launcher_cmd, make_config, only_run_dir
 from tests.soulchat_fixtures import HANDBOOK, SENTINEL, dialogue_records, mdpcot_records, write_json
 
@@ -255,7 +255,7 @@ def test_protect_training_log_replaces_the_example_dump(capsys, demo_assets):
     from llamafactory.data.processor import PackedSupervisedDatasetProcessor, SupervisedDatasetProcessor
     from transformers import AutoTokenizer
 
-    from launcher.privacy import WITHHELD, protect_training_log, restore_training_log
+    from launcher.data.privacy import WITHHELD, protect_training_log, restore_training_log
 
     tokenizer = AutoTokenizer.from_pretrained(demo_assets["model"])
     restore_training_log()  # a known start: other tests in this process may have protected it
@@ -288,7 +288,7 @@ def test_protect_training_log_replaces_the_example_dump(capsys, demo_assets):
 
 
 def test_log_examples_wanted_reads_the_run_config(tmp_path):
-    from launcher.privacy import log_examples_wanted
+    from launcher.data.privacy import log_examples_wanted
 
     assert not log_examples_wanted(tmp_path)
     (tmp_path / "config.yaml").write_text("launcher:\n  log_examples: true\n")

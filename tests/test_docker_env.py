@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher import lockfile
-from launcher.config import load_run_config
+from launcher.checks import packages as lockfile
+from launcher.run.config import load_run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
@@ -32,7 +32,7 @@ FORMAL = "configs/qwen3_5_27b_lora_soulchat.yaml"
 CUDA_FORMAL = "configs/qwen3_5_27b_lora_soulchat_cuda.yaml"
 DAVINCI = [f"/dev/davinci{i}" for i in range(8)] + ["/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc"]
 DRIVER_MOUNTS = {"/usr/local/Ascend/driver", "/usr/local/dcmi", "/usr/local/bin/npu-smi"}
-# The seed run's formal LLaMA-Factory settings (DESIGN.md section 2), to be shipped unchanged.
+# The seed run's formal LLaMA-Factory settings, to be shipped unchanged.
 SEED = {
     "stage": "sft", "finetuning_type": "lora", "lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.05,
     "lora_target": "q_proj,k_proj,v_proj,o_proj", "template": "qwen3_vl_nothink", "cutoff_len": 4096,
@@ -320,13 +320,11 @@ def test_every_shipped_config_validates(config: Path, tmp_path: Path) -> None:
     ``bf16: true`` on a machine without an accelerator otherwise; on the server ``launcher check`` runs
     it with the real backend.
     """
-    from launcher.backend import BACKENDS
-    from launcher.config import validate_llamafactory_args
-    from launcher.rundir import RunDir, llamafactory_args
+    from launcher.run.config import llamafactory_args, validate_llamafactory_args
 
     cfg = load_run_config(_with_tmp_model(config, tmp_path))
     pytest.importorskip("llamafactory")
-    assert validate_llamafactory_args(llamafactory_args(cfg, BACKENDS["cpu"], RunDir("t", tmp_path / "run"))) == []
+    assert validate_llamafactory_args(llamafactory_args(cfg, "cpu", tmp_path / "run" / "output")) == []
 
 
 @pytest.mark.parametrize("name", [FORMAL, CUDA_FORMAL])

@@ -1,4 +1,4 @@
-"""Duplicate launches (RELIABILITY.md): the run lock, and `start` racing against itself.
+"""Duplicate launches: the run lock, and `start` racing against itself.
 
 The fast tests hold the lock from a child process (a kernel flock) and kill it; the slow ones run the
 real `launcher start` 16 times at once behind a barrier and then take the winner's supervisor away.
@@ -20,7 +20,7 @@ import psutil
 import pytest
 import yaml
 
-from launcher.lock import LOCK_NAME, OWNER_NAME, LockBusy, RunLock, is_locked
+from launcher.run.lock import LOCK_NAME, OWNER_NAME, LockBusy, RunLock, is_locked
 from tests.conftest import REPO
 from tests.fake_runs import (
     alive,
@@ -35,12 +35,13 @@ from tests.fake_runs import (
     status_json,
     the_run_dir,
     wait_for,
+    wait_for_growth,
 )
 
 HOLDER = (
     "import sys, time\n"
     "from pathlib import Path\n"
-    "from launcher.lock import RunLock\n"
+    "from launcher.run.lock import RunLock\n"
     "lock = RunLock(Path(sys.argv[1])).acquire()\n"
     "if len(sys.argv) > 2:\n"
     "    lock.describe(sys.argv[2], Path(sys.argv[1]) / sys.argv[2])\n"
@@ -181,7 +182,7 @@ def test_sixteen_concurrent_starts_make_exactly_one_run(contested_run):
     assert supervisors[0].pid == read_status(run_dir)["supervisor"]["pid"]
     # refused supervisors leave nothing behind in the runs folder
     assert sorted(p.name for p in contested_run.root.iterdir()) == sorted(
-        [run_dir.name, "launcher.lock", "launcher.lock.owner.json"]
+        [run_dir.name, "launcher.run.lock", "launcher.run.lock.owner.json"]
     )
 
 
@@ -231,10 +232,8 @@ def test_supervisor_sigkilled_then_stop_cleans_up(contested_run):
     assert (root / LOCK_NAME).stat().st_ino == lock_inode
 
     # the orphaned job keeps training: its ranks print a line per step, and nothing breaks
-    size = (run_dir / "output" / "trainer_log.jsonl").stat().st_size
-    time.sleep(3)
+    wait_for_growth(run_dir / "output" / "trainer_log.jsonl", lines=3)
     assert all(alive(p) for p in [torchrun, *ranks]), "the job died with its supervisor"
-    assert (run_dir / "output" / "trainer_log.jsonl").stat().st_size > size
 
     info = status_json(run_dir, env)
     assert info["state"] == "SUPERVISOR_LOST" and info["recorded_state"] == "RUNNING"

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from launcher.job import free_port
+from launcher.run.job import free_port
 from tests.conftest import REPO, make_config, only_run_dir, read_jsonl
 
 pytestmark = pytest.mark.slow

@@ -15,9 +15,11 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from launcher import lockfile, modelcheck, preflight
 from launcher.backend import BACKENDS
-from launcher.config import load_run_config
+from launcher.checks import model as modelcheck
+from launcher.checks import packages as lockfile
+from launcher.checks import preflight
+from launcher.run.config import load_run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -380,13 +382,13 @@ def test_cli_preflight_exits_nonzero_on_a_bad_model(tmp_path: Path, monkeypatch:
 def test_run_refuses_to_train_and_records_preflight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`launcher run` with an empty shard: exit 2, no job started, FAILED_SETUP and preflight.json on disk."""
     pytest.importorskip("llamafactory")
-    from launcher.supervisor import run_foreground
+    from launcher.run.supervisor import supervise
 
     model = make_model(tmp_path)
     (model / "model-00002-of-00002.safetensors").write_bytes(b"")
     prepared_for(tmp_path, model, make_data(tmp_path))
     monkeypatch.setenv(preflight.SKIP_ENV, "kernel")
-    assert run_foreground(tmp_path / "run.yaml", echo=False) == 2
+    assert supervise(load_run_config(tmp_path / "run.yaml"), echo=False) == 2
     (run_dir,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "FAILED_SETUP" and "model.weights" in status["reason"]

@@ -1,4 +1,4 @@
-"""Durable records (RELIABILITY.md): atomic status.json, damaged records, the trainer-log readers, and
+"""Durable records: atomic status.json, damaged records, the trainer-log readers, and
 the states `status` derives from the live system (NODE_LOST, SUPERVISOR_LOST).
 
 Fast: no training and no config validation; real processes, signals and files.
@@ -17,50 +17,50 @@ from pathlib import Path
 import psutil
 import pytest
 
-import launcher.trainer_log as trainer_log
-from launcher.follow import TrainerLogFollower
+import launcher.state.trainer_log as trainer_log
+from launcher.errors import LauncherError
 from launcher.procs import identity
-from launcher.records import SCHEMA_VERSION, StatusRecord, read_status
-from launcher.rootcause import rank_failure, root_cause
-from launcher.supervisor import check_earlier_runs
-from launcher.trainer_log import last_progress, read_trainer_log_tail
+from launcher.run.rootcause import rank_failure, root_cause
+from launcher.run.setup import check_earlier_runs
+from launcher.state.record import SCHEMA_VERSION, RunStore, read_record
+from launcher.state.trainer_log import TrainerLogFollower, read_trainer_log_tail
 from tests.conftest import REPO
 from tests.fake_rank import eval_line, progress_line
-from tests.fake_runs import RUN_ID, alive, crafted_run, events, launcher
+from tests.fake_runs import RUN_ID, alive, crafted_run, events, launcher, spawn
 
 # --- atomic status.json -------------------------------------------------------------------------------
 
 WRITER = (
     "import sys\n"
     "from pathlib import Path\n"
-    "from launcher.records import StatusRecord\n"
-    "record = StatusRecord(Path(sys.argv[1]), 'atomic')\n"
+    "from launcher.state.record import RunStore\n"
+    "store = RunStore.open(Path(sys.argv[1]))\n"
     "print('ready', flush=True)\n"
     "i = 0\n"
     "while True:\n"
     "    i += 1\n"
-    "    record.update(counter=i, padding='x' * (20000 + i % 7919), processes=[{'pid': i}] * 50)\n"
+    "    store.save(job_pid=i, reason='x' * (20000 + i % 7919), processes=[{'pid': i}] * 50)\n"
 )
 
 
 def test_status_json_survives_sigkill_at_random_moments(tmp_path):
     """A loop of status writes killed at random times: the file always parses, readers never see half."""
     rng = random.Random(4)
-    StatusRecord(tmp_path, "atomic").update(counter=0)
+    RunStore.create(tmp_path, "atomic").save(job_pid=0)
     counters = []
     for _ in range(12):
         writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE)
         assert writer.stdout.readline().strip() == b"ready"
         deadline = time.monotonic() + rng.uniform(0.05, 0.4)
         while time.monotonic() < deadline:  # read while it writes
-            data = read_status(tmp_path)
-            assert data["counter"] == 0 or len(data["padding"]) == 20000 + data["counter"] % 7919
+            data = read_record(tmp_path)
+            assert data.job_pid == 0 or len(data.reason) == 20000 + data.job_pid % 7919
         writer.send_signal(signal.SIGKILL)
         writer.wait()
-        data = read_status(tmp_path)  # raises ValueError on a partial file
-        assert data["run_id"] == "atomic" and data["schema"] == SCHEMA_VERSION
-        assert data["counter"] == 0 or len(data["padding"]) == 20000 + data["counter"] % 7919
-        counters.append(data["counter"])
+        data = read_record(tmp_path)  # raises RecordUnreadable on a partial file
+        assert data.run_id == "atomic" and data.schema == SCHEMA_VERSION
+        assert data.job_pid == 0 or len(data.reason) == 20000 + data.job_pid % 7919
+        counters.append(data.job_pid)
     assert sum(counters) > 0, "the writer never completed a write; the test proved nothing"
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".status.json.")] == ["status.json"]
 
@@ -111,13 +111,13 @@ def test_tail_ignores_a_half_written_last_line(tmp_path):
     log = tmp_path / "trainer_log.jsonl"
     write_lines(log, [progress_line(s, 10, 1.0) for s in (1, 2, 3)], mode="w", tail='{"current_steps": 4, "tot')
     assert [r["current_steps"] for r in read_trainer_log_tail(log, count=5)] == [1, 2, 3]
-    assert last_progress(log)["current_steps"] == 3
+    assert read_trainer_log_tail(log)[-1]["current_steps"] == 3
     with open(log, "a") as f:  # a complete object whose newline has not been written yet: still partial
         f.write('al_steps": 10, "loss": 1.0}')
-    assert last_progress(log)["current_steps"] == 3
+    assert read_trainer_log_tail(log)[-1]["current_steps"] == 3
     with open(log, "a") as f:
         f.write("\n")
-    assert last_progress(log)["current_steps"] == 4
+    assert read_trainer_log_tail(log)[-1]["current_steps"] == 4
     assert list(trainer_log.iter_trainer_log(log))[-1]["current_steps"] == 4
 
 
@@ -146,10 +146,10 @@ def test_tail_handles_a_line_longer_than_its_block(tmp_path):
 def test_tail_follows_a_deleted_and_recreated_log(tmp_path):
     log = tmp_path / "trainer_log.jsonl"
     write_lines(log, [progress_line(s, 100, 1.0) for s in range(1, 51)], mode="w")
-    assert last_progress(log)["current_steps"] == 50
+    assert read_trainer_log_tail(log)[-1]["current_steps"] == 50
     log.unlink()
     write_lines(log, [progress_line(s, 20, 1.0) for s in (1, 2)], mode="w")
-    assert last_progress(log) == progress_line(2, 20, 1.0)
+    assert read_trainer_log_tail(log) == [progress_line(2, 20, 1.0)]
 
 
 def test_follower_waits_for_a_partial_line_and_then_reads_it(tmp_path):
@@ -207,9 +207,10 @@ def test_a_run_live_before_a_reboot_is_node_lost(tmp_path):
     assert "NODE_LOST (recorded RUNNING: the host rebooted" in text
     # a new start's supervisor marks it NODE_LOST for good, and says so
     warnings = check_earlier_runs(run_dir.parent)
-    assert warnings == [f"run {run_dir.name} was live when the host rebooted; marked NODE_LOST"]
-    status = read_status(run_dir)
-    assert status["state"] == "NODE_LOST" and status["ended"] and "boot id" in status["reason"]
+    assert warnings == [f"run {run_dir.name}: the host rebooted (boot id changed) since the run was recorded live; "
+                        "recorded NODE_LOST"]  # fmt: skip
+    status = read_record(run_dir)
+    assert status.state == "NODE_LOST" and status.ended and "boot id" in status.reason
     assert events(run_dir)[-1] == {**events(run_dir)[-1], "event": "ended", "state": "NODE_LOST"}
     assert check_earlier_runs(run_dir.parent) == []  # terminal now: nothing more to say
 
@@ -217,9 +218,10 @@ def test_a_run_live_before_a_reboot_is_node_lost(tmp_path):
 @pytest.fixture
 def sleeper(tmp_path):
     """A live process whose command line names ``tmp_path`` (stands in for an orphaned rank)."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", str(tmp_path / "runs" / RUN_ID)],
-                            start_new_session=True)  # like a rank: its own session and process group
-    time.sleep(0.2)
+    marker = str(tmp_path / "runs" / RUN_ID)
+    proc = spawn(
+        [sys.executable, "-c", "import time; time.sleep(600)", marker], marker, start_new_session=True
+    )  # like a rank: its own session and process group
     yield psutil.Process(proc.pid)
     proc.kill()
     proc.wait()
@@ -229,13 +231,13 @@ def test_supervisor_lost_lists_survivors_and_stop_cleans_them_up(tmp_path, sleep
     run_dir = crafted_run(tmp_path, processes=[identity(sleeper)])
     info = json.loads(launcher("status", run_dir, "--json", timeout=60).stdout)
     assert info["state"] == "SUPERVISOR_LOST" and info["pids"] == [sleeper.pid]
-    with pytest.raises(Exception, match="still has live training processes"):
+    with pytest.raises(LauncherError, match="still has live training processes"):
         check_earlier_runs(run_dir.parent)
     proc = launcher("stop", run_dir, "--grace", "1", timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert not alive(sleeper)
-    status = read_status(run_dir)
-    assert status["state"] == "SUPERVISOR_LOST" and str(sleeper.pid) in status["reason"]
+    status = read_record(run_dir)
+    assert status.state == "SUPERVISOR_LOST" and str(sleeper.pid) in status.reason
     assert events(run_dir)[-1]["event"] == "cleanup"
 
 
@@ -283,7 +285,7 @@ def test_rank_failure_reads_torchruns_summary_of_this_attempt_only(tmp_path):
 
 
 def test_root_cause_skips_torchruns_own_traceback_and_earlier_attempts(tmp_path):
-    from launcher.rundir import RunDir
+    from launcher.run.rundir import RunDir
 
     run = RunDir("r", tmp_path)
     rank_tb = 'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\nValueError: bad shard\n'
@@ -315,8 +317,7 @@ def test_status_imports_neither_the_training_stack_nor_the_validators(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
-    assert "launcher.status" in imported
-    heavy = {"torch", "transformers", "llamafactory", "pydantic", "patches", "rich", "docker",
-             "launcher.config", "launcher.preflight", "launcher.verify", "launcher.report"}  # fmt: skip
+    assert "launcher.monitor.status" in imported
+    heavy = {"torch", "transformers", "llamafactory", "pydantic", "patches", "rich", "docker", "launcher.run.config",
+             "launcher.checks.preflight", "launcher.results.verify", "launcher.results.report"}  # fmt: skip
     assert not heavy & imported, sorted(heavy & imported)
-

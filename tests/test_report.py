@@ -13,13 +13,11 @@ import numpy as np
 import pytest
 import yaml
 
-from launcher import trainer_log
-from launcher.backend import BACKENDS
 from launcher.cli import main
-from launcher.config import ConfigError, load_run_config, validate_llamafactory_args
-from launcher.curves import Point, load_curves, overfitting_verdict
-from launcher.report import LOSS_PNG, REPORT_JSON, REPORT_MD, build_report
-from launcher.rundir import RunDir, llamafactory_args
+from launcher.results.curves import Point, load_curves, overfitting_verdict
+from launcher.results.report import LOSS_PNG, REPORT_JSON, REPORT_MD, build_report
+from launcher.run.config import ConfigError, llamafactory_args, load_run_config, validate_llamafactory_args
+from launcher.state import trainer_log
 from tests.run_fixtures import EARLY_STOPPING, log_lines, make_run, real_demo_run, write_trainer_log
 
 
@@ -178,8 +176,8 @@ def test_half_written_last_line_is_ignored(tmp_path):
     path.write_text('{"current_steps": 1, "loss": 2.0}\n{"current_steps": 2, "loss": 1.9}\n{"current_steps": 3, "lo')
     assert trainer_log.read_trainer_log_tail(path, count=5) == [
         {"current_steps": 1, "loss": 2.0}, {"current_steps": 2, "loss": 1.9}]  # fmt: skip
-    assert trainer_log.last_progress(path) == {"current_steps": 2, "loss": 1.9}
-    assert [r["current_steps"] for r in trainer_log.read_trainer_log(path)] == [1, 2]
+    assert trainer_log.read_trainer_log_tail(path) == [{"current_steps": 2, "loss": 1.9}]
+    assert [r["current_steps"] for r in trainer_log.iter_trainer_log(path)] == [1, 2]
     # a complete-looking JSON object without its newline is still being written
     path.write_text('{"current_steps": 1}\n{"current_steps": 2}')
     assert trainer_log.read_trainer_log_tail(path) == [{"current_steps": 1}]
@@ -196,7 +194,7 @@ def test_tail_of_a_50_mb_log_costs_a_few_kb(tmp_path, monkeypatch):
     read = []
     real = trainer_log._read_block
     monkeypatch.setattr(trainer_log, "_read_block", lambda fd, off, size: read.append(size) or real(fd, off, size))
-    assert trainer_log.last_progress(path)["current_steps"] == 2475
+    assert trainer_log.read_trainer_log_tail(path)[-1]["current_steps"] == 2475
     assert sum(read) <= 16 << 10, read
 
 
@@ -209,11 +207,11 @@ def test_a_last_line_longer_than_a_block_is_skipped_whole(tmp_path):
 def test_deleted_and_recreated_log_is_followed(tmp_path):
     path = tmp_path / "trainer_log.jsonl"
     path.write_text('{"current_steps": 40}\n')
-    assert trainer_log.last_progress(path) == {"current_steps": 40}
+    assert trainer_log.read_trainer_log_tail(path) == [{"current_steps": 40}]
     path.unlink()
-    assert trainer_log.last_progress(path) is None
+    assert trainer_log.read_trainer_log_tail(path) == []
     path.write_text('{"current_steps": 1}\n')
-    assert trainer_log.last_progress(path) == {"current_steps": 1}
+    assert trainer_log.read_trainer_log_tail(path) == [{"current_steps": 1}]
 
 
 # ---- launcher.early_stopping -> LLaMA-Factory -------------------------------------------------------------
@@ -237,7 +235,7 @@ def es_config(tmp_path, early_stopping, distribution="ddp", **lf) -> object:
 
 
 def mapped(tmp_path, config):
-    return llamafactory_args(config, BACKENDS["cpu"], RunDir("x", tmp_path / "x"))
+    return llamafactory_args(config, "cpu", tmp_path / "x" / "output")
 
 
 def test_early_stopping_maps_to_llamafactory_keys_its_parser_accepts(tmp_path):

@@ -8,20 +8,22 @@ import shutil
 import pytest
 import yaml
 
-from launcher.records import RunState, StatusRecord
-from launcher.resume import plan_resume
+from launcher.errors import LauncherError
+from launcher.run.resume import plan_resume
 from tests.conftest import launcher_cmd, make_config, only_run_dir, read_jsonl
+from tests.fake_runs import write_record
 
 
 def crafted_run(tmp_path, state: str, checkpoints: dict[int, bool]):
     """A run folder in ``state`` with ``checkpoint-N`` folders (True: with optimizer/scheduler state)."""
     run_dir = tmp_path / "run"
     (run_dir / "output").mkdir(parents=True)
-    StatusRecord(run_dir, "run").update(state=RunState(state), processes=[])
+    write_record(run_dir, state=state)
     for step, exact in checkpoints.items():
         ckpt = run_dir / "output" / f"checkpoint-{step}"
         ckpt.mkdir()
         (ckpt / "adapter_model.safetensors").write_bytes(b"x" * 16)
+        (ckpt / "adapter_config.json").write_text("{}")
         (ckpt / "trainer_state.json").write_text("{}")
         if exact:
             (ckpt / "optimizer.pt").write_bytes(b"o")
@@ -31,18 +33,18 @@ def crafted_run(tmp_path, state: str, checkpoints: dict[int, bool]):
 
 def test_adapter_only_checkpoint_needs_the_flag(tmp_path):
     run_dir = crafted_run(tmp_path, "CANCELLED", {2: False, 4: False})
-    with pytest.raises(ValueError, match="--adapter-only") as info:
+    with pytest.raises(LauncherError, match="--adapter-only") as info:
         plan_resume(run_dir, adapter_only=False)
     assert "optimizer and the learning-rate schedule restart" in str(info.value)
     plan = plan_resume(run_dir, adapter_only=True)
-    assert plan["mode"] == "adapter-only" and plan["step"] == 4
+    assert plan.mode == "adapter-only" and plan.step == 4
 
 
 def test_exact_resume_takes_the_newest_complete_checkpoint(tmp_path):
     run_dir = crafted_run(tmp_path, "FAILED", {2: True, 4: True})
     (run_dir / "output" / "checkpoint-4" / "trainer_state.json").unlink()  # partial: being written
     plan = plan_resume(run_dir, adapter_only=False)
-    assert plan["mode"] == "exact" and plan["step"] == 2
+    assert plan.mode == "exact" and plan.step == 2
 
 
 @pytest.mark.parametrize(
@@ -53,7 +55,7 @@ def test_exact_resume_takes_the_newest_complete_checkpoint(tmp_path):
     ],
 )
 def test_runs_that_cannot_resume_are_refused(tmp_path, state, checkpoints, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(LauncherError, match=message):
         plan_resume(crafted_run(tmp_path, state, checkpoints), adapter_only=True)
 
 
@@ -74,7 +76,7 @@ def test_a_stopped_run_resumes_exactly_as_a_new_attempt(tmp_path, demo_assets):
     log = run_dir / "output" / "trainer_log.jsonl"
     log.write_text("".join(line + "\n" for line in log.read_text().splitlines()[:3]))
     status = json.loads((run_dir / "status.json").read_text())
-    StatusRecord.reopen(run_dir, status).update(state=RunState.CANCELLED)
+    (run_dir / "status.json").write_text(json.dumps({**status, "state": "CANCELLED"}))  # SUCCEEDED is final
 
     proc = launcher_cmd("resume", run_dir, "--foreground")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

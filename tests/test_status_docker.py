@@ -6,18 +6,16 @@ the SDK does (`containers.get` returning an object with `.status`, or raising `N
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import time
 
 import psutil
 import pytest
 from docker.errors import DockerException, NotFound
 
 import docker
+from launcher.monitor.status import collect
 from launcher.procs import boot_id, identity
-from launcher.records import RunState, StatusRecord
-from launcher.status import collect
+from tests.fake_runs import spawn, write_record
 
 
 class _Containers:
@@ -38,12 +36,10 @@ class _Client:
 @pytest.fixture
 def running_record(tmp_path):
     """A RUNNING record whose supervisor is alive (a sleeping stand-in), so only the container decides."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "launcher"])
+    proc = spawn([sys.executable, "-c", "import time; time.sleep(60)", "launcher"], "launcher")
     try:
-        time.sleep(0.2)
-        record = StatusRecord(tmp_path, "run-1")
-        record.update(state=RunState.RUNNING, supervisor=identity(psutil.Process(proc.pid)), boot_id=boot_id(),
-                      container="deltanet-train")  # fmt: skip
+        write_record(tmp_path, "run-1", state="RUNNING", supervisor=identity(psutil.Process(proc.pid)),
+                     boot_id=boot_id(), container={"name": "deltanet-train"})  # fmt: skip
         yield tmp_path
     finally:
         proc.kill()

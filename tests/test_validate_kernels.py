@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from launcher import kernel_check, kernels  # noqa: E402
+from launcher.checks import kernel_check, kernels  # noqa: E402
 from launcher.cli import main  # noqa: E402
 
 SMALL = kernels.Case("small", 1, 100, 3, 16)  # T=100 != H=3, not a multiple of the 64-token chunk

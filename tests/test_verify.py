@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from launcher.cli import main
-from launcher.verify import VERIFY_FILE, verify_run
+from launcher.results.verify import VERIFY_FILE, verify_run
 from tests.run_fixtures import (
     QKVO,
     TINY_QKVO_MODULES,

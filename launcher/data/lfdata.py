@@ -18,8 +18,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from launcher.errors import LauncherError
 
-class StatsError(ValueError):
+
+class StatsError(LauncherError):
     """The config or its data cannot be measured; the message says what, the value, and the fix."""
 
 
@@ -160,7 +162,7 @@ def _load_names(lfd: LFData, names: list[str]) -> list[dict[str, Any]]:
 
 def load_splits(lfd: LFData) -> dict[str, list[dict[str, Any]]]:
     """``{"train": [...], "validation": [...]}`` of aligned samples, split as LLaMA-Factory splits them."""
-    from ..privacy import withhold_record_warnings
+    from launcher.data.privacy import withhold_record_warnings
 
     withhold_record_warnings()  # LLaMA-Factory's converters quote whole records when they skip one
     data_args = lfd.data_args

@@ -23,15 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..records import write_text_atomic
-from ..rundir import sha256_file
-from . import soulchat
-from .soulchat import Kind, Options, Rejected
+from launcher.data import soulchat
+from launcher.data.soulchat import Kind, Options, Rejected
+from launcher.errors import LauncherError
+from launcher.files import default_mode, read_json_object, sha256_file, write_text_atomic
 
 INFO_FILE = "dataset_info.json"
 
 
-class PrepareError(ValueError):
+class PrepareError(LauncherError):
     """Bad input or a refused overwrite; the message says what, shows the value, and how to fix it."""
 
 
@@ -144,12 +144,9 @@ def _read_info(out: Path) -> dict[str, Any]:
     path = out / INFO_FILE
     if not path.exists():
         return {}
-    try:
-        info = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise PrepareError(f"{path} exists but is not readable JSON ({err}); fix or remove it") from err
-    if not isinstance(info, dict):
-        raise PrepareError(f"{path} is not a JSON object of dataset entries; fix or remove it")
+    info = read_json_object(path)
+    if isinstance(info, str):
+        raise PrepareError(f"{info}; it must be a JSON object of dataset entries: fix or remove it")
     return info
 
 
@@ -216,16 +213,18 @@ def prepare(src: Path, out: Path, options: Options, *, val_file: Path | None = N
 
     rejects = train_part.rejects + (val_part.rejects if val_part else [])
     out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(files["train"], json.dumps(train, ensure_ascii=False, indent=1) + "\n")
+    # conversations: never more open than the file they came from (nor than the umask allows)
+    private = default_mode() & src.stat().st_mode & (val_file.stat().st_mode if val_file else 0o777)
+    write_text_atomic(files["train"], json.dumps(train, ensure_ascii=False, indent=1) + "\n", private)
     info[name] = soulchat.dataset_info_entry(train_part.kind, files["train"].name)
     if val:
-        write_text_atomic(files["val"], json.dumps(val, ensure_ascii=False, indent=1) + "\n")
+        write_text_atomic(files["val"], json.dumps(val, ensure_ascii=False, indent=1) + "\n", private)
         info[f"{name}_val"] = soulchat.dataset_info_entry(train_part.kind, files["val"].name)
     else:
         files.pop("val")
         (out / f"{name}_val.json").unlink(missing_ok=True)  # a stale one from an earlier --force run
         info.pop(f"{name}_val", None)
-    write_text_atomic(files["rejects"], "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rejects))
+    write_text_atomic(files["rejects"], "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rejects), private)
     counts = {
         "records": train_part.records + (val_part.records if val_part else 0),
         "train": len(train),

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .lfdata import LFData, StatsError, load_lf_data, load_splits
+from launcher.data.lfdata import LFData, StatsError, load_lf_data, load_splits
 
 PERCENTILES = (50, 90, 95, 99)
 CHUNK = 64  # samples per batch of strings handed to the tokenizer

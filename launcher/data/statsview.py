@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
+
+from launcher.files import write_bytes_atomic, write_json_atomic
 
 STATS_FILE = "data_stats.json"
 PLOT_FILE = "data_stats.png"
@@ -55,8 +58,6 @@ def render_table(result: dict[str, Any]) -> None:
 
 
 def write_json(result: dict[str, Any], out: Path) -> Path:
-    from ..records import write_json_atomic
-
     out.mkdir(parents=True, exist_ok=True)
     path = out / STATS_FILE
     write_json_atomic(path, result)
@@ -87,8 +88,10 @@ def write_histogram(result: dict[str, Any], lengths: dict[str, Any], out: Path) 
         ax.legend()
     fig.tight_layout()
     path = out / PLOT_FILE
-    fig.savefig(path, dpi=100)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
     plt.close(fig)
+    write_bytes_atomic(path, buffer.getvalue())
     return path
 
 
@@ -96,7 +99,7 @@ def print_samples(lfd: Any, samples_by_split: dict[str, list], count: int) -> No
     """``--show-samples``: the first ``count`` samples of each split as the model sees them (text!)."""
     from llamafactory.extras.constants import IGNORE_INDEX
 
-    from .stats import _Measurer
+    from launcher.data.stats import _Measurer
 
     measurer = _Measurer(lfd)
     for name, samples in samples_by_split.items():

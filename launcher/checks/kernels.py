@@ -1,0 +1,434 @@
+"""Kernel numerics: the routed Gated DeltaNet chunk kernel against a float32 reference.
+
+    launcher validate-kernels [--device auto|npu|cuda|cpu] [--suite quick|full] [--json PATH]
+
+(the command's arguments, table and JSON are in ``launcher.kernels_cli``; the checks are here)
+
+Which kernel: the one training routes to (``patches.deltanet_routing.select_route``, through
+``launcher.checks.kernel_check``): FLA's ``chunk_gated_delta_rule`` on NPU (triton-ascend) and CUDA, transformers'
+``torch_chunk_gated_delta_rule`` on CPU or with ``--kernel torch``. A routing refusal (FLA missing, FLA's
+Hopper guard) is reported as the answer; this command never lifts FLA's guard.
+
+How each case is checked:
+
+- inputs are drawn as the model makes them (``Qwen3_5GatedDeltaNet.forward``, transformers 5.6.0): q and k
+  in ``[B, T, H_k, D]``, ``repeat_interleave``-d to the value heads ``H_v`` when the case is grouped; v in
+  ``[B, T, H_v, D]``; ``g = -exp(A_log) * softplus(a + dt_bias)`` in float32 (negative), with A spread
+  geometrically over [1e-3, 16] across the heads (the model initialises A uniformly in [0, 16]) so some heads
+  carry state across many chunks and others forget within a few tokens; ``beta = sigmoid(b)``; the kernel
+  is called with ``use_qk_l2norm_in_kernel=True``. Everything except g is rounded to bfloat16 once.
+- the routed kernel runs on the device in bfloat16 (g in float32, as the model passes it), forward and
+  backward against a fixed random output gradient; the reference is transformers' torch chunk
+  implementation run in float32 on the same bfloat16-rounded values (on the same device, float32 matmuls at
+  full precision). Reported: relative L2 error ``|x - ref| / |ref|`` of the output and of the gradients of
+  q, k, v, g and beta (for grouped cases, of the ``H_k``-head q and k the model owns). PASS when every
+  value is finite and every error is under the threshold (default 5 %).
+- T != H in every case, so a kernel that reads the layout as ``[B, H, T, D]`` cannot pass.
+- ``varlen`` packs several sequences into one row with ``cu_seqlens`` (as LLaMA-Factory's packing does) and
+  compares the packed call with the same kernel run on each sequence alone, and with the reference run on
+  each sequence alone; a kernel that leaks state across sequences fails. transformers' torch kernel has no
+  ``cu_seqlens``, so on CPU (and with ``--kernel torch``) this case is skipped with that reason: packed
+  training never routes to the torch kernel.
+- ``qwen3_5_27b`` is the 27B model's linear-attention call, [1, 4096, 48, 128] fed from 16 key heads; it also
+  reports peak device memory of the routed forward+backward and the median time of the routed kernel
+  against the torch fallback (forward+backward, bfloat16, the same inputs).
+
+On CPU the "routed" kernel *is* the torch reference, run in bfloat16: the errors are then bfloat16 rounding
+only, small but not zero, so the comparison is live (``tests/test_validate_kernels.py`` shows broken
+kernels fail). The ``quick`` suite (small shapes) is the CPU default and what preflight runs; ``full`` is the
+default on accelerators.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+DEFAULT_THRESHOLD = 0.05
+GRAD_NAMES = ("q", "k", "v", "g", "beta")
+TIMING_WARMUP, TIMING_REPEATS = 3, 10
+
+
+@dataclass(frozen=True)
+class Case:
+    """One kernel call shape. ``heads`` are value heads; ``key_heads`` the q/k heads before interleaving."""
+
+    name: str
+    batch: int
+    seq_len: int
+    heads: int
+    dim: int
+    key_heads: int | None = None
+    seq_lens: tuple[int, ...] | None = None  # varlen: the packed sequences (batch must be 1)
+    timing: bool = False
+    memory: bool = False
+    about: str = ""
+
+    @property
+    def shape(self) -> list[int]:
+        return [self.batch, self.seq_len, self.heads, self.dim]
+
+    @property
+    def cu_seqlens(self) -> list[int] | None:
+        if self.seq_lens is None:
+            return None
+        return [0, *(sum(self.seq_lens[: i + 1]) for i in range(len(self.seq_lens)))]
+
+
+def _varlen(name: str, lens: tuple[int, ...], heads: int, dim: int, key_heads: int | None = None) -> Case:
+    about = f"{len(lens)} sequences packed with cu_seqlens vs each alone"
+    return Case(name, 1, sum(lens), heads, dim, key_heads, seq_lens=lens, about=about)
+
+
+MODEL_CASE = Case("qwen3_5_27b", 1, 4096, 48, 128, key_heads=16, timing=True, memory=True,
+                  about="the 27B model's DeltaNet call (16 key heads -> 48 value heads)")  # fmt: skip
+SUITES: dict[str, tuple[Case, ...]] = {
+    # one head count and dim per suite: FLA's Triton kernels compile per (heads, dim), which costs minutes
+    "quick": (
+        Case("layout", 2, 150, 4, 32, about="batch 2, T=150 != H=4, T not a multiple of the 64-token chunk"),
+        Case("grouped", 1, 128, 4, 32, key_heads=2, about="q, k repeat_interleave-d from 2 to 4 heads"),
+        _varlen("varlen", (45, 85, 70), 4, 32),
+    ),
+    "full": (
+        # the model's 48 heads of dim 128 throughout, so the suite also shares its compile with training
+        Case("layout", 2, 1000, 48, 128, about="batch 2, T=1000 != H=48, T not a multiple of the 64-token chunk"),
+        Case("grouped", 1, 2048, 48, 128, key_heads=16, about="q, k repeat_interleave-d from 16 to 48 heads"),
+        _varlen("varlen", (700, 1100, 1300, 996), 48, 128, key_heads=16),
+        MODEL_CASE,
+    ),
+}
+
+
+@dataclass
+class CaseResult:
+    name: str
+    shape: list[int]
+    key_heads: int | None
+    status: str  # pass | fail | skip
+    errors: dict[str, float] = field(default_factory=dict)
+    finite: bool | None = None
+    cu_seqlens: list[int] | None = None
+    errors_vs_alone: dict[str, float] | None = None
+    peak_memory_gib: float | None = None
+    timing_ms: dict[str, float] | None = None
+    seconds: float = 0.0
+    note: str = ""
+
+    @property
+    def max_error(self) -> float | None:
+        values = list(self.errors.values()) + list((self.errors_vs_alone or {}).values())
+        return max(values) if values else None
+
+
+@dataclass
+class Report:
+    device: str
+    backend: str
+    kernel: str
+    threshold: float
+    suite: str
+    cases: list[CaseResult] = field(default_factory=list)
+    error: str | None = None
+    environment: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.cases) and all(c.status != "fail" for c in self.cases)
+
+    def to_dict(self) -> dict[str, Any]:
+        cases = [{**asdict(c), "max_error": c.max_error} for c in self.cases]
+        return {"ok": self.ok, **asdict(self), "cases": cases}
+
+
+# --- inputs, runs and errors ------------------------------------------------------------------------
+
+
+def make_inputs(torch, case: Case, seed: int = 0) -> dict[str, Any]:
+    """Model-like inputs on the CPU: bfloat16-rounded q, k, v, beta and output gradient; float32 g."""
+    gen = torch.Generator().manual_seed(seed)
+    b, t, h, d = case.shape
+    hk = case.key_heads or h
+    bf16 = torch.bfloat16
+    q = torch.randn(b, t, hk, d, generator=gen).to(bf16)
+    k = torch.randn(b, t, hk, d, generator=gen).to(bf16)
+    v = torch.randn(b, t, h, d, generator=gen).to(bf16)
+    a = torch.randn(b, t, h, generator=gen)
+    a_log = torch.linspace(math.log(1e-3), math.log(16.0), h)  # A per head, from long memory to fast decay
+    g = -a_log.exp() * torch.nn.functional.softplus(a + 1.0)  # dt_bias initialised to ones
+    beta = torch.randn(b, t, h, generator=gen).sigmoid().to(bf16)
+    grad_out = torch.randn(b, t, h, d, generator=gen).to(bf16)
+    return {"q": q, "k": k, "v": v, "g": g.float(), "beta": beta, "grad_out": grad_out}
+
+
+def run_kernel(torch, kernel: Callable, inputs: dict[str, Any], case: Case, *, device: str, dtype,
+               cu_seqlens: list[int] | None = None) -> tuple[Any, dict[str, Any]]:  # fmt: skip
+    """Forward and backward of ``kernel`` as the model calls it; returns the output and the input gradients.
+
+    ``dtype`` applies to q, k, v, beta and the output gradient; g stays float32 (the model computes it so).
+    """
+    leaves = {}
+    for name in GRAD_NAMES:
+        x = inputs[name].to(device=device, dtype=torch.float32 if name == "g" else dtype)
+        leaves[name] = x.detach().requires_grad_(True)
+    q, k = leaves["q"], leaves["k"]
+    if case.key_heads and case.key_heads != case.heads:  # as Qwen3_5GatedDeltaNet.forward feeds the kernel
+        q = q.repeat_interleave(case.heads // case.key_heads, dim=2)
+        k = k.repeat_interleave(case.heads // case.key_heads, dim=2)
+    extra = {}
+    if cu_seqlens is not None:
+        extra["cu_seqlens"] = torch.tensor(cu_seqlens, dtype=torch.long, device=device)
+    out = kernel(q, k, leaves["v"], g=leaves["g"], beta=leaves["beta"], initial_state=None,
+                 output_final_state=False, use_qk_l2norm_in_kernel=True, **extra)  # fmt: skip
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(inputs["grad_out"].to(device=device, dtype=out.dtype))
+    return out.detach(), {name: leaves[name].grad for name in GRAD_NAMES}
+
+
+def rel_error(torch, got, ref) -> float:
+    """``|got - ref| / |ref|`` (L2, float64); infinite when ``got`` is missing or not finite."""
+    if got is None or not bool(torch.isfinite(got).all()):
+        return math.inf
+    got, ref = got.detach().double(), ref.detach().double().to(got.device)
+    return float(torch.linalg.vector_norm(got - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-30))
+
+
+def compare(torch, got: tuple[Any, dict[str, Any]], ref: tuple[Any, dict[str, Any]]) -> dict[str, float]:
+    out, grads = got
+    ref_out, ref_grads = ref
+    errors = {"out": rel_error(torch, out, ref_out)}
+    errors.update({f"d{n}": rel_error(torch, grads[n], ref_grads[n]) for n in GRAD_NAMES})
+    return errors
+
+
+def _split_run(torch, kernel, inputs, case: Case, **kw) -> tuple[Any, dict[str, Any]]:
+    """Run each packed sequence of a varlen case alone and stitch outputs and gradients back together."""
+    outs, grads = [], {n: [] for n in GRAD_NAMES}
+    bounds = case.cu_seqlens
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        part = {n: x[:, start:end] for n, x in inputs.items()}
+        sub = Case(case.name, 1, end - start, case.heads, case.dim, case.key_heads)
+        out, g = run_kernel(torch, kernel, part, sub, **kw)
+        outs.append(out)
+        for n in GRAD_NAMES:
+            grads[n].append(g[n])
+    return torch.cat(outs, dim=1), {n: torch.cat(parts, dim=1) for n, parts in grads.items()}
+
+
+def accepts_cu_seqlens(kernel: Callable) -> bool:
+    try:
+        return "cu_seqlens" in inspect.signature(kernel).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class Device:
+    """Synchronisation and memory counters of one device type (cuda, npu) or the CPU (no counters)."""
+
+    def __init__(self, torch, device: str):
+        self.torch, self.name, self.type = torch, device, device.split(":")[0]
+        self.module = getattr(torch, self.type, None) if self.type != "cpu" else None
+
+    def sync(self) -> None:
+        if self.module is not None:
+            self.module.synchronize()
+
+    def reset_peak(self) -> None:
+        if self.module is not None:
+            self.sync()
+            self.module.empty_cache()
+            self.module.reset_peak_memory_stats()
+
+    def peak_gib(self) -> float | None:
+        if self.module is None:
+            return None
+        self.sync()
+        return round(self.module.max_memory_allocated() / 2**30, 3)
+
+
+def time_fwd_bwd(torch, kernel, inputs, case: Case, dev: Device, dtype) -> float:
+    """Median milliseconds of one forward+backward (synchronised wall clock, after warm-up calls)."""
+    times = []
+    for i in range(TIMING_WARMUP + TIMING_REPEATS):
+        dev.sync()
+        start = time.perf_counter()
+        run_kernel(torch, kernel, inputs, case, device=dev.name, dtype=dtype)
+        dev.sync()
+        if i >= TIMING_WARMUP:
+            times.append((time.perf_counter() - start) * 1e3)
+    return round(statistics.median(times), 3)
+
+
+class _FullPrecision:
+    """float32 matmuls at full precision (no TF32) while the reference runs."""
+
+    def __init__(self, torch):
+        self.torch = torch
+
+    def __enter__(self):
+        self.saved = self.torch.get_float32_matmul_precision()
+        self.torch.set_float32_matmul_precision("highest")
+
+    def __exit__(self, *exc):
+        self.torch.set_float32_matmul_precision(self.saved)
+
+
+def check_case(torch, case: Case, kernel: Callable, reference: Callable, dev: Device, threshold: float,
+               fallback: Callable | None = None) -> CaseResult:  # fmt: skip
+    """Run one case; never raises (an exception is a failed case with the error as its note)."""
+    started = time.monotonic()
+    result = CaseResult(case.name, case.shape, case.key_heads, "fail", cu_seqlens=case.cu_seqlens)
+    try:
+        if case.seq_lens is not None and not accepts_cu_seqlens(kernel):
+            result.status = "skip"
+            result.note = (
+                "the routed kernel takes no cu_seqlens (transformers' torch chunk kernel); packed training "
+                "never routes there (LLaMA-Factory's packing calls FLA's varlen kernels)"
+            )
+            return result
+        # on the device once, so that timings hold no host-to-device copies
+        inputs = {n: x.to(dev.name) for n, x in make_inputs(torch, case).items()}
+        kw = {"device": dev.name}
+        dev.reset_peak()
+        got = run_kernel(torch, kernel, inputs, case, dtype=torch.bfloat16, cu_seqlens=case.cu_seqlens, **kw)
+        if case.memory:
+            result.peak_memory_gib = dev.peak_gib()
+        with _FullPrecision(torch):
+            if case.seq_lens is None:
+                ref = run_kernel(torch, reference, inputs, case, dtype=torch.float32, **kw)
+            else:
+                ref = _split_run(torch, reference, inputs, case, dtype=torch.float32, **kw)
+        result.errors = compare(torch, got, ref)
+        if case.seq_lens is not None:
+            alone = _split_run(torch, kernel, inputs, case, dtype=torch.bfloat16, **kw)
+            result.errors_vs_alone = compare(torch, got, alone)
+        out, grads = got
+        result.finite = bool(torch.isfinite(out).all()) and all(
+            x is not None and bool(torch.isfinite(x).all()) for x in grads.values()
+        )
+        del got, ref
+        if case.timing:
+            result.timing_ms = {"routed": time_fwd_bwd(torch, kernel, inputs, case, dev, torch.bfloat16)}
+            if fallback is not None and fallback is not kernel:
+                result.timing_ms["torch_fallback"] = time_fwd_bwd(torch, fallback, inputs, case, dev, torch.bfloat16)
+        worst = result.max_error
+        result.status = "pass" if result.finite and worst is not None and worst <= threshold else "fail"
+        if not result.finite:
+            result.note = "non-finite output or gradient"
+        elif result.status == "fail":
+            where = max({**result.errors, **{f"{k} vs alone": v for k, v in (result.errors_vs_alone or {}).items()}}
+                        .items(), key=lambda kv: kv[1])  # fmt: skip
+            result.note = f"{where[0]} differs by {where[1]:.2%} (threshold {threshold * 100:g}%)"
+        else:
+            result.note = case.about
+    except Exception as err:  # a crashing kernel is a failed case, reported with the others
+        result.note = f"{type(err).__name__}: {err}"
+    finally:
+        result.seconds = round(time.monotonic() - started, 2)
+    return result
+
+
+# --- the suite ----------------------------------------------------------------------------------------
+
+
+def select_kernel(backend: str, kernel: str):
+    """The kernel training will route to on ``backend`` and its description.
+
+    The routing patch decides (``patches.deltanet_routing.select_route``) from the backend and the config's
+    ``launcher.patches.deltanet_routing.kernel``, exactly as it will before the model is built; a refusal
+    (FLA missing, FLA's Hopper guard, community triton on NPU) raises ``PatchError`` with the fix.
+    """
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    from patches.deltanet_routing import load_fla_kernels, select_route
+    from patches.fla_probe import probe_fla
+
+    route = select_route(backend, kernel, probe_fla(backend))  # PatchError carries the reason and the fix
+    if route.kernel == "torch":
+        return torch_chunk_gated_delta_rule, f"transformers torch_chunk_gated_delta_rule ({route.reason})"
+    return load_fla_kernels().chunk, f"fla chunk_gated_delta_rule ({route.reason})"
+
+
+def device_name(backend: str) -> str:
+    if backend == "npu":
+        import torch_npu  # noqa: F401  (registers the npu device)
+
+        return "npu:0"
+    return "cuda:0" if backend == "cuda" else "cpu"
+
+
+def resolve_backend(device: str) -> str:
+    if device != "auto":
+        return device
+    from launcher.backend import resolve
+
+    return resolve("auto").name
+
+
+def torch_reference() -> Callable:
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    return torch_chunk_gated_delta_rule
+
+
+def environment(torch, dev: Device) -> dict[str, Any]:
+    from importlib import metadata
+
+    versions = {}
+    for dist in ("torch", "transformers", "fla-core", "triton", "triton-ascend", "torch-npu"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    env: dict[str, Any] = {"versions": versions, "python": sys.version.split()[0]}
+    if dev.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(dev.name)
+    chunk_o = sys.modules.get("fla.ops.common.chunk_o")  # FLA's Hopper guard flags, read only (see fla_probe)
+    if chunk_o is not None:
+        names = ("IS_NVIDIA_HOPPER", "TRITON_ABOVE_3_4_0", "TRITON_ABOVE_3_7_1")
+        env["fla_hopper_guard_flags"] = {n: getattr(chunk_o, n, None) for n in names}
+    return env
+
+
+def validate(backend: str, *, kernel: str = "auto", suite: str = "quick", threshold: float = DEFAULT_THRESHOLD,
+             cases: tuple[str, ...] | None = None, kernel_fn: Callable | None = None,
+             kernel_name: str | None = None) -> Report:  # fmt: skip
+    """Run a suite against the kernel routed for ``backend`` (or ``kernel_fn``, for tests).
+
+    Args:
+        backend: npu, cuda or cpu.
+        kernel: the config's ``launcher.patches.deltanet_routing.kernel`` (auto, fla, torch).
+        suite: ``quick`` (small shapes) or ``full`` (model shapes).
+        threshold: largest relative L2 error that passes.
+        cases: run only these case names of the suite.
+
+    Returns:
+        The report; ``report.error`` is set (and no case runs) when no kernel can be routed here.
+    """
+    report = Report(device=backend, backend=backend, kernel=kernel_name or "", threshold=threshold, suite=suite)
+    unknown = sorted(set(cases or ()) - {c.name for c in SUITES[suite]})
+    if unknown:
+        names = ", ".join(c.name for c in SUITES[suite])
+        report.error = f"unknown case(s) {', '.join(unknown)} in suite {suite}; its cases are {names}"
+        return report
+    try:
+        import torch
+
+        dev = Device(torch, device_name(backend))
+        report.device = dev.name
+        if kernel_fn is None:
+            kernel_fn, report.kernel = select_kernel(backend, kernel)
+        reference = torch_reference()
+        report.environment = environment(torch, dev)
+    except Exception as err:  # a refused route (PatchError) carries its reason and the fix
+        report.error = f"{type(err).__name__}: {err}"
+        return report
+    selected = [c for c in SUITES[suite] if cases is None or c.name in cases]
+    for case in selected:
+        report.cases.append(check_case(torch, case, kernel_fn, reference, dev, threshold, fallback=reference))
+    return report

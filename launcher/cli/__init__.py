@@ -1,0 +1,66 @@
+"""The ``launcher`` command: one registry of verbs, each with help and examples, and every argparse line.
+
+Verbs live in three modules (``run_verbs``: start, stop, check; ``view_verbs``: read runs from their
+files; ``tool_verbs``: kernels, demo assets, data). Each verb imports what it needs when it runs, so
+host-side verbs (``status``, ``logs``, ``list``, ``stop``) start fast and work without torch. Domain
+modules define no arguments and print no errors: a ``LauncherError`` is printed here, once, and its
+exit code returned.
+
+May import every part of the launcher; nothing imports it but ``__main__``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from launcher.cli import run_verbs, tool_verbs, view_verbs
+from launcher.cli.registry import Verb
+from launcher.errors import LauncherError
+
+_ORDER = ("run", "start", "status", "logs", "stop", "list", "resume", "check", "preflight", "verify", "report",
+          "validate-kernels", "demo-assets", "data")  # fmt: skip
+_ALL = {v.name: v for v in (*run_verbs.VERBS, *view_verbs.VERBS, *tool_verbs.VERBS)}
+VERBS: tuple[Verb, ...] = tuple(_ALL[n] for n in _ORDER) + tuple(v for v in _ALL.values() if v.hidden)
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``launcher`` parser. ``only`` adds the arguments of that verb alone: some verbs' argument
+    functions import their module (validate-kernels, report), which a `status` call should not pay for."""
+    shown = [v for v in VERBS if not v.hidden]
+    parser = argparse.ArgumentParser(
+        prog="launcher",
+        description="LoRA fine-tuning of hybrid Gated-DeltaNet models (Qwen3.5) with LLaMA-Factory.",
+        epilog="examples:\n" + "\n".join(f"  {v.examples.splitlines()[0]}" for v in shown),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+    for verb in VERBS:
+        kwargs = {} if verb.hidden else {"help": verb.help}
+        p = sub.add_parser(
+            verb.name,
+            description=verb.help,
+            epilog=f"examples:\n  {verb.examples}" if verb.examples else None,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            **kwargs,
+        )
+        if only is None or verb.name == only:
+            verb.add_arguments(p)
+        p.set_defaults(_run=verb.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    ns = build_parser(only=chosen if chosen in _ALL else None).parse_args(argv)
+    try:
+        return int(ns._run(ns))
+    except LauncherError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+__all__ = ["VERBS", "build_parser", "main"]

@@ -1,0 +1,64 @@
+"""The verb record and the argument helpers every verb module shares."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from launcher.errors import LauncherError
+from launcher.files import read_yaml_mapping
+from launcher.state.runs import DEFAULT_RUNS_ROOT, ROOT_ENV, default_root, run_dir_for
+
+
+@dataclass(frozen=True)
+class Verb:
+    """One ``launcher`` verb: its help, examples, argparse lines and what it runs.
+
+    ``run`` returns the exit code; a ``LauncherError`` it raises is printed once by ``main``.
+    """
+
+    name: str
+    help: str
+    examples: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    hidden: bool = False
+
+
+def add_root_arg(p: argparse.ArgumentParser) -> None:
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--root", type=Path, default=None,
+                       help=f"runs folder (default: ${ROOT_ENV}, else outputs/runs)")  # fmt: skip
+    where.add_argument("--config", dest="root_config", type=Path, default=None, metavar="CONFIG",
+                       help="find runs under this run config's launcher.output_root")  # fmt: skip
+
+
+def add_run_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", nargs="?", help="run id or run directory (default: the newest run under --root)")
+    add_root_arg(p)
+
+
+def add_config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", type=Path, help="run config: LLaMA-Factory YAML plus a launcher: section")
+
+
+def runs_root(ns: argparse.Namespace) -> Path:
+    """The runs folder: ``--root``, else ``--config``'s ``launcher.output_root``, else ``$LAUNCHER_ROOT`` or
+    outputs/runs. The config is read for that one key only (no validation, no pydantic: host verbs stay fast).
+    """
+    if ns.root is not None:
+        return ns.root
+    if ns.root_config is not None:
+        data = read_yaml_mapping(ns.root_config)
+        if isinstance(data, str):
+            raise LauncherError(f"--config: {data}")
+        section = data.get("launcher") if isinstance(data.get("launcher"), dict) else {}
+        return Path(str(section.get("output_root", DEFAULT_RUNS_ROOT)))
+    return default_root()
+
+
+def run_dir(ns: argparse.Namespace) -> Path:
+    """The run directory RUN names, or the newest under the runs folder; raises ``RunNotFound``."""
+    return run_dir_for(ns.run, runs_root(ns))

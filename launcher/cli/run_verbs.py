@@ -1,0 +1,154 @@
+"""Verbs that start, stop and check runs: run, start, stop, resume, check, preflight (and the internal
+verbs a detached supervisor and preflight's kernel check run as)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from launcher.cli.registry import Verb, add_config_arg, add_run_arg, run_dir
+from launcher.errors import ExitCode, LauncherError
+
+
+def _args_run(p: argparse.ArgumentParser) -> None:
+    add_config_arg(p)
+    p.add_argument("--quiet", action="store_true", help="do not echo the job's output (it still goes to the log)")
+
+
+def _cmd_run(ns: argparse.Namespace) -> int:
+    from launcher.run.config import load_run_config
+    from launcher.run.supervisor import supervise
+
+    return supervise(load_run_config(ns.config), echo=not ns.quiet)
+
+
+def _cmd_start(ns: argparse.Namespace) -> int:
+    from launcher.run.config import load_run_config
+    from launcher.run.lock import LOCK_NAME, LockBusy, is_locked, read_owner
+
+    config = load_run_config(ns.config)  # fast host-side errors before anything is spawned
+    root = config.launcher.output_root
+    if is_locked(root):  # refuse at once; the supervisor checks again under the lock
+        raise LockBusy(root / LOCK_NAME, read_owner(root))
+    from launcher.run.control import start_detached
+
+    return start_detached(config)
+
+
+def _args_supervise(p: argparse.ArgumentParser) -> None:
+    add_config_arg(p)
+    p.add_argument("--handshake-fd", type=int, required=True)
+    p.add_argument("--resume", default=None, help="the resume plan as JSON")
+
+
+def _cmd_supervise(ns: argparse.Namespace) -> int:
+    from launcher.run.config import load_run_config
+    from launcher.run.resume import ResumePlan
+    from launcher.run.supervisor import Handshake, supervise
+
+    handshake = Handshake(os.fdopen(ns.handshake_fd, "w"))
+    try:
+        config = load_run_config(ns.config)  # changed since `start` read it: say so to `start`
+    except LauncherError as err:
+        handshake.refuse(err)
+        raise
+    resume = ResumePlan.from_json(ns.resume) if ns.resume else None
+    return supervise(config, echo=False, handshake=handshake, resume=resume)
+
+
+def _cmd_check(ns: argparse.Namespace) -> int:
+    from launcher.run.config import load_run_config
+    from launcher.run.setup import prepare
+
+    prepared = prepare(load_run_config(ns.config))
+    launcher = prepared.config.launcher
+    print(f"{ns.config}: OK (backend {prepared.backend.name}, {launcher.nproc_per_node} process(es) per node, "
+          f"{launcher.distribution}{', smoke' if launcher.smoke else ''})")  # fmt: skip
+    return ExitCode.OK
+
+
+def _args_preflight(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", type=Path, help="run config to check (LLaMA-Factory YAML plus a launcher: section)")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON to PATH")
+
+
+def _cmd_preflight(ns: argparse.Namespace) -> int:
+    """0 when every row passed, 1 when one failed, 2 when the config is invalid."""
+    from launcher.checks.preflight import run_preflight
+    from launcher.run.config import load_run_config
+    from launcher.run.setup import prepare
+
+    report = run_preflight(prepare(load_run_config(ns.config)))
+    report.render()
+    if ns.json is not None:
+        print(f"report: {report.write(ns.json)}", file=sys.stderr)
+    return ExitCode.OK if report.ok else ExitCode.FAILED
+
+
+def _args_kernel_check(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=("cpu", "cuda", "npu"), required=True)
+    p.add_argument("--kernel", choices=("auto", "fla", "torch"), default="auto",
+                   help="launcher.patches.deltanet_routing.kernel of the config (default auto)")  # fmt: skip
+    p.add_argument("--no-suite", action="store_true", help="skip the quick validate-kernels suite")
+
+
+def _cmd_kernel_check(ns: argparse.Namespace) -> int:
+    """One JSON line on stdout (preflight reads it); 0 when the kernel passed."""
+    from launcher.checks.kernel_check import check
+
+    result = check(ns.backend, ns.kernel, suite=not ns.no_suite)
+    print(json.dumps(result), flush=True)
+    return ExitCode.OK if result["ok"] else ExitCode.FAILED
+
+
+def _args_stop(p: argparse.ArgumentParser) -> None:
+    add_run_arg(p)
+    p.add_argument("--grace", type=float, default=None, metavar="SECONDS",
+                   help="seconds between SIGTERM and SIGKILL (default: the run's stop_grace_s)")  # fmt: skip
+
+
+def _cmd_stop(ns: argparse.Namespace) -> int:
+    from launcher.run.control import stop_run
+
+    return stop_run(run_dir(ns), ns.grace)
+
+
+def _args_resume(p: argparse.ArgumentParser) -> None:
+    add_run_arg(p)
+    p.add_argument("--adapter-only", action="store_true",
+                   help="accept a checkpoint without optimizer/scheduler state (save_only_model: true)")  # fmt: skip
+    p.add_argument("--foreground", action="store_true", help="supervise in the foreground, like `run`")
+
+
+def _cmd_resume(ns: argparse.Namespace) -> int:
+    from launcher.run.resume import resume_run
+
+    return resume_run(run_dir(ns), adapter_only=ns.adapter_only, foreground=ns.foreground)
+
+
+VERBS: tuple[Verb, ...] = (
+    Verb("run", "train in the foreground: validate, create a run directory, supervise the job to its end",
+         "launcher run configs/demo_cpu.yaml\n  launcher run configs/qwen3_5_27b_lora_soulchat.yaml",
+         _args_run, _cmd_run),
+    Verb("start", "start a run in the background (survives the SSH session) and return at once",
+         "launcher start configs/qwen3_5_27b_lora_soulchat.yaml", add_config_arg, _cmd_start),
+    Verb("stop", "stop a run: SIGTERM to every process of the job, SIGKILL after the grace period",
+         "launcher stop\n  launcher stop demo-cpu-20261130-101500 --grace 300", _args_stop, _cmd_stop),
+    Verb("resume", "continue a stopped or failed run from its last complete checkpoint (a new attempt)",
+         "launcher resume demo-cpu-20261130-101500\n  launcher resume RUN --adapter-only",
+         _args_resume, _cmd_resume),
+    Verb("check", "validate a run config (launcher section and LLaMA-Factory's own parser) without training",
+         "launcher check configs/qwen3_5_27b_lora_soulchat.yaml", add_config_arg, _cmd_check),
+    Verb("preflight",
+         "check backend, devices, driver, packages, DeltaNet kernel, model, data and output space; print a table",
+         "launcher preflight configs/qwen3_5_27b_lora_soulchat.yaml\n"
+         "  launcher preflight configs/demo_cpu.yaml --json preflight.json",
+         _args_preflight, _cmd_preflight),
+    Verb("_supervise", "internal: the detached supervisor started by `launcher start`", "",
+         _args_supervise, _cmd_supervise, hidden=True),
+    Verb("_kernel-check", "internal: preflight's DeltaNet kernel check, run in a child process", "",
+         _args_kernel_check, _cmd_kernel_check, hidden=True),
+)  # fmt: skip

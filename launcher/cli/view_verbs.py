@@ -1,0 +1,111 @@
+"""Verbs that read runs from their files, on the host, without the lock or torch: status, logs, list,
+verify and report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from launcher.cli.registry import Verb, add_root_arg, add_run_arg, run_dir, runs_root
+from launcher.errors import ExitCode, LauncherError
+
+
+def _args_status(p: argparse.ArgumentParser) -> None:
+    add_run_arg(p)
+    p.add_argument("--json", action="store_true", help="print the status as JSON")
+    p.add_argument("--watch", nargs="?", type=float, const=5.0, default=None, metavar="SECONDS",
+                   help="refresh every SECONDS (default 5) until the run ends")  # fmt: skip
+
+
+def _cmd_status(ns: argparse.Namespace) -> int:
+    from launcher.monitor.status import show_status
+
+    return show_status(run_dir(ns), ns.json, ns.watch)
+
+
+def _args_logs(p: argparse.ArgumentParser) -> None:
+    add_run_arg(p)
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new output until the run ends")
+    p.add_argument("-n", "--lines", type=int, default=50, help="lines of the end to show first (default 50)")
+
+
+def _cmd_logs(ns: argparse.Namespace) -> int:
+    from launcher.monitor.status import show_logs
+
+    return show_logs(run_dir(ns), ns.follow, ns.lines)
+
+
+def _cmd_list(ns: argparse.Namespace) -> int:
+    from launcher.monitor.status import show_list
+
+    return show_list(runs_root(ns))
+
+
+def _args_verify(p: argparse.ArgumentParser) -> None:
+    add_run_arg(p)
+    p.add_argument("--model", type=Path, metavar="DIR",
+                   help="base model folder (config.json), when the recorded model path is not valid here")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print verify.json instead of the PASS/FAIL lines")
+
+
+def _cmd_verify(ns: argparse.Namespace) -> int:
+    """0 when every check passes, 1 when one fails, 2 when RUN is not a run."""
+    from launcher.results.verify import VERIFY_FILE, print_report, verify_run
+
+    folder = run_dir(ns)
+    report = verify_run(folder, model_dir=ns.model)
+    if ns.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print_report(report, folder / VERIFY_FILE)
+    return ExitCode.OK if report.passed else ExitCode.FAILED
+
+
+def _args_report(p: argparse.ArgumentParser) -> None:
+    from launcher.results.curves import DEFAULT_OVERFIT_PATIENCE
+
+    add_run_arg(p)
+    p.add_argument("--patience", type=int, metavar="N",
+                   help="evaluations after the best that count as overfitting (default: the run's early-stopping "
+                        f"patience, else {DEFAULT_OVERFIT_PATIENCE})")  # fmt: skip
+    p.add_argument("--no-plot", action="store_true", help="do not draw loss.png")
+    p.add_argument("--json", action="store_true", help="print report.json instead of the summary")
+
+
+def _cmd_report(ns: argparse.Namespace) -> int:
+    """0 when the report was written, 2 when RUN is not a run directory."""
+    from launcher.results.report import REPORT_JSON, REPORT_MD, build_report, print_summary
+
+    folder = run_dir(ns)
+    if ns.patience is not None and ns.patience < 1:
+        raise LauncherError(f"--patience {ns.patience}: use 1 or more evaluations")
+    report = build_report(folder, patience=ns.patience, plot=not ns.no_plot)
+    if ns.json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return ExitCode.OK
+    print_summary(report)
+    written = [folder / REPORT_MD, folder / REPORT_JSON] + ([report.plot] if report.plot else [])
+    print("written: " + ", ".join(str(p) for p in written))
+    return ExitCode.OK
+
+
+VERBS: tuple[Verb, ...] = (
+    Verb("status", "show a run's state, progress, losses, ETA and last checkpoint (no lock, no torch needed)",
+         "launcher status\n  launcher status demo-cpu-20261130-101500 --json\n  launcher status --watch 10",
+         _args_status, _cmd_status),
+    Verb("logs", "print the end of a run's job log; -f follows it",
+         "launcher logs\n  launcher logs demo-cpu-20261130-101500 -f", _args_logs, _cmd_logs),
+    Verb("list", "list runs with their end states and exit codes",
+         "launcher list\n  launcher list --root /outputs/runs", add_root_arg, _cmd_list),
+    Verb("verify",
+         "acceptance checklist of a run: steps, exit code, final adapter loads, finite tensors, LoRA count and "
+         "non-zero B, metrics files; PASS/FAIL with evidence, writes verify.json (no torch needed)",
+         "launcher verify demo-cpu-20261130-101500\n  launcher verify outputs/runs/demo-cpu-20261130-101500 "
+         "--model demo/model", _args_verify, _cmd_verify),
+    Verb("report",
+         "model selection: loss curves (loss.png), best checkpoint by eval loss, overfitting verdict, checkpoint "
+         "table and the recommended checkpoint; writes report.md (no torch needed)",
+         "launcher report demo-cpu-20261130-101500\n  launcher report RUN --patience 5 --no-plot",
+         _args_report, _cmd_report),
+)  # fmt: skip

@@ -1,0 +1,188 @@
+"""File utilities, one of each: atomic replace, append with fsync, sha256, the end of a file, a follower.
+
+Nothing here knows about runs; every other module writes and reads its files through these.
+
+- ``write_bytes_atomic``/``write_text_atomic``/``write_json_atomic``: readers see the old file or the
+  new one, never half.
+- ``append_line``: one line appended and fsynced (``events.jsonl``).
+- ``read_json_object``/``read_yaml_mapping``: a mapping, or a one-line description of why not.
+- ``read_tail``: the last bytes of a growing file without reading the rest.
+- ``FileFollower``: the bytes appended to a file since the last call; a file that is deleted and
+  recreated, or truncated, is read again from its start.
+
+New files follow the process umask (0644 under the usual 022), so a user on the host can read what a
+container wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def default_mode() -> int:
+    """The mode a new file gets from the umask (0644 under the usual 022)."""
+    return 0o666 & ~_umask()
+
+
+def write_bytes_atomic(path: Path, data: bytes, mode: int | None = None) -> None:
+    """Replace ``path`` with ``data`` so that readers see the old file or the new one, never half of one.
+
+    The data goes to a temporary file in the same folder, is fsynced and renamed over ``path``, and the
+    folder is fsynced. If anything fails, the old file stays as it was. The file gets ``mode``, else
+    what the umask allows.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, default_mode() if mode is None else mode)  # mkstemp makes 0600
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def write_text_atomic(path: Path, text: str, mode: int | None = None) -> None:
+    """Replace ``path`` with ``text`` (UTF-8) atomically, as ``write_bytes_atomic``."""
+    write_bytes_atomic(path, text.encode("utf-8"), mode)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Replace ``path`` with ``data`` as indented JSON so that readers never see a partial file."""
+    write_text_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def share_readable(folder: Path) -> int:
+    """Give every file under ``folder`` the read bits the umask allows (never more, never write or exec).
+
+    Some writers create files 0600 whatever the umask (safetensors 0.8 writes its files through a private
+    temporary file), which a user on the host cannot read when a container wrote them as root. Returns
+    the number of files changed; files that vanish meanwhile are skipped.
+    """
+    readable = default_mode() & 0o444
+    changed = 0
+    for path in folder.rglob("*"):
+        try:
+            st = path.lstat()
+            if not stat.S_ISREG(st.st_mode) or st.st_mode & readable == readable:
+                continue
+            os.chmod(path, st.st_mode & 0o7777 | readable)
+            changed += 1
+        except OSError:
+            continue
+    return changed
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append ``line`` (a newline is added) and fsync it."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+    """The hex sha256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_mapping(path: Path, load: Any, errors: tuple[type[Exception], ...], what: str) -> dict[str, Any] | str:
+    try:
+        data = load(path.read_text())
+    except FileNotFoundError:
+        return f"{path} is missing"
+    except (OSError, UnicodeDecodeError, *errors) as err:
+        return f"{path} is unreadable ({err})"
+    return data if isinstance(data, dict) else f"{path} does not hold {what}"
+
+
+def read_json_object(path: Path) -> dict[str, Any] | str:
+    """The JSON object in ``path``, or a one-line problem description."""
+    return _read_mapping(path, json.loads, (json.JSONDecodeError,), "a JSON object")
+
+
+def read_yaml_mapping(path: Path) -> dict[str, Any] | str:
+    """The YAML mapping in ``path``, or a one-line problem description."""
+    import yaml  # here: `launcher status` reads no YAML and should not pay for importing it
+
+    return _read_mapping(path, yaml.safe_load, (yaml.YAMLError,), "a mapping")
+
+
+def read_tail(path: Path, max_bytes: int, start: int = 0) -> bytes:
+    """The last ``max_bytes`` of ``path``, never from before byte ``start``; empty if unreadable."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(start, size - max_bytes))
+            return f.read()
+    except OSError:
+        return b""
+
+
+def tail_lines(path: Path, lines: int, block: int = 65536) -> str:
+    """The last ``lines`` lines of a text file (read from its last ``block`` bytes)."""
+    data = read_tail(path, block)
+    return "\n".join(data.decode(errors="replace").splitlines()[-lines:]) + "\n" if data else ""
+
+
+class FileFollower:
+    """Hands out what is appended to a file, call after call.
+
+    The followed file stays open between calls: while it is, a deleted file's inode number cannot be
+    reused by the file that replaces it (ext4 reuses a freed number at once), so a new inode means a
+    new file, which is then read from its start. A file that shrank was truncated: read from its start.
+    """
+
+    def __init__(self, path: Path, offset: int = 0):
+        self.path = path
+        self._file: Any = None
+        self._offset = offset
+
+    def read_new(self) -> tuple[bytes, bool]:
+        """The bytes appended since the last call, and whether the file was replaced or truncated."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return b"", False
+        restarted = False
+        if self._file is None or os.fstat(self._file.fileno()).st_ino != st.st_ino or st.st_size < self._offset:
+            restarted = self._file is not None
+            self.close()
+            try:
+                self._file = open(self.path, "rb")  # noqa: SIM115  (kept open between calls, see above)
+            except OSError:
+                return b"", False
+            if restarted or st.st_size < self._offset:
+                self._offset = 0
+        self._file.seek(self._offset)
+        data = self._file.read()
+        self._offset += len(data)
+        return data, restarted
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,242 @@
+"""``launcher status``, ``list`` and ``logs``: read a run's record from the host, never needing the lock.
+
+Works without torch (and imports neither pydantic nor rich, so a status answer costs little more
+than the interpreter's start-up). The record is reconciled with the live system
+(``launcher.state.reconcile``); the trainer log is read from its end only; the best eval loss comes
+from the supervisor's running summary.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from launcher.errors import ExitCode
+from launcher.files import FileFollower, tail_lines
+from launcher.state.checkpoints import last_complete_checkpoint
+from launcher.state.reconcile import reconcile
+from launcher.state.record import RecordUnreadable, read_record
+from launcher.state.runs import list_runs
+from launcher.state.states import RunState
+from launcher.state.trainer_log import read_trainer_log_tail
+
+LAUNCHER_LOG = "launcher.log"
+
+
+def _parse_hms(text: Any) -> float | None:
+    try:
+        parts = [float(x) for x in str(text).split(":")]
+    except ValueError:
+        return None
+    seconds = 0.0
+    for part in parts:
+        seconds = seconds * 60 + part
+    return seconds
+
+
+def _fmt_s(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    days, rest = divmod(seconds, 86400)
+    h, rest = divmod(rest, 3600)
+    m, s = divmod(rest, 60)
+    return (f"{days}d " if days else "") + f"{h}:{m:02d}:{s:02d}"
+
+
+def _since(iso: str | None) -> float | None:
+    if not iso:
+        return None
+    try:
+        return (datetime.now(timezone.utc) - datetime.fromisoformat(iso)).total_seconds()  # noqa: UP017
+    except ValueError:
+        return None
+
+
+def collect(run_dir: Path) -> dict[str, Any]:
+    """Everything ``status`` shows, as one JSON-able dict.
+
+    Raises:
+        RecordUnreadable: the record is missing, damaged or of a newer schema.
+    """
+    record = read_record(run_dir)
+    seen = reconcile(record, run_dir)
+    trainer_log = record.resolve(run_dir, record.trainer_log) or run_dir / "output" / "trainer_log.jsonl"
+    tail = read_trainer_log_tail(trainer_log, count=16)
+    summary = dict(record.progress)
+    progress = next((r for r in reversed(tail) if "current_steps" in r), {})
+    last_loss = next((r for r in reversed(tail) if "loss" in r), {})
+    last_eval = next((r for r in reversed(tail) if "eval_loss" in r), {})
+    for line in tail:  # the tail may hold an eval newer than the supervisor's summary
+        if "eval_loss" in line and (summary.get("best_eval_loss") is None
+                                    or line["eval_loss"] < summary["best_eval_loss"]):  # fmt: skip
+            summary["best_eval_loss"], summary["best_eval_step"] = line["eval_loss"], line["current_steps"]
+    step, total = progress.get("current_steps"), progress.get("total_steps")
+    elapsed = _since(record.started) if record.ended is None else None
+    if record.started and record.ended:
+        try:
+            elapsed = (datetime.fromisoformat(record.ended) - datetime.fromisoformat(record.started)).total_seconds()
+        except ValueError:
+            elapsed = None
+    checkpoint = last_complete_checkpoint(trainer_log.parent)
+    return {
+        "run_id": record.run_id,
+        "state": seen.state.value,
+        "recorded_state": record.state.value,
+        "note": seen.note,
+        "liveness": seen.liveness,
+        "attempt": record.attempt,
+        "smoke": record.smoke,
+        "pids": seen.live_pids,
+        "supervisor_pid": (record.supervisor or {}).get("pid"),
+        "step": step,
+        "total_steps": total,
+        "percent": round(100.0 * step / total, 1) if step is not None and total else None,
+        "epoch": progress.get("epoch"),
+        "loss": last_loss.get("loss"),
+        "eval_loss": last_eval.get("eval_loss", summary.get("eval_loss")),
+        "best_eval_loss": summary.get("best_eval_loss"),
+        "best_eval_step": summary.get("best_eval_step"),
+        "lr": last_loss.get("lr"),
+        "elapsed_s": elapsed,
+        "eta_s": _eta(progress, summary) if not seen.state.terminal else None,
+        "last_checkpoint": None if checkpoint is None else {
+            "step": checkpoint.step, "path": str(checkpoint.path), "optimizer_state": checkpoint.optimizer_state},
+        "exit_code": record.exit_code,
+        "signal": record.signal,
+        "failed_rank": record.failed_rank,
+        "reason": record.reason,
+        "run_dir": str(run_dir),
+        "trainer_log": str(trainer_log),
+        "container": record.container,
+        "container_state": seen.container_state,
+    }  # fmt: skip
+
+
+def _eta(progress: dict[str, Any], summary: dict[str, Any]) -> float | None:
+    """Seconds left, from this attempt's own pace (LLaMA-Factory's remaining_time is wrong after a resume:
+    its elapsed time restarts while the step count does not)."""
+    step, total = progress.get("current_steps"), progress.get("total_steps")
+    elapsed = _parse_hms(progress.get("elapsed_time"))
+    first = summary.get("first_step")
+    if step is None or not total or elapsed is None:
+        return None
+    done = step - (first - 1 if first is not None else 0)
+    if done <= 0 or elapsed <= 0:
+        return None
+    return (total - step) * elapsed / done
+
+
+def render(info: dict[str, Any]) -> str:
+    def fmt(v: Any, spec: str = "") -> str:
+        return "-" if v is None else format(v, spec)
+
+    step = "-" if info["step"] is None else f"{info['step']}/{info['total_steps']} ({fmt(info['percent'])}%)"
+    best = "-" if info["best_eval_loss"] is None else f"{info['best_eval_loss']:.4f} at step {info['best_eval_step']}"
+    ckpt = info["last_checkpoint"]
+    ckpt_text = (
+        "-"
+        if not ckpt
+        else f"step {ckpt['step']}: {ckpt['path']}" + ("" if ckpt["optimizer_state"] else " (adapter only)")
+    )
+    state = info["state"] + (f" (recorded {info['recorded_state']}: {info['note']})" if info["note"] else "")
+    rows = [
+        ("run", f"{info['run_id']} (attempt {info['attempt']}{', smoke' if info['smoke'] else ''})"),
+        ("state", state),
+        ("pids", ", ".join(map(str, info["pids"])) or "-"),
+        ("step", step),
+        ("epoch", fmt(info["epoch"], ".3f")),
+        ("loss", fmt(info["loss"], ".4f")),
+        ("eval loss", fmt(info["eval_loss"], ".4f")),
+        ("best eval", best),
+        ("lr", fmt(info["lr"], ".3g")),
+        ("elapsed", _fmt_s(info["elapsed_s"])),
+        ("eta", _fmt_s(info["eta_s"])),
+        ("checkpoint", ckpt_text),
+    ]
+    if info["exit_code"] is not None or info["signal"] is not None:
+        exit_text = f"code {info['exit_code']}" if info["signal"] is None else f"signal {info['signal']}"
+        if rank := info.get("failed_rank"):  # torchrun exits 1; what the failing rank itself died of
+            died = f"signal {rank['signal']}" if rank.get("signal") is not None else f"code {rank.get('exit_code')}"
+            exit_text += f" (rank {rank.get('rank')}: {died})"
+        rows.append(("exit", exit_text))
+    if info["reason"]:
+        rows.append(("reason", info["reason"].strip().splitlines()[-1]))
+    if info["container"]:
+        engine = info["container_state"] or "state unknown"
+        rows.append(("container", f"{info['container'].get('name') or info['container'].get('id')} ({engine})"))
+    rows += [("run dir", info["run_dir"]), ("trainer log", info["trainer_log"])]
+    return "\n".join(f"{k:<12}{v}" for k, v in rows)
+
+
+def show_status(run_dir: Path, as_json: bool, watch: float | None) -> int:
+    while True:
+        info = collect(run_dir)  # RecordUnreadable: one clear line from the CLI, never a traceback
+        text = json.dumps(info, indent=2, default=str) if as_json else render(info)
+        if watch is None:
+            print(text)
+            return ExitCode.OK
+        sys.stdout.write("\x1b[2J\x1b[H" if sys.stdout.isatty() else "")
+        print(text, flush=True)
+        if RunState(info["state"]).terminal:
+            return ExitCode.OK
+        time.sleep(watch)
+
+
+def show_list(root: Path) -> int:
+    runs = list_runs(root)
+    if not runs:
+        print(f"no runs under {root}")
+        return ExitCode.OK
+    print(f"{'run':<40}{'state':<19}{'exit':<8}{'attempt':<9}{'created':<27}ended")
+    for run_dir in runs:
+        try:
+            r = read_record(run_dir)
+        except RecordUnreadable as err:
+            print(f"{run_dir.name:<40}{err}")
+            continue
+        state = reconcile(r, run_dir).state.value
+        exit_text = f"sig {r.signal}" if r.signal else ("-" if r.exit_code is None else str(r.exit_code))
+        print(f"{r.run_id:<40}{state:<19}{exit_text:<8}{r.attempt!s:<9}{r.created:<27}{r.ended or '-'}")
+    return ExitCode.OK
+
+
+def show_logs(run_dir: Path, follow: bool, lines: int = 50, poll_s: float = 0.5) -> int:
+    path = run_dir / LAUNCHER_LOG
+    sys.stdout.write(tail_lines(path, lines))
+    sys.stdout.flush()
+    if not follow:
+        return ExitCode.OK
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = 0
+    follower = FileFollower(path, offset=size)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span two reads
+    try:
+        while True:
+            ended = _ended(run_dir)  # checked before the read: once ended, this read sees the last bytes
+            chunk, _ = follower.read_new()
+            if chunk:
+                sys.stdout.write(decoder.decode(chunk))
+                sys.stdout.flush()
+            elif ended:
+                return ExitCode.OK
+            else:
+                time.sleep(poll_s)
+    except KeyboardInterrupt:
+        return ExitCode.OK
+    finally:
+        follower.close()
+
+
+def _ended(run_dir: Path) -> bool:
+    try:
+        return read_record(run_dir).terminal
+    except RecordUnreadable:
+        return False

@@ -1,0 +1,293 @@
+"""Run configs: a LLaMA-Factory training YAML plus a ``launcher:`` section.
+
+The file a user writes is the LLaMA-Factory YAML they already know, with one extra top-level key::
+
+    launcher:
+      backend: auto          # auto | npu | cuda | cpu
+      nproc_per_node: 8      # processes (devices) per node
+      distribution: fsdp2    # ddp (torchrun) | fsdp2 (accelerate launch, FSDP2)
+      run_name: qwen35-27b-soulchat
+      output_root: outputs/runs
+      smoke: false           # true allows short runs (cutoff_len < 4096) and is recorded
+      patches:
+        deltanet_routing: {kernel: auto}
+        checkpoint_all_layers: true
+
+The ``launcher`` part is validated here with pydantic (host side, no torch). The rest is validated by
+LLaMA-Factory's own argument parser (``validate_llamafactory_args``), which needs the training stack.
+``load_run_config`` collects every problem before raising, so a user fixes them in one pass.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+import patches
+from launcher.errors import ExitCode, LauncherError
+
+FORMAL_MIN_CUTOFF = 4096
+# Keys the launcher owns in the LLaMA-Factory part: it decides where a run writes.
+LAUNCHER_OWNED_KEYS = ("output_dir",)
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class ConfigError(LauncherError):
+    """A run config is unusable. ``problems`` holds one line per problem, each naming its key."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"{source}: {len(problems)} problem(s):\n{lines}", ExitCode.USAGE)
+
+
+class FsdpSettings(BaseModel):
+    """FSDP2 settings for ``distribution: fsdp2`` (written into the run's accelerate config)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    wrap_classes: list[str] = Field(default_factory=lambda: ["Qwen3_5DecoderLayer", "Qwen3_5VisionBlock"])
+    reshard_after_forward: bool = True
+    offload_params: bool = False
+
+
+class EarlyStopping(BaseModel):
+    """``launcher.early_stopping``: stop once ``metric`` has not improved for ``patience`` evaluations.
+
+    Mapped onto LLaMA-Factory's ``early_stopping_steps`` (HF's ``EarlyStoppingCallback``; it counts
+    evaluations, not steps) in ``llamafactory_args``, which also keeps the best adapter.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    patience: int = Field(ge=1)
+    metric: str = "eval_loss"
+
+    @field_validator("metric")
+    @classmethod
+    def _check_metric(cls, value: str) -> str:
+        # greater_is_better is set to false, so only a loss (lower is better) can be the metric
+        if not re.fullmatch(r"(eval_)?([A-Za-z0-9][A-Za-z0-9_.-]*_)?loss", value):
+            raise ValueError("use an eval loss: eval_loss, or eval_<dataset>_loss with eval_on_each_dataset")
+        return value
+
+
+class LauncherSection(BaseModel):
+    """The ``launcher:`` section of a run config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["auto", "npu", "cuda", "cpu"] = "auto"
+    nproc_per_node: int = Field(default=1, ge=1, le=64)
+    distribution: Literal["ddp", "fsdp2"] = "ddp"
+    fsdp: FsdpSettings = Field(default_factory=FsdpSettings)
+    run_name: str | None = None
+    output_root: Path = Path("outputs/runs")
+    smoke: bool = False
+    patches: dict[str, Any] = Field(default_factory=dict)
+    early_stopping: EarlyStopping | None = None
+    # several nodes: one launcher per node; NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT override these
+    nnodes: int = Field(default=1, ge=1)
+    node_rank: int = Field(default=0, ge=0)
+    master_addr: str | None = None
+    master_port: int | None = Field(default=None, ge=1, le=65535)
+    # supervision
+    stall_minutes: float = Field(default=30.0, gt=0)  # no trainer-log progress this long -> STALLED
+    stop_grace_s: float = Field(default=120.0, ge=0)  # SIGTERM to the job, then SIGKILL after this
+    entry: str = "launcher.entry"  # module each rank runs; replace only to wrap our entry
+    # data: preflight warns when more than this share of samples is truncated at cutoff_len
+    truncation_warn_share: float = Field(default=0.05, ge=0, le=1)
+    # privacy: LLaMA-Factory's decoded training-example dump reaches the log only when true
+    log_examples: bool = False
+
+    @field_validator("run_name")
+    @classmethod
+    def _check_run_name(cls, value: str | None) -> str | None:
+        if value is not None and not _RUN_NAME.match(value):
+            raise ValueError("use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+        return value
+
+
+class RunConfig(BaseModel):
+    """A loaded run config: the launcher section, the LLaMA-Factory arguments, and where it came from."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    source: Path
+    launcher: LauncherSection
+    patches: dict[str, dict[str, Any]]
+    llamafactory: dict[str, Any]
+    notes: list[str] = Field(default_factory=list)
+
+    @property
+    def run_name(self) -> str:
+        return self.launcher.run_name or _RUN_NAME_FALLBACK.sub("-", self.source.stem)[:64]
+
+
+_RUN_NAME_FALLBACK = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def _pydantic_problems(err: ValidationError, prefix: str) -> list[str]:
+    problems = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in (prefix, *e["loc"]))
+        if e["type"] == "extra_forbidden":
+            model = _SECTION_MODELS.get(str(e["loc"][0]), LauncherSection) if len(e["loc"]) > 1 else LauncherSection
+            problems.append(f"{key}: unknown key; allowed keys: {', '.join(model.model_fields)}")
+        else:
+            problems.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
+    return problems
+
+
+_SECTION_MODELS: dict[str, type[BaseModel]] = {"fsdp": FsdpSettings, "early_stopping": EarlyStopping}
+
+
+def load_run_config(path: Path) -> RunConfig:
+    """Read and validate the host-side part of a run config.
+
+    Args:
+        path: The YAML file.
+
+    Returns:
+        The parsed config. LLaMA-Factory's own checks are a separate step
+        (``validate_llamafactory_args``) because they need the training stack.
+
+    Raises:
+        ConfigError: with every problem found, each naming its key.
+    """
+    source = str(path)
+    if not path.is_file():
+        raise ConfigError(source, [f"config file not found: {path} (check the path; examples are in configs/)"])
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(source, [f"not valid YAML: {err}"]) from err
+    if not isinstance(data, dict):
+        raise ConfigError(source, [f"expected a mapping of LLaMA-Factory keys, got {type(data).__name__}"])
+
+    problems: list[str] = []
+    notes: list[str] = []
+    raw_launcher = data.pop("launcher", None) or {}
+    launcher = LauncherSection()
+    if not isinstance(raw_launcher, dict):
+        problems.append(f"launcher: expected a mapping, got {type(raw_launcher).__name__}")
+    else:
+        try:
+            launcher = LauncherSection.model_validate(raw_launcher)
+        except ValidationError as err:
+            problems.extend(_pydantic_problems(err, "launcher"))
+
+    patch_settings: dict[str, dict[str, Any]] = {}
+    try:
+        patch_settings = patches.normalize_settings(launcher.patches)
+    except ValueError as err:
+        problems.append(f"launcher.patches: {err}")
+
+    problems.extend(_check_formal_rules(data, launcher))
+    for key in LAUNCHER_OWNED_KEYS:
+        if key in data:
+            notes.append(
+                f"{key}: {data.pop(key)!r} is ignored; the launcher writes into the run directory "
+                "under launcher.output_root"
+            )
+    notes.extend(_lora_target_notes(data))
+    if problems:
+        raise ConfigError(source, problems)
+    return RunConfig(source=path, launcher=launcher, patches=patch_settings, llamafactory=data, notes=notes)
+
+
+def _check_formal_rules(data: dict[str, Any], launcher: LauncherSection) -> list[str]:
+    problems = []
+    cutoff = data.get("cutoff_len", 2048)  # LLaMA-Factory's default
+    if not launcher.smoke and isinstance(cutoff, int) and cutoff < FORMAL_MIN_CUTOFF:
+        problems.append(
+            f"cutoff_len: {cutoff} is below {FORMAL_MIN_CUTOFF}; a formal run must see whole counselling "
+            f"dialogues (set cutoff_len: {FORMAL_MIN_CUTOFF} or more, or mark a short test run with "
+            "launcher.smoke: true)"
+        )
+    if launcher.early_stopping is not None:
+        eval_s, save_s = str(data.get("eval_strategy", "no")), str(data.get("save_strategy", "steps"))
+        if eval_s == "no" or eval_s != save_s:
+            problems.append(
+                f"launcher.early_stopping: needs evaluations and checkpoints on the same schedule (eval_strategy is "
+                f"{eval_s!r}, save_strategy {save_s!r}); set both to steps"
+            )
+        elif eval_s == "steps" and int(data.get("save_steps", 500)) % int(data.get("eval_steps") or 500):
+            problems.append(
+                f"launcher.early_stopping: save_steps {data.get('save_steps')} is not a multiple of eval_steps "
+                f"{data.get('eval_steps')}; the best evaluation must have a checkpoint (e.g. equal values)"
+            )
+    model = data.get("model_name_or_path")
+    if model is None:
+        problems.append("model_name_or_path: missing; set it to the model folder (config.json and shards)")
+    elif not Path(str(model)).is_dir():
+        problems.append(
+            f"model_name_or_path: {model!r} is not a folder here; models are not downloaded, so point it "
+            "at a local model folder (for the demo: `launcher demo-assets` builds demo/model)"
+        )
+    return problems
+
+
+_DELTANET_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")
+
+
+def _lora_target_notes(data: dict[str, Any]) -> list[str]:
+    target = data.get("lora_target")
+    if data.get("finetuning_type", "lora") != "lora" or target is None:
+        return []
+    names = {t.strip() for t in str(target).split(",")}
+    if "all" in names or names & set(_DELTANET_PROJECTIONS):
+        return []
+    return [
+        f"lora_target: {target!r} covers only the full-attention layers (one in four in Qwen3.5); the "
+        f"Gated DeltaNet layers name their projections {', '.join(_DELTANET_PROJECTIONS)}"
+    ]
+
+
+def llamafactory_args(config: RunConfig, backend: str, output_dir: Path) -> dict[str, Any]:
+    """The LLaMA-Factory arguments the job will use: the user's, plus what the launcher decides."""
+    args = dict(config.llamafactory)
+    args["output_dir"] = str(output_dir)
+    # LLaMA-Factory deletes trainer_log.jsonl under overwrite_output_dir; a run folder is always new.
+    args.pop("overwrite_output_dir", None)
+    if backend == "cpu":
+        args["use_cpu"] = True  # also keeps a CPU run off any GPU the host may have
+    early = config.launcher.early_stopping
+    if early is not None:
+        # LLaMA-Factory adds HF's EarlyStoppingCallback(early_stopping_patience=early_stopping_steps)
+        # (llamafactory/train/tuner.py). HF tracks the best checkpoint by metric_for_best_model and never
+        # rotates it away; load_best_model_at_end then puts the best adapter at the top of output/ (HF checks
+        # that save and eval strategies match and save_steps is a multiple of eval_steps). Under FSDP the
+        # Trainer refuses load_best_model_at_end with save_only_model, and loading would need full-model
+        # checkpoints, so there the best adapter stays in its checkpoint folder (`launcher report` names it).
+        args["early_stopping_steps"] = early.patience
+        args["metric_for_best_model"] = early.metric
+        args["greater_is_better"] = False
+        args["load_best_model_at_end"] = config.launcher.distribution != "fsdp2"
+    # ddp_backend is left to accelerate, which picks gloo/nccl/hccl from the device; setting it here
+    # would make TrainingArguments initialise a process group while the launcher validates.
+    return args
+
+
+def validate_llamafactory_args(args: dict[str, Any]) -> list[str]:
+    """Run LLaMA-Factory's own argument parser over ``args``; return its complaints (empty if fine).
+
+    Needs the training stack. Unknown keys are refused, exactly as ``llamafactory-cli train`` does.
+    """
+    from llamafactory.hparams.parser import _TRAIN_ARGS
+    from transformers import HfArgumentParser
+
+    try:
+        HfArgumentParser(_TRAIN_ARGS).parse_dict(args, allow_extra_keys=False)
+    except (ValueError, TypeError) as err:
+        return [f"LLaMA-Factory: {err}"]
+    return []
+
+
+def dump_yaml(data: dict[str, Any]) -> str:
+    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)

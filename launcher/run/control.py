@@ -1,0 +1,154 @@
+"""``launcher start``, ``stop`` and ``resume``: detach a supervisor, stop a run, continue a run.
+
+``start`` spawns the supervisor in its own session (no terminal, stdin from /dev/null, output to the
+run's ``supervisor.log``) and waits only for its handshake: the run directory exists (or the run was
+refused, with the reason). The run then lives on when the SSH session ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from launcher import SOURCE_ROOT
+from launcher.errors import ExitCode, LauncherError
+from launcher.procs import find_live, terminate
+from launcher.run.config import RunConfig
+from launcher.state.reconcile import reconcile
+from launcher.state.record import RecordUnreadable, RunStore, read_record
+from launcher.state.states import RunState
+
+if TYPE_CHECKING:
+    from launcher.run.resume import ResumePlan
+
+HANDSHAKE_TIMEOUT_S = 300.0
+SUPERVISOR_LOG = "supervisor.log"
+
+
+def start_detached(config: RunConfig, resume: ResumePlan | None = None) -> int:
+    """Start a supervisor in its own session; print where to follow the run; return at once.
+
+    Raises:
+        LauncherError: the supervisor refused the run (the lock, live processes, the config) or ended
+            before reporting.
+    """
+    read_fd, write_fd = os.pipe()
+    cmd = [sys.executable, "-m", "launcher", "_supervise", str(config.source), "--handshake-fd", str(write_fd)]
+    if resume is not None:
+        cmd += ["--resume", resume.to_json()]
+    path = os.pathsep.join(p for p in (str(SOURCE_ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    early_log = _early_log_path(config.launcher.output_root)
+    with open(early_log, "ab") as log:
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+            pass_fds=(write_fd,), env=env, close_fds=True,
+        )  # fmt: skip
+    os.close(write_fd)
+    with os.fdopen(read_fd) as handshake:
+        line = _read_line(handshake, proc, HANDSHAKE_TIMEOUT_S)
+    if not line:
+        raise LauncherError(f"the supervisor (pid {proc.pid}) ended before reporting; see {early_log}", ExitCode.FAILED)
+    reply = json.loads(line)
+    if not reply.get("ok"):
+        early_log.unlink(missing_ok=True)  # it holds only the message printed now; no run folder to move it to
+        raise LauncherError(str(reply.get("error")), int(reply.get("code", ExitCode.USAGE)))
+    for warning in reply.get("warnings", []):  # the detached supervisor's stderr is its log, not this terminal
+        print(f"warning: {warning}", file=sys.stderr)
+    _move_early_log(early_log, Path(reply["run_dir"]))
+    print(
+        f"started run {reply['run_id']} (supervisor pid {reply['pid']})\n"
+        f"  run dir:     {reply['run_dir']}\n"
+        f"  trainer log: {reply['trainer_log']}\n"
+        f"follow it with:\n"
+        f"  launcher status {reply['run_id']} --watch\n"
+        f"  launcher logs {reply['run_id']} -f\n"
+        f"  tail -f {reply['trainer_log']}\n"
+        f"stop it with:\n"
+        f"  launcher stop {reply['run_id']}"
+    )
+    return 0
+
+
+def _early_log_path(root: Path) -> Path:
+    """Where the supervisor writes until its run directory exists (moved there afterwards)."""
+    root.mkdir(parents=True, exist_ok=True)
+    return root / f".supervisor-{os.getpid()}-{time.time_ns()}.log"
+
+
+def _move_early_log(early: Path, run_dir: Path) -> None:
+    try:
+        os.replace(early, run_dir / SUPERVISOR_LOG)
+    except OSError:
+        pass  # the supervisor keeps writing to the open file either way
+
+
+def _read_line(stream, proc: subprocess.Popen, timeout_s: float) -> str:
+    """One line from the supervisor, or '' if it exits or times out first."""
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(stream, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sel.select(timeout=0.2):
+            return stream.readline()
+        if proc.poll() is not None and not sel.select(timeout=0):
+            return ""
+    return ""
+
+
+def stop_run(run_dir: Path, grace_s: float | None, wait_s: float | None = None) -> int:
+    """Stop a live run: through its supervisor if alive, else by cleaning up its processes."""
+    from launcher.run.supervisor import request_stop
+
+    store = RunStore.open(run_dir)
+    record = store.record
+    seen = reconcile(record, run_dir)
+    if record.terminal and not seen.live:
+        print(f"run {record.run_id} already ended: {record.state.value}")
+        return ExitCode.OK
+    if seen.liveness == "unknown":
+        where = (record.container or {}).get("name") or "another pid namespace"
+        raise LauncherError(
+            f"run {record.run_id} lives in {where}, whose processes cannot be signalled from here; stop its "
+            "container (`docker compose stop`) or run `launcher stop` inside it",
+            ExitCode.FAILED,
+        )
+    supervisor = find_live(record.supervisor or {}, "launcher")
+    if supervisor is not None:
+        request_stop(run_dir, grace_s, by=f"launcher stop (pid {os.getpid()})")
+        supervisor.terminate()
+        limit = (grace_s if grace_s is not None else 120.0) + 60 if wait_s is None else wait_s
+        print(f"stopping run {record.run_id}: SIGTERM sent to supervisor {supervisor.pid}; waiting up to {limit:.0f} s")
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            try:
+                state = read_record(run_dir).state
+            except RecordUnreadable:
+                state = None
+            if state is not None and state.terminal:
+                print(f"run {record.run_id} ended {state.value}")
+                return ExitCode.OK
+            time.sleep(0.5)
+        raise LauncherError(
+            f"run {record.run_id} has not ended after {limit:.0f} s; check `launcher status {record.run_id}`",
+            ExitCode.FAILED,
+        )
+    # The supervisor is gone: clean up what it left, and record it.
+    procs = seen.live
+    killed = terminate(procs, grace_s=grace_s if grace_s is not None else 30.0) if procs else []
+    reason = f"supervisor lost; `launcher stop` stopped {len(procs)} leftover process(es) {[p.pid for p in procs]}"
+    if killed:
+        reason += f", killed after the grace period: {killed}"
+    if not record.terminal:
+        store.record_end(seen.state if seen.state.terminal else RunState.SUPERVISOR_LOST, reason=reason,
+                         processes=[])  # fmt: skip
+    store.event("cleanup", state=store.state.value, reason=reason)
+    print(f"run {record.run_id}: {reason}; recorded {store.state.value}")
+    return ExitCode.OK

@@ -1,0 +1,115 @@
+"""The run lock: at most one live run per output root (one server's devices).
+
+A kernel lock (filelock, ``flock``) on ``<output_root>/launcher.lock``, taken without waiting. The
+kernel releases it when the holder dies, however it dies; the lock file itself is never deleted or
+truncated. Who holds it is written *after* acquiring, into a separate ``launcher.lock.owner.json``,
+and is only a hint for messages: liveness is always judged from the processes themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock, Timeout
+
+from launcher.errors import ExitCode, LauncherError
+from launcher.files import write_json_atomic
+from launcher.procs import boot_id, find_live, pid_namespace, self_identity
+from launcher.state.record import now_iso
+
+LOCK_NAME = "launcher.run.lock"
+OWNER_NAME = "launcher.run.lock.owner.json"
+
+
+class LockBusy(LauncherError):
+    """Another process holds the run lock; ``owner`` is what it wrote about itself (may be empty)."""
+
+    def __init__(self, lock_path: Path, owner: dict[str, Any]):
+        self.lock_path = lock_path
+        self.owner = owner
+        if owner.get("run_id"):
+            who = (f"run {owner.get('run_id')} (supervisor pid {owner.get('pid')} on {owner.get('hostname')}, "
+                   f"since {owner.get('since')}, run dir {owner.get('run_dir')})")  # fmt: skip
+        elif owner:  # the holder is still validating its config; its run folder does not exist yet
+            who = (f"a run being set up (supervisor pid {owner.get('pid')} on {owner.get('hostname')}, "
+                   f"since {owner.get('since')})")  # fmt: skip
+        else:
+            who = "a process that has not written its identity yet"
+        super().__init__(
+            f"another run is live: {who}. Follow it with `launcher status`, or stop it with "
+            + (f"`launcher stop {owner['run_id']}`" if owner.get("run_id") else "`launcher stop`")
+            + f" (lock: {lock_path})",
+            ExitCode.REFUSED,
+        )
+
+
+class RunLock:
+    """A held run lock. Release it only after the run's terminal record is on disk."""
+
+    def __init__(self, root: Path):
+        root.mkdir(parents=True, exist_ok=True)
+        self.path = root / LOCK_NAME
+        self.owner_path = root / OWNER_NAME
+        self._lock = FileLock(str(self.path), timeout=0, thread_local=False)
+
+    def acquire(self) -> RunLock:
+        """Take the lock without waiting; raise ``LockBusy`` naming the holder if it is taken."""
+        try:
+            self._lock.acquire(blocking=False)
+        except Timeout:
+            raise LockBusy(self.path, read_owner(self.path.parent)) from None
+        self.describe(None, None)  # at once: until the run folder exists, an earlier run's owner file is stale
+        return self
+
+    def describe(self, run_id: str | None, run_dir: Path | None) -> None:
+        """Record who holds the lock (written after acquiring; a hint for messages)."""
+        write_json_atomic(
+            self.owner_path,
+            {
+                **self_identity(),
+                "run_id": run_id,
+                "run_dir": str(run_dir) if run_dir else None,
+                "hostname": socket.gethostname(),
+                "boot_id": boot_id(),
+                "since": now_iso(),
+            },
+        )
+
+    def release(self) -> None:
+        if self._lock.is_locked:
+            self._lock.release(force=True)
+
+    @property
+    def held(self) -> bool:
+        return self._lock.is_locked
+
+
+def read_owner(root: Path) -> dict[str, Any]:
+    """What the lock holder wrote about itself; empty if unreadable or if that process is not alive
+    (an earlier run's file, read in the instant before a new holder rewrites it). A holder in another
+    pid namespace (another container) cannot be checked from here and is taken at its word."""
+    try:
+        data = json.loads((root / OWNER_NAME).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    if data.get("pid_ns") not in (None, pid_namespace()):
+        return data
+    return data if find_live(data) is not None else {}
+
+
+def is_locked(root: Path) -> bool:
+    """Whether some process holds the lock now (takes and drops it if free; never waits)."""
+    if not (root / LOCK_NAME).exists():
+        return False
+    probe = FileLock(str(root / LOCK_NAME), timeout=0, thread_local=False)
+    try:
+        probe.acquire(blocking=False)
+    except Timeout:
+        return True
+    probe.release(force=True)
+    return False

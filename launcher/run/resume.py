@@ -1,0 +1,89 @@
+"""``launcher resume``: continue a stopped or failed run from its last complete checkpoint.
+
+The new attempt runs in the same run directory with the run's own ``config.yaml`` and LLaMA-Factory's
+``resume_from_checkpoint``. That is exact when the checkpoint holds optimizer and scheduler state.
+With ``save_only_model: true`` it holds only the adapter and the trainer state: the HF Trainer then
+reloads the adapter and the step count, while the optimizer (Adam moments) and the learning-rate
+schedule start afresh. The launcher says so and proceeds only with ``--adapter-only``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from launcher.errors import LauncherError
+from launcher.state.checkpoints import last_complete_checkpoint
+from launcher.state.reconcile import reconcile
+from launcher.state.record import read_record
+from launcher.state.runs import OUTPUT_SUBDIR
+from launcher.state.states import RESUMABLE
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """Where and how a run resumes; passed to a detached supervisor as JSON."""
+
+    run_dir: Path
+    checkpoint: Path
+    mode: Literal["exact", "adapter-only"]
+    step: int
+
+    def to_json(self) -> str:
+        return json.dumps({"run_dir": str(self.run_dir), "checkpoint": str(self.checkpoint), "mode": self.mode,
+                           "step": self.step})  # fmt: skip
+
+    @classmethod
+    def from_json(cls, text: str) -> ResumePlan:
+        data = json.loads(text)
+        return cls(Path(data["run_dir"]), Path(data["checkpoint"]), data["mode"], int(data["step"]))
+
+
+def plan_resume(run_dir: Path, adapter_only: bool) -> ResumePlan:
+    """Where and how a run would resume.
+
+    Raises:
+        LauncherError: the run cannot be resumed; the message says why and what to do.
+    """
+    record = read_record(run_dir)
+    seen = reconcile(record, run_dir)
+    run_id = record.run_id
+    if seen.live or not seen.state.terminal:
+        raise LauncherError(f"run {run_id} is {seen.state.value} with live processes {seen.live_pids}; "
+                            f"stop it first: `launcher stop {run_id}`")  # fmt: skip
+    if seen.state not in RESUMABLE:
+        raise LauncherError(f"run {run_id} ended {seen.state.value}; only stopped or failed runs are resumed "
+                            f"({', '.join(sorted(s.value for s in RESUMABLE))})")  # fmt: skip
+    output = run_dir / OUTPUT_SUBDIR
+    checkpoint = last_complete_checkpoint(output)
+    if checkpoint is None:
+        raise LauncherError(f"run {run_id} has no complete checkpoint in {output}; start it again "
+                            f"with `launcher start {run_dir / 'config.yaml'}`")  # fmt: skip
+    if not checkpoint.optimizer_state and not adapter_only:
+        raise LauncherError(
+            f"checkpoint {checkpoint.path} holds only the adapter (save_only_model: true): resuming reloads "
+            "the adapter and the step count, but the optimizer and the learning-rate schedule restart from "
+            "scratch. Pass --adapter-only to accept that."
+        )
+    mode = "exact" if checkpoint.optimizer_state else "adapter-only"
+    return ResumePlan(run_dir, checkpoint.path, mode, checkpoint.step)
+
+
+def resume_run(run_dir: Path, adapter_only: bool = False, foreground: bool = False) -> int:
+    """``launcher resume``: plan, then supervise the new attempt (detached unless ``foreground``)."""
+    from launcher.run.config import load_run_config
+
+    plan = plan_resume(run_dir, adapter_only)
+    print(f"resuming from {plan.checkpoint} (step {plan.step}, {plan.mode})")
+    if plan.mode == "adapter-only":
+        print("note: optimizer and learning-rate schedule restart; only the adapter and step count are reloaded")
+    config = load_run_config(run_dir / "config.yaml")
+    if foreground:
+        from launcher.run.supervisor import supervise
+
+        return supervise(config, resume=plan)
+    from launcher.run.control import start_detached
+
+    return start_detached(config, resume=plan)

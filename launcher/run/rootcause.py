@@ -1,0 +1,89 @@
+"""Why a job failed: the failing rank's error file, torch elastic's failure summary, the last traceback.
+
+torchrun and accelerate launch exit 1 whatever a rank died of; the rank's own exit code or signal is
+only in the summary torch elastic prints, and the useful traceback is the rank's, not torchrun's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+from launcher.files import read_tail
+from launcher.run.rundir import RunDir
+from launcher.state.runs import ERRORS_DIR
+
+
+def looks_like_oom(cause: str | None) -> bool:
+    text = (cause or "").lower()
+    return "outofmemoryerror" in text or "out of memory" in text
+
+
+_RANK_FAILURE = re.compile(
+    r"Root Cause \(first observed failure\):\s*\[\d+\]:.*?"
+    r"rank\s*:\s*(-?\d+).*?exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)",
+    re.S,
+)
+
+
+def rank_failure(log_path: Path, max_bytes: int = 256 << 10, start: int = 0) -> dict[str, Any] | None:
+    """The first failing rank as torch elastic reports it: rank, pid, and exit code or signal.
+
+    torchrun (and accelerate launch, which runs it) exits 1 when any rank fails; the rank's own exit
+    code (negative: the signal) is only in the ``ChildFailedError`` summary it prints
+    (``torch/distributed/elastic/multiprocessing/errors/__init__.py``, ``_FAILURE_FORMAT_TEMPLATE``).
+    """
+    tail = read_tail(log_path, max_bytes, start).decode(errors="replace")
+    found = list(_RANK_FAILURE.finditer(tail))
+    if not found:
+        return None
+    rank, code, pid = (int(x) for x in found[-1].groups())
+    return {"rank": rank, "pid": pid, "exit_code": code if code >= 0 else None, "signal": -code if code < 0 else None}
+
+
+def describe_rank_failure(failed: dict[str, Any]) -> str:
+    if failed["signal"] is not None:
+        try:
+            name = signal.Signals(failed["signal"]).name
+        except ValueError:
+            name = "?"
+        return f"rank {failed['rank']} (pid {failed['pid']}) killed by signal {failed['signal']} ({name})"
+    return f"rank {failed['rank']} (pid {failed['pid']}) exit code {failed['exit_code']}"
+
+
+def root_cause(run_dir: RunDir, max_lines: int = 30, since: float = 0.0, log_start: int = 0) -> str | None:
+    """Why the job failed: the first failing rank's error file, else the log's last traceback."""
+    records = []
+    for path in (run_dir.path / ERRORS_DIR).glob("rank*.json"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(record, dict) and float(record.get("time", 0)) >= since:  # not an earlier attempt's
+            records.append(record)
+    if records:
+        first = min(records, key=lambda r: r.get("time", 0))
+        lines = str(first.get("traceback", "")).rstrip().splitlines()
+        return f"rank {first.get('rank')}: " + "\n".join(lines[-max_lines:])
+    return last_traceback(run_dir.log, max_lines=max_lines, start=log_start)
+
+
+def last_traceback(log_path: Path, max_bytes: int = 256 << 10, max_lines: int = 30, start: int = 0) -> str | None:
+    """The last Python traceback in the job log (its final ``max_lines`` lines), if any."""
+    tail = read_tail(log_path, max_bytes, start)
+    end = len(tail)
+    while (at := tail.rfind(b"Traceback (most recent call last):", 0, end)) >= 0:
+        lines = tail[at:].decode(errors="replace").splitlines()
+        block = [lines[0]]
+        for line in lines[1:]:
+            block.append(line)
+            if line and not line.startswith((" ", "\t")):
+                break
+        # torchrun's own traceback says only that a child failed; the rank's traceback, if any, is earlier
+        if "ChildFailedError" not in block[-1]:
+            return "\n".join(block[-max_lines:])
+        end = at
+    return None

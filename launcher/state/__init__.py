@@ -1,0 +1,7 @@
+"""Run state: the states and their transitions, the typed run record and its one writer, reconcile,
+the trainer log, the checkpoint scan and run listing.
+
+May import only ``launcher.errors``, ``launcher.files`` and ``launcher.procs`` (and the standard
+library, psutil and, lazily, the docker SDK): never ``run``, ``checks``, ``results``, ``monitor`` or
+``cli``. Nothing here needs torch.
+"""

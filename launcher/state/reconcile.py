@@ -1,0 +1,118 @@
+"""The state a run is really in: its record held against the live system.
+
+One function, ``reconcile``, used by ``status``, ``list``, ``stop``, ``resume`` and the supervisor (when
+it looks at earlier runs before a new one). For a record that is not terminal:
+
+- recorded on another boot of this host: ``NODE_LOST`` (its pids mean nothing now);
+- recorded in a container the Docker engine says is gone or no longer running: ``NODE_LOST``;
+- recorded in this pid namespace: the supervisor is checked by pid, start time and command line; gone
+  means ``SUPERVISOR_LOST``, with the job's surviving processes listed;
+- recorded in another pid namespace (a container seen from the host): liveness comes from the engine;
+  without an engine answer it is unknown, and the recorded state is shown with that note, never
+  ``SUPERVISOR_LOST``.
+
+Nothing here writes; callers that act on the answer record it through ``RunStore``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from launcher.procs import boot_id, find_live, pid_namespace
+from launcher.state.record import RunRecord
+from launcher.state.states import RunState
+
+Liveness = Literal["live", "gone", "unknown"]
+# Docker's container states in which the run's processes can still be alive
+_CONTAINER_ALIVE = {"running", "paused", "restarting", "created"}
+
+
+@dataclass
+class Reconciled:
+    """The state to show, why it differs from the record (``note``), and the job's live processes."""
+
+    state: RunState
+    recorded: RunState
+    note: str | None = None
+    live: list[Any] = field(default_factory=list)  # psutil.Process of the job still alive here
+    liveness: Liveness = "live"
+    container_state: str | None = None  # the engine's word, "gone", or None when unknown
+
+    @property
+    def live_pids(self) -> list[int]:
+        return [p.pid for p in self.live]
+
+
+def inspect_container(container: dict[str, Any] | None) -> tuple[str | None, list[str] | None]:
+    """The container's state from the Docker engine (``gone`` if it no longer exists, None if unknown) and,
+    while it runs, the command lines of its processes (``docker top``; None if unknown)."""
+    ref = (container or {}).get("id") or (container or {}).get("name")
+    if not ref:
+        return None, None
+    try:
+        from docker.errors import DockerException, NotFound
+
+        import docker
+    except ImportError:
+        return None, None
+    try:
+        found = docker.from_env(timeout=2).containers.get(ref)
+    except NotFound:
+        return "gone", None
+    except (DockerException, OSError):
+        return None, None
+    state = str(found.status)
+    if state != "running":
+        return state, None
+    try:
+        top = found.top()
+        column = top["Titles"].index("CMD")
+        return state, [str(p[column]) for p in top["Processes"] or []]
+    except (DockerException, OSError, KeyError, TypeError, ValueError, AttributeError):
+        return state, None
+
+
+def _same_namespace(record: RunRecord) -> bool:
+    recorded = (record.supervisor or {}).get("pid_ns")
+    return recorded is None or recorded == pid_namespace()
+
+
+def reconcile(record: RunRecord, run_dir: Path) -> Reconciled:
+    """Hold ``record`` (read from ``run_dir``) against this host, its processes and the Docker engine."""
+    here = _same_namespace(record)
+    live = [p for p in (find_live(r, str(record.run_id)) for r in record.processes) if p is not None] if here else []
+    result = Reconciled(record.state, record.state, live=live, liveness="live" if here else "unknown")
+    if record.terminal:
+        return result
+    current_boot = boot_id()
+    if record.boot_id and current_boot and record.boot_id != current_boot:
+        result.state, result.live, result.liveness = RunState.NODE_LOST, [], "gone"
+        result.note = "the host rebooted (boot id changed) since the run was recorded live"
+        return result
+    if record.container:
+        result.container_state, commands = inspect_container(record.container)
+        name = record.container.get("name") or record.container.get("id")
+        if result.container_state is not None and result.container_state not in _CONTAINER_ALIVE:
+            result.state, result.liveness = RunState.NODE_LOST, "gone"
+            result.note = f"container {name} is {result.container_state}"
+            return result
+        if not here:
+            if result.container_state is None:
+                result.note = f"container {name}: state unknown (no answer from a Docker engine)"
+            elif commands is not None and not any("launcher" in c for c in commands):
+                result.state, result.liveness = RunState.SUPERVISOR_LOST, "gone"
+                result.note = f"container {name} is {result.container_state} but no launcher process runs in it"
+            else:
+                result.liveness = "live"  # the engine vouches for the container and its launcher
+            return result
+    elif not here:
+        result.note = "recorded in another pid namespace and in no known container: liveness unknown"
+        return result
+    if find_live(record.supervisor or {}, "launcher") is None:
+        result.state, result.liveness = RunState.SUPERVISOR_LOST, "gone"
+        result.note = "the supervisor is gone" + (
+            f"; {len(live)} training process(es) still alive (`launcher stop` cleans them up)" if live else ""
+        )
+    return result
