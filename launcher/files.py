@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from launcher.errors import ExitCode, LauncherError
+
 
 def _umask() -> int:
     mask = os.umask(0)
@@ -90,6 +92,25 @@ def share_readable(folder: Path) -> int:
         except OSError:
             continue
     return changed
+
+
+def make_folder(path: Path, purpose: str) -> Path:
+    """Create ``path`` (and its parents) if needed.
+
+    Raises:
+        LauncherError: it cannot be made or written there (read-only mount, a file in the way, no permission).
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as err:
+        raise LauncherError(
+            f"{purpose} {path} cannot be used ({err.strerror or err}); point it at a writable folder (for a "
+            "container: mount the outputs volume read-write and writable by the container's user)",
+            ExitCode.USAGE,
+        ) from None
+    return path
 
 
 def append_line(path: Path, line: str) -> None:

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.run.config import ConfigError, llamafactory_args, load_run_config, validate_llamafactory_args
+from launcher.checks.config_check import validate_llamafactory_args
+from launcher.run.config import ConfigError, llamafactory_args, load_run_config
 from tests.conftest import make_config
 
 # The seed's formal LLaMA-Factory settings, verbatim from the design brief.
@@ -125,12 +126,23 @@ def test_output_dir_is_owned_by_the_launcher(tmp_path, model_dir):
     assert args["use_cpu"] is True
 
 
-def test_qkvo_targets_are_flagged_as_full_attention_only(tmp_path, model_dir):
-    data = {"model_name_or_path": str(model_dir), "lora_target": "q_proj,v_proj", "launcher": {"smoke": True}}
-    notes = load_run_config(write(tmp_path, data)).notes
-    assert any("in_proj_qkv" in n and "full-attention" in n for n in notes)
-    data["lora_target"] = "q_proj,in_proj_qkv"
-    assert not any("in_proj_qkv" in n for n in load_run_config(write(tmp_path, data)).notes)
+def test_lora_targets_are_checked_against_the_models_modules(demo_assets):
+    """From the model's config.json alone: what each target matches, a note when no DeltaNet projection is
+    adapted, and an error for a target that matches nothing (no such note for it)."""
+    from launcher.checks.config_check import Findings, check_lora_target
+
+    def findings(target: str) -> list:
+        out = Findings()
+        check_lora_target({"model_name_or_path": str(demo_assets["model"]), "lora_target": target}, out, model=True)
+        return out.items
+
+    qv = findings("q_proj,v_proj")
+    assert [f.level for f in qv if "covers" in f.message] == ["warn"]
+    assert any("in_proj_qkv" in f.message and "full-attention" in f.message for f in qv)
+    assert not [f for f in findings("q_proj,in_proj_qkv") if f.level != "ok"]
+    wrong = findings("q_proj,no_such_proj")
+    assert [f.message.split(":")[1].strip().split()[0] for f in wrong if f.level == "error"] == ["'no_such_proj'"]
+    assert "matches no module" in next(f.message for f in wrong if f.level == "error")
 
 
 def test_unknown_llamafactory_keys_are_refused_by_its_parser(tmp_path, demo_assets):

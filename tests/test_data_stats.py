@@ -159,7 +159,7 @@ def test_samples_left_without_supervised_tokens_are_counted(tmp_path, demo_asset
         expected = sum(1 for _, labels in cut[split] if supervised(labels) == 0)
         assert result["splits"][split]["no_supervised"]["after"] == expected > 0
         assert result["splits"][split]["no_supervised"]["before"] == 0
-    assert any("keep no supervised token" in w for w in result["warnings"])
+    assert any("keep no supervised token" in p for p in result["problems"])  # refuses a formal run
 
 
 def test_short_stats_samples_and_thresholds(tmp_path, demo_assets):

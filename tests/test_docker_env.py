@@ -320,7 +320,8 @@ def test_every_shipped_config_validates(config: Path, tmp_path: Path) -> None:
     ``bf16: true`` on a machine without an accelerator otherwise; on the server ``launcher check`` runs
     it with the real backend.
     """
-    from launcher.run.config import llamafactory_args, validate_llamafactory_args
+    from launcher.checks.config_check import validate_llamafactory_args
+    from launcher.run.config import llamafactory_args
 
     cfg = load_run_config(_with_tmp_model(config, tmp_path))
     pytest.importorskip("llamafactory")

@@ -77,6 +77,7 @@ def prepared_for(tmp_path: Path, model: Path, data: Path, **lf: object) -> Simpl
         "dataset_dir": str(data),
         "dataset": "counsel_nothink",
         "stage": "sft",
+        "do_train": True,
         "finetuning_type": "lora",
         "cutoff_len": 256,
         **lf,

@@ -75,20 +75,20 @@ def test_invalid_llamafactory_key_fails_before_training(tmp_path, demo_assets):
     cfg = make_config(tmp_path, demo_assets, lora_rnk=4)
     proc = launcher_cmd("run", cfg)
     assert proc.returncode == 2
-    assert "Some keys are not used by the HfArgumentParser: ['lora_rnk']" in proc.stderr
+    assert "lora_rnk: not a LLaMA-Factory argument; did you mean lora_rank?" in proc.stderr
     runs = tmp_path / "runs"  # the lock lives here; no run folder may
     assert not runs.exists() or not [p for p in runs.iterdir() if p.is_dir()]
 
 
 def test_job_failure_is_recorded_with_its_exit_code_and_traceback(tmp_path, demo_assets):
-    # preflight cannot see this one: PEFT refuses the target while LLaMA-Factory builds the model
-    cfg = make_config(tmp_path, demo_assets, lora_target="no_such_proj")
+    # neither check nor preflight can see this one: PEFT refuses the rank while LLaMA-Factory builds the model
+    cfg = make_config(tmp_path, demo_assets, lora_rank=0)
     proc = launcher_cmd("run", cfg, "--quiet")
     assert proc.returncode == 1
     run_dir = only_run_dir(tmp_path / "runs")
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "FAILED" and status["exit_code"] == 1
-    assert "target_modules" in status["reason"] and "rank 0" in status["reason"]
+    assert "`r` should be a positive integer" in status["reason"] and "rank 0" in status["reason"]
     events = read_jsonl(run_dir / "events.jsonl")
     assert [e["event"] for e in events] == ["created", "preflight", "started", "ended"]
 

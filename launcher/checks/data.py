@@ -1,17 +1,20 @@
 """Preflight checks of the data and the output folder (rows ``dataset`` and ``output``).
 
 ``check_dataset`` reads LLaMA-Factory's ``dataset_info.json`` the way LLaMA-Factory does (``file_name``,
-``formatting``, ``columns``) but only as far as a preflight needs: every named dataset is registered, its
-file is present and non-empty, the first record has the mapped columns, and a ``nothink`` set holds no
-``<think>``. ``check_output`` probes the output root without creating it.
+``formatting``, ``columns``, ``tags``; ``llamafactory/data/parser.py``): every named dataset is registered,
+its file is present and non-empty, every record of a ``.json``/``.jsonl`` file has the mapped columns with
+the right types (a bad record is named by file, index and field, never by its text), and a ``nothink``
+set holds no ``<think>``. ``check_output`` probes the output root without creating it.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,77 +22,199 @@ Row = tuple[str, str, str]  # name, status, detail
 MIN_FREE_GIB = {"formal": 10.0, "smoke": 0.5}
 
 
-def _dataset_names(lf: dict[str, Any]) -> list[str]:
+def dataset_names(lf: dict[str, Any]) -> list[str]:
     return [n.strip() for key in ("dataset", "eval_dataset") for n in str(lf.get(key) or "").split(",") if n.strip()]
 
 
-def _first_record(path: Path) -> Any:
+@dataclass(frozen=True)
+class Columns:
+    """How one dataset's records are laid out (``dataset_info.json``: formatting, columns, tags)."""
+
+    formatting: str
+    text: tuple[str, ...]  # required text columns
+    optional: tuple[str, ...]  # text columns that may be missing or null
+    messages: str | None = None  # sharegpt: the list of turns
+    role_tag: str = "from"
+    content_tag: str = "value"
+    response: str | None = None  # alpaca: the reply column
+
+    @classmethod
+    def of(cls, entry: dict[str, Any]) -> Columns:
+        columns, tags = entry.get("columns") or {}, entry.get("tags") or {}
+        if entry.get("formatting", "alpaca") == "sharegpt":
+            return cls("sharegpt", (), (columns.get("system", "system"), columns.get("tools", "tools")),
+                       messages=columns.get("messages", "conversations"), role_tag=tags.get("role_tag", "from"),
+                       content_tag=tags.get("content_tag", "value"))  # fmt: skip
+        prompt, response = columns.get("prompt", "instruction"), columns.get("response", "output")
+        return cls("alpaca", (prompt, response), (columns.get("query", "input"), columns.get("system", "system")),
+                   response=response)  # fmt: skip
+
+
+def _record_problem(record: Any, cols: Columns) -> str | None:
+    """The first field of ``record`` that does not fit ``cols`` (the field's name only, never its text)."""
+    if not isinstance(record, dict):
+        return f"is a {type(record).__name__}, not an object"
+    for name in cols.text:
+        if name not in record:
+            return f"lacks column {name!r}"
+        if not isinstance(record[name], str):
+            return f"{name!r} is a {type(record[name]).__name__}, not text"
+    for name in cols.optional:
+        if record.get(name) is not None and not isinstance(record[name], str):
+            return f"{name!r} is a {type(record[name]).__name__}, not text"
+    if cols.messages is not None:
+        turns = record.get(cols.messages)
+        if not isinstance(turns, list) or not turns:
+            return f"{cols.messages!r} is not a non-empty list of turns"
+        for number, turn in enumerate(turns):
+            if not isinstance(turn, dict) or not isinstance(turn.get(cols.content_tag), str) or \
+                    not isinstance(turn.get(cols.role_tag), str):  # fmt: skip
+                return f"{cols.messages}[{number}] lacks text {cols.role_tag!r}/{cols.content_tag!r}"
+    if cols.response is not None and "history" in record:
+        history = record["history"]
+        if not isinstance(history, list) or not all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in history
+        ):
+            return "'history' is not a list of [client, counselor] text pairs"
+    return None
+
+
+def read_records(path: Path) -> list[Any] | None:
+    """Every record of a ``.json`` (a list) or ``.jsonl`` file; None for formats read here by presence only.
+
+    Raises:
+        ValueError: the file is not JSON of that shape (the message says where).
+    """
     if path.suffix == ".jsonl":
-        with open(path) as f:
-            return json.loads(next((ln for ln in f if ln.strip()), "null"))
+        records = []
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                if line.strip():
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError as err:
+                        raise ValueError(f"line {number} is not JSON ({err.msg})") from None
+        return records
     if path.suffix == ".json":
-        data = json.loads(path.read_text())
-        if not isinstance(data, list) or not data:
-            raise ValueError("expected a non-empty JSON list of records")
-        return data[0]
-    return None  # other formats (parquet, csv, folders): presence only
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"not JSON ({err.msg} at line {err.lineno})") from None
+        if not isinstance(data, list):
+            raise ValueError(f"expected a JSON list of records, found a {type(data).__name__}")
+        return data
+    return None  # parquet, csv, folders: LLaMA-Factory reads them; checked for presence only
 
 
-def _required_columns(entry: dict[str, Any]) -> list[str]:
-    columns = entry.get("columns") or {}
-    if entry.get("formatting", "alpaca") == "sharegpt":
-        return [columns.get("messages", "conversations")]
-    return [columns.get("prompt", "instruction"), columns.get("response", "output")]
-
-
-def check_dataset(lf: dict[str, Any]) -> Row:
+def _registered(lf: dict[str, Any]) -> tuple[Path, dict[str, Any] | str]:
     dataset_dir = Path(str(lf.get("dataset_dir", "data")))
     info_path = dataset_dir / "dataset_info.json"
-    names = _dataset_names(lf)
-    if not names:
-        return "dataset", "fail", "no dataset named (set dataset: in the config)"
     try:
         info = json.loads(info_path.read_text())
     except FileNotFoundError:
-        return "dataset", "fail", f"{info_path} is missing; register the datasets there (LLaMA-Factory format)"
-    except (OSError, json.JSONDecodeError) as err:
-        return "dataset", "fail", f"{info_path} is unreadable: {err}"
-    problems, seen = [], []
+        return info_path, f"{info_path} is missing; register the datasets there (LLaMA-Factory format)"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return info_path, f"{info_path} is unreadable: {err}"
+    return info_path, info if isinstance(info, dict) else f"{info_path} does not hold a JSON object"
+
+
+def _dataset_files(lf: dict[str, Any]) -> tuple[list[str], list[tuple[str, Path, Columns]]]:
+    """Problems, and (name, file, columns) of each named dataset that is registered and present."""
+    names = dataset_names(lf)
+    if not names:
+        return ["no dataset named (set dataset: in the config)"], []
+    info_path, info = _registered(lf)
+    if isinstance(info, str):
+        return [info], []
+    problems, found = [], []
     for name in names:
         entry = info.get(name)
         if not isinstance(entry, dict):
-            problems.append(
-                f"{name}: not registered in {info_path.name} (registered: {', '.join(sorted(info)) or 'none'})"
-            )
+            close = difflib.get_close_matches(name, list(info), n=3)
+            problems.append(f"{name}: not registered in {info_path}"
+                            + (f" (close names: {', '.join(close)})" if close else f" (registered: "
+                               f"{', '.join(sorted(info)) or 'none'})"))  # fmt: skip
             continue
         file_name = entry.get("file_name")
         if not file_name:
-            problems.append(f"{name}: no file_name (remote datasets are not downloaded here)")
+            problems.append(f"{name}: no file_name in {info_path.name} (remote datasets are not downloaded here)")
             continue
-        path = dataset_dir / file_name
+        path = info_path.parent / file_name
         if not path.exists():
             problems.append(f"{name}: {path} is missing")
-            continue
-        if path.is_file() and path.stat().st_size == 0:
+        elif path.is_file() and path.stat().st_size == 0:
             problems.append(f"{name}: {path} is empty")
-            continue
+        else:
+            found.append((name, path, Columns.of(entry)))
+    return problems, found
+
+
+def dataset_records(lf: dict[str, Any], shown: int = 3) -> tuple[list[str], list[str]]:
+    """Every record of every named dataset against its declared columns and types.
+
+    Returns:
+        Problems (each naming the dataset, the file, the index and the field of the first bad records;
+        never their text) and a line per dataset that passed.
+    """
+    problems, found = _dataset_files(lf)
+    seen = []
+    for name, path, cols in found:
         try:
-            record = _first_record(path) if path.is_file() else None
-        except (OSError, ValueError) as err:
-            problems.append(f"{name}: {path.name} is not readable JSON ({err})")
+            records = read_records(path) if path.is_file() else None
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            problems.append(f"{name}: {path} {err}")
             continue
-        if isinstance(record, dict):
-            missing = [c for c in _required_columns(entry) if c not in record]
-            if missing:
-                problems.append(f"{name}: first record lacks column(s) {missing} (check 'columns' in {info_path.name})")
-                continue
-        if "nothink" in name and path.is_file() and path.stat().st_size < 2 << 30 and b"<think>" in path.read_bytes():
+        if records is None:
+            seen.append(f"{name} ({path.name}, not read: {path.suffix or 'folder'})")
+            continue
+        if not records:
+            problems.append(f"{name}: {path} holds no record")
+            continue
+        bad = [(i, why) for i, r in enumerate(records) if (why := _record_problem(r, cols)) is not None]
+        if bad:
+            listed = "; ".join(f"record {i} {why}" for i, why in bad[:shown])
+            problems.append(f"{name}: {len(bad)} of {len(records)} records in {path} do not fit its {cols.formatting} "
+                            f"columns: {listed} (fix the file or 'columns' in dataset_info.json)")  # fmt: skip
+            continue
+        if "nothink" in name and think_share(records, cols) > 0:
             problems.append(f"{name}: contains '<think>' although it is a no-think dataset")
             continue
-        seen.append(f"{name} ({path.name})")
+        seen.append(f"{name} ({path.name}, {len(records)} records)")
+    return problems, seen
+
+
+def think_share(records: list[Any], cols: Columns) -> float:
+    """The share of records whose reply holds ``<think>`` reasoning."""
+
+    def replies(record: dict[str, Any]) -> list[str]:
+        if cols.response is not None:
+            return [str(record.get(cols.response) or "")] + [str(p[1]) for p in record.get("history") or []]
+        return [str(t.get(cols.content_tag) or "") for t in record.get(cols.messages or "") or []]
+
+    hits = sum(any("<think>" in r for r in replies(record)) for record in records if isinstance(record, dict))
+    return hits / len(records) if records else 0.0
+
+
+def dataset_think_share(lf: dict[str, Any]) -> dict[str, float]:
+    """Per named dataset that can be read, the share of its records with ``<think>`` in a reply."""
+    _, found = _dataset_files(lf)
+    shares = {}
+    for name, path, cols in found:
+        try:
+            records = read_records(path) if path.is_file() else None
+        except (OSError, UnicodeDecodeError, ValueError):
+            continue
+        if records:
+            shares[name] = think_share(records, cols)
+    return shares
+
+
+def check_dataset(lf: dict[str, Any]) -> Row:
+    """The ``dataset`` row: every named dataset registered, present, and every record fitting its columns."""
+    problems, seen = dataset_records(lf)
     if problems:
         return "dataset", "fail", "; ".join(problems)
-    return "dataset", "ok", f"{', '.join(seen)} registered in {info_path}"
+    return "dataset", "ok", f"{', '.join(seen)} registered in {Path(str(lf.get('dataset_dir', 'data')))}"
 
 
 def check_output(output_root: Path, smoke: bool) -> Row:

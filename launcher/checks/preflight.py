@@ -23,6 +23,7 @@ quick demos use it, a formal run should not.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -171,8 +172,11 @@ def run_preflight(
 def check_data_stats(config, out: dict[str, Any], sample: int = 500) -> Row:
     """Token statistics of a sample per split after the chat template (``launcher data stats``, short form).
 
-    Warns when more than ``launcher.truncation_warn_share`` of the samples are truncated at ``cutoff_len``
-    or samples are left with no supervised token. Conversation text is never shown.
+    Fails a formal run (warns for a smoke run) on ``data.stats.problems_for``: samples left with no
+    supervised token, more than ``launcher.truncation_warn_share`` of the supervised tokens cut, a
+    validation split too small to select a checkpoint by. Warns when that share of samples is truncated,
+    and when the run would write fewer than ``MIN_LOG_LINES`` trainer-log lines. Conversation text is
+    never shown.
     """
     from launcher.data.stats import StatsError, short_stats, short_stats_line
 
@@ -181,9 +185,37 @@ def check_data_stats(config, out: dict[str, Any], sample: int = 500) -> Row:
     except StatsError as err:
         return ("data_stats", "warn", f"token statistics not measured: {err}")
     out["result"] = result
-    warnings = result.get("warnings") or []
-    detail = short_stats_line(result) + "".join(f"; WARNING: {w}" for w in warnings)
+    problems = result.get("problems") or []
+    warnings = (result.get("warnings") or []) + logging_warnings(config.llamafactory, result, config.launcher)
+    result["warnings"] = warnings
+    detail = short_stats_line(result) + "".join(f"; PROBLEM: {p}" for p in problems)
+    detail += "".join(f"; WARNING: {w}" for w in warnings)
+    if problems:
+        return ("data_stats", "warn" if config.launcher.smoke else "fail", detail)
     return ("data_stats", "warn" if warnings else "ok", detail)
+
+
+MIN_LOG_LINES = 50  # a day-long run watched through status, ETA and curves needs this many log lines
+
+
+def planned_steps(lf: dict[str, Any], train_samples: int, world_size: int) -> int | None:
+    """Optimizer steps of the run as the HF Trainer plans them (``max_steps``, else epochs over the data)."""
+    if int(lf.get("max_steps") or -1) > 0:
+        return int(lf["max_steps"])
+    batch = int(lf.get("per_device_train_batch_size") or 8) * int(lf.get("gradient_accumulation_steps") or 1)
+    per_epoch = math.ceil(train_samples / max(1, batch * world_size))
+    return math.ceil(per_epoch * float(lf.get("num_train_epochs") or 3.0)) if train_samples else None
+
+
+def logging_warnings(lf: dict[str, Any], result: dict[str, Any], launcher: Any) -> list[str]:
+    train = (result.get("splits") or {}).get("train") or {}
+    steps = planned_steps(lf, int(train.get("records_total") or 0), launcher.nproc_per_node * launcher.nnodes)
+    every = int(lf.get("logging_steps") or 500)  # the HF TrainingArguments default
+    if steps is None or steps // every >= MIN_LOG_LINES or steps < MIN_LOG_LINES:
+        return []
+    wanted = max(1, steps // MIN_LOG_LINES)
+    return [f"logging_steps {every}: the trainer log (status, ETA, loss curves) gets only {steps // every} line(s) "
+            f"over the {steps} planned steps; set logging_steps: {wanted} or less"]  # fmt: skip
 
 
 def check_backend(prepared: Prepared) -> Row:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from launcher import __version__
 from launcher.cli import run_verbs, tool_verbs, view_verbs
 from launcher.cli.registry import Verb
 from launcher.errors import LauncherError
@@ -26,7 +27,8 @@ VERBS: tuple[Verb, ...] = tuple(_ALL[n] for n in _ORDER) + tuple(v for v in _ALL
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The ``launcher`` parser. ``only`` adds the arguments of that verb alone: some verbs' argument
-    functions import their module (validate-kernels, report), which a `status` call should not pay for."""
+    functions import their module (validate-kernels, report), which a `status` call should not pay for.
+    Internal verbs exist only when called by name, so no help or error message lists them."""
     shown = [v for v in VERBS if not v.hidden]
     parser = argparse.ArgumentParser(
         prog="launcher",
@@ -34,8 +36,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         epilog="examples:\n" + "\n".join(f"  {v.examples.splitlines()[0]}" for v in shown),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"launcher {__version__}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
     for verb in VERBS:
+        if verb.hidden and verb.name != only:
+            continue
         kwargs = {} if verb.hidden else {"help": verb.help}
         p = sub.add_parser(
             verb.name,
@@ -50,10 +55,30 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+_TAKES_OVERRIDES = {"run", "start", "check", "preflight", "_supervise"}
+
+
+_OPTIONS_WITH_VALUES = ("--json", "--handshake-fd", "--resume")
+
+
+def _take_overrides(argv: list[str], verb: str | None) -> tuple[list[str], list[str]]:
+    """The ``KEY=VALUE`` overrides of a config verb, wherever they stand after the verb (``check CFG
+    --no-model lr=1.0e-4``), taken out before argparse sees the rest; and the rest."""
+    if verb not in _TAKES_OVERRIDES:
+        return argv, []
+    at = argv.index(verb) + 1
+    rest = argv[at:]
+    picked = [i for i, a in enumerate(rest) if "=" in a and not a.startswith("-")
+              and not (i > 0 and rest[i - 1] in _OPTIONS_WITH_VALUES)]  # fmt: skip
+    return argv[:at] + [a for i, a in enumerate(rest) if i not in picked], [rest[i] for i in picked]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if not a.startswith("-")), None)
+    argv, overrides = _take_overrides(argv, chosen)
     ns = build_parser(only=chosen if chosen in _ALL else None).parse_args(argv)
+    ns.overrides = overrides
     try:
         return int(ns._run(ns))
     except LauncherError as err:

@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from launcher.errors import LauncherError
 from launcher.files import read_yaml_mapping
@@ -40,8 +41,23 @@ def add_run_arg(p: argparse.ArgumentParser) -> None:
     add_root_arg(p)
 
 
+OVERRIDES_HELP = (
+    "KEY=VALUE after the config overrides a key, as with llamafactory-cli (learning_rate=1.0e-4, "
+    "launcher.nproc_per_node=2); a run records them in overrides.yaml"
+)
+
+
 def add_config_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", type=Path, help="run config: LLaMA-Factory YAML plus a launcher: section")
+    p.usage = f"launcher {p.prog.split()[-1]} CONFIG [KEY=VALUE ...] [options]"
+    p.description = f"{p.description or ''}\n\n{OVERRIDES_HELP}".strip()
+
+
+def overrides_of(ns: argparse.Namespace) -> dict[str, Any]:
+    """The KEY=VALUE overrides given after the config; raises ``ConfigError`` for a malformed one."""
+    from launcher.run.config import parse_overrides
+
+    return parse_overrides(list(getattr(ns, "overrides", None) or []))
 
 
 def runs_root(ns: argparse.Namespace) -> Path:

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from launcher.cli.registry import Verb, add_config_arg, add_run_arg, run_dir
+from launcher.cli.registry import Verb, add_config_arg, add_run_arg, overrides_of, run_dir
 from launcher.errors import ExitCode, LauncherError
 
 
@@ -22,14 +22,14 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     from launcher.run.config import load_run_config
     from launcher.run.supervisor import supervise
 
-    return supervise(load_run_config(ns.config), echo=not ns.quiet)
+    return supervise(load_run_config(ns.config, overrides_of(ns)), echo=not ns.quiet)
 
 
 def _cmd_start(ns: argparse.Namespace) -> int:
     from launcher.run.config import load_run_config
     from launcher.run.lock import LOCK_NAME, LockBusy, is_locked, read_owner
 
-    config = load_run_config(ns.config)  # fast host-side errors before anything is spawned
+    config = load_run_config(ns.config, overrides_of(ns))  # fast host-side errors before anything is spawned
     root = config.launcher.output_root
     if is_locked(root):  # refuse at once; the supervisor checks again under the lock
         raise LockBusy(root / LOCK_NAME, read_owner(root))
@@ -51,7 +51,7 @@ def _cmd_supervise(ns: argparse.Namespace) -> int:
 
     handshake = Handshake(os.fdopen(ns.handshake_fd, "w"))
     try:
-        config = load_run_config(ns.config)  # changed since `start` read it: say so to `start`
+        config = load_run_config(ns.config, overrides_of(ns))  # changed since `start` read it: say so
     except LauncherError as err:
         handshake.refuse(err)
         raise
@@ -59,19 +59,40 @@ def _cmd_supervise(ns: argparse.Namespace) -> int:
     return supervise(config, echo=False, handshake=handshake, resume=resume)
 
 
-def _cmd_check(ns: argparse.Namespace) -> int:
-    from launcher.run.config import load_run_config
-    from launcher.run.setup import prepare
+def _args_check(p: argparse.ArgumentParser) -> None:
+    add_config_arg(p)
+    p.add_argument("--no-model", action="store_true",
+                   help="do not read the model folder (checking on a machine that does not hold it); the checks "
+                        "this skips are listed")  # fmt: skip
 
-    prepared = prepare(load_run_config(ns.config))
-    launcher = prepared.config.launcher
-    print(f"{ns.config}: OK (backend {prepared.backend.name}, {launcher.nproc_per_node} process(es) per node, "
+
+def _cmd_check(ns: argparse.Namespace) -> int:
+    """Every problem of the config in one pass; 0 when none, 2 otherwise."""
+    from launcher.checks.config_check import ERROR
+    from launcher.run.config import ConfigError, read_run_config
+    from launcher.run.setup import check_run_config
+
+    config, problems = read_run_config(ns.config, overrides_of(ns), require_model=not ns.no_model)
+    if config is None:
+        raise ConfigError(str(ns.config), problems)
+    found = check_run_config(config, problems=problems, model=not ns.no_model, devices=False)
+    marks = {"error": "ERROR", "warn": "warn ", "ok": "ok   ", "skipped": "skip "}
+    for finding in found.items:
+        print(f"{marks[finding.level]}  {finding.message}")
+    for note in config.notes:
+        print(f"note   {note}")
+    errors = [f for f in found.items if f.level == ERROR]
+    if errors:
+        print(f"{ns.config}: {len(errors)} problem(s); fix them and run `launcher check {ns.config}` again")
+        return ExitCode.USAGE
+    launcher = config.launcher
+    print(f"{ns.config}: OK ({launcher.backend} backend, {launcher.nproc_per_node} process(es) per node, "
           f"{launcher.distribution}{', smoke' if launcher.smoke else ''})")  # fmt: skip
     return ExitCode.OK
 
 
 def _args_preflight(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", type=Path, help="run config to check (LLaMA-Factory YAML plus a launcher: section)")
+    add_config_arg(p)
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON to PATH")
 
 
@@ -81,7 +102,7 @@ def _cmd_preflight(ns: argparse.Namespace) -> int:
     from launcher.run.config import load_run_config
     from launcher.run.setup import prepare
 
-    report = run_preflight(prepare(load_run_config(ns.config)))
+    report = run_preflight(prepare(load_run_config(ns.config, overrides_of(ns))))
     report.render()
     if ns.json is not None:
         print(f"report: {report.write(ns.json)}", file=sys.stderr)
@@ -141,7 +162,9 @@ VERBS: tuple[Verb, ...] = (
          "launcher resume demo-cpu-20261130-101500\n  launcher resume RUN --adapter-only",
          _args_resume, _cmd_resume),
     Verb("check", "validate a run config (launcher section and LLaMA-Factory's own parser) without training",
-         "launcher check configs/qwen3_5_27b_lora_soulchat.yaml", add_config_arg, _cmd_check),
+         "launcher check configs/qwen3_5_27b_lora_soulchat.yaml\n"
+         "  launcher check configs/qwen3_5_27b_lora_soulchat.yaml --no-model   (on a laptop)",
+         _args_check, _cmd_check),
     Verb("preflight",
          "check backend, devices, driver, packages, DeltaNet kernel, model, data and output space; print a table",
          "launcher preflight configs/qwen3_5_27b_lora_soulchat.yaml\n"

@@ -11,16 +11,28 @@ from launcher.cli.registry import Verb, add_root_arg, add_run_arg, run_dir, runs
 from launcher.errors import ExitCode, LauncherError
 
 
+def _seconds_or_run(text: str) -> float | str:
+    """``--watch 10`` is seconds; ``--watch RUN`` (options before RUN) leaves RUN for the command."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def _args_status(p: argparse.ArgumentParser) -> None:
     add_run_arg(p)
     p.add_argument("--json", action="store_true", help="print the status as JSON")
-    p.add_argument("--watch", nargs="?", type=float, const=5.0, default=None, metavar="SECONDS",
+    p.add_argument("--watch", nargs="?", type=_seconds_or_run, const=5.0, default=None, metavar="SECONDS",
                    help="refresh every SECONDS (default 5) until the run ends")  # fmt: skip
 
 
 def _cmd_status(ns: argparse.Namespace) -> int:
     from launcher.monitor.status import show_status
 
+    if ns.watch is not None and not isinstance(ns.watch, float):  # `status --watch RUN`: RUN, not SECONDS
+        if ns.run is not None:
+            raise LauncherError(f"--watch {ns.watch!r}: give SECONDS as a number, e.g. --watch 10")
+        ns.run, ns.watch = ns.watch, 5.0
     return show_status(run_dir(ns), ns.json, ns.watch)
 
 

@@ -212,27 +212,52 @@ def summarize(rows: np.ndarray, cutoff_len: int) -> dict[str, Any]:
     }
 
 
+# Fewer validation samples than this cannot tell checkpoints apart: the eval loss's sampling noise (its
+# standard error shrinks as 1/sqrt(n)) is then as large as the differences between checkpoints.
+MIN_VALIDATION_SAMPLES = 20
+
+
+def problems_for(result: dict[str, Any], warn_share: float) -> list[str]:
+    """What makes the training or its model selection wrong: samples left without a supervised token,
+    more than ``warn_share`` of the supervised tokens cut by ``cutoff_len``, a validation split too small
+    to select a checkpoint by. Preflight refuses a formal run on these and warns for a smoke run."""
+    found = []
+    cutoff = result["cutoff_len"]
+    for name, s in result["splits"].items():
+        sup = s["supervised_tokens"]
+        if sup["lost_share"] > warn_share:
+            found.append(
+                f"{name}: truncation at cutoff_len {cutoff} removes {sup['lost_share']:.1%} of the supervised "
+                f"tokens ({sup['before'] - sup['after']} of {sup['before']}; threshold "
+                f"launcher.truncation_warn_share {warn_share:g}); raise cutoff_len"
+            )
+        if s["no_supervised"]["after"]:
+            found.append(
+                f"{name}: {s['no_supervised']['after']} of {s['samples']} sample(s) keep no supervised token after "
+                f"truncation at cutoff_len {cutoff} (they train on nothing); raise cutoff_len or drop them"
+            )
+    validation = result["splits"].get("validation")
+    if validation is not None and validation.get("records_total", validation["samples"]) < MIN_VALIDATION_SAMPLES:
+        count = validation.get("records_total", validation["samples"])
+        found.append(
+            f"validation: {count} sample(s) are too few to select a checkpoint by (fewer than "
+            f"{MIN_VALIDATION_SAMPLES}: the eval loss's noise is as large as the differences between checkpoints); "
+            "give the eval dataset more samples (launcher data prepare --val-size)"
+        )
+    return found
+
+
 def warnings_for(result: dict[str, Any], warn_share: float) -> list[str]:
-    """Warnings a user should read before a long run: truncation above ``warn_share``, empty labels."""
+    """Warnings a user should read before a long run: samples truncated above ``warn_share``, dropped ones."""
     warns = []
     cutoff = result["cutoff_len"]
     for name, s in result["splits"].items():
-        t, sup = s["truncated"], s["supervised_tokens"]
+        t = s["truncated"]
         if t["share"] > warn_share:
             warns.append(
                 f"{name}: {t['share']:.1%} of samples ({t['count']} of {s['samples']}) are longer than cutoff_len "
                 f"{cutoff} and get truncated (p99 {s['length']['p99']}, max {s['length']['max']}); raise cutoff_len "
                 f"or accept it (threshold launcher.truncation_warn_share: {warn_share:g})"
-            )
-        if sup["lost_share"] > warn_share:
-            warns.append(
-                f"{name}: truncation removes {sup['lost_share']:.1%} of supervised tokens "
-                f"({sup['before'] - sup['after']} of {sup['before']})"
-            )
-        if s["no_supervised"]["after"]:
-            warns.append(
-                f"{name}: {s['no_supervised']['after']} sample(s) keep no supervised token after truncation "
-                "(they train on nothing)"
             )
         if s["dropped_invalid"]:
             warns.append(f"{name}: LLaMA-Factory drops {s['dropped_invalid']} sample(s) with an invalid turn structure")
@@ -314,6 +339,7 @@ def compute_stats_with_lengths(config: Any, *, sample: int | None = None, worker
     if warn_share is None:
         warn_share = float(getattr(config.launcher, "truncation_warn_share", DEFAULT_WARN_SHARE))
     result["warn_share"] = warn_share
+    result["problems"] = problems_for(result, warn_share)
     result["warnings"] = warnings_for(result, warn_share)
     result["notes"] = lfd.notes + (["packing: samples longer than cutoff_len are dropped, not truncated"]
                                    if lfd.data_args.packing else [])  # fmt: skip
@@ -354,5 +380,6 @@ __all__ = [
     "short_stats",
     "short_stats_line",
     "summarize",
+    "problems_for",
     "warnings_for",
 ]

@@ -81,8 +81,11 @@ def write_histogram(result: dict[str, Any], lengths: dict[str, Any], out: Path) 
         ax.axvline(cutoff, color="#c0392b", linestyle="--", label=f"cutoff_len {cutoff}")
         p99 = result["splits"][name]["length"]["p99"]
         ax.axvline(p99, color="#7f8c8d", linestyle=":", label=f"p99 {p99}")
-        share = result["splits"][name]["truncated"]["share"]
-        ax.set_title(f"{name}: {len(values)} samples, {share:.1%} over cutoff_len")
+        split = result["splits"][name]
+        share, lost = split["truncated"]["share"], split["supervised_tokens"]["lost_share"]
+        none_left = split["no_supervised"]["after"]
+        ax.set_title(f"{name}: {len(values)} samples, {share:.1%} over cutoff_len; supervised tokens lost "
+                     f"{lost:.1%}" + (f", {none_left} sample(s) with none left" if none_left else ""))  # fmt: skip
         ax.set_xlabel("tokens after template (untruncated)")
         ax.set_ylabel("samples")
         ax.legend()

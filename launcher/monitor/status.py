@@ -21,11 +21,9 @@ from launcher.files import FileFollower, tail_lines
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.reconcile import reconcile
 from launcher.state.record import RecordUnreadable, read_record
-from launcher.state.runs import list_runs
+from launcher.state.runs import JOB_LOG, SUPERVISOR_LOG, list_runs
 from launcher.state.states import RunState
 from launcher.state.trainer_log import read_trainer_log_tail
-
-LAUNCHER_LOG = "launcher.log"
 
 
 def _parse_hms(text: Any) -> float | None:
@@ -207,16 +205,17 @@ def show_list(root: Path) -> int:
 
 
 def show_logs(run_dir: Path, follow: bool, lines: int = 50, poll_s: float = 0.5) -> int:
-    path = run_dir / LAUNCHER_LOG
+    """The end of the job's log (``-f``: and what follows, until the run ends). Before the job started, and
+    for a run whose job never started (a refused preflight), the detached supervisor's own log."""
+    job_log, own_log = run_dir / JOB_LOG, run_dir / SUPERVISOR_LOG
+    path = job_log if job_log.exists() or not own_log.exists() else own_log
+    if path == own_log:
+        print(f"(the job has not written {JOB_LOG}; this is the supervisor's own output, {SUPERVISOR_LOG})")
     sys.stdout.write(tail_lines(path, lines))
     sys.stdout.flush()
     if not follow:
         return ExitCode.OK
-    try:
-        size = path.stat().st_size
-    except OSError:
-        size = 0
-    follower = FileFollower(path, offset=size)
+    follower = FileFollower(path, offset=_size(path))
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span two reads
     try:
         while True:
@@ -225,6 +224,10 @@ def show_logs(run_dir: Path, follow: bool, lines: int = 50, poll_s: float = 0.5)
             if chunk:
                 sys.stdout.write(decoder.decode(chunk))
                 sys.stdout.flush()
+            elif path == own_log and job_log.exists():  # the job started: follow its log from here on
+                print(f"(the job started: following {JOB_LOG})", flush=True)
+                follower.close()
+                path, follower = job_log, FileFollower(job_log)
             elif ended:
                 return ExitCode.OK
             else:
@@ -233,6 +236,13 @@ def show_logs(run_dir: Path, follow: bool, lines: int = 50, poll_s: float = 0.5)
         return ExitCode.OK
     finally:
         follower.close()
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _ended(run_dir: Path) -> bool:

@@ -32,7 +32,7 @@ from launcher.results.curves import (
     overfitting_verdict,
     read_trainer_state,
 )
-from launcher.results.verify import VERIFY_FILE
+from launcher.results.verify import VERIFY_FILE, never_trained
 from launcher.state.checkpoints import ADAPTER_FILE, scan_checkpoints
 from launcher.state.record import now_iso
 from launcher.state.runs import eval_dataset_names, load_run_files, selection_metric_name
@@ -172,6 +172,9 @@ def build_report(run_dir: Path, patience: int | None = None, plot: bool = True, 
 
 def _recommend(report: RunReport, lf: dict[str, Any], output: Path) -> None:
     best, metric = report.best, report.selection_metric
+    if not report.curves.train and (why := never_trained(lf)):  # nothing to select: say the one real cause
+        report.recommended, report.recommended_reason = None, why
+        return
     state, _ = read_trainer_state(output)
     loaded_best = bool(lf.get("load_best_model_at_end")) and (state or {}).get("best_model_checkpoint")
     if loaded_best:

@@ -37,7 +37,7 @@ from launcher.results.lora_targets import (
     expected_lora_modules,
     read_model_layout,
 )
-from launcher.state.checkpoints import ADAPTER_CONFIG, ADAPTER_FILE, TRAINER_STATE
+from launcher.state.checkpoints import ADAPTER_CONFIG, ADAPTER_FILE, TRAINER_STATE, last_complete_checkpoint
 from launcher.state.record import now_iso
 from launcher.state.runs import RunFiles, eval_configured, load_run_files, selection_metric_name
 from launcher.state.trainer_log import TRAINER_LOG, read_trainer_log_tail
@@ -157,7 +157,7 @@ def _check_steps(ctx: _Context) -> CheckResult:
     reached = [v for v in (log.get("current_steps"), state.get("global_step")) if v is not None]
     if not planned or not reached:
         evidence = f"no step record: {TRAINER_LOG} and the final {TRAINER_STATE} are missing or empty in {ctx.output}"
-        return CheckResult("steps", title, FAIL, evidence, "see launcher.log for why training recorded no progress")
+        return CheckResult("steps", title, FAIL, evidence, _no_progress_fix(ctx))
     sources = []
     if state:
         sources.append(f"{TRAINER_STATE}: global_step {state.get('global_step')}, max_steps {state.get('max_steps')}")
@@ -174,8 +174,36 @@ def _check_steps(ctx: _Context) -> CheckResult:
     early = _early_stop(ctx, done)
     if early:
         return CheckResult("steps", title, PASS, f"{done} of {total} planned steps, {early} ({evidence})")
+    resume = (
+        f"then `launcher resume {ctx.run_dir.name}` continues from {last.path.name}"
+        if (last := last_complete_checkpoint(ctx.output))
+        else "no checkpoint was saved, so start it again"
+    )
     return CheckResult("steps", title, FAIL, f"{done} of {total} planned steps ({evidence})",
-                       "the job ended early; see launcher.log, then resume from the last checkpoint")  # fmt: skip
+                       f"the job ended early: `launcher logs {ctx.run_dir.name}` says why; {resume}")  # fmt: skip
+
+
+def never_trained(lf_args: dict[str, Any]) -> str | None:
+    """Why a run that logged no training step never trained, when its arguments say (else None)."""
+    stage = lf_args.get("stage", "sft")
+    if stage in ("pt", "sft", "rm", "ppo", "dpo", "kto") and lf_args.get("do_train") is not True:
+        return (f"the run never trained: do_train is not set, so LLaMA-Factory (stage {stage}) only evaluated; add "
+                "do_train: true to the config and start a new run (there is no checkpoint to resume)")  # fmt: skip
+    return None
+
+
+def _no_progress_fix(ctx: _Context) -> str:
+    return never_trained(ctx.files.lf_args) or (
+        f"`launcher logs {ctx.run_dir.name}` shows why training recorded no progress"
+    )
+
+
+def advice(report: VerifyReport) -> str | None:
+    """One cause and one fix for a failed checklist: the first failed check's, in checklist order."""
+    first = report.failed[0] if report.failed else None
+    if first is None:
+        return None
+    return f"{first.name}: {first.evidence}" + (f"; fix: {first.fix}" if first.fix else "")
 
 
 def _early_stop(ctx: _Context, step: int) -> str | None:
@@ -210,7 +238,11 @@ def _check_exit(ctx: _Context) -> CheckResult:
     evidence = f"status.json: state {state}, exit_code {code}, signal {sig}"
     if code == 0 and sig is None:
         return CheckResult("exit_code", title, PASS, evidence)
-    fix = "see status.json 'reason' and launcher.log" if code is not None or sig else "the job has not ended yet"
+    fix = (
+        f"`launcher status {ctx.run_dir.name}` shows the reason and `launcher logs {ctx.run_dir.name}` the output"
+        if code is not None or sig
+        else "the job has not ended yet"
+    )
     return CheckResult("exit_code", title, FAIL, evidence, fix)
 
 
@@ -403,8 +435,9 @@ def _check_metrics(ctx: _Context) -> CheckResult:
             found.append(name)
     evidence = ", ".join(found) + (" present" if found else "")
     if problems:
-        return CheckResult("metrics", title, FAIL, "; ".join(problems) + (f" ({evidence})" if found else ""),
-                           "the job ended before writing its results; check launcher.log")  # fmt: skip
+        fix = never_trained(ctx.files.lf_args) if log is None else None
+        fix = fix or f"the job ended before writing its results; `launcher logs {ctx.run_dir.name}` says why"
+        return CheckResult("metrics", title, FAIL, "; ".join(problems) + (f" ({evidence})" if found else ""), fix)
     return CheckResult("metrics", title, PASS, evidence)
 
 

@@ -13,13 +13,14 @@ The file a user writes is the LLaMA-Factory YAML they already know, with one ext
         deltanet_routing: {kernel: auto}
         checkpoint_all_layers: true
 
-The ``launcher`` part is validated here with pydantic (host side, no torch). The rest is validated by
-LLaMA-Factory's own argument parser (``validate_llamafactory_args``), which needs the training stack.
-``load_run_config`` collects every problem before raising, so a user fixes them in one pass.
+The ``launcher`` part is validated here with pydantic (host side, no torch). The rest is checked by
+``launcher.checks.config_check`` against LLaMA-Factory's own argument dataclasses and registries, which
+needs the training stack. ``read_run_config`` collects every problem, so a user fixes them in one pass.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -123,6 +124,7 @@ class RunConfig(BaseModel):
     patches: dict[str, dict[str, Any]]
     llamafactory: dict[str, Any]
     notes: list[str] = Field(default_factory=list)
+    overrides: dict[str, Any] = Field(default_factory=dict)  # key=value from the command line, applied
 
     @property
     def run_name(self) -> str:
@@ -147,40 +149,84 @@ def _pydantic_problems(err: ValidationError, prefix: str) -> list[str]:
 _SECTION_MODELS: dict[str, type[BaseModel]] = {"fsdp": FsdpSettings, "early_stopping": EarlyStopping}
 
 
-def load_run_config(path: Path) -> RunConfig:
-    """Read and validate the host-side part of a run config.
+OVERRIDES_FILE = "overrides.yaml"  # in the run directory: the command line's key=value overrides
+_NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``key=value`` arguments after the config, as LLaMA-Factory's CLI takes them (``learning_rate=1e-4``,
+    ``launcher.nproc_per_node=2``). Values are read as YAML, and numbers in e notation as numbers (YAML 1.1
+    would read ``1e-4`` as text).
+
+    Raises:
+        ConfigError: an item is not ``key=value``.
+    """
+    values: dict[str, Any] = {}
+    bad = [item for item in items if "=" not in item or not item.split("=", 1)[0].strip()]
+    if bad:
+        raise ConfigError("command line", [f"{item!r}: an override is KEY=VALUE (e.g. learning_rate=1.0e-4)"
+                                           for item in bad])  # fmt: skip
+    for item in items:
+        key, text = (part.strip() for part in item.split("=", 1))
+        value = yaml.safe_load(text) if text else None
+        if isinstance(value, str) and _NUMBER.match(value):
+            value = float(value) if any(c in value for c in ".eE") else int(value)
+        values[key] = value
+    return values
+
+
+def _apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> None:
+    for key, value in overrides.items():
+        *parents, leaf = key.split(".")
+        node = data
+        for part in parents:  # launcher.nproc_per_node=2 goes into the launcher section
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node = child
+        node[leaf] = value
+
+
+def read_run_config(path: Path, overrides: dict[str, Any] | None = None,
+                    require_model: bool = True) -> tuple[RunConfig | None, list[str]]:  # fmt: skip
+    """Read a run config and collect every problem of its launcher section and the formal rules.
 
     Args:
         path: The YAML file.
+        overrides: ``key=value`` overrides from the command line (``parse_overrides``), applied on top.
+        require_model: Whether ``model_name_or_path`` must be a folder here (``launcher check --no-model``
+            checks a config on a machine that does not hold the model).
 
     Returns:
-        The parsed config. LLaMA-Factory's own checks are a separate step
-        (``validate_llamafactory_args``) because they need the training stack.
-
-    Raises:
-        ConfigError: with every problem found, each naming its key.
+        The config (None only when the file is not a YAML mapping) and the problems found, each naming
+        its key. With problems the config carries defaults where its values were invalid.
     """
-    source = str(path)
     if not path.is_file():
-        raise ConfigError(source, [f"config file not found: {path} (check the path; examples are in configs/)"])
+        return None, [f"config file not found: {path} (check the path; examples are in configs/)"]
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
-        raise ConfigError(source, [f"not valid YAML: {err}"]) from err
+        return None, [f"not valid YAML: {err}"]
     if not isinstance(data, dict):
-        raise ConfigError(source, [f"expected a mapping of LLaMA-Factory keys, got {type(data).__name__}"])
-
+        return None, [f"expected a mapping of LLaMA-Factory keys, got {type(data).__name__}"]
+    if overrides:
+        _apply_overrides(data, overrides)
     problems: list[str] = []
     notes: list[str] = []
     raw_launcher = data.pop("launcher", None) or {}
     launcher = LauncherSection()
     if not isinstance(raw_launcher, dict):
         problems.append(f"launcher: expected a mapping, got {type(raw_launcher).__name__}")
-    else:
-        try:
-            launcher = LauncherSection.model_validate(raw_launcher)
-        except ValidationError as err:
-            problems.extend(_pydantic_problems(err, "launcher"))
+        raw_launcher = {}
+    if os.environ.get("NPROC_PER_NODE"):  # honoured like NNODES, NODE_RANK, MASTER_ADDR and MASTER_PORT
+        raw_launcher = {**raw_launcher, "nproc_per_node": os.environ["NPROC_PER_NODE"]}
+        notes.append(f"launcher.nproc_per_node: {os.environ['NPROC_PER_NODE']} from NPROC_PER_NODE")
+    try:
+        launcher = LauncherSection.model_validate(raw_launcher)
+    except ValidationError as err:
+        problems.extend(_pydantic_problems(err, "launcher"))
+        # the valid parts still count for the other rules (a smoke run is not held to the formal floor)
+        launcher = LauncherSection.model_validate(_valid_part(raw_launcher, err))
 
     patch_settings: dict[str, dict[str, Any]] = {}
     try:
@@ -188,20 +234,39 @@ def load_run_config(path: Path) -> RunConfig:
     except ValueError as err:
         problems.append(f"launcher.patches: {err}")
 
-    problems.extend(_check_formal_rules(data, launcher))
+    problems.extend(_check_formal_rules(data, launcher, require_model))
     for key in LAUNCHER_OWNED_KEYS:
         if key in data:
             notes.append(
                 f"{key}: {data.pop(key)!r} is ignored; the launcher writes into the run directory "
                 "under launcher.output_root"
             )
-    notes.extend(_lora_target_notes(data))
-    if problems:
-        raise ConfigError(source, problems)
-    return RunConfig(source=path, launcher=launcher, patches=patch_settings, llamafactory=data, notes=notes)
+    config = RunConfig(source=path, launcher=launcher, patches=patch_settings, llamafactory=data, notes=notes,
+                       overrides=overrides or {})  # fmt: skip
+    return config, problems
 
 
-def _check_formal_rules(data: dict[str, Any], launcher: LauncherSection) -> list[str]:
+def _valid_part(raw: dict[str, Any], err: ValidationError) -> dict[str, Any]:
+    bad = {str(e["loc"][0]) for e in err.errors() if e["loc"]}
+    return {k: v for k, v in raw.items() if k not in bad}
+
+
+def load_run_config(path: Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Read and validate the host-side part of a run config (``read_run_config``, raising).
+
+    LLaMA-Factory's own checks are a separate step (``launcher.checks.config_check``) because they need
+    the training stack.
+
+    Raises:
+        ConfigError: with every problem found, each naming its key.
+    """
+    config, problems = read_run_config(path, overrides)
+    if problems or config is None:
+        raise ConfigError(str(path), problems)
+    return config
+
+
+def _check_formal_rules(data: dict[str, Any], launcher: LauncherSection, require_model: bool) -> list[str]:
     problems = []
     cutoff = data.get("cutoff_len", 2048)  # LLaMA-Factory's default
     if not launcher.smoke and isinstance(cutoff, int) and cutoff < FORMAL_MIN_CUTOFF:
@@ -225,28 +290,12 @@ def _check_formal_rules(data: dict[str, Any], launcher: LauncherSection) -> list
     model = data.get("model_name_or_path")
     if model is None:
         problems.append("model_name_or_path: missing; set it to the model folder (config.json and shards)")
-    elif not Path(str(model)).is_dir():
+    elif require_model and not Path(str(model)).is_dir():
         problems.append(
             f"model_name_or_path: {model!r} is not a folder here; models are not downloaded, so point it "
             "at a local model folder (for the demo: `launcher demo-assets` builds demo/model)"
         )
     return problems
-
-
-_DELTANET_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")
-
-
-def _lora_target_notes(data: dict[str, Any]) -> list[str]:
-    target = data.get("lora_target")
-    if data.get("finetuning_type", "lora") != "lora" or target is None:
-        return []
-    names = {t.strip() for t in str(target).split(",")}
-    if "all" in names or names & set(_DELTANET_PROJECTIONS):
-        return []
-    return [
-        f"lora_target: {target!r} covers only the full-attention layers (one in four in Qwen3.5); the "
-        f"Gated DeltaNet layers name their projections {', '.join(_DELTANET_PROJECTIONS)}"
-    ]
 
 
 def llamafactory_args(config: RunConfig, backend: str, output_dir: Path) -> dict[str, Any]:
@@ -272,21 +321,6 @@ def llamafactory_args(config: RunConfig, backend: str, output_dir: Path) -> dict
     # ddp_backend is left to accelerate, which picks gloo/nccl/hccl from the device; setting it here
     # would make TrainingArguments initialise a process group while the launcher validates.
     return args
-
-
-def validate_llamafactory_args(args: dict[str, Any]) -> list[str]:
-    """Run LLaMA-Factory's own argument parser over ``args``; return its complaints (empty if fine).
-
-    Needs the training stack. Unknown keys are refused, exactly as ``llamafactory-cli train`` does.
-    """
-    from llamafactory.hparams.parser import _TRAIN_ARGS
-    from transformers import HfArgumentParser
-
-    try:
-        HfArgumentParser(_TRAIN_ARGS).parse_dict(args, allow_extra_keys=False)
-    except (ValueError, TypeError) as err:
-        return [f"LLaMA-Factory: {err}"]
-    return []
 
 
 def dump_yaml(data: dict[str, Any]) -> str:

@@ -17,17 +17,18 @@ from typing import TYPE_CHECKING
 
 from launcher import SOURCE_ROOT
 from launcher.errors import ExitCode, LauncherError
+from launcher.files import make_folder
 from launcher.procs import find_live, terminate
 from launcher.run.config import RunConfig
 from launcher.state.reconcile import reconcile
 from launcher.state.record import RecordUnreadable, RunStore, read_record
+from launcher.state.runs import SUPERVISOR_LOG
 from launcher.state.states import RunState
 
 if TYPE_CHECKING:
     from launcher.run.resume import ResumePlan
 
 HANDSHAKE_TIMEOUT_S = 300.0
-SUPERVISOR_LOG = "supervisor.log"
 
 
 def start_detached(config: RunConfig, resume: ResumePlan | None = None) -> int:
@@ -39,6 +40,7 @@ def start_detached(config: RunConfig, resume: ResumePlan | None = None) -> int:
     """
     read_fd, write_fd = os.pipe()
     cmd = [sys.executable, "-m", "launcher", "_supervise", str(config.source), "--handshake-fd", str(write_fd)]
+    cmd += [f"{key}={json.dumps(value)}" for key, value in config.overrides.items()]  # JSON is YAML: read back as is
     if resume is not None:
         cmd += ["--resume", resume.to_json()]
     path = os.pathsep.join(p for p in (str(SOURCE_ROOT), os.environ.get("PYTHONPATH")) if p)
@@ -77,7 +79,7 @@ def start_detached(config: RunConfig, resume: ResumePlan | None = None) -> int:
 
 def _early_log_path(root: Path) -> Path:
     """Where the supervisor writes until its run directory exists (moved there afterwards)."""
-    root.mkdir(parents=True, exist_ok=True)
+    make_folder(root, "launcher.output_root")
     return root / f".supervisor-{os.getpid()}-{time.time_ns()}.log"
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from launcher.errors import ExitCode, LauncherError
-from launcher.files import write_json_atomic
+from launcher.files import make_folder, write_json_atomic
 from launcher.procs import boot_id, find_live, pid_namespace, self_identity
 from launcher.state.record import now_iso
 
@@ -50,7 +50,7 @@ class RunLock:
     """A held run lock. Release it only after the run's terminal record is on disk."""
 
     def __init__(self, root: Path):
-        root.mkdir(parents=True, exist_ok=True)
+        make_folder(root, "launcher.output_root")
         self.path = root / LOCK_NAME
         self.owner_path = root / OWNER_NAME
         self._lock = FileLock(str(self.path), timeout=0, thread_local=False)

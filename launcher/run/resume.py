@@ -73,13 +73,17 @@ def plan_resume(run_dir: Path, adapter_only: bool) -> ResumePlan:
 
 def resume_run(run_dir: Path, adapter_only: bool = False, foreground: bool = False) -> int:
     """``launcher resume``: plan, then supervise the new attempt (detached unless ``foreground``)."""
-    from launcher.run.config import load_run_config
+    from launcher.files import read_yaml_mapping
+    from launcher.run.config import OVERRIDES_FILE, load_run_config
 
     plan = plan_resume(run_dir, adapter_only)
     print(f"resuming from {plan.checkpoint} (step {plan.step}, {plan.mode})")
     if plan.mode == "adapter-only":
         print("note: optimizer and learning-rate schedule restart; only the adapter and step count are reloaded")
-    config = load_run_config(run_dir / "config.yaml")
+    overrides = read_yaml_mapping(run_dir / OVERRIDES_FILE) if (run_dir / OVERRIDES_FILE).exists() else {}
+    if isinstance(overrides, str):
+        raise LauncherError(f"{overrides}; it holds the run's KEY=VALUE overrides: restore it to resume")
+    config = load_run_config(run_dir / "config.yaml", overrides)
     if foreground:
         from launcher.run.supervisor import supervise
 

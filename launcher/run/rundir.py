@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from launcher.backend import Backend
-from launcher.files import sha256_file, write_text_atomic
+from launcher.files import make_folder, sha256_file, write_text_atomic
 from launcher.procs import container_identity
-from launcher.state.runs import LAUNCH_FILE, LF_YAML, OUTPUT_SUBDIR
+from launcher.state.runs import JOB_LOG, LAUNCH_FILE, LF_YAML, OUTPUT_SUBDIR
 
 if TYPE_CHECKING:  # config imports pydantic and patches; host-side readers of run folders need neither
     from launcher.run.config import RunConfig
@@ -73,7 +73,7 @@ class RunDir:
 
     @property
     def log(self) -> Path:
-        return self.path / "launcher.log"
+        return self.path / JOB_LOG
 
 
 def new_run_id(name: str) -> str:
@@ -82,7 +82,7 @@ def new_run_id(name: str) -> str:
 
 def make_run_dir(output_root: Path, name: str) -> RunDir:
     """Create a fresh run folder; never reuses or overwrites an existing one."""
-    output_root.mkdir(parents=True, exist_ok=True)
+    make_folder(output_root, "launcher.output_root")
     base = new_run_id(name)
     for attempt in range(100):
         run_id = base if attempt == 0 else f"{base}-{attempt}"
@@ -136,11 +136,13 @@ def write_run_files(config: RunConfig, backend: Backend, run_dir: RunDir, lf_arg
 
     A resumed attempt writes its own ``*.attemptN.*`` files next to the first attempt's.
     """
-    from launcher.run.config import dump_yaml
+    from launcher.run.config import OVERRIDES_FILE, dump_yaml
 
     path = run_dir.path
     if attempt == 1:
         shutil.copyfile(config.source, path / "config.yaml")
+        if config.overrides:  # the command line's KEY=VALUE, applied on top of config.yaml (resume does too)
+            write_text_atomic(path / OVERRIDES_FILE, dump_yaml(config.overrides))
     lf_yaml = attempt_name(LF_YAML, attempt)
     write_text_atomic(path / lf_yaml, dump_yaml(lf_args))
     if config.launcher.distribution == "fsdp2":
@@ -156,7 +158,11 @@ def manifest(config: RunConfig, backend: Backend, run_dir: RunDir) -> dict[str, 
     lf = config.llamafactory
     return {
         "run_id": run_dir.run_id,
-        "config": {"path": str(config.source.resolve()), "sha256": sha256_file(config.source)},
+        "config": {
+            "path": str(config.source.resolve()),
+            "sha256": sha256_file(config.source),
+            "overrides": config.overrides,
+        },
         "smoke": config.launcher.smoke,
         "backend": backend.name,
         "distribution": config.launcher.distribution,

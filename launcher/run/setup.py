@@ -1,5 +1,6 @@
-"""Setup checks before a run exists: the config against the devices and LLaMA-Factory's own parser,
-and earlier runs under the same output root (made while holding the run lock).
+"""Setup checks before a run exists: the config against the devices, LLaMA-Factory's arguments and the
+output root (``launcher check`` runs them off the server too), and earlier runs under the same output
+root (made while holding the run lock).
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher import backend as backends
+from launcher.checks.config_check import ERROR, OK, SKIPPED, WARN, Findings, check_llamafactory
+from launcher.checks.data import check_output
 from launcher.errors import ExitCode, LauncherError
-from launcher.run.config import ConfigError, RunConfig, llamafactory_args, validate_llamafactory_args
+from launcher.run.config import ConfigError, RunConfig, llamafactory_args
 from launcher.state.reconcile import reconcile
 from launcher.state.record import RecordUnreadable, RunStore
 from launcher.state.runs import list_runs
@@ -25,32 +28,61 @@ class Prepared:
     backend: backends.Backend
 
 
+def check_run_config(config: RunConfig, *, problems: list[str] | None = None, model: bool = True,
+                     devices: bool = True) -> Findings:  # fmt: skip
+    """Every check of a run config that needs no run: the launcher section (``problems`` from
+    ``read_run_config``), the devices, the LLaMA-Factory part (``checks.config_check``), the output root.
+
+    Args:
+        model: read the model's config.json (``launcher check --no-model`` does not).
+        devices: count the backend's devices (``launcher check`` runs off the server and does not).
+    """
+    out = Findings()
+    for problem in problems or []:
+        out.add(problem.split(":", 1)[0], ERROR, problem)
+    launcher = config.launcher
+    if devices:
+        try:
+            backend = backends.resolve(launcher.backend)
+        except ValueError as err:
+            out.add("launcher.backend", ERROR, f"launcher.backend: {err}")
+            backend = backends.BACKENDS["cpu"]
+        if backend.name != "cpu":
+            found = backends.device_count(backend.name)
+            if found < launcher.nproc_per_node:
+                out.add("launcher.nproc_per_node", ERROR, (
+                    f"launcher.nproc_per_node: {launcher.nproc_per_node} processes but {found} {backend.name} "
+                    f"device(s) visible (check {backend.visible_devices_env}, or lower launcher.nproc_per_node)"
+                ))  # fmt: skip
+        name = backend.name
+    else:
+        name = launcher.backend if launcher.backend != "auto" else "cpu"
+        out.add("devices", SKIPPED, f"devices: not counted here; `launcher preflight` checks the {launcher.backend} "
+                f"backend's devices where the run will train")  # fmt: skip
+    placeholder = Path(launcher.output_root).resolve() / "validate" / "output"
+    args = llamafactory_args(config, name, placeholder)
+    out.items.extend(check_llamafactory(args, model=model, devices=devices).items)
+    root = Path(launcher.output_root)
+    _, status, detail = check_output(root, launcher.smoke)
+    if status == "fail" and not devices and not root.exists():  # checked off the server: made there
+        out.add("launcher.output_root", SKIPPED, f"launcher.output_root: not checked ({root} is not here: {detail})")
+    else:
+        out.add("launcher.output_root", ERROR if status == "fail" else OK, f"launcher.output_root: {detail}")
+    return out
+
+
 def prepare(config: RunConfig) -> Prepared:
     """Validate everything about ``config`` that can be checked before a run exists.
 
     Raises:
-        ConfigError: with every problem found (backend, device count, LLaMA-Factory's parser).
+        ConfigError: with every problem found (backend, devices, the LLaMA-Factory part, output root).
     """
-    try:
-        backend = backends.resolve(config.launcher.backend)
-    except ValueError as err:
-        raise ConfigError(str(config.source), [f"launcher.backend: {err}"]) from None
-    problems = []
-    if backend.name != "cpu":
-        found = backends.device_count(backend.name)
-        if found < config.launcher.nproc_per_node:
-            problems.append(
-                f"launcher.nproc_per_node: {config.launcher.nproc_per_node} processes but {found} "
-                f"{backend.name} device(s) visible (check {backend.visible_devices_env}, or lower "
-                "launcher.nproc_per_node)"
-            )
-    placeholder = Path(config.launcher.output_root).resolve() / "validate" / "output"
-    problems.extend(validate_llamafactory_args(llamafactory_args(config, backend.name, placeholder)))
-    if problems:
-        raise ConfigError(str(config.source), problems)
-    for note in config.notes:
+    found = check_run_config(config)
+    if found.errors:
+        raise ConfigError(str(config.source), [f.message for f in found.errors])
+    for note in [*config.notes, *(f.message for f in found.items if f.level == WARN)]:
         print(f"note: {note}", file=sys.stderr)
-    return Prepared(config, backend)
+    return Prepared(config, backends.resolve(config.launcher.backend))
 
 
 def check_earlier_runs(root: Path) -> list[str]:

@@ -191,6 +191,8 @@ class Supervisor:
             fields["acceptance"] = {"checked": False, "reason": f"node {self.node_rank}: acceptance runs on node 0"}
         elif code == 0:
             accepted, fields["acceptance"] = self._accept()
+            if not accepted:  # one cause and one fix, for `launcher status`
+                fields["reason"] = fields["acceptance"].get("advice") or "the acceptance checklist failed"
         else:
             cause = root_cause(self.run_dir, since=self._job_since, log_start=self._log_start)
             what = f"killed by signal {sig} ({signal.Signals(sig).name})" if sig else f"exit code {exit_code}"
@@ -217,13 +219,14 @@ class Supervisor:
 
     def _accept(self) -> tuple[bool, dict[str, Any]]:
         """Run the acceptance checklist on a job that exited 0."""
-        from launcher.results.verify import verify_run
+        from launcher.results.verify import advice, verify_run
 
         try:
             report = verify_run(self.run_dir.path, exit_code=0)  # the record is not written yet
         except OSError as err:  # e.g. verify.json could not be written: the checklist did not complete
             return False, {"checked": False, "error": str(err)}
-        return report.passed, {"checked": True, "passed": report.passed, "failed": [c.name for c in report.failed]}
+        failed = [c.name for c in report.failed]
+        return report.passed, {"checked": True, "passed": report.passed, "failed": failed, "advice": advice(report)}
 
 
 # --- entry points -----------------------------------------------------------------------------------

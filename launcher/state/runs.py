@@ -21,6 +21,8 @@ DEFAULT_RUNS_ROOT = Path("outputs/runs")
 OUTPUT_SUBDIR = "output"
 LF_YAML = "llamafactory.yaml"
 LAUNCH_FILE = "launch.json"
+JOB_LOG = "launcher.log"  # everything the job printed
+SUPERVISOR_LOG = "supervisor.log"  # what a detached supervisor printed (preflight, refusals, its end line)
 ERRORS_DIR = "errors"  # errors/rank<N>.json: the traceback of each rank that raised
 _RUN_MARKERS = (STATUS_FILE, LF_YAML, OUTPUT_SUBDIR)
 

@@ -1,0 +1,311 @@
+"""A new user's first run: every mistake of a config caught by one `launcher check`, off the server too,
+each message naming the key, the value and the fix; and the LLaMA-Factory habits (overrides, --version).
+
+The checks run in-process against the real LLaMA-Factory dataclasses and registries and the tiny demo
+model's config.json; the CLI cases run the real `launcher` command.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launcher.checks.config_check import check_llamafactory
+from launcher.run.config import parse_overrides, read_run_config
+from launcher.run.setup import check_run_config
+from tests.conftest import launcher_cmd, make_config
+
+# The seed run's published LLaMA-Factory settings, exactly (this test holds its own copy).
+SEED = {
+    "stage": "sft",
+    "finetuning_type": "lora",
+    "lora_rank": 8,
+    "lora_alpha": 16,
+    "lora_dropout": 0.05,
+    "lora_target": "q_proj,k_proj,v_proj,o_proj",
+    "template": "qwen3_vl_nothink",
+    "cutoff_len": 4096,
+    "bf16": True,
+    "gradient_checkpointing": True,
+    "per_device_train_batch_size": 1,
+    "gradient_accumulation_steps": 1,
+    "learning_rate": 5.0e-5,
+    "lr_scheduler_type": "cosine",
+    "warmup_ratio": 0.03,
+    "num_train_epochs": 3.0,
+    "max_grad_norm": 1.0,
+    "save_only_model": True,
+    "save_strategy": "steps",
+    "save_steps": 100,
+    "eval_strategy": "steps",
+    "eval_steps": 100,
+}
+
+
+def seed_config(tmp_path: Path, demo_assets: dict[str, Path], **extra) -> Path:
+    """The seed's settings plus only what the README asks for: model, data, a launcher section."""
+    data = {
+        "launcher": {"backend": "cpu", "output_root": str(tmp_path / "runs")},
+        "model_name_or_path": str(demo_assets["model"]),
+        "dataset_dir": str(demo_assets["data"]),
+        "dataset": "demo_counsel_train",
+        "eval_dataset": "demo_counsel_eval",
+        **SEED,
+        **extra,
+    }
+    path = tmp_path / "seed.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def errors_of(path: Path, **kw) -> list[str]:
+    config, problems = read_run_config(path, require_model=kw.pop("require_model", True))
+    found = check_run_config(config, problems=problems, devices=False, **kw)
+    return [f.message for f in found.errors]
+
+
+def test_the_seeds_settings_as_published_give_one_message_naming_do_train(tmp_path, demo_assets):
+    errors = errors_of(seed_config(tmp_path, demo_assets))
+    assert len(errors) == 1, errors
+    assert errors[0].startswith("do_train: not set") and "only evaluates" in errors[0]
+    assert "do_train: true" in errors[0]
+    assert errors_of(seed_config(tmp_path, demo_assets, do_train=True)) == []
+
+
+def test_every_problem_is_reported_in_one_pass_each_naming_key_value_and_fix(tmp_path, demo_assets):
+    path = seed_config(tmp_path, demo_assets, do_train=True, learning_rate="fast", num_train_epochs="3",
+                       save_step=100, template="qwen35_nothink", lora_target="q_proj,no_such_proj",
+                       flash_attn="fa2", dataset="demo_counsel_trian")  # fmt: skip
+    errors = errors_of(path)
+    expected = {
+        "learning_rate: 'fast' is not a number; write a number such as 5.0e-5": "learning_rate",
+        "num_train_epochs: '3' is text, not a number; write it without quotes": "num_train_epochs",
+        "save_step: not a LLaMA-Factory argument; did you mean save_steps?": "save_step",
+        "template: 'qwen35_nothink' is not a LLaMA-Factory template; close names: qwen3_5_nothink": "template",
+        "lora_target: 'no_such_proj' matches no module of this model": "lora_target",
+        "flash_attn: fa2 fails with transformers 5.6.0": "flash_attn",
+        "demo_counsel_trian: not registered in": "dataset",
+    }
+    for start in expected:
+        assert any(e.startswith(start) for e in errors), (start, errors)
+    assert any("close names: demo_counsel_train" in e for e in errors)
+    assert any("use flash_attn: sdpa" in e for e in errors)
+    assert len(errors) == len(expected), errors
+
+
+def test_a_bool_written_as_text_and_a_number_in_e_notation_are_named(tmp_path, demo_assets):
+    args = {"model_name_or_path": str(demo_assets["model"]), "do_train": "true", "learning_rate": "1e-4",
+            "stage": "sft", "output_dir": str(tmp_path / "o")}  # fmt: skip
+    errors = [f.message for f in check_llamafactory(args, model=False, data=False).errors]
+    assert "do_train: 'true' is text; write true or false without quotes" in errors
+    assert any(e.startswith("learning_rate: '1e-4' is text, not a number") and "1.0e-4" in e for e in errors)
+
+
+def test_an_invalid_launcher_section_does_not_hide_smoke(tmp_path, demo_assets):
+    """A smoke run with a bad launcher key reports that key alone, not a formal cutoff error as well."""
+    path = make_config(tmp_path, demo_assets, launcher={"smoke": True, "colour": "blue"})
+    config, problems = read_run_config(path)
+    assert len(problems) == 1 and problems[0].startswith("launcher.colour: unknown key"), problems
+    assert config.launcher.smoke is True
+
+
+def test_reasoning_data_in_a_no_think_template_is_refused(tmp_path, demo_assets):
+    data = tmp_path / "data"
+    data.mkdir()
+    records = [{"instruction": "hi", "input": "", "output": "<think>reasoning</think>answer"}] * 30
+    (data / "think.json").write_text(json.dumps(records))
+    (data / "dataset_info.json").write_text(json.dumps({"counsel_think": {"file_name": "think.json"}}))
+    path = make_config(tmp_path, demo_assets, dataset_dir=str(data), dataset="counsel_think", eval_dataset=None)
+    errors = errors_of(path)
+    assert len(errors) == 1 and errors[0].startswith("template: qwen3_5_nothink trains without reasoning"), errors
+    assert "counsel_think has <think> in 100% of its replies" in errors[0] and "--reasoning drop" in errors[0]
+
+
+def test_records_of_the_wrong_type_are_named_by_file_index_and_field_without_their_text(tmp_path, demo_assets):
+    data = tmp_path / "data"
+    data.mkdir()
+    secret = "my client told me something private"
+    records = [{"instruction": secret, "input": "", "output": "fine"}] * 5
+    records[3] = {"instruction": secret, "output": ["not", "text"]}
+    (data / "train.json").write_text(json.dumps(records))
+    (data / "dataset_info.json").write_text(json.dumps({"counsel": {"file_name": "train.json"}}))
+    path = make_config(tmp_path, demo_assets, dataset_dir=str(data), dataset="counsel", eval_dataset=None)
+    errors = errors_of(path)
+    assert len(errors) == 1, errors
+    assert "counsel: 1 of 5 records in" in errors[0] and "train.json" in errors[0]
+    assert "record 3 'output' is a list, not text" in errors[0]
+    assert secret not in errors[0]
+
+
+def test_check_runs_off_the_server_without_the_model_and_says_what_it_skipped(tmp_path):
+    """The formal config on a machine with no NPU, no model and no data folder: nothing fails for that."""
+    cfg = Path(__file__).resolve().parent.parent / "configs" / "qwen3_5_27b_lora_soulchat.yaml"
+    proc = launcher_cmd("check", cfg, "--no-model", f"launcher.output_root={tmp_path / 'runs'}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    skipped = [line for line in proc.stdout.splitlines() if line.startswith("skip")]
+    assert any("devices" in line for line in skipped) and any("lora_target" in line for line in skipped)
+    assert any("datasets: not checked (/data is not a folder here)" in line for line in skipped)
+    assert "OK (npu backend, 8 process(es) per node, fsdp2)" in proc.stdout
+
+
+def test_check_exits_2_and_lists_each_problem_once(tmp_path, demo_assets):
+    path = seed_config(tmp_path, demo_assets)  # no do_train
+    proc = launcher_cmd("check", path)
+    assert proc.returncode == 2
+    assert proc.stdout.count("ERROR") == 1 and "do_train: not set" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_an_output_root_that_is_a_file_is_one_clear_message(tmp_path, demo_assets):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    path = make_config(tmp_path, demo_assets, launcher={"output_root": str(blocker / "runs")})
+    for verb in ("run", "start"):
+        proc = launcher_cmd(verb, path)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "Traceback" not in proc.stderr and f"{blocker / 'runs'}" in proc.stderr
+        assert "point it at a writable folder" in proc.stderr
+    assert blocker.read_text() == "x"
+
+
+# --- LLaMA-Factory habits ----------------------------------------------------------------------------
+
+
+def test_overrides_are_read_as_llamafactory_cli_reads_them():
+    assert parse_overrides(["learning_rate=1e-4", "max_steps=3", "launcher.smoke=true", "template=qwen3_5"]) == {
+        "learning_rate": 1e-4, "max_steps": 3, "launcher.smoke": True, "template": "qwen3_5"}  # fmt: skip
+    with pytest.raises(Exception, match="'learning_rate': an override is KEY=VALUE"):
+        parse_overrides(["learning_rate"])
+
+
+@pytest.mark.slow
+def test_overrides_apply_to_check_and_are_recorded_in_the_run(tmp_path, demo_assets):
+    path = make_config(tmp_path, demo_assets, max_steps=2, save_steps=2, eval_steps=2)
+    refused = launcher_cmd("check", path, "do_train=false")
+    assert refused.returncode == 2 and "do_train: not set" in refused.stdout
+    env_free = launcher_cmd("run", path, "--quiet", "learning_rate=2.0e-3", "launcher.run_name=overridden")
+    assert env_free.returncode == 0, env_free.stdout[-2000:] + env_free.stderr[-2000:]
+    (run_dir,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
+    assert run_dir.name.startswith("overridden-")
+    assert yaml.safe_load((run_dir / "overrides.yaml").read_text()) == {
+        "learning_rate": 2.0e-3, "launcher.run_name": "overridden"}  # fmt: skip
+    assert yaml.safe_load((run_dir / "llamafactory.yaml").read_text())["learning_rate"] == 2.0e-3
+    assert json.loads((run_dir / "manifest.json").read_text())["config"]["overrides"]["learning_rate"] == 2.0e-3
+
+
+def test_nproc_per_node_comes_from_the_environment_like_the_torchrun_variables(tmp_path, demo_assets, monkeypatch):
+    monkeypatch.setenv("NPROC_PER_NODE", "2")
+    config, problems = read_run_config(make_config(tmp_path, demo_assets))
+    assert problems == [] and config.launcher.nproc_per_node == 2
+    assert any("NPROC_PER_NODE" in note for note in config.notes)
+
+
+def test_version_internal_verbs_and_options_before_run():
+    version = launcher_cmd("--version")
+    assert version.returncode == 0 and version.stdout.startswith("launcher ")
+    wrong = launcher_cmd("stats")
+    assert wrong.returncode == 2 and "invalid choice: 'stats'" in wrong.stderr
+    assert "_supervise" not in wrong.stderr and "_kernel-check" not in wrong.stderr
+
+
+def test_status_takes_watch_before_run(tmp_path):
+    from tests.fake_runs import crafted_run
+
+    run_dir = crafted_run(tmp_path, name="r-20261201-101500", state="FAILED", ended="2026-12-01T10:20:00+00:00")
+    proc = launcher_cmd("status", "--watch", run_dir, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "r-20261201-101500" in proc.stdout and "FAILED" in proc.stdout
+    assert launcher_cmd("status", "--watch", "x", run_dir, timeout=60).returncode == 2
+
+
+# --- the data, before a long run -------------------------------------------------------------------------
+
+
+def _stats(**split):
+    base = {"samples": 100, "records_total": 100, "truncated": {"count": 0, "share": 0.0},
+            "supervised_tokens": {"before": 1000, "after": 1000, "lost_share": 0.0},
+            "no_supervised": {"before": 0, "after": 0}, "dropped_invalid": 0,
+            "length": {"p99": 10, "max": 12}}  # fmt: skip
+    return {k: {**base, **v} for k, v in split.items()}
+
+
+def test_data_problems_are_named_with_their_numbers_and_fix():
+    from launcher.data.stats import problems_for
+
+    result = {"cutoff_len": 4096, "splits": _stats(
+        train={"supervised_tokens": {"before": 1000, "after": 800, "lost_share": 0.2},
+               "no_supervised": {"before": 0, "after": 7}},
+        validation={"samples": 1, "records_total": 1})}  # fmt: skip
+    found = problems_for(result, warn_share=0.05)
+    assert any("train: truncation at cutoff_len 4096 removes 20.0% of the supervised tokens" in p for p in found)
+    assert any("train: 7 of 100 sample(s) keep no supervised token" in p and "raise cutoff_len" in p for p in found)
+    assert any("validation: 1 sample(s) are too few to select a checkpoint by" in p for p in found)
+    assert problems_for({"cutoff_len": 4096, "splits": _stats(train={}, validation={})}, warn_share=0.05) == []
+
+
+@pytest.mark.parametrize(("smoke", "status"), [(False, "fail"), (True, "warn")])
+def test_preflight_refuses_a_formal_run_and_warns_a_smoke_run_on_data_problems(tmp_path, demo_assets, monkeypatch,
+                                                                                smoke, status):  # fmt: skip
+    from launcher.checks import preflight
+    from launcher.data import stats
+
+    config, _ = read_run_config(make_config(tmp_path, demo_assets, launcher={"smoke": smoke}, cutoff_len=4096))
+    result = {"cutoff_len": 4096, "sampled": 500, "splits": _stats(train={"no_supervised": {"before": 0, "after": 3}}),
+              "warnings": []}  # fmt: skip
+    result["problems"] = stats.problems_for(result, 0.05)
+    monkeypatch.setattr(stats, "short_stats", lambda *a, **k: result)
+    name, got, detail = preflight.check_data_stats(config, {})
+    assert (name, got) == ("data_stats", status) and "keep no supervised token" in detail
+
+
+def test_preflight_warns_when_the_trainer_log_would_be_too_sparse_to_watch():
+    from types import SimpleNamespace
+
+    from launcher.checks.preflight import logging_warnings
+
+    launcher = SimpleNamespace(nproc_per_node=8, nnodes=1)
+    result = {"splits": {"train": {"records_total": 6598}}}
+    formal = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 1, "num_train_epochs": 3.0}
+    (warning,) = logging_warnings(formal, result, launcher)
+    assert "logging_steps 500" in warning and "2475 planned steps" in warning and "set logging_steps: 49" in warning
+    assert logging_warnings({**formal, "logging_steps": 10}, result, launcher) == []
+
+
+def test_shipped_configs_log_often_enough():
+    for cfg in (Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"):
+        data = yaml.safe_load(cfg.read_text())
+        assert data.get("logging_steps") and int(data["logging_steps"]) <= 10, cfg
+
+
+# --- advice after a failure ----------------------------------------------------------------------------
+
+
+def test_a_run_that_never_trained_says_so_and_names_do_train(tmp_path):
+    from launcher.results.report import build_report
+    from launcher.results.verify import verify_run
+    from tests.fake_runs import crafted_run
+
+    run_dir = crafted_run(tmp_path, state="FAILED_ACCEPTANCE", exit_code=0, ended="2026-12-01T10:20:00+00:00")
+    (run_dir / "llamafactory.yaml").write_text(yaml.safe_dump({"stage": "sft", "eval_strategy": "steps"}))
+    (run_dir / "output" / "trainer_log.jsonl").write_text(json.dumps({"current_steps": 0, "eval_loss": 2.0}) + "\n")
+    report = verify_run(run_dir, write=False)
+    fixes = [c.fix for c in report.failed if c.fix]
+    assert fixes and all("do_train is not set" in f or "do_train" in f for f in fixes[:1]), fixes
+    assert not any("resume" in f and "launcher resume" in f for f in fixes)
+    rep = build_report(run_dir, write=False)
+    assert (
+        rep.recommended is None and "never trained" in rep.recommended_reason and "do_train" in rep.recommended_reason
+    )
+
+
+def test_logs_show_the_supervisors_own_output_when_the_job_never_started(tmp_path):
+    from tests.fake_runs import crafted_run
+
+    run_dir = crafted_run(tmp_path, state="FAILED_SETUP", ended="2026-12-01T10:20:00+00:00")
+    (run_dir / "supervisor.log").write_text("preflight failed: model.weights\n")
+    proc = launcher_cmd("logs", run_dir)
+    assert proc.returncode == 0 and "supervisor's own output" in proc.stdout
+    assert "preflight failed: model.weights" in proc.stdout
