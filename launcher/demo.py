@@ -23,6 +23,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher.files import share_readable
+
 DATASET_TRAIN = "demo_counsel_train"
 DATASET_EVAL = "demo_counsel_eval"
 
@@ -268,4 +270,6 @@ def build_demo_assets(root: Path, force: bool = False) -> dict[str, Path]:
             shutil.rmtree(path, ignore_errors=True)
     build_model_dir(model_dir)
     write_dataset(data_dir)
+    for path in (model_dir, data_dir):  # safetensors writes its shards 0600; the demo is for any user
+        share_readable(path)
     return {"model": model_dir, "data": data_dir}

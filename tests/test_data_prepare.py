@@ -284,3 +284,18 @@ def test_all_records_rejected_writes_nothing(tmp_path):
     err = _one_error(launcher_cmd(*PREPARE, src, "--out", tmp_path / "data"))
     assert "no training sample left" in err and "think_tag 3" in err
     assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("source_mode", [0o600, 0o640, 0o644])
+def test_prepared_conversations_are_never_more_open_than_their_source(tmp_path, source_mode):
+    import os
+
+    src = write_json(tmp_path / "catch_mdpcot.json", mdpcot_records())
+    src.chmod(source_mode)
+    prepare(src, tmp_path / "data", Options(), val_size=0.25)
+    mask = os.umask(0)
+    os.umask(mask)
+    for name in ("soulchat_r1_nothink.json", "soulchat_r1_nothink_val.json", "soulchat_r1_nothink.rejects.jsonl"):
+        mode = (tmp_path / "data" / name).stat().st_mode & 0o777
+        assert mode == source_mode & 0o666 & ~mask, (name, oct(mode))
+    assert (tmp_path / "data" / "dataset_info.json").stat().st_mode & 0o777 == 0o666 & ~mask  # no conversation

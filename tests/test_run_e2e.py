@@ -7,6 +7,7 @@ rank per process over gloo, the real patches and LLaMA-Factory's trainer.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -37,6 +38,21 @@ def assert_trained(run_dir, expected_lora_tensors: int = 8) -> None:
     assert all(".self_attn." in n for n in names)  # q/k/v/o live only in the full-attention layer
     # the exact YAML the job used is in the run directory
     assert (run_dir / "llamafactory.yaml").is_file() and (run_dir / "launcher.log").stat().st_size > 0
+    assert_readable_by_everyone(run_dir)
+
+
+def assert_readable_by_everyone(run_dir) -> None:
+    """What a user on the host must read follows the umask (0644 under 022), even when a container's root
+    wrote it: records, reports, the adapter and every checkpoint (safetensors writes them 0600), the lock."""
+    mask = os.umask(0)
+    os.umask(mask)
+    readable = 0o444 & ~mask
+    files = [run_dir / n for n in ("status.json", "events.jsonl", "verify.json", "manifest.json", "launcher.log")]
+    files += [run_dir.parent / "launcher.lock", *(run_dir / "output").rglob("*.safetensors")]
+    files += list((run_dir / "output").rglob("*.json"))
+    assert len(files) > 8
+    closed = [f"{p} {oct(p.stat().st_mode & 0o777)}" for p in files if p.stat().st_mode & readable != readable]
+    assert not closed, closed
 
 
 @pytest.mark.parametrize(
