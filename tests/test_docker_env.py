@@ -340,7 +340,8 @@ def test_formal_configs_are_the_seed_settings_plus_paths(name: str) -> None:
     }  # fmt: skip
     paths = {"model_name_or_path": "/models/Qwen3.5-27B", "dataset_dir": "/data",
              "dataset": "soulchat_r1_nothink", "eval_dataset": "soulchat_r1_nothink_val"}  # fmt: skip
-    assert data == {**SEED, **paths, "do_train": True}
+    # on top of the seed's list: training switched on, and a trainer log dense enough to watch
+    assert data == {**SEED, **paths, "do_train": True, "logging_steps": 10}
 
 
 def test_formal_config_paths_are_compose_mounts(compose: dict) -> None:
