@@ -39,12 +39,13 @@
 #   * FLA refuses Hopper GPUs with 3.4.0 <= triton < 3.7.1 (fla-org/flash-linear-attention#640); the CUDA
 #     target's triton 3.3.1 is below that range.
 #
-# User and permissions: the images run as root inside the container, on purpose. The Ascend device
-# nodes (/dev/davinci*, davinci_manager, devmm_svm, hisi_hdc) belong to the host's HwHiAiUser group with
-# mode 0660 and that group's id differs from host to host, so a fixed non-root user cannot open them. The
-# container is still not privileged: compose.yaml passes only the listed devices, mounts the driver
-# read-only and sets no-new-privileges. Files written to the mounted outputs are owned by root on the
-# host; docs/environment.md shows how to run as your own uid with the HwHiAiUser group instead.
+# User and permissions: the images have no user of their own and run as root unless compose's
+# UID/GID say otherwise. The Ascend device nodes (/dev/davinci*, davinci_manager, devmm_svm, hisi_hdc)
+# belong to the host's HwHiAiUser group with mode 0660 and that group's id differs from host to host, so
+# a fixed non-root user cannot open them; compose.yaml runs as "${UID}:${GID}" with DEVICE_GID added
+# instead (docs/containers.md). The container is not privileged either way: compose.yaml passes only
+# the listed devices, mounts the driver read-only and sets no-new-privileges. Everything the image
+# writes at run time goes to the mounted outputs and logs.
 #
 # Layers are ordered for cache reuse: base image, then the locked install (changes only with the lock),
 # then the project's own files (change often). No secrets are used or stored: everything comes from PyPI.
@@ -141,6 +142,10 @@ COPY pyproject.toml README.md ./
 COPY patches/ patches/
 COPY launcher/ launcher/
 RUN pip install --no-cache-dir --no-deps --no-build-isolation --no-index --editable .
+# The CPU demo's tiny model and data (built locally, deterministic, ~2 MB), at the paths
+# configs/demo_cpu.yaml names relative to /opt/launcher; its outputs/ is the outputs volume, so
+# `docker compose --profile cpu up train-cpu` writes OUTPUTS_DIR/runs/<run_id>/ on the host.
+RUN launcher demo-assets --out demo && ln -s /outputs outputs
 COPY configs/ configs/
 COPY requirements.in requirements.lock requirements-cuda.in requirements-cpu.in requirements-cpu.lock ./
 COPY docker/entrypoint.sh /usr/local/bin/launcher-entrypoint
