@@ -103,6 +103,8 @@ COPY docker/entrypoint.sh /usr/local/bin/launcher-entrypoint
 
 # The commit of the project, recorded in every run's manifest (compose passes it as a build arg).
 ARG LAUNCHER_GIT_COMMIT=""
+# A global ARG (before the first FROM) is empty inside a stage unless declared again here.
+ARG CUDA_BASE_IMAGE
 ENV LAUNCHER_GIT_COMMIT=${LAUNCHER_GIT_COMMIT} \
     LAUNCHER_BASE_IMAGE=${CUDA_BASE_IMAGE}
 
@@ -145,12 +147,15 @@ RUN pip install --no-cache-dir --no-deps --no-build-isolation --no-index --edita
 # The CPU demo's tiny model and data (built locally, deterministic, ~2 MB), at the paths
 # configs/demo_cpu.yaml names relative to /opt/launcher; its outputs/ is the outputs volume, so
 # `docker compose --profile cpu up train-cpu` writes OUTPUTS_DIR/runs/<run_id>/ on the host.
-RUN launcher demo-assets --out demo && ln -s /outputs outputs
+# (launcher demo-assets writes its files owner-only; a+rX lets a non-root UID read them.)
+RUN launcher demo-assets --out demo && chmod -R a+rX demo && ln -s /outputs outputs
 COPY configs/ configs/
 COPY requirements.in requirements.lock requirements-cuda.in requirements-cpu.in requirements-cpu.lock ./
 COPY docker/entrypoint.sh /usr/local/bin/launcher-entrypoint
 
 ARG LAUNCHER_GIT_COMMIT=""
+# A global ARG (before the first FROM) is empty inside a stage unless declared again here.
+ARG CPU_BASE_IMAGE
 ENV LAUNCHER_GIT_COMMIT=${LAUNCHER_GIT_COMMIT} \
     LAUNCHER_BASE_IMAGE=${CPU_BASE_IMAGE}
 
@@ -206,6 +211,8 @@ COPY requirements.in requirements.lock requirements-cuda.in requirements-cpu.in 
 COPY docker/entrypoint.sh /usr/local/bin/launcher-entrypoint
 
 ARG LAUNCHER_GIT_COMMIT=""
+# A global ARG (before the first FROM) is empty inside a stage unless declared again here.
+ARG CANN_IMAGE
 ENV LAUNCHER_GIT_COMMIT=${LAUNCHER_GIT_COMMIT} \
     LAUNCHER_BASE_IMAGE=${CANN_IMAGE}
 
