@@ -63,9 +63,8 @@ def test_three_targets_npu_last_and_no_frontend_to_pull() -> None:
 def test_every_target_installs_its_lock_through_the_wheelhouse_step(target: str) -> None:
     steps = _stages()[target]
     install = [s for s in steps if "wheelhouse.py install" in s]
-    assert install == [
-        f"RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse python docker/wheelhouse.py install {LOCKS[target]}"
-    ]
+    mount = "RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse"
+    assert install == [f"{mount} python docker/wheelhouse.py install {LOCKS[target]}"]
     assert 'ARG WHEELHOUSE=""' in steps
     other_pip = [s for s in steps if "pip install" in s]
     assert other_pip == ["RUN pip install --no-cache-dir --no-deps --no-build-isolation --no-index --editable ."]
@@ -126,7 +125,7 @@ def test_train_cpu_runs_the_demo_config_with_trains_settings() -> None:
     assert cpu["command"] == ["launcher", "run", "${TRAIN_CONFIG_CPU:-configs/demo_cpu.yaml}"]
     for key in SHARED:
         assert cpu[key] == train[key] == services["train-cuda"][key], key
-    assert cpu["volumes"] == services["train-cuda"]["volumes"] == train["volumes"][-len(cpu["volumes"]):]
+    assert cpu["volumes"] == services["train-cuda"]["volumes"] == train["volumes"][-len(cpu["volumes"]) :]
     assert cpu["user"] == "${UID:-0}:${GID:-0}" and cpu["group_add"] == ["${DEVICE_GID:-${GID:-0}}"]
     assert "devices" not in cpu and "ulimits" not in cpu and "network_mode" not in cpu
 
