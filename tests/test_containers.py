@@ -338,6 +338,37 @@ def test_non_root_uid_writes_files_the_host_user_owns(compose: Compose) -> None:
     ][:5]
 
 
+def test_a_wheelhouse_missing_a_wheel_stops_the_build_naming_it(cpu_image, tmp_path) -> None:
+    """The cpu target built offline from a wheelhouse that lacks one locked wheel (in a context of its own,
+    so the repository's wheelhouse/ and the build cache of the real image stay as they are)."""
+    context = tmp_path / "context"
+    (context / "docker").mkdir(parents=True)
+    for name in ("Dockerfile", "requirements-cpu.lock", "docker/wheelhouse.py"):
+        shutil.copy2(ROOT / name, context / name)
+    complete, broken = ROOT / "wheelhouse" / "cpu", context / "wheelhouse" / "broken"
+    broken.mkdir(parents=True)
+    dropped = next(complete.glob("rich-*.whl"))
+    for wheel in complete.glob("*.whl"):
+        if wheel != dropped:
+            os.link(wheel, broken / wheel.name)
+    pin = "rich==" + dropped.name.split("-")[1]
+    build = [docker_cli(), "build", "--progress=plain", "--target", "cpu", "-t", "deltanet-launcher:broken",
+             "--build-arg", f"CPU_BASE_IMAGE={BASE_IMAGE}", "--build-arg", "WHEELHOUSE=broken",
+             str(context)]  # fmt: skip
+    out = subprocess.run(build, capture_output=True, text=True, timeout=900, env={**os.environ, "DOCKER_BUILDKIT": "1"})
+    assert out.returncode != 0
+    messages = [ln for ln in (out.stdout + out.stderr).splitlines() if "wheelhouse: /wheelhouse/broken cannot" in ln]
+    assert len(messages) == 1 and f"{pin}: no wheel." in messages[0], messages or out.stderr[-3000:]
+
+
+def test_clear_messages_when_the_engine_or_the_image_is_missing(compose: Compose) -> None:
+    gone = compose.cmd("up", "train-cpu", env={"DOCKER_HOST": f"unix://{compose.root}/no-engine.sock"}, timeout=60)
+    assert gone.returncode != 0 and "Cannot connect to the Docker daemon" in gone.stderr, gone.stderr
+    absent = compose.cmd("up", "--no-build", "--pull", "never", "train-cpu",
+                         env={"LAUNCHER_CPU_IMAGE": "deltanet-launcher:absent"}, timeout=120)  # fmt: skip
+    assert absent.returncode != 0 and "No such image: deltanet-launcher:absent" in absent.stderr, absent.stderr
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
