@@ -10,6 +10,7 @@ The stand-in (tests/data/cann-standin.Dockerfile) has Python 3.11 where the CANN
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -36,7 +37,7 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def npu_image(engine) -> dict[str, object]:  # noqa: F811  (the imported fixture)
+def npu_image(engine, tmp_path_factory) -> dict[str, object]:  # noqa: F811  (the imported fixture)
     timings: dict[str, float] = {}
     t0 = time.monotonic()
     subprocess.run(["bash", "scripts/docker-base-image.sh", BASE_IMAGE], cwd=ROOT, check=True, timeout=900)
@@ -45,14 +46,28 @@ def npu_image(engine) -> dict[str, object]:  # noqa: F811  (the imported fixture
                          env={**os.environ, "DOCKER_BUILDKIT": "1"})  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     t1 = time.monotonic()
-    download = [sys.executable, "docker/wheelhouse.py", "download", "requirements.lock", "wheelhouse/npu-x86_64",
+    # The wheels are kept in build/ (ignored by git) and the image is built from a context of its own
+    # (the project's files plus that wheelhouse), so the repository's wheelhouse/ -- and with it the
+    # build cache of the cpu image, whose install step mounts wheelhouse/ -- stays as it is.
+    cache = ROOT / "build" / "wheelhouse-npu-x86_64"
+    download = [sys.executable, "docker/wheelhouse.py", "download", "requirements.lock", str(cache),
                 "--platform", "x86_64"]  # fmt: skip
     out = subprocess.run(download, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    context = tmp_path_factory.mktemp("npu-context")
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    for name in files:
+        if (ROOT / name).is_file():
+            (context / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, context / name)
+    (context / "wheelhouse" / "npu-x86_64").mkdir(parents=True)
+    for wheel in cache.glob("*.whl"):
+        os.link(wheel, context / "wheelhouse" / "npu-x86_64" / wheel.name)
     t2 = time.monotonic()
     build = [docker_cli(), "build", "--progress=plain", "--target", "npu", "--build-arg", f"CANN_IMAGE={STANDIN}",
-             "--build-arg", "WHEELHOUSE=npu-x86_64", "-t", IMAGE, "."]  # fmt: skip
-    out = subprocess.run(build, cwd=ROOT, capture_output=True, text=True, timeout=3600,
+             "--build-arg", "WHEELHOUSE=npu-x86_64", "-t", IMAGE, str(context)]  # fmt: skip
+    out = subprocess.run(build, capture_output=True, text=True, timeout=3600,
                          env={**os.environ, "DOCKER_BUILDKIT": "1"})  # fmt: skip
     t3 = time.monotonic()
     timings = {"base+standin_s": t1 - t0, "wheelhouse_s": t2 - t1, "npu_build_s": t3 - t2}
