@@ -59,6 +59,18 @@ def git_commit() -> str:
     return out.stdout.strip() if out.returncode == 0 else ""
 
 
+def project_context(dest: Path) -> Path:
+    """A build context of its own: the project's files (tracked and new, as git sees them), no wheels."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.splitlines()  # fmt: skip
+    for name in listed:
+        if (ROOT / name).is_file() and not name.startswith("wheelhouse/"):
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    (dest / "wheelhouse").mkdir(exist_ok=True)
+    return dest
+
+
 def wait_for(what: str, check: Callable[[], Any], timeout: float, interval: float = 0.5) -> Any:
     """Poll ``check`` until it returns something truthy; fail naming ``what`` after ``timeout`` s."""
     deadline = time.monotonic() + timeout
@@ -341,10 +353,7 @@ def test_non_root_uid_writes_files_the_host_user_owns(compose: Compose) -> None:
 def test_a_wheelhouse_missing_a_wheel_stops_the_build_naming_it(cpu_image, tmp_path) -> None:
     """The cpu target built offline from a wheelhouse that lacks one locked wheel (in a context of its own,
     so the repository's wheelhouse/ and the build cache of the real image stay as they are)."""
-    context = tmp_path / "context"
-    (context / "docker").mkdir(parents=True)
-    for name in ("Dockerfile", "requirements-cpu.lock", "docker/wheelhouse.py"):
-        shutil.copy2(ROOT / name, context / name)
+    context = project_context(tmp_path / "context")
     complete, broken = ROOT / "wheelhouse" / "cpu", context / "wheelhouse" / "broken"
     broken.mkdir(parents=True)
     dropped = next(complete.glob("rich-*.whl"))

@@ -10,13 +10,12 @@ The stand-in (tests/data/cann-standin.Dockerfile) has Python 3.11 where the CANN
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
 
 import pytest
-from test_containers import BASE_IMAGE, ENABLE, ROOT, docker_cli, engine  # noqa: F401  (engine: fixture)
+from test_containers import BASE_IMAGE, ENABLE, ROOT, docker_cli, engine, project_context  # noqa: F401
 
 STANDIN = "local/cann-standin:8.5.0-py3.11"
 IMAGE = "deltanet-launcher:npu-standin"
@@ -54,13 +53,7 @@ def npu_image(engine, tmp_path_factory) -> dict[str, object]:  # noqa: F811  (th
                 "--platform", "x86_64"]  # fmt: skip
     out = subprocess.run(download, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    context = tmp_path_factory.mktemp("npu-context")
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
-    for name in files:
-        if (ROOT / name).is_file():
-            (context / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, context / name)
+    context = project_context(tmp_path_factory.mktemp("npu-context"))
     (context / "wheelhouse" / "npu-x86_64").mkdir(parents=True)
     for wheel in cache.glob("*.whl"):
         os.link(wheel, context / "wheelhouse" / "npu-x86_64" / wheel.name)
