@@ -351,23 +351,34 @@ def test_non_root_uid_writes_files_the_host_user_owns(compose: Compose) -> None:
 
 
 def test_a_wheelhouse_missing_a_wheel_stops_the_build_naming_it(cpu_image, tmp_path) -> None:
-    """The cpu target built offline from a wheelhouse that lacks one locked wheel (in a context of its own,
-    so the repository's wheelhouse/ and the build cache of the real image stay as they are)."""
+    """The real cpu target, built offline from a wheelhouse that lacks one locked wheel.
+
+    The build context is a copy of the project whose requirements-cpu.lock holds three of the real lock's
+    entries (so the context stays a few MB and nothing of the repository, its wheelhouse/ or the image's
+    build cache changes); its wheelhouse has two of them. The build must stop before pip, naming the third.
+    """
     context = project_context(tmp_path / "context")
-    complete, broken = ROOT / "wheelhouse" / "cpu", context / "wheelhouse" / "broken"
+    lock_text = (ROOT / "requirements-cpu.lock").read_text()
+    entries = {m.group(1): m.group(0) for m in re.finditer(r"(?ms)^(idna|mdurl|rich)==(\S+) \\\n.*?(?=^\S)", lock_text)}
+    assert set(entries) == {"idna", "mdurl", "rich"}, sorted(entries)
+    (context / "requirements-cpu.lock").write_text("".join(entries[n] for n in ("idna", "mdurl", "rich")))
+    broken = context / "wheelhouse" / "broken"
     broken.mkdir(parents=True)
-    dropped = next(complete.glob("rich-*.whl"))
-    for wheel in complete.glob("*.whl"):
-        if wheel != dropped:
-            os.link(wheel, broken / wheel.name)
-    pin = "rich==" + dropped.name.split("-")[1]
+    for name in ("idna", "mdurl"):
+        for wheel in (ROOT / "wheelhouse" / "cpu").glob(f"{name}-*.whl"):
+            shutil.copy2(wheel, broken / wheel.name)
+    pin = re.match(r"rich==\S+", entries["rich"]).group(0)
     build = [docker_cli(), "build", "--progress=plain", "--target", "cpu", "-t", "deltanet-launcher:broken",
              "--build-arg", f"CPU_BASE_IMAGE={BASE_IMAGE}", "--build-arg", "WHEELHOUSE=broken",
              str(context)]  # fmt: skip
     out = subprocess.run(build, capture_output=True, text=True, timeout=900, env={**os.environ, "DOCKER_BUILDKIT": "1"})
     assert out.returncode != 0
     messages = [ln for ln in (out.stdout + out.stderr).splitlines() if "wheelhouse: /wheelhouse/broken cannot" in ln]
-    assert len(messages) == 1 and f"{pin}: no wheel." in messages[0], messages or out.stderr[-3000:]
+    assert len(messages) == 1 and messages[0].endswith(
+        f"cannot install requirements-cpu.lock on this platform (x86_64): {pin}: no wheel. Make it on a "
+        "connected machine with: python3 docker/wheelhouse.py download requirements-cpu.lock wheelhouse/<name> "
+        "--platform <aarch64|x86_64>"
+    ), messages or out.stderr[-3000:]
 
 
 def test_clear_messages_when_the_engine_or_the_image_is_missing(compose: Compose) -> None:
