@@ -1,15 +1,25 @@
-# syntax=docker/dockerfile:1
-#
 # Training images for LoRA fine-tuning of Qwen3.5 (hybrid Gated DeltaNet) with LLaMA-Factory 0.9.5.
 #
 #   npu  (default target): Ascend 910B. CANN 8.5.0, Python 3.11, torch 2.7.1 (CPU build) + torch-npu
 #        2.7.1.post2, triton-ascend 3.2.0 (no community triton), fla-core 0.6.0; Python from requirements.lock.
 #   cuda: NVIDIA GPUs (x86_64). torch 2.7.1 (CUDA 12.6 wheels) + triton 3.3.1, fla-core 0.6.0; Python from
 #        requirements-cuda.lock.
+#   cpu:  the CPU demo and the container tests (x86_64). The development environment's torch 2.14.1 stack
+#        and the same training stack; Python from requirements-cpu.lock.
 #
 #   docker compose build train                      # npu (what `docker compose up train` runs)
 #   docker compose --profile cuda build train-cuda  # cuda
+#   docker compose --profile cpu build train-cpu    # cpu
 #   docker build --target cuda -t deltanet-launcher:cuda .
+#
+# Offline (air-gapped server): make a wheelhouse for the lock and the server's platform on a connected
+# machine, copy it into this folder's wheelhouse/<name>/, and build with WHEELHOUSE=<name>:
+#   python3 docker/wheelhouse.py download requirements.lock wheelhouse/npu-aarch64 --platform aarch64
+#   WHEELHOUSE=npu-aarch64 docker compose build train
+# The wheelhouse is bind-mounted into the install step only (no wheel lands in a layer); a wheelhouse
+# that lacks a locked wheel stops the build with one message naming the packages. Without WHEELHOUSE
+# the build installs from PyPI. No `# syntax=` line: the builder's own Dockerfile frontend is used, so
+# nothing is pulled from a registry for it (RUN --mount needs BuildKit: Docker 23+, or DOCKER_BUILDKIT=1).
 #
 # Why these versions (docs/environment.md has the table and the commands that checked them):
 # - Verified here with pip/uv against PyPI: triton-ascend 3.2.0 is the newest triton-ascend on PyPI;
@@ -29,12 +39,13 @@
 #   * FLA refuses Hopper GPUs with 3.4.0 <= triton < 3.7.1 (fla-org/flash-linear-attention#640); the CUDA
 #     target's triton 3.3.1 is below that range.
 #
-# User and permissions: the images run as root inside the container, on purpose. The Ascend device
-# nodes (/dev/davinci*, davinci_manager, devmm_svm, hisi_hdc) belong to the host's HwHiAiUser group with
-# mode 0660 and that group's id differs from host to host, so a fixed non-root user cannot open them. The
-# container is still not privileged: compose.yaml passes only the listed devices, mounts the driver
-# read-only and sets no-new-privileges. Files written to the mounted outputs are owned by root on the
-# host; docs/environment.md shows how to run as your own uid with the HwHiAiUser group instead.
+# User and permissions: the images have no user of their own and run as root unless compose's
+# UID/GID say otherwise. The Ascend device nodes (/dev/davinci*, davinci_manager, devmm_svm, hisi_hdc)
+# belong to the host's HwHiAiUser group with mode 0660 and that group's id differs from host to host, so
+# a fixed non-root user cannot open them; compose.yaml runs as "${UID}:${GID}" with DEVICE_GID added
+# instead (docs/containers.md). The container is not privileged either way: compose.yaml passes only
+# the listed devices, mounts the driver read-only and sets no-new-privileges. Everything the image
+# writes at run time goes to the mounted outputs and logs.
 #
 # Layers are ordered for cache reuse: base image, then the locked install (changes only with the lock),
 # then the project's own files (change often). No secrets are used or stored: everything comes from PyPI.
@@ -46,6 +57,10 @@
 ARG CANN_IMAGE=quay.io/ascend/cann:8.5.0-910b-ubuntu22.04-py3.11
 # Full Debian image, not -slim: Triton compiles a small C launcher with gcc and Python.h at run time.
 ARG CUDA_BASE_IMAGE=python:3.11.14-bookworm
+# Any Debian/Ubuntu image with Python 3.11 as `python3.11` on PATH and its venv module (the official
+# image has it at /usr/local/bin, Debian's python3.11 at /usr/bin). The tests use a local debootstrap
+# image (scripts/docker-base-image.sh) because no registry is reachable there.
+ARG CPU_BASE_IMAGE=python:3.11.14-bookworm
 
 # ---------------------------------------------------------------------------------------------------
 FROM ${CUDA_BASE_IMAGE} AS cuda
@@ -65,9 +80,14 @@ ENV VIRTUAL_ENV=/opt/venv \
 WORKDIR /opt/launcher
 RUN python3.11 -m venv /opt/venv
 
-# --no-deps: the lock is the complete, resolved set; pip only verifies hashes and installs it.
+# --no-deps: the lock is the complete, resolved set; pip only verifies hashes and installs it
+# (docker/wheelhouse.py install runs pip with --no-cache-dir --no-deps --require-hashes --only-binary=:all:,
+# plus --no-index --find-links /wheelhouse/$WHEELHOUSE when WHEELHOUSE is set).
 COPY requirements-cuda.lock ./
-RUN pip install --no-cache-dir --no-deps --require-hashes --only-binary=:all: -r requirements-cuda.lock
+COPY docker/wheelhouse.py docker/
+ARG WHEELHOUSE=""
+RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
+    python docker/wheelhouse.py install requirements-cuda.lock
 
 COPY docker/verify_image.py docker/
 RUN python docker/verify_image.py "torch==${TORCH_VERSION}" "triton==${TRITON_VERSION}" \
@@ -78,13 +98,66 @@ COPY patches/ patches/
 COPY launcher/ launcher/
 RUN pip install --no-cache-dir --no-deps --no-build-isolation --no-index --editable .
 COPY configs/ configs/
-COPY requirements.in requirements.lock requirements-cuda.in ./
+COPY requirements.in requirements.lock requirements-cuda.in requirements-cpu.in requirements-cpu.lock ./
 COPY docker/entrypoint.sh /usr/local/bin/launcher-entrypoint
 
 # The commit of the project, recorded in every run's manifest (compose passes it as a build arg).
 ARG LAUNCHER_GIT_COMMIT=""
+# A global ARG (before the first FROM) is empty inside a stage unless declared again here.
+ARG CUDA_BASE_IMAGE
 ENV LAUNCHER_GIT_COMMIT=${LAUNCHER_GIT_COMMIT} \
     LAUNCHER_BASE_IMAGE=${CUDA_BASE_IMAGE}
+
+ENTRYPOINT ["/usr/local/bin/launcher-entrypoint"]
+CMD ["launcher", "--help"]
+
+# ---------------------------------------------------------------------------------------------------
+FROM ${CPU_BASE_IMAGE} AS cpu
+
+ARG TORCH_VERSION=2.14.1
+ARG TORCHVISION_VERSION=0.29.1
+ARG TORCHAUDIO_VERSION=2.11.1
+ARG LLAMAFACTORY_VERSION=0.9.5
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:${PATH} \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1 \
+    HF_HUB_OFFLINE=1
+
+WORKDIR /opt/launcher
+RUN python3.11 -m venv /opt/venv
+
+COPY requirements-cpu.lock ./
+COPY docker/wheelhouse.py docker/
+ARG WHEELHOUSE=""
+RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
+    python docker/wheelhouse.py install requirements-cpu.lock
+
+COPY docker/verify_image.py docker/
+RUN python docker/verify_image.py "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" \
+        "torchaudio==${TORCHAUDIO_VERSION}" "llamafactory==${LLAMAFACTORY_VERSION}" \
+        --absent torch-npu --absent triton-ascend
+
+COPY pyproject.toml README.md ./
+COPY patches/ patches/
+COPY launcher/ launcher/
+RUN pip install --no-cache-dir --no-deps --no-build-isolation --no-index --editable .
+# The CPU demo's tiny model and data (built locally, deterministic, ~2 MB), at the paths
+# configs/demo_cpu.yaml names relative to /opt/launcher; its outputs/ is the outputs volume, so
+# `docker compose --profile cpu up train-cpu` writes OUTPUTS_DIR/runs/<run_id>/ on the host.
+# (launcher demo-assets writes its files owner-only; a+rX lets a non-root UID read them.)
+RUN launcher demo-assets --out demo && chmod -R a+rX demo && ln -s /outputs outputs
+COPY configs/ configs/
+COPY requirements.in requirements.lock requirements-cuda.in requirements-cpu.in requirements-cpu.lock ./
+COPY docker/entrypoint.sh /usr/local/bin/launcher-entrypoint
+
+ARG LAUNCHER_GIT_COMMIT=""
+# A global ARG (before the first FROM) is empty inside a stage unless declared again here.
+ARG CPU_BASE_IMAGE
+ENV LAUNCHER_GIT_COMMIT=${LAUNCHER_GIT_COMMIT} \
+    LAUNCHER_BASE_IMAGE=${CPU_BASE_IMAGE}
 
 ENTRYPOINT ["/usr/local/bin/launcher-entrypoint"]
 CMD ["launcher", "--help"]
@@ -119,7 +192,10 @@ RUN python3.11 -m venv /opt/venv
 # x86_64 requirement torch==2.7.1+cpu (not on PyPI) and torch's own `triton` requirement on x86_64,
 # which must not be installed next to triton-ascend.
 COPY requirements.lock ./
-RUN pip install --no-cache-dir --no-deps --require-hashes --only-binary=:all: -r requirements.lock
+COPY docker/wheelhouse.py docker/
+ARG WHEELHOUSE=""
+RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
+    python docker/wheelhouse.py install requirements.lock
 
 COPY docker/verify_image.py docker/
 RUN python docker/verify_image.py "torch==${TORCH_VERSION}" "torch-npu==${TORCH_NPU_VERSION}" \
@@ -131,10 +207,12 @@ COPY patches/ patches/
 COPY launcher/ launcher/
 RUN pip install --no-cache-dir --no-deps --no-build-isolation --no-index --editable .
 COPY configs/ configs/
-COPY requirements.in requirements.lock requirements-cuda.in ./
+COPY requirements.in requirements.lock requirements-cuda.in requirements-cpu.in requirements-cpu.lock ./
 COPY docker/entrypoint.sh /usr/local/bin/launcher-entrypoint
 
 ARG LAUNCHER_GIT_COMMIT=""
+# A global ARG (before the first FROM) is empty inside a stage unless declared again here.
+ARG CANN_IMAGE
 ENV LAUNCHER_GIT_COMMIT=${LAUNCHER_GIT_COMMIT} \
     LAUNCHER_BASE_IMAGE=${CANN_IMAGE}
 

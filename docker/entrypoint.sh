@@ -23,6 +23,22 @@ for env_file in \
     fi
 done
 
+# LAUNCHER_WRITABLE_DIRS (compose.yaml: /outputs /logs): fail at once, with one message, if the user the
+# container runs as cannot write a mounted folder, instead of a traceback from deep inside a run.
+for dir in ${LAUNCHER_WRITABLE_DIRS:-}; do
+    if [[ ! -d "${dir}" ]]; then
+        echo "entrypoint: ${dir} is not mounted (a folder is expected there; see compose.yaml)" >&2
+        exit 2
+    fi
+    if [[ ! -w "${dir}" || ! -x "${dir}" ]]; then
+        owner=$(stat -c '%u:%g' "${dir}" 2>/dev/null)
+        echo "entrypoint: ${dir} is not writable by uid $(id -u) gid $(id -g) (the host folder is owned by" \
+            "${owner:-unknown}, mode $(stat -c '%a' "${dir}" 2>/dev/null)); run with UID/GID of its owner" \
+            "(export UID GID=\$(id -g)) or make the host folder writable" >&2
+        exit 2
+    fi
+done
+
 if [[ $# -eq 0 ]]; then
     set -- launcher --help
 fi

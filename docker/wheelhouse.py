@@ -1,0 +1,224 @@
+"""Install a hash lock into the image, online or from a wheelhouse; make and check wheelhouses.
+
+    # on a connected machine: every wheel the lock needs on the target platform (one command)
+    python3 docker/wheelhouse.py download requirements.lock wheelhouse/npu-aarch64 --platform aarch64
+
+    # in the Dockerfile (WHEELHOUSE: empty = online from PyPI, else a folder under the build
+    # context's wheelhouse/, bind-mounted at /wheelhouse so no wheel ends up in a layer)
+    python docker/wheelhouse.py install requirements.lock
+
+    # anywhere: is the wheelhouse complete for this machine's platform?
+    python3 docker/wheelhouse.py check requirements.lock wheelhouse/npu-aarch64
+
+``install`` runs ``pip install --no-cache-dir --no-deps --require-hashes --only-binary=:all: -r LOCK``
+and, with a wheelhouse, adds ``--no-index --find-links DIR`` after ``check`` found a wheel with a locked
+hash for every entry that applies here; otherwise it stops with one message naming the missing
+packages. ``download`` evaluates the lock's markers for the *target* platform (pip would evaluate
+them for the machine it runs on) and calls ``pip download --no-deps --require-hashes
+--only-binary=:all:`` with ``--platform/--python-version/--implementation/--abi`` for that target.
+
+Standalone on purpose: it runs in the image before anything but pip is installed, so it reads the
+lock itself (the same format as launcher/lockfile.py) and takes ``packaging`` from pip if needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+try:
+    from packaging.markers import Marker
+    from packaging.tags import sys_tags
+    from packaging.utils import canonicalize_name, parse_wheel_filename
+    from packaging.version import Version
+except ImportError:  # a fresh venv: pip's vendored copy
+    from pip._vendor.packaging.markers import Marker  # type: ignore[no-redef]
+    from pip._vendor.packaging.tags import sys_tags  # type: ignore[no-redef]
+    from pip._vendor.packaging.utils import canonicalize_name, parse_wheel_filename  # type: ignore[no-redef]
+    from pip._vendor.packaging.version import Version  # type: ignore[no-redef]
+
+MOUNT = Path("/wheelhouse")  # where the Dockerfile bind-mounts the build context's wheelhouse/
+PIP_FLAGS = ["--no-cache-dir", "--no-deps", "--require-hashes", "--only-binary=:all:"]
+# Target machines. Both images run glibc >= 2.35 (CANN's Ubuntu 22.04: 2.35; Debian bookworm: 2.36),
+# so every manylinux tag up to 2.35 fits; pip does not expand one --platform to the older tags itself.
+MACHINES = ("aarch64", "x86_64")
+GLIBC_MINOR = 35
+
+
+def platform_tags(machine: str) -> list[str]:
+    tags = [f"manylinux_2_{minor}_{machine}" for minor in range(GLIBC_MINOR, 16, -1)]
+    legacy = ["manylinux2014"] + (["manylinux2010", "manylinux1"] if machine == "x86_64" else [])
+    return tags + [f"{name}_{machine}" for name in legacy]
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    version: str
+    marker: str | None
+    hashes: frozenset[str]
+
+    @property
+    def pin(self) -> str:
+        return f"{self.name}=={self.version}"
+
+
+class WheelhouseError(SystemExit):
+    def __init__(self, message: str):
+        print(f"wheelhouse: {message}", file=sys.stderr)
+        super().__init__(1)
+
+
+def read_lock(path: Path) -> list[Entry]:
+    """``name==version ; marker \\`` lines with ``--hash=sha256:...`` continuations (uv/pip-compile)."""
+    entries, logical = [], ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        logical += " " + line.rstrip("\\").strip()
+        if line.endswith("\\"):
+            continue
+        words, logical = logical.split(), ""
+        if words[0].startswith("-"):
+            continue  # an option line such as --index-url
+        requirement = " ".join(w for w in words if not w.startswith("--hash="))
+        spec, _, marker = requirement.partition(";")
+        name, sep, version = spec.strip().partition("==")
+        if not sep:
+            raise WheelhouseError(f"{path}: {spec.strip()!r} is not pinned with ==")
+        hashes = frozenset(w.split(":", 1)[1] for w in words if w.startswith("--hash=sha256:"))
+        entries.append(Entry(canonicalize_name(name), version.strip(), marker.strip() or None, hashes))
+    return entries
+
+
+def applies(entry: Entry, environment: dict[str, str] | None) -> bool:
+    return entry.marker is None or Marker(entry.marker).evaluate(environment)
+
+
+def target_environment(machine: str, python: str) -> dict[str, str]:
+    return {
+        "implementation_name": "cpython", "platform_python_implementation": "CPython",
+        "platform_machine": machine, "platform_system": "Linux", "sys_platform": "linux", "os_name": "posix",
+        "python_version": ".".join(python.split(".")[:2]), "python_full_version": python,
+    }  # fmt: skip
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check(lock: Path, wheelhouse: Path) -> list[str]:
+    """Problems (one per missing or unusable package) for installing ``lock`` here from ``wheelhouse``."""
+    if not wheelhouse.is_dir():
+        return [f"{wheelhouse} is not a folder"]
+    supported = set(sys_tags())
+    wheels: dict[tuple[str, str], list[tuple[Path, frozenset]]] = {}
+    for path in sorted(wheelhouse.iterdir()):
+        if path.suffix == ".whl":
+            name, version, _, tags = parse_wheel_filename(path.name)
+            wheels.setdefault((name, str(version)), []).append((path, tags))
+    problems = []
+    for entry in (e for e in read_lock(lock) if applies(e, None)):
+        found = wheels.get((entry.name, str(Version(entry.version))), [])
+        usable = [path for path, tags in found if tags & supported]
+        if not found:
+            problems.append(f"{entry.pin}: no wheel")
+        elif not usable:
+            problems.append(f"{entry.pin}: only wheels for other platforms ({', '.join(p.name for p, _ in found)})")
+        elif not any(sha256(p) in entry.hashes for p in usable):
+            problems.append(f"{entry.pin}: {', '.join(p.name for p in usable)} has a hash the lock does not list")
+    return problems
+
+
+def cmd_check(lock: Path, wheelhouse: Path) -> None:
+    problems = check(lock, wheelhouse)
+    if problems:
+        raise WheelhouseError(
+            f"{wheelhouse} cannot install {lock.name} on this platform ({platform.machine()}): "
+            + "; ".join(problems)
+            + f". Make it on a connected machine with: python3 docker/wheelhouse.py download {lock.name} "
+            "wheelhouse/<name> --platform <aarch64|x86_64>"
+        )
+    print(f"wheelhouse: {wheelhouse} has every wheel {lock.name} needs here")
+
+
+def cmd_install(lock: Path) -> None:
+    name = os.environ.get("WHEELHOUSE", "").strip()
+    command = [sys.executable, "-m", "pip", "install", *PIP_FLAGS]
+    if name:
+        folder = MOUNT / name
+        if not folder.is_dir():
+            available = sorted(p.name for p in MOUNT.iterdir() if p.is_dir()) if MOUNT.is_dir() else []
+            raise WheelhouseError(
+                f"WHEELHOUSE={name}: no folder wheelhouse/{name} in the build context "
+                f"(folders there: {', '.join(available) or 'none'})"
+            )
+        cmd_check(lock, folder)
+        command += ["--no-index", "--find-links", str(folder)]
+    print("wheelhouse: " + " ".join([*command, "-r", str(lock)]), flush=True)
+    os.execv(sys.executable, [*command, "-r", str(lock)])
+
+
+def cmd_download(lock: Path, out: Path, machine: str, python: str) -> None:
+    environment = target_environment(machine, python)
+    entries = [e for e in read_lock(lock) if applies(e, environment)]
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        for entry in entries:
+            f.write(entry.pin + " " + " ".join(f"--hash=sha256:{h}" for h in sorted(entry.hashes)) + "\n")
+    major_minor = environment["python_version"]
+    abi = "cp" + major_minor.replace(".", "")
+    command = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes", "--only-binary=:all:",
+        *(f"--platform={tag}" for tag in platform_tags(machine)),
+        "--python-version", major_minor, "--implementation", "cp",
+        "--abi", abi, "--abi", "abi3", "--abi", "none", "-d", str(out), "-r", f.name,
+    ]  # fmt: skip
+    print(f"wheelhouse: {len(entries)} packages of {lock.name} for linux {machine}, CPython {python} -> {out}")
+    try:
+        subprocess.run(command, check=True)
+    except subprocess.CalledProcessError as e:
+        raise WheelhouseError(f"pip download failed (exit {e.returncode}); see pip's message above") from None
+    finally:
+        os.unlink(f.name)
+    print(f"wheelhouse: {out} is complete for {lock.name} (linux {machine}, CPython {major_minor})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="verb", required=True)
+    d = sub.add_parser("download", help="make a wheelhouse for LOCK and a target platform")
+    d.add_argument("lock", type=Path)
+    d.add_argument("out", type=Path)
+    d.add_argument("--platform", choices=MACHINES, default=platform.machine(), help="target machine")
+    d.add_argument("--python", default="3.11.14", help="target CPython version (markers and wheel tags)")
+    c = sub.add_parser("check", help="does WHEELHOUSE hold every wheel LOCK needs on this machine?")
+    c.add_argument("lock", type=Path)
+    c.add_argument("wheelhouse", type=Path)
+    i = sub.add_parser("install", help="pip install LOCK (from /wheelhouse/$WHEELHOUSE when set)")
+    i.add_argument("lock", type=Path)
+    ns = parser.parse_args(argv)
+    if not ns.lock.is_file():
+        raise WheelhouseError(f"{ns.lock}: no such lock file")
+    if ns.verb == "download":
+        cmd_download(ns.lock, ns.out, ns.platform, ns.python)
+    elif ns.verb == "check":
+        cmd_check(ns.lock, ns.wheelhouse)
+    else:
+        cmd_install(ns.lock)
+
+
+if __name__ == "__main__":
+    main()
