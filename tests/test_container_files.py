@@ -95,7 +95,7 @@ def test_base_image_is_recorded_from_a_redeclared_arg(target: str, base: str) ->
 
 
 def test_cpu_pins_agree_with_the_lock_and_the_dev_environment() -> None:
-    from launcher import lockfile
+    from launcher.checks import packages as lockfile
 
     args = dict(re.findall(r"ARG (\w+)=(\S+)", "\n".join(_stages()["cpu"])))
     lock = {p.name: p.version for p in lockfile.parse_lock(ROOT / "requirements-cpu.lock")}

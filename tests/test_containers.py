@@ -187,19 +187,43 @@ def container_processes(run_dir_in_container: str) -> list[psutil.Process]:
 # --- tests ------------------------------------------------------------------------------------------
 
 
-def test_up_trains_the_demo_to_succeeded(compose: Compose) -> None:
-    out = compose.cmd("up", "--exit-code-from", "train-cpu", "train-cpu", timeout=900)
+def launcher_on_host(*args: Any, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The host's ``launcher`` (this checkout), reading the mounted outputs folder."""
+    return subprocess.run([sys.executable, "-m", "launcher", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+
+
+def test_up_trains_the_demo_to_succeeded(compose: Compose, engine) -> None:
+    digest = engine.images.get(IMAGE).id  # what the engine reports; compose passes it to the launcher
+    out = compose.cmd("up", "--exit-code-from", "train-cpu", "train-cpu", env={"LAUNCHER_IMAGE_DIGEST": digest},
+                      timeout=900)  # fmt: skip
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     (run,) = compose.runs()
     status = compose.status(run)
     assert status["state"] == "SUCCEEDED" and status["exit_code"] == 0
-    assert status["container"] == CONTAINER and status["backend"] == "cpu"
+    assert status["container"]["name"] == CONTAINER and status["backend"] == "cpu"
+    container_id = engine.containers.get(CONTAINER).id
+    assert status["container"]["id"] == container_id and status["trainer_log"] == "output/trainer_log.jsonl"
     adapter = run / "output" / "adapter_model.safetensors"
     assert adapter.is_file() and adapter.stat().st_size > 0
     steps = [json.loads(line) for line in (run / "output" / "trainer_log.jsonl").read_text().splitlines()]
     assert any(r.get("current_steps") == DEMO["max_steps"] for r in steps)
-    image = json.loads((run / "manifest.json").read_text())["image"]
+    manifest = json.loads((run / "manifest.json").read_text())
+    image = manifest["image"]
     assert image["tag"] == IMAGE and image["base"] == BASE_IMAGE  # LAUNCHER_IMAGE, LAUNCHER_BASE_IMAGE
+    assert image["digest"] == digest and manifest["container"]["image"]["digest"] == digest
+    # readable by a user on the host who is not root: records, the adapter, the trainer log
+    for path in (run / "status.json", adapter, run / "output" / "trainer_log.jsonl", run / "verify.json"):
+        assert path.stat().st_mode & 0o004, f"{path} {oct(path.stat().st_mode)}"
+    # the host reads the container's run (written under /outputs) from where it is mounted here; the model
+    # lives in the image, so the host gives its own copy of the demo model (the same deterministic build)
+    built = launcher_on_host("demo-assets", "--out", compose.root / "host-demo", timeout=300)
+    assert built.returncode == 0, built.stderr
+    shown = launcher_on_host("verify", run, "--model", compose.root / "host-demo" / "model")
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert launcher_on_host("report", run, "--no-plot").returncode == 0
+    info = json.loads(launcher_on_host("status", run, "--json").stdout)
+    assert info["state"] == "SUCCEEDED" and info["step"] == DEMO["max_steps"] and info["last_checkpoint"]
 
 
 @pytest.fixture(scope="module")
@@ -237,18 +261,37 @@ def test_second_container_on_the_same_outputs_is_refused_by_the_run_lock(live_ru
     assert c.status(run)["state"] == "RUNNING"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="launcher.lock.read_owner checks the holder's pid in the refused container's own pid namespace, "
-    "where the other container's supervisor does not exist, so the owner record is dropped and the message "
-    "says 'a process that has not written its identity yet' (launcher change needed; see docs/containers.md)",
-)
 def test_the_refusal_names_the_live_run(live_run, refused) -> None:
     text = refused.stdout + refused.stderr
     assert live_run["run"].name in text, text[-1500:]
 
 
-def test_compose_stop_mid_run_records_terminated_within_the_grace_period(live_run, engine) -> None:
+def test_the_host_watches_a_detached_run_through_the_engine(live_run, engine) -> None:
+    """`up -d`, then on the host: status shows RUNNING with step progress and the container's state (its pids
+    live in the container's namespace; the engine vouches for them), and `logs -f` follows it."""
+    c, run = live_run["compose"], live_run["run"]
+    info = json.loads(launcher_on_host("status", run, "--json").stdout)
+    assert info["state"] == "RUNNING" and info["liveness"] == "live", info
+    assert info["container_state"] == "running" and info["container"]["name"] == CONTAINER
+    assert info["step"] is not None and info["total_steps"] == 400 and info["eta_s"] is not None
+    listed = launcher_on_host("list", "--root", c.outputs / "runs")
+    assert run.name in listed.stdout and "RUNNING" in listed.stdout
+    env_root = subprocess.run([sys.executable, "-m", "launcher", "status"], cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "LAUNCHER_ROOT": str(c.outputs / "runs")}, timeout=120)  # fmt: skip
+    assert run.name in env_root.stdout and "running" in env_root.stdout
+
+
+@pytest.fixture(scope="module")
+def follower(live_run) -> subprocess.Popen:
+    """`launcher logs -f` on the host, started while the run lives (the stop below ends it)."""
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "logs", "-f", live_run["run"]], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+
+
+def test_compose_stop_mid_run_records_terminated_within_the_grace_period(live_run, engine, follower) -> None:
     c, run = live_run["compose"], live_run["run"]
     in_container = c.status(run)["run_dir"]
     assert container_processes(in_container), "no host process names the run: the check below would be empty"
@@ -262,10 +305,42 @@ def test_compose_stop_mid_run_records_terminated_within_the_grace_period(live_ru
     status = c.status(run)
     assert status["state"] == "TERMINATED", status
     assert status["ended"] is not None
-    from launcher.lock import is_locked
+    from launcher.run.lock import is_locked
 
     assert not is_locked(c.outputs / "runs")
     assert container_processes(in_container) == []
+    # the host's `logs -f` followed the job to its end and stopped by itself
+    out, _ = follower.communicate(timeout=120)
+    assert follower.returncode == 0 and "'loss'" in out, out[-2000:]  # LLaMA-Factory's lines from the job log
+    host = json.loads(launcher_on_host("status", run, "--json").stdout)
+    assert host["state"] == "TERMINATED" and host["container_state"] == "exited"
+
+
+def test_a_killed_container_is_node_lost_and_a_new_up_is_allowed_with_a_warning(cpu_image, engine,
+                                                                                  tmp_path) -> None:  # fmt: skip
+    c = Compose(tmp_path)
+    c.cmd("rm", "--force", "--stop", "train-cpu")
+    config = c.long_config()
+    try:
+        c.cmd("up", "--detach", "train-cpu", env={"TRAIN_CONFIG_CPU": config}, check=True)
+        run = wait_for("the run folder", lambda: (c.runs() or [None])[0], timeout=300)
+        wait_for("a logged step", lambda: c.status(run).get("state") == "RUNNING"
+                 and (run / "output" / "trainer_log.jsonl").is_file(), timeout=600)  # fmt: skip
+        engine.containers.get(CONTAINER).kill()
+        wait_for("the container to stop", lambda: engine.containers.get(CONTAINER).status == "exited", timeout=60)
+        info = json.loads(launcher_on_host("status", run, "--json").stdout)
+        assert info["state"] == "NODE_LOST" and info["recorded_state"] == "RUNNING", info
+        assert f"container {CONTAINER} is exited" in info["note"]
+        # a new `up`: the lock was freed with the killed supervisor; the new one records the old run and warns
+        c.cmd("up", "--detach", "train-cpu", env={"TRAIN_CONFIG_CPU": config}, check=True)
+        wait_for("the second run", lambda: len(c.runs()) == 2, timeout=300)
+        wait_for("the old run recorded NODE_LOST", lambda: c.status(run).get("state") == "NODE_LOST", timeout=120)
+        logs = engine.containers.get(CONTAINER).logs().decode(errors="replace")
+        assert f"warning: run {run.name}:" in logs and "recorded NODE_LOST" in logs, logs[-3000:]
+        assert "run lock was free" in c.status(run)["reason"]
+    finally:
+        c.cmd("down", "--timeout", "30", "--remove-orphans")
+        subprocess.run(["chown", "-R", f"{os.getuid()}:{os.getgid()}", str(tmp_path)], check=False)
 
 
 def test_security_settings_and_read_only_mounts(compose: Compose, engine) -> None:

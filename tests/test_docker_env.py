@@ -89,20 +89,25 @@ def test_dockerfile_passes_hadolint() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_dockerfile_has_both_targets_and_npu_is_the_default() -> None:
+def test_dockerfile_has_its_targets_and_npu_is_the_default() -> None:
     stages = dockerfile_stages()
-    assert list(stages) == ["global", "cuda", "npu"]  # the last stage is what `docker build .` builds
+    assert list(stages) == ["global", "cuda", "cpu", "npu"]  # the last stage is what `docker build .` builds
     base = stages["global"]["CANN_IMAGE"]
     assert re.fullmatch(r"\S+/cann:8\.5\.0-910b-ubuntu22\.04-py3\.11(@sha256:[0-9a-f]{64})?", base), base
     assert stages["npu"]["CANN_VERSION"] == "8.5.0"
 
 
 def test_dockerfile_installs_only_from_the_locks_with_hashes() -> None:
-    installs = [ln for ln in DOCKERFILE.read_text().splitlines() if "pip install" in ln]
-    assert len(installs) == 4, installs
-    for line in installs:
-        assert "--no-deps" in line and "--no-cache-dir" in line
-        assert ("--require-hashes" in line and "-r requirements" in line) or "--no-index --editable ." in line
+    """Every target installs its lock through docker/wheelhouse.py (pip --no-deps --require-hashes, from
+    PyPI or offline from a wheelhouse) and then only the project itself, with no index."""
+    lines = DOCKERFILE.read_text().splitlines()
+    locked = [ln.strip() for ln in lines if ln.strip().startswith("python docker/wheelhouse.py install")]
+    assert sorted(ln.split()[-1] for ln in locked) == ["requirements-cpu.lock", "requirements-cuda.lock",
+                                                       "requirements.lock"]  # fmt: skip
+    others = [ln for ln in lines if "pip install" in ln]
+    assert len(others) == 3 and all("--no-deps" in ln and "--no-index --editable ." in ln for ln in others), others
+    flags = (ROOT / "docker" / "wheelhouse.py").read_text()
+    assert '"--no-deps", "--require-hashes", "--only-binary=:all:"' in flags
 
 
 def test_entrypoint_sources_cann_and_execs_the_command(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from packaging.version import InvalidVersion, Version
 
 from launcher import SOURCE_ROOT as PROJECT_ROOT
 
-LOCK_FILES = {"npu": "requirements.lock", "cuda": "requirements-cuda.lock", "cpu": "requirements.lock"}
+LOCK_FILES = {"npu": "requirements.lock", "cuda": "requirements-cuda.lock", "cpu": "requirements-cpu.lock"}
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class LockedPackage:
 
 
 def lock_path(backend: str, root: Path = PROJECT_ROOT) -> Path:
-    """The lock file the image for ``backend`` was built from (cpu runs are compared with the NPU lock)."""
+    """The lock file the image for ``backend`` was built from."""
     return root / LOCK_FILES[backend]
 
 
