@@ -22,6 +22,10 @@ OUTPUT_SUBDIR = "output"
 LF_YAML = "llamafactory.yaml"
 LAUNCH_FILE = "launch.json"
 ERRORS_DIR = "errors"  # errors/rank<N>.json: the traceback of each rank that raised
+# save on stop (launcher/stopsave.py in the ranks, run/supervisor.py): the supervisor asks, the ranks answer
+SAVE_REQUEST = "save_request.json"  # written by the supervisor: save a checkpoint at the next step, then exit
+SAVE_READY = "save_on_stop.json"  # written by local rank 0 once training began: this job honours a request
+SAVE_DONE = "stop_saved.json"  # written by local rank 0 after the requested checkpoint is complete
 _RUN_MARKERS = (STATUS_FILE, LF_YAML, OUTPUT_SUBDIR)
 
 
