@@ -95,6 +95,28 @@ def test_sigterm_saves_a_checkpoint_at_the_next_step_and_resume_reaches_the_plan
 
 
 @pytest.mark.slow
+def test_two_ranks_agree_on_the_step_they_save_at_on_launcher_stop(tmp_path, demo_assets):
+    cfg, env = tiny_config(tmp_path, demo_assets, {"nproc_per_node": 2, "stop_grace_s": 300}, max_steps=10,
+                           save_steps=1000)  # fmt: skip
+    started = launcher("start", cfg, env=env, timeout=300)
+    assert started.returncode == 0, started.stdout + started.stderr
+    run_dir = the_run_dir(tmp_path / "runs")
+    wait_for("two logged optimizer steps", lambda: len(logged_steps(run_dir)) >= 2, timeout=600, every=0.1)
+    stopped = launcher("stop", run_dir, env=env, timeout=600)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    status = read_status(run_dir)
+    saved = status["saved_checkpoint"]
+    assert status["state"] == "CANCELLED" and saved is not None, status["reason"]
+    assert max(logged_steps(run_dir)) - 1 <= saved["step"] < 10
+    assert status["exit_code"] == 0  # both ranks left at the same step; none was killed or hung
+    kinds = [e["event"] for e in events(run_dir)]
+    assert "killed_after_grace" not in kinds and "save_timeout" not in kinds
+    log = (run_dir / "launcher.log").read_text()
+    assert f"rank 0: stopped after saving checkpoint-{saved['step']}" in log
+    assert f"rank 1: stopped after saving checkpoint-{saved['step']}" in log
+
+
+@pytest.mark.slow
 def test_stop_now_skips_the_save(tmp_path, demo_assets):
     spec = {"lines": 100000, "interval": 0.2, "save_on_stop": True}
     cfg, env = fake_config(tmp_path, demo_assets, spec)
