@@ -172,6 +172,8 @@ def test_a_rank_killed_at_step_5_is_restarted_from_the_checkpoint_and_succeeds(t
     assert first["resumed_step"] == 3 and first["steps_lost"] == first["last_step"] - 3 >= 1
     assert status["resumed_from"] == "output/checkpoint-3"
     assert logged_steps(run_dir)[-1] == 6
+    print(f"\nrestart: attempt 1 {first['cause']} after logged step {first['last_step']}, resumed from step "
+          f"{first['resumed_step']}, {first['steps_lost']} step(s) lost")  # fmt: skip
     kinds = [e["event"] for e in events(run_dir)]
     assert kinds.count("started") == 2 and "restarting" in kinds and kinds[-1] == "ended"
     shown = launcher("status", run_dir, env=env).stdout
@@ -280,3 +282,20 @@ def test_bad_recovery_settings_are_refused_naming_the_key(tmp_path, settings, me
     with pytest.raises(ConfigError) as info:
         load_run_config(cfg)
     assert message in str(info.value)
+
+
+@pytest.mark.slow
+def test_stall_action_restart_resumes_a_frozen_attempt_from_its_checkpoint(tmp_path, demo_assets):
+    spec = {"lines": 6, "interval": 0.2, "checkpoints": 2, "resume": True, "then": "exit", "exit_code": 3,
+            "attempts": {"1": {"stall_after": 3, "resume_file": str(tmp_path / "never")}}}  # fmt: skip
+    cfg, env = fake_config(tmp_path, demo_assets, spec, stall_minutes=0.3, stall_action="restart", stop_grace_s=3,
+                           restart={"max_restarts": 1, "backoff_s": 0})  # fmt: skip
+    proc = launcher("run", cfg, "--quiet", env=env, timeout=600)
+    run_dir = the_run_dir(tmp_path / "runs")
+    status = read_status(run_dir)
+    assert proc.returncode == 1 and status["state"] == "FAILED" and status["attempt"] == 2, status
+    (first,) = status["attempts"]
+    assert first["cause"].startswith("hang watchdog") and first["resumed_step"] == 2
+    assert first["last_step"] == 3 and first["steps_lost"] == 1
+    assert status["failed_rank"]["exit_code"] == 3  # the second attempt ran on to its own end
+    assert logged_steps(run_dir)[-1] == 6
