@@ -6,6 +6,9 @@ It reads ``RUN_DIR/launch.json`` (written by ``launcher run``/``start``), applie
 runtime patches in the registry's order, and only then hands the exact LLaMA-Factory YAML of the
 run to LLaMA-Factory's own training entry (``llamafactory.train.tuner.run_exp``). Patches must be
 in place before the model is built, which is why they are applied here and not in a callback.
+
+The one callback it adds is save on stop (``stopsave.py``): a stop request or a SIGTERM makes the rank
+save a checkpoint at the next step boundary and exit 0 (``StoppedAfterSave``), instead of dying.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import yaml
 
 from launcher.files import write_json_atomic
 from launcher.state.runs import ERRORS_DIR, LAUNCH_FILE
+from launcher.stopsave import StoppedAfterSave, install_sigterm_handler, make_callback
 
 
 def write_error_file(run_dir: Path, exc: BaseException) -> Path:
@@ -41,22 +45,38 @@ def write_error_file(run_dir: Path, exc: BaseException) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, callbacks: tuple = ()) -> int:
+    """Train one rank; ``callbacks`` are extra Trainer callbacks (a wrapping entry may add its own)."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m launcher.entry RUN_DIR", file=sys.stderr)
         return 2
     run_dir = Path(argv[0]).resolve()
     try:
-        return _train(run_dir)
+        return _train(run_dir, callbacks)
+    except StoppedAfterSave as stopped:
+        print(f"rank {os.environ.get('RANK', '0')}: {stopped}", file=sys.stderr, flush=True)
+        _leave_process_group()
+        return 0
     except BaseException as exc:
         if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
             write_error_file(run_dir, exc)
         raise
 
 
-def _train(run_dir: Path) -> int:
+def _leave_process_group() -> None:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # leaving is best effort: the process ends next
+        pass
+
+
+def _train(run_dir: Path, callbacks: tuple = ()) -> int:
     launch = json.loads((run_dir / LAUNCH_FILE).read_text())
+    install_sigterm_handler()
 
     import patches
 
@@ -70,7 +90,7 @@ def _train(run_dir: Path) -> int:
     from llamafactory.train.tuner import run_exp
 
     args = yaml.safe_load((run_dir / launch["llamafactory_yaml"]).read_text())
-    run_exp(args=args)
+    run_exp(args=args, callbacks=[make_callback(run_dir), *callbacks])
     return 0
 
 

@@ -114,11 +114,25 @@ def make_folder(path: Path, purpose: str) -> Path:
 
 
 def append_line(path: Path, line: str) -> None:
-    """Append ``line`` (a newline is added) and fsync it."""
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(line + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    """Append ``line`` (a newline is added) and fsync it: all of it or nothing (a failed write, e.g. a
+    full disk, is cut back off so that no half line stays behind)."""
+    data = (line + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, default_mode())
+    try:
+        start = os.fstat(fd).st_size
+        try:
+            written = 0
+            while written < len(data):
+                written += os.write(fd, data[written:])
+            os.fsync(fd)
+        except OSError:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(fd)
 
 
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:

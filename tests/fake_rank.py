@@ -19,7 +19,16 @@ read once at start; keys (all optional)::
     ignore_sigterm SIGTERM is ignored (a rank stuck in a collective or a slow save)
     on_sighup      exit | ignore | default: ``exit`` writes a marker and exits 129
     quiet          print nothing (by default every rank prints a line per step, like a progress bar)
+    first_step     the step of the first line (default 1; ``resume`` starts after the last checkpoint)
+    checkpoints    write a small ``checkpoint-N`` folder (adapter, optimizer, trainer state) every N steps
+    resume         start after the newest ``checkpoint-N`` in RUN_DIR/output, as a resumed trainer does
+    save_on_stop   honour the launcher's save request as launcher/stopsave.py does: announce it, and at the
+                   next step end write ``checkpoint-N`` and ``stop_saved.json``, then exit 0
     ranks          {"1": {...}}: keys for one rank only, merged over the rest
+    attempts       {"2": {...}}: keys for one attempt only (RUN_DIR/launch.json's ``attempt``), merged first
+
+A trainer-log line the disk refuses is lost, not raised (LLaMA-Factory writes them from a worker thread
+whose errors nobody sees).
 
 Every rank writes RUN_DIR/fake_ranks/rank<N>.json (pid, process group, session) once it is set up, so a
 test can find the processes it must check. Like ``launcher.entry``, an exception is recorded with
@@ -37,15 +46,41 @@ from pathlib import Path
 from typing import Any
 
 from launcher.entry import write_error_file
+from launcher.state.runs import SAVE_DONE, SAVE_READY, SAVE_REQUEST
 
 SPEC_ENV = "FAKE_RANK_SPEC"
 PIDS_DIR = "fake_ranks"
 
 
-def load_spec(rank: int) -> dict[str, Any]:
+def load_spec(rank: int, attempt: int = 1) -> dict[str, Any]:
     path = os.environ.get(SPEC_ENV)
     spec = json.loads(Path(path).read_text()) if path else {}
+    spec = {**spec, **spec.get("attempts", {}).get(str(attempt), {})}
     return {**spec, **spec.get("ranks", {}).get(str(rank), {})}
+
+
+def attempt_of(run_dir: Path) -> int:
+    try:
+        return int(json.loads((run_dir / "launch.json").read_text()).get("attempt", 1))
+    except (OSError, ValueError):
+        return 1
+
+
+def last_checkpoint_step(output: Path) -> int:
+    steps = [int(p.name.split("-")[1]) for p in output.glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
+    return max(steps, default=0)
+
+
+def write_checkpoint(output: Path, step: int) -> None:
+    """A small checkpoint folder that the launcher's checkpoint scan reads as complete (and exact)."""
+    tmp = output / f"tmp-checkpoint-{step}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "adapter_model.safetensors").write_bytes(b"\0" * 64)
+    (tmp / "adapter_config.json").write_text("{}")
+    (tmp / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    (tmp / "optimizer.pt").write_bytes(b"o")
+    (tmp / "scheduler.pt").write_bytes(b"s")
+    os.replace(tmp, output / f"checkpoint-{step}")
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -82,13 +117,21 @@ def eval_line(step: int, total: int) -> dict[str, Any]:
     }
 
 
+class SavedOnStop(Exception):  # noqa: N818
+    pass
+
+
 def write_progress(run_dir: Path, spec: dict[str, Any], rank: int) -> None:
     lines, interval = int(spec.get("lines", 0)), float(spec.get("interval", 0.2))
     total, eval_every = int(spec.get("total_steps", 100)), int(spec.get("eval_every", 0))
     stall_after = spec.get("stall_after")
     log = run_dir / "output" / "trainer_log.jsonl"
     log.parent.mkdir(parents=True, exist_ok=True)
-    for step in range(1, lines + 1):
+    first = last_checkpoint_step(log.parent) + 1 if spec.get("resume") else int(spec.get("first_step", 1))
+    every = int(spec.get("checkpoints", 0))
+    if spec.get("save_on_stop") and rank == 0:
+        _write_json(run_dir / SAVE_READY, {"pid": os.getpid(), "time": time.time()})
+    for step in range(first, lines + 1):
         if stall_after is not None and step == int(stall_after) + 1:
             while not Path(spec["resume_file"]).exists():
                 time.sleep(0.1)
@@ -100,8 +143,18 @@ def write_progress(run_dir: Path, spec: dict[str, Any], rank: int) -> None:
         records = [progress_line(step, total, interval)]
         if eval_every and step % eval_every == 0:
             records.append(eval_line(step, total))
-        with open(log, "a") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in records))
+        try:
+            if every and step % every == 0:
+                write_checkpoint(log.parent, step)
+            with open(log, "a") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in records))
+        except OSError:
+            pass  # a full disk: this line is lost, training goes on
+        if spec.get("save_on_stop") and (run_dir / SAVE_REQUEST).exists():
+            if rank == 0:
+                write_checkpoint(log.parent, step)
+                _write_json(run_dir / SAVE_DONE, {"step": step, "path": f"output/checkpoint-{step}"})
+            raise SavedOnStop
 
 
 def _on_sighup(run_dir: Path, rank: int) -> None:
@@ -125,7 +178,10 @@ def run(run_dir: Path, spec: dict[str, Any], rank: int) -> int:
                 {"pid": pid, "pgid": os.getpgid(pid), "sid": os.getsid(pid), "rank": rank})  # fmt: skip
     if not spec.get("quiet"):
         print(f"fake rank {rank} (pid {pid}) started", flush=True)
-    write_progress(run_dir, spec, rank)
+    try:
+        write_progress(run_dir, spec, rank)
+    except SavedOnStop:
+        return 0
     then = spec.get("then", "exit")
     if then == "raise":
         raise RuntimeError(spec.get("message", f"fake rank {rank} failed on purpose"))
@@ -144,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(argv[0]).resolve()
     rank = int(os.environ.get("RANK", "0"))
     try:
-        return run(run_dir, load_spec(rank), rank)
+        return run(run_dir, load_spec(rank, attempt_of(run_dir)), rank)
     except Exception as exc:
         write_error_file(run_dir, exc)
         raise

@@ -314,8 +314,10 @@ def test_training_log_carries_no_training_text(tmp_path, demo_assets):
     # the control: with the dump asked for (launcher.log_examples: true), the same data does reach the log
     opt_in = {"log_examples": True}
     (tmp_path / "opt-in").mkdir()
+    # two steps, as above: after one step of warmup the LoRA B matrices are still zero, which the acceptance
+    # checklist fails (FAILED_ACCEPTANCE, exit code 4)
     cfg = make_config(tmp_path / "opt-in", demo_assets, launcher=opt_in, dataset_dir=str(data_dir), dataset=name,
-                      eval_dataset=f"{name}_val", max_steps=1, save_steps=1, eval_steps=1)  # fmt: skip
+                      eval_dataset=f"{name}_val", max_steps=2, save_steps=2, eval_steps=2)  # fmt: skip
     proc = launcher_cmd("run", cfg, "--quiet")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert SENTINEL in (only_run_dir(tmp_path / "opt-in" / "runs") / "launcher.log").read_text()

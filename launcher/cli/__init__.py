@@ -12,6 +12,9 @@ May import every part of the launcher; nothing imports it but ``__main__``.
 from __future__ import annotations
 
 import argparse
+import errno
+import os
+import signal
 import sys
 
 from launcher import __version__
@@ -82,10 +85,36 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(ns._run(ns))
     except LauncherError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        _print_error(f"error: {err}")
         return err.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `launcher status | head`: the reader had enough; no traceback
+        _detach(sys.stdout)
+        return 128 + signal.SIGPIPE
+    except OSError as err:
+        if err.errno != errno.EIO:
+            raise
+        _detach(sys.stdout, sys.stderr)  # the terminal closed under us (EIO): nobody is left to read a traceback
+        return 128 + signal.SIGHUP
+
+
+def _print_error(text: str) -> None:
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except OSError:
+        _detach(sys.stderr)
+
+
+def _detach(*streams) -> None:
+    """Point closed output streams at /dev/null, so that the interpreter's last flush does not fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in streams:
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):
+            pass
+    os.close(devnull)
 
 
 __all__ = ["VERBS", "build_parser", "main"]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from launcher.cli.registry import Verb, add_config_arg, add_run_arg, overrides_of, run_dir
 from launcher.errors import ExitCode, LauncherError
+from launcher.state.states import EXIT_CODE_TABLE
 
 
 def _args_run(p: argparse.ArgumentParser) -> None:
@@ -128,13 +129,16 @@ def _cmd_kernel_check(ns: argparse.Namespace) -> int:
 def _args_stop(p: argparse.ArgumentParser) -> None:
     add_run_arg(p)
     p.add_argument("--grace", type=float, default=None, metavar="SECONDS",
-                   help="seconds between SIGTERM and SIGKILL (default: the run's stop_grace_s)")  # fmt: skip
+                   help="seconds for the save on stop, or between SIGTERM and SIGKILL (default: the run's "
+                        "stop_grace_s)")  # fmt: skip
+    p.add_argument("--now", action="store_true",
+                   help="skip the save on stop: SIGTERM at once, SIGKILL after the grace period")  # fmt: skip
 
 
 def _cmd_stop(ns: argparse.Namespace) -> int:
     from launcher.run.control import stop_run
 
-    return stop_run(run_dir(ns), ns.grace)
+    return stop_run(run_dir(ns), ns.grace, now=ns.now)
 
 
 def _args_resume(p: argparse.ArgumentParser) -> None:
@@ -152,12 +156,13 @@ def _cmd_resume(ns: argparse.Namespace) -> int:
 
 VERBS: tuple[Verb, ...] = (
     Verb("run", "train in the foreground: validate, create a run directory, supervise the job to its end",
-         "launcher run configs/demo_cpu.yaml\n  launcher run configs/qwen3_5_27b_lora_soulchat.yaml",
-         _args_run, _cmd_run),
+         "launcher run configs/demo_cpu.yaml\n  launcher run configs/qwen3_5_27b_lora_soulchat.yaml\n\n"
+         + EXIT_CODE_TABLE, _args_run, _cmd_run),
     Verb("start", "start a run in the background (survives the SSH session) and return at once",
          "launcher start configs/qwen3_5_27b_lora_soulchat.yaml", add_config_arg, _cmd_start),
-    Verb("stop", "stop a run: SIGTERM to every process of the job, SIGKILL after the grace period",
-         "launcher stop\n  launcher stop demo-cpu-20261130-101500 --grace 300", _args_stop, _cmd_stop),
+    Verb("stop", "stop a run: a checkpoint at the next step, then exit; SIGTERM and SIGKILL after the grace period",
+         "launcher stop\n  launcher stop demo-cpu-20261130-101500 --grace 300\n  launcher stop --now",
+         _args_stop, _cmd_stop),
     Verb("resume", "continue a stopped or failed run from its last complete checkpoint (a new attempt)",
          "launcher resume demo-cpu-20261130-101500\n  launcher resume RUN --adapter-only",
          _args_resume, _cmd_resume),

@@ -107,6 +107,12 @@ def collect(run_dir: Path) -> dict[str, Any]:
             "step": checkpoint.step, "path": str(checkpoint.path), "optimizer_state": checkpoint.optimizer_state},
         "exit_code": record.exit_code,
         "signal": record.signal,
+        "run_exit_code": record.run_exit_code,
+        "stop_signal": record.stop_signal,
+        "stopped_by": record.stopped_by,
+        "saved_checkpoint": record.saved_checkpoint,
+        "attempts": record.attempts,
+        "record_write_failures": record.record_write_failures,
         "failed_rank": record.failed_rank,
         "reason": record.reason,
         "run_dir": str(run_dir),
@@ -162,7 +168,19 @@ def render(info: dict[str, Any]) -> str:
         if rank := info.get("failed_rank"):  # torchrun exits 1; what the failing rank itself died of
             died = f"signal {rank['signal']}" if rank.get("signal") is not None else f"code {rank.get('exit_code')}"
             exit_text += f" (rank {rank.get('rank')}: {died})"
+        if info.get("run_exit_code") is not None and info["state"] in ("CANCELLED", "TERMINATED"):
+            exit_text = f"{info['run_exit_code']} (128 + signal {info['stop_signal']}); the job's own: {exit_text}"
         rows.append(("exit", exit_text))
+    if info.get("stopped_by"):
+        rows.append(("stopped by", info["stopped_by"]))
+    if saved := info.get("saved_checkpoint"):
+        rows.append(("saved", f"step {saved['step']} on the stop: {saved['path']}"))
+    for a in info.get("attempts") or []:  # earlier attempts, restarted automatically (launcher.restart)
+        rows.append((f"attempt {a['attempt']}", f"{a['state']}: {a['cause']}; resumed from step {a['resumed_step']}, "
+                                                f"{a['steps_lost']} step(s) lost"))  # fmt: skip
+    for f in info.get("record_write_failures") or []:
+        until = f["until"] or "still failing"
+        rows.append(("record", f"{f['failed_writes']} write(s) failed {f['since']} .. {until}: {f['error']}"))
     if info["reason"]:
         rows.append(("reason", info["reason"].strip().splitlines()[-1]))
     if info["container"]:
@@ -200,6 +218,8 @@ def show_list(root: Path) -> int:
             continue
         state = reconcile(r, run_dir).state.value
         exit_text = f"sig {r.signal}" if r.signal else ("-" if r.exit_code is None else str(r.exit_code))
+        if r.run_exit_code is not None:  # what `launcher run` returned (128 + signal for a stop)
+            exit_text = str(r.run_exit_code)
         print(f"{r.run_id:<40}{state:<19}{exit_text:<8}{r.attempt!s:<9}{r.created:<27}{r.ended or '-'}")
     return ExitCode.OK
 

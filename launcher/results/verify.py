@@ -43,6 +43,7 @@ from launcher.state.runs import RunFiles, eval_configured, load_run_files, selec
 from launcher.state.trainer_log import TRAINER_LOG, read_trainer_log_tail
 
 VERIFY_FILE = "verify.json"
+RECHECK_FILE = "verify.recheck.json"  # a FAIL found after an earlier PASS: written here, verify.json kept
 VERIFY_SCHEMA = 1
 PASS, FAIL, INFO = "PASS", "FAIL", "INFO"
 
@@ -65,6 +66,8 @@ class VerifyReport:
     checks: list[CheckResult]
     coverage: dict[str, Any] = field(default_factory=dict)
     created: str = field(default_factory=now_iso)
+    written: Path | None = None  # where this report was written
+    kept: str | None = None  # why an earlier PASS in verify.json was kept rather than replaced
 
     @property
     def passed(self) -> bool:
@@ -479,8 +482,22 @@ def verify_run(run_dir: Path, *, exit_code: int | None = None, model_dir: Path |
     ]
     report = VerifyReport(run_dir=run_dir, run_id=ctx.files.run_id, checks=checks, coverage=coverage)
     if write:
-        write_json_atomic(run_dir / VERIFY_FILE, report.to_dict())
+        _write(report, run_dir)
     return report
+
+
+def _write(report: VerifyReport, run_dir: Path) -> None:
+    """Write ``verify.json``; a FAIL never replaces an earlier PASS (the run was accepted; what fails now
+    is damage done since, reported in ``verify.recheck.json`` instead)."""
+    earlier = read_json_object(run_dir / VERIFY_FILE)
+    if not report.passed and isinstance(earlier, dict) and earlier.get("passed") is True:
+        report.written = run_dir / RECHECK_FILE
+        report.kept = (f"{VERIFY_FILE} keeps the PASS of {earlier.get('created')}: the run was accepted then, "
+                       "so what fails now changed since (damaged or edited files); this check is in "
+                       f"{RECHECK_FILE}")  # fmt: skip
+    else:
+        report.written = run_dir / VERIFY_FILE
+    write_json_atomic(report.written, report.to_dict())
 
 
 def print_report(report: VerifyReport, written: Path | None = None) -> None:
@@ -498,5 +515,8 @@ def print_report(report: VerifyReport, written: Path | None = None) -> None:
             console.print(f"      {'':<{width}}  fix: {escape(c.fix)}")
     counted = [c for c in report.checks if c.status != INFO]
     verdict = "[green]PASS[/]" if report.passed else "[bold red]FAIL[/]"
+    written = report.written or written
     tail = f"; written to {escape(str(written))}" if written else ""
     console.print(f"result: {verdict} ({len(counted) - len(report.failed)} of {len(counted)} checks passed){tail}")
+    if report.kept:
+        console.print(f"note: {escape(report.kept)}")

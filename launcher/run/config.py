@@ -78,6 +78,16 @@ class EarlyStopping(BaseModel):
         return value
 
 
+class RestartPolicy(BaseModel):
+    """``launcher.restart``: resume a FAILED attempt with a retryable cause, at most ``max_restarts`` times,
+    ``backoff_s`` after the failure (run/restart.py says which causes are retried)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_restarts: int = Field(default=3, ge=0, le=100)
+    backoff_s: float = Field(default=60.0, ge=0)
+
+
 class LauncherSection(BaseModel):
     """The ``launcher:`` section of a run config."""
 
@@ -99,7 +109,10 @@ class LauncherSection(BaseModel):
     master_port: int | None = Field(default=None, ge=1, le=65535)
     # supervision
     stall_minutes: float = Field(default=30.0, gt=0)  # no trainer-log progress this long -> STALLED
-    stop_grace_s: float = Field(default=120.0, ge=0)  # SIGTERM to the job, then SIGKILL after this
+    stop_grace_s: float = Field(default=120.0, ge=0)  # save on stop (or SIGTERM), then SIGKILL after this
+    stall_action: Literal["warn", "stop", "restart"] = "warn"  # after stall_minutes: restart needs `restart`
+    restart: RestartPolicy | None = None  # automatic recovery of a retryable failure; off by default
+    record_write_stop_s: float = Field(default=600.0, gt=0)  # record writes failing this long: stop the job
     entry: str = "launcher.entry"  # module each rank runs; replace only to wrap our entry
     # data: preflight warns when more than this share of samples is truncated at cutoff_len
     truncation_warn_share: float = Field(default=0.05, ge=0, le=1)
@@ -146,7 +159,8 @@ def _pydantic_problems(err: ValidationError, prefix: str) -> list[str]:
     return problems
 
 
-_SECTION_MODELS: dict[str, type[BaseModel]] = {"fsdp": FsdpSettings, "early_stopping": EarlyStopping}
+_SECTION_MODELS: dict[str, type[BaseModel]] = {"fsdp": FsdpSettings, "early_stopping": EarlyStopping,
+                                               "restart": RestartPolicy}  # fmt: skip
 
 
 OVERRIDES_FILE = "overrides.yaml"  # in the run directory: the command line's key=value overrides
@@ -235,6 +249,9 @@ def read_run_config(path: Path, overrides: dict[str, Any] | None = None,
         problems.append(f"launcher.patches: {err}")
 
     problems.extend(_check_formal_rules(data, launcher, require_model))
+    if launcher.stall_action == "restart" and launcher.restart is None:
+        problems.append("launcher.stall_action: 'restart' needs automatic recovery; add launcher.restart: "
+                        "{max_restarts: 3, backoff_s: 60} or use stall_action: stop")  # fmt: skip
     for key in LAUNCHER_OWNED_KEYS:
         if key in data:
             notes.append(

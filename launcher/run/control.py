@@ -105,8 +105,9 @@ def _read_line(stream, proc: subprocess.Popen, timeout_s: float) -> str:
     return ""
 
 
-def stop_run(run_dir: Path, grace_s: float | None, wait_s: float | None = None) -> int:
-    """Stop a live run: through its supervisor if alive, else by cleaning up its processes."""
+def stop_run(run_dir: Path, grace_s: float | None, wait_s: float | None = None, now: bool = False) -> int:
+    """Stop a live run: through its supervisor if alive (a save on stop first unless ``now``), else by
+    cleaning up its processes."""
     from launcher.run.supervisor import request_stop
 
     store = RunStore.open(run_dir)
@@ -124,7 +125,11 @@ def stop_run(run_dir: Path, grace_s: float | None, wait_s: float | None = None) 
         )
     supervisor = find_live(record.supervisor or {}, "launcher")
     if supervisor is not None:
-        request_stop(run_dir, grace_s, by=f"launcher stop (pid {os.getpid()})")
+        try:
+            request_stop(run_dir, grace_s, by=f"launcher stop (pid {os.getpid()}, uid {os.getuid()})", now=now)
+        except OSError as err:  # e.g. a full disk: the supervisor still stops the run, as for `docker stop`
+            print(f"warning: cannot write the stop request in {run_dir} ({err}); sending SIGTERM anyway",
+                  file=sys.stderr)  # fmt: skip
         supervisor.terminate()
         limit = (grace_s if grace_s is not None else 120.0) + 60 if wait_s is None else wait_s
         print(f"stopping run {record.run_id}: SIGTERM sent to supervisor {supervisor.pid}; waiting up to {limit:.0f} s")

@@ -26,6 +26,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,28 +37,67 @@ from launcher.procs import boot_id, container_identity, find_live, identity, sel
 from launcher.run.config import RunConfig, llamafactory_args
 from launcher.run.job import Job, NodeSpec, job_command
 from launcher.run.lock import RunLock
+from launcher.run.restart import not_retried_why, retry_cause
 from launcher.run.rootcause import describe_rank_failure, looks_like_oom, rank_failure, root_cause
 from launcher.run.rundir import RunDir, make_run_dir, write_run_files
 from launcher.run.setup import Prepared, check_earlier_runs, prepare
+from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.reconcile import reconcile
 from launcher.state.record import RunStore, now_iso
-from launcher.state.states import RunState, end_state
+from launcher.state.runs import SAVE_DONE, SAVE_READY, SAVE_REQUEST
+from launcher.state.states import RunState, end_state, run_exit_code
 from launcher.state.trainer_log import TrainerLogFollower
 
 if TYPE_CHECKING:
     from launcher.run.resume import ResumePlan
 
 STOP_REQUEST = "stop_request.json"
+SAVE_KILL_GRACE_S = 10.0  # after a save on stop that did not end the job in time: SIGTERM, then SIGKILL
 
 
-def request_stop(run_dir: Path, grace_s: float | None, by: str) -> None:
-    """Leave a stop request for the run's supervisor (read when it receives SIGTERM)."""
-    write_json_atomic(run_dir / STOP_REQUEST, {"time": now_iso(), "grace_s": grace_s, "by": by})
+def request_stop(run_dir: Path, grace_s: float | None, by: str, now: bool = False) -> None:
+    """Leave a stop request for the run's supervisor (read when it receives SIGTERM). ``now`` skips the save."""
+    write_json_atomic(run_dir / STOP_REQUEST, {"time": now_iso(), "grace_s": grace_s, "by": by, "now": now})
 
 
 def _read_stop_request(run_dir: Path) -> dict[str, Any] | None:
     request = read_json_object(run_dir / STOP_REQUEST)
     return request if isinstance(request, dict) else None
+
+
+def _say(text: str, err: bool = False) -> None:
+    """Print for the person watching; a closed terminal or pipe (EIO, EPIPE) never ends the supervisor.
+    A stream that failed is pointed at /dev/null, so that the interpreter's last flush cannot fail again."""
+    stream = sys.stderr if err else sys.stdout
+    try:
+        print(text, file=stream, flush=True)
+    except (OSError, ValueError):
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
+
+
+def _sender(signum: int, request: dict[str, Any] | None) -> str:
+    """Who sent the stop signal, as far as the supervisor can tell."""
+    if request:
+        return str(request.get("by") or "launcher stop")
+    return {
+        signal.SIGHUP: "the terminal closed (SIGHUP)",
+        signal.SIGINT: "Ctrl-C in the terminal (SIGINT)",
+    }.get(signum, f"{signal.Signals(signum).name} from outside the launcher (docker stop, docker compose stop, kill)")
+
+
+@dataclass
+class Ending:
+    """How one attempt's job ended, before anything is recorded."""
+
+    code: int
+    stopped_by: int | None  # the stop signal the supervisor received
+    why: str | None = None  # the supervisor stopped the job itself: "stall" or "record"
+    saved: dict[str, Any] | None = None  # the checkpoint saved on the stop: {step, path}
 
 
 @dataclass
@@ -74,35 +114,62 @@ class Supervisor:
     _job_since: float = 0.0
     _log_start: int = 0
     _known: dict[tuple[int, float], dict[str, Any]] = field(default_factory=dict)
+    _restarts: int = 0
+    _last_step: int | None = None
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         if self._stop_signal is None:
             self._stop_signal = signum
 
+    @property
+    def _launcher(self):
+        return self.prepared.config.launcher
+
     def run(self) -> int:
-        launcher = self.prepared.config.launcher
+        handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        previous = {s: signal.signal(s, self._on_signal) for s in handled}
+        try:
+            while True:
+                ending = self._run_attempt()
+                state, fields, cause = self._conclude(ending)
+                policy = self._launcher.restart
+                if cause and policy is not None and self._restarts < policy.max_restarts:
+                    if self._restart(state, fields, cause, policy.backoff_s):
+                        continue
+                    return self._record_stop_while_pending()
+                if cause and policy is not None:
+                    fields["reason"] += (f"\nnot restarted: {self._restarts} restart(s) done, "
+                                         f"launcher.restart.max_restarts is {policy.max_restarts}")  # fmt: skip
+                elif policy is not None and state is not RunState.SUCCEEDED:
+                    stopped = ending.stopped_by is not None
+                    self.store.event("not_restarted", attempt=self.attempt, state=state.value,
+                                     why=not_retried_why(state, stopped))  # fmt: skip
+                return self._record_end(state, fields)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _run_attempt(self) -> Ending:
+        launcher = self._launcher
         node = NodeSpec.from_env(launcher.nnodes, launcher.node_rank, launcher.master_addr, launcher.master_port)
         cmd = job_command(launcher.distribution, launcher.nproc_per_node, self.run_dir.path, node,
                           entry=launcher.entry)  # fmt: skip
         self.node_rank = node.node_rank
-        handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-        previous = {s: signal.signal(s, self._on_signal) for s in handled}
-        try:
-            self._job_since = time.time()
-            self._log_start = self.run_dir.log.stat().st_size if self.run_dir.log.exists() else 0
-            job = Job(cmd, child_env(self.prepared.backend), self.run_dir.log, echo=self.echo)
-            self._remember(job.pid)
-            self.store.transition(RunState.RUNNING, event=None, job_pid=job.pid, command=cmd, started=now_iso(),
-                                  node={"nnodes": node.nnodes, "node_rank": node.node_rank,
-                                        "master_addr": node.master_addr},
-                                  processes=list(self._known.values()))  # fmt: skip
-            self.store.event("started", pid=job.pid, command=cmd, attempt=self.attempt)
-            code, stopped_by = self._watch(job)
-            job.finish()
-            return self._record_end(code, stopped_by)
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+        for name in (SAVE_REQUEST, SAVE_READY, SAVE_DONE):  # left by an earlier attempt
+            (self.run_dir.path / name).unlink(missing_ok=True)
+        self._known = {}
+        self._job_since = time.time()
+        self._log_start = self.run_dir.log.stat().st_size if self.run_dir.log.exists() else 0
+        job = Job(cmd, child_env(self.prepared.backend), self.run_dir.log, echo=self.echo)
+        self._remember(job.pid)
+        self.store.transition(RunState.RUNNING, event=None, job_pid=job.pid, command=cmd, started=now_iso(),
+                              node={"nnodes": node.nnodes, "node_rank": node.node_rank,
+                                    "master_addr": node.master_addr},
+                              processes=list(self._known.values()))  # fmt: skip
+        self.store.event("started", pid=job.pid, command=cmd, attempt=self.attempt)
+        ending = self._watch(job)
+        job.finish()
+        return ending
 
     def _remember(self, root_pid: int) -> list:
         live = tree(root_pid)
@@ -114,17 +181,28 @@ class Supervisor:
             self._known.setdefault((ident["pid"], ident["create_time"]), ident)
         return live
 
-    def _watch(self, job: Job) -> tuple[int, int | None]:
+    def _watch(self, job: Job) -> Ending:
+        launcher = self._launcher
         follower = TrainerLogFollower(self.run_dir.trainer_log)
-        stall_s = self.prepared.config.launcher.stall_minutes * 60
+        follower.poll()  # what earlier attempts logged: this attempt's pace (ETA) starts at its own first step
+        for key in ("first_step", "training_done"):
+            follower.summary.pop(key, None)
+        stall_s = launcher.stall_minutes * 60
         last_progress = time.monotonic()
         last_beat = 0.0
-        stopped_by = None
+        stopped_by, why = None, None
+        save_deadline: float | None = None
         while (code := job.poll()) is None:
-            if self._stop_signal is not None and stopped_by is None:
+            if stopped_by is None and self._stop_signal is not None:
                 stopped_by = self._stop_signal
-                self._stop_job(job)
-                continue
+                save_deadline = self._begin_stop(job, f"received {signal.Signals(stopped_by).name}")
+            elif stopped_by is None and why is None and self._record_failing_too_long():
+                why = "record"
+                save_deadline = self._begin_stop(job, "the run record cannot be written", save=False)
+            if save_deadline is not None and time.monotonic() > save_deadline:
+                save_deadline = None
+                self.store.event("save_timeout", attempt=self.attempt)
+                self._kill_job(job, SAVE_KILL_GRACE_S)
             before = len(self._known)
             self._remember(job.pid)
             changed = len(self._known) != before
@@ -139,6 +217,12 @@ class Supervisor:
                 new_state = RunState.STALLED
             elif state is RunState.STALLED:
                 new_state = RunState.RUNNING
+            if new_state is RunState.STALLED and state is not RunState.STALLED and launcher.stall_action != "warn" \
+                    and stopped_by is None and why is None:  # fmt: skip
+                why = "stall"
+                self.store.event("stall_action", action=launcher.stall_action, minutes=launcher.stall_minutes,
+                                 step=follower.summary.get("step"))  # fmt: skip
+                save_deadline = self._begin_stop(job, f"no progress for {launcher.stall_minutes:g} min")
             if changed or new_state is not state or time.monotonic() - last_beat > 10:
                 share_readable(self.run_dir.output)  # checkpoints a host user can read (see files.share_readable)
                 self.store.transition(new_state, heartbeat=now_iso(), progress=dict(follower.summary),
@@ -149,15 +233,53 @@ class Supervisor:
         follower.close()
         share_readable(self.run_dir.output)
         self.store.record.progress = dict(follower.summary)
-        return code, stopped_by
+        self._last_step = follower.summary.get("step")
+        saved = read_json_object(self.run_dir.path / SAVE_DONE)
+        return Ending(code, stopped_by, why, saved if isinstance(saved, dict) else None)
 
-    def _stop_job(self, job: Job) -> None:
-        grace = self.prepared.config.launcher.stop_grace_s
-        request = _read_stop_request(self.run_dir.path)
+    def _record_failing_too_long(self) -> bool:
+        failing = self.store.failing
+        if failing is None:
+            return False
+        try:
+            since = datetime.fromisoformat(failing["since"])
+        except (KeyError, ValueError):
+            return False
+        return (datetime.now(UTC) - since).total_seconds() > self._launcher.record_write_stop_s
+
+    def _begin_stop(self, job: Job, what: str, save: bool = True) -> float | None:
+        """Stop the job: ask it to save a checkpoint and exit (when it can), else SIGTERM and SIGKILL.
+        Returns the time by which a save must have ended the job, or None when it was stopped at once."""
+        grace = self._launcher.stop_grace_s
+        request = _read_stop_request(self.run_dir.path) if self._stop_signal is not None else None
         if request and request.get("grace_s") is not None:
             grace = float(request["grace_s"])
-        self.store.event("stopping", signal=self._stop_signal, grace_s=grace,
+        save = save and not (request or {}).get("now") and self._job_can_save()
+        if save:
+            try:
+                write_json_atomic(self.run_dir.path / SAVE_REQUEST, {"time": now_iso(), "why": what})
+            except OSError as err:
+                _say(f"warning: cannot ask the job to save ({err}); stopping it without a save", err=True)
+                save = False
+        self.store.event("stopping", signal=self._stop_signal, grace_s=grace, why=what, save=save,
                          requested_by=request.get("by") if request else None)  # fmt: skip
+        if save:
+            _say(f"stopping: the job saves a checkpoint at the next step and exits (up to {grace:g} s)", err=True)
+            return time.monotonic() + grace
+        self._kill_job(job, grace)
+        return None
+
+    def _job_can_save(self) -> bool:
+        """The job said it honours a save request (local rank 0 wrote SAVE_READY in this attempt), and it
+        has optimizer steps left to stop at."""
+        if self.store.state is RunState.FINISHING:
+            return False
+        try:
+            return (self.run_dir.path / SAVE_READY).stat().st_mtime >= self._job_since - 1
+        except OSError:
+            return False
+
+    def _kill_job(self, job: Job, grace: float) -> None:
         procs = self._remember(job.pid)
         procs += [p for p in (find_live(r) for r in self._known.values()) if p is not None and p not in procs]
         killed = terminate(procs, grace_s=grace)
@@ -168,7 +290,9 @@ class Supervisor:
         if killed:
             self.store.event("killed_after_grace", pids=killed, grace_s=grace)
 
-    def _record_end(self, code: int, stopped_by: int | None) -> int:
+    def _conclude(self, ending: Ending) -> tuple[RunState, dict[str, Any], str | None]:
+        """The attempt's end state and record fields, and the retryable cause if there is one."""
+        code, stopped_by = ending.code, ending.stopped_by
         # Ranks run in their own sessions: if torchrun died first they may linger. None may survive.
         leftovers = [p for p in (find_live(r) for r in self._known.values()) if p is not None]
         leftover_pids = [p.pid for p in leftovers]
@@ -176,20 +300,27 @@ class Supervisor:
             terminate(leftovers, grace_s=10)
         exit_code, sig = (None, -code) if code < 0 else (code, None)
         fields: dict[str, Any] = {"exit_code": exit_code, "signal": sig, "attempt": self.attempt,
-                                  "leftover_pids_stopped": leftover_pids}  # fmt: skip
+                                  "leftover_pids_stopped": leftover_pids, "stopped_by": None,
+                                  "saved_checkpoint": None}  # fmt: skip
         request = _read_stop_request(self.run_dir.path) if stopped_by is not None else None
         accepted: bool | None = None
         cause = None
+        saved = self._saved_checkpoint(ending.saved)
+        if saved:
+            fields["saved_checkpoint"] = saved
         if stopped_by is not None:
             fields["stop_signal"] = stopped_by
+            fields["stopped_by"] = _sender(stopped_by, request)
             fields["reason"] = (
                 f"stopped by `launcher stop` ({request.get('by')})"
                 if request
-                else f"received {signal.Signals(stopped_by).name}; the job was stopped gracefully"
+                else f"received {signal.Signals(stopped_by).name} ({fields['stopped_by']}); the job was stopped"
             )
+            fields["reason"] += (f"; checkpoint {saved['path']} saved at step {saved['step']}" if saved
+                                 else "; no checkpoint saved on the stop")  # fmt: skip
         elif code == 0 and self.node_rank > 0:  # node 0 saves the adapter and runs the acceptance checks
             fields["acceptance"] = {"checked": False, "reason": f"node {self.node_rank}: acceptance runs on node 0"}
-        elif code == 0:
+        elif code == 0 and ending.why is None:
             accepted, fields["acceptance"] = self._accept()
             if not accepted:  # one cause and one fix, for `launcher status`
                 fields["reason"] = fields["acceptance"].get("advice") or "the acceptance checklist failed"
@@ -204,18 +335,94 @@ class Supervisor:
                 what += f"; first failure: {describe_rank_failure(failed)}"
             if leftover_pids:
                 what += f"; {len(leftover_pids)} leftover process(es) {leftover_pids} were stopped"
+            if ending.why == "stall":
+                what = (f"hang watchdog: no progress for {self._launcher.stall_minutes:g} min with live processes "
+                        f"(stall_action: {self._launcher.stall_action}); the job was stopped: {what}")  # fmt: skip
+                what += f"; checkpoint {saved['path']} saved at step {saved['step']}" if saved else ""
+            elif ending.why == "record":
+                failing = self.store.failing or {}
+                what = (f"the run record could not be written for {self._launcher.record_write_stop_s:g} s "
+                        f"({failing.get('error')}); the job was stopped (free space under {self.run_dir.path} "
+                        f"and `launcher resume {self.run_dir.run_id}`): {what}")  # fmt: skip
             fields["reason"] = f"{what}\n{cause}" if cause else what
         stop = None if stopped_by is None else ("user" if request else "external")
         state = end_state(exit_code=exit_code, signal=sig, stop=stop, accepted=accepted,
                           out_of_memory=looks_like_oom(cause))  # fmt: skip
-        self.store.record_end(state, **fields, processes=[])
-        print(f"run {self.run_dir.run_id} ended {state.value} "
-              f"({'exit code ' + str(exit_code) if sig is None else 'signal ' + str(sig)})\n"
-              f"  adapter:     {self.run_dir.output}\n  trainer log: {self.run_dir.trainer_log}",
-              flush=True)  # fmt: skip
-        if stopped_by is not None:  # stopped from outside: never exit 0 whatever torchrun said (128+N, as a shell)
-            return 128 + stopped_by
-        return 128 + sig if sig is not None else int(exit_code)
+        if ending.why is not None and state is RunState.SUCCEEDED:  # stopped by the watchdog, yet exited 0
+            state = RunState.FAILED
+        retry = retry_cause(state, signal=sig, failed_rank=fields.get("failed_rank"), reason=fields.get("reason"),
+                            stopped=stopped_by is not None or ending.why == "record",
+                            stalled=ending.why == "stall" and self._launcher.stall_action == "restart")  # fmt: skip
+        fields["run_exit_code"] = run_exit_code(state, exit_code=exit_code, signal=sig, stop_signal=stopped_by)
+        return state, fields, retry
+
+    def _saved_checkpoint(self, saved: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The checkpoint the job reported saving on the stop, if it is complete on disk."""
+        if not saved:
+            return None
+        last = last_complete_checkpoint(self.run_dir.output)
+        if last is None or last.step != saved.get("step"):
+            return None
+        return {"step": last.step, "path": last.relative_to(self.run_dir.path),
+                "optimizer_state": last.optimizer_state}  # fmt: skip
+
+    def _restart(self, state: RunState, fields: dict[str, Any], cause: str, backoff_s: float) -> bool:
+        """Record this attempt's failure and start over from the last complete checkpoint as the next attempt,
+        after ``backoff_s``; False when a stop arrived meanwhile (the run is then PENDING)."""
+        config, backend = self.prepared.config, self.prepared.backend
+        checkpoint = last_complete_checkpoint(self.run_dir.output)
+        resumed_step = checkpoint.step if checkpoint else 0
+        lost = max(0, (self._last_step or 0) - resumed_step)
+        entry = {"attempt": self.attempt, "state": state.value, "cause": cause, "exit_code": fields["exit_code"],
+                 "signal": fields["signal"], "failed_rank": fields.get("failed_rank"), "ended": now_iso(),
+                 "last_step": self._last_step, "resumed_step": resumed_step, "steps_lost": lost,
+                 "reason": fields.get("reason")}  # fmt: skip
+        self._restarts += 1
+        self.attempt += 1
+        lf_args = llamafactory_args(config, backend.name, self.run_dir.output)
+        if checkpoint is not None:
+            lf_args["resume_from_checkpoint"] = str(checkpoint.path)
+        self.store.transition(
+            RunState.PENDING, event=None, attempt=self.attempt, attempts=[*self.store.record.attempts, entry],
+            exit_code=None, signal=None, stop_signal=None, reason=None, failed_rank=None, processes=[],
+            job_pid=None, leftover_pids_stopped=[], saved_checkpoint=None, stopped_by=None, run_exit_code=None,
+            resumed_from=checkpoint.relative_to(self.run_dir.path) if checkpoint else None,
+            resume_mode=None if checkpoint is None else ("exact" if checkpoint.optimizer_state else "adapter-only"),
+        )  # fmt: skip
+        self.store.event("restarting", **entry, next_attempt=self.attempt, backoff_s=backoff_s,
+                         checkpoint=checkpoint.relative_to(self.run_dir.path) if checkpoint else None)  # fmt: skip
+        _say(f"attempt {self.attempt - 1} failed ({cause}); restarting as attempt {self.attempt} from "
+             f"{'step ' + str(resumed_step) if checkpoint else 'the start'} in {backoff_s:g} s "
+             f"({lost} step(s) lost)", err=True)  # fmt: skip
+        write_run_files(config, backend, self.run_dir, lf_args, attempt=self.attempt)
+        deadline = time.monotonic() + backoff_s
+        while time.monotonic() < deadline and self._stop_signal is None:
+            time.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
+        return self._stop_signal is None
+
+    def _record_stop_while_pending(self) -> int:
+        sig = self._stop_signal or signal.SIGTERM
+        request = _read_stop_request(self.run_dir.path)
+        state = RunState.CANCELLED if request else RunState.TERMINATED
+        by = _sender(sig, request)
+        fields = {"stop_signal": sig, "stopped_by": by, "attempt": self.attempt,
+                  "reason": f"stopped by {by} while waiting to restart; no job was running",
+                  "run_exit_code": run_exit_code(state, stop_signal=sig)}  # fmt: skip
+        return self._record_end(state, fields)
+
+    def _record_end(self, state: RunState, fields: dict[str, Any]) -> int:
+        if not self.store.record_end(state, **fields, processes=[]):
+            _say(
+                f"warning: the end of run {self.run_dir.run_id} ({state.value}) is not on disk yet "
+                f"({(self.store.failing or {}).get('error')}); retrying until it is, the lock stays held",
+                err=True,
+            )
+            self.store.land()
+        exit_code, sig = fields.get("exit_code"), fields.get("signal")
+        _say(f"run {self.run_dir.run_id} ended {state.value} "
+             f"({'exit code ' + str(exit_code) if sig is None else 'signal ' + str(sig)})\n"
+             f"  adapter:     {self.run_dir.output}\n  trainer log: {self.run_dir.trainer_log}")  # fmt: skip
+        return int(fields["run_exit_code"])
 
     def _accept(self) -> tuple[bool, dict[str, Any]]:
         """Run the acceptance checklist on a job that exited 0."""
@@ -253,13 +460,14 @@ def _open_run(prepared: Prepared, lock: RunLock, resume: ResumePlan | None) -> t
         RunState.PENDING, event=None, smoke=config.launcher.smoke, backend=backend.name, attempt=attempt,
         supervisor=self_identity(), boot_id=boot_id(), container=container_identity(), run_dir=str(run_dir.path),
         exit_code=None, signal=None, stop_signal=None, reason=None, ended=None, failed_rank=None,
-        acceptance=None, leftover_pids_stopped=[],
+        acceptance=None, leftover_pids_stopped=[], stopped_by=None, run_exit_code=None, saved_checkpoint=None,
         resumed_from=str(resume.checkpoint.relative_to(run_dir.path)) if resume else None,
         resume_mode=resume.mode if resume else None,
     )  # fmt: skip
     store.event("created" if resume is None else "resumed", config=str(config.source), attempt=attempt,
                 checkpoint=str(resume.checkpoint) if resume else None)  # fmt: skip
     write_run_files(config, backend, run_dir, lf_args, attempt=attempt)
+    store.reserve()  # room for the end record should the disk fill up during the run
     return run_dir, store, attempt
 
 
@@ -278,8 +486,9 @@ def _preflight(prepared: Prepared, run_dir: Path, store: RunStore) -> bool:
     if report.ok:
         return True
     reason = f"preflight failed: {', '.join(report.failed)} (table in {run_dir / PREFLIGHT_FILE})"
-    store.record_end(RunState.FAILED_SETUP, reason=reason)
-    print(f"error: {reason}", file=sys.stderr, flush=True)
+    if not store.record_end(RunState.FAILED_SETUP, reason=reason, run_exit_code=run_exit_code(RunState.FAILED_SETUP)):
+        store.land()
+    _say(f"error: {reason}", err=True)
     return False
 
 
@@ -335,7 +544,10 @@ def supervise(config: RunConfig, *, echo: bool = True, handshake: Handshake | No
     except BaseException as err:  # record any supervisor failure before giving up the lock
         if not store.record.terminal:
             state = RunState.FAILED_SETUP if store.state is RunState.PENDING else RunState.FAILED
-            store.record_end(state, reason=f"supervisor error: {type(err).__name__}: {err}")
+            store.record_end(state, reason=f"supervisor error: {type(err).__name__}: {err}",
+                             run_exit_code=run_exit_code(state, exit_code=1))  # fmt: skip
+        if not store.landed:  # the end must be on disk before the lock is given up
+            store.land()
         raise
     finally:
         lock.release()

@@ -2,15 +2,26 @@
 
 ``RunStore`` is the only writer of both. It checks every state change against ``states.TRANSITIONS``,
 and ``record_end`` writes the terminal status first and the ``ended`` event second, so that a reader
-who sees the event always finds the end state. Paths in the record are relative to the run directory
+who sees the event always finds the end state.
+
+A write the disk refuses (ENOSPC, EIO, a read-only remount) never raises out of ``RunStore``: the last
+good ``status.json`` stays, the new record and the events not yet written are kept in memory, in order,
+and go out with the next write that succeeds; the failure is reported on stderr at once and recorded in
+``record_write_failures`` once a write lands again. ``reserve`` keeps a small file of real bytes in the
+run directory, given back when the disk is full, so that the end record fits even on a disk that stays
+full. Paths in the record are relative to the run directory
 (``output/trainer_log.jsonl``); readers resolve them against the folder they found the record in, so a
 run written inside a container under another mount point reads the same on the host.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import socket
+import sys
+import time
 from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,6 +33,8 @@ from launcher.state.states import TERMINAL, RunState, check_transition
 
 STATUS_FILE = "status.json"
 EVENTS_FILE = "events.jsonl"
+RESERVE_FILE = ".record-reserve"  # space kept for the end record (see RunStore.reserve)
+RESERVE_BYTES = 256 << 10
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)  # schema 1 had the same keys, with absolute paths
 
@@ -73,6 +86,12 @@ class RunRecord:
     failed_rank: dict[str, Any] | None = None
     leftover_pids_stopped: list[int] = field(default_factory=list)
     acceptance: dict[str, Any] | None = None
+    # record writes the disk refused: {since, until, failed_writes, error}, one per outage
+    record_write_failures: list[dict[str, Any]] = field(default_factory=list)
+    stopped_by: str | None = None  # who sent the stop signal of a CANCELLED/TERMINATED run
+    run_exit_code: int | None = None  # what `launcher run` returned for this attempt (states.EXIT_CODES)
+    saved_checkpoint: dict[str, Any] | None = None  # {step, path} saved on a stop (save on stop)
+    attempts: list[dict[str, Any]] = field(default_factory=list)  # earlier attempts: state, cause, steps lost
 
     @property
     def terminal(self) -> bool:
@@ -139,12 +158,27 @@ def append_event(run_dir: Path, kind: str, **values: Any) -> dict[str, Any]:
     return event
 
 
+def _report(message: str) -> None:
+    """A line on stderr (the terminal, or supervisor.log); a stderr that cannot be written is ignored."""
+    try:
+        print(message, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
 class RunStore:
-    """The owner of one run's ``status.json`` and ``events.jsonl``; the only code that writes them."""
+    """The owner of one run's ``status.json`` and ``events.jsonl``; the only code that writes them.
+
+    Writes that fail are kept and retried (see the module docstring); ``landed`` says whether what the
+    store holds is all on disk.
+    """
 
     def __init__(self, run_dir: Path, record: RunRecord):
         self.run_dir = run_dir
         self.record = record
+        self._dirty = False  # the record has changes status.json does not hold yet
+        self._pending: list[dict[str, Any]] = []  # events not yet appended, oldest first
+        self._failing: dict[str, Any] | None = None  # the outage going on, also in record_write_failures
 
     @classmethod
     def create(cls, run_dir: Path, run_id: str) -> RunStore:
@@ -164,8 +198,19 @@ class RunStore:
     def path(self) -> Path:
         return self.run_dir / STATUS_FILE
 
-    def save(self, **values: Any) -> None:
-        """Update fields other than the state and write the whole record atomically."""
+    @property
+    def landed(self) -> bool:
+        """Everything recorded so far is on disk."""
+        return not self._dirty and not self._pending
+
+    @property
+    def failing(self) -> dict[str, Any] | None:
+        """The write failure going on (since, failed_writes, error), or None."""
+        return self._failing
+
+    def save(self, **values: Any) -> bool:
+        """Update fields other than the state and write the whole record atomically; False when the disk
+        refused (the record is kept and goes out with the next write that succeeds)."""
         if "state" in values:
             raise TypeError("change the state with transition() or record_end()")
         for key, value in values.items():
@@ -173,24 +218,108 @@ class RunStore:
                 raise AttributeError(f"RunRecord has no field {key!r}")
             setattr(self.record, key, value)
         self.record.updated = now_iso()
-        write_json_atomic(self.path, self.record.to_dict())
+        self._dirty = True
+        return self.flush()
 
-    def transition(self, state: RunState, *, event: str | None = "state", **values: Any) -> None:
+    def transition(self, state: RunState, *, event: str | None = "state", **values: Any) -> bool:
         """Move to ``state`` (checked against the table), write the record, then the event."""
         previous = self.record.state
         check_transition(previous, state)
         self.record.state = state
-        self.save(**values)
+        landed = self.save(**values)
         if event and state is not previous:
             self.event(event, state=state.value, previous=previous.value)
+        return landed and self.landed
 
-    def record_end(self, state: RunState, **values: Any) -> None:
-        """Record a terminal state: status first, then the ``ended`` event with the same facts."""
+    def record_end(self, state: RunState, **values: Any) -> bool:
+        """Record a terminal state: status first, then the ``ended`` event with the same facts.
+
+        On a full disk the reserve is given back and the write tried once more. Returns whether it all
+        landed; if not, call ``land`` before giving up the run (the lock).
+        """
         if state not in TERMINAL:
             raise ValueError(f"{state.value} is not a terminal state")
         values.setdefault("ended", now_iso())
         self.transition(state, event=None, **values)
         self.event("ended", state=state.value, **{k: v for k, v in values.items() if k != "acceptance"})
+        if not self.landed and self.release_reserve():
+            self.flush()
+        if self.landed:
+            self.release_reserve()
+        return self.landed
 
     def event(self, kind: str, **values: Any) -> dict[str, Any]:
-        return append_event(self.run_dir, kind, **values)
+        """Append an event (after the record it follows: held back while status.json is behind)."""
+        event = {"time": now_iso(), "event": kind, **values}
+        self._pending.append(event)
+        if not self._dirty:
+            self.flush()
+        return event
+
+    def flush(self) -> bool:
+        """Write what is not on disk yet: the record, then the events. False when the disk refused."""
+        try:
+            if self._dirty:
+                write_json_atomic(self.path, self.record.to_dict())
+                self._dirty = False
+                if self._failing is not None:  # the disk takes writes again: close the outage, in the record too
+                    self._recovered()
+                    write_json_atomic(self.path, self.record.to_dict())
+            while self._pending:
+                append_line(self.run_dir / EVENTS_FILE, json.dumps(self._pending[0], default=str))
+                self._pending.pop(0)
+        except OSError as err:
+            self._failed(err)
+            return False
+        return True
+
+    def land(self, every_s: float = 2.0, report_every_s: float = 60.0) -> None:
+        """Retry until everything is on disk (the end record must land before the lock is released)."""
+        last_report = time.monotonic()
+        while not self.flush():
+            if time.monotonic() - last_report > report_every_s:
+                _report(f"warning: still cannot write {self.path} ({self._failing['error']}); the run's end "
+                        f"is kept in memory and retried every {every_s:.0f} s: free space on that disk")  # fmt: skip
+                last_report = time.monotonic()
+            time.sleep(every_s)
+
+    def _failed(self, err: OSError) -> None:
+        what = f"{errno.errorcode.get(err.errno or 0, 'error')}: {err.strerror or err}"
+        if self._failing is None:
+            self._failing = {"since": now_iso(), "until": None, "failed_writes": 0, "error": what}
+            self.record.record_write_failures = [*self.record.record_write_failures, self._failing]
+            self._dirty = True  # the outage itself goes into the next record that lands
+            _report(f"warning: cannot write the run record in {self.run_dir} ({what}); keeping the last good "
+                    f"{STATUS_FILE} and retrying. Free space (or remount read-write) there.")  # fmt: skip
+        self._failing["failed_writes"] += 1
+        self._failing["error"] = what
+
+    def _recovered(self) -> None:
+        failing, self._failing = self._failing, None
+        assert failing is not None
+        failing["until"] = now_iso()
+        _report(f"note: the run record in {self.run_dir} is written again ({failing['failed_writes']} write(s) "
+                f"failed since {failing['since']}: {failing['error']})")  # fmt: skip
+        # its event goes before a pending `ended`, which stays the last event of the run
+        at = next((i for i, e in enumerate(self._pending) if e["event"] == "ended"), len(self._pending))
+        self._pending.insert(at, {"time": now_iso(), "event": "record_write_failed", **failing})
+
+    def reserve(self, size: int = RESERVE_BYTES) -> None:
+        """Keep ``size`` bytes of real data in the run directory, given back for the end record on a full
+        disk. Best effort: on a disk already full there is nothing to keep."""
+        path = self.run_dir / RESERVE_FILE
+        try:
+            with open(path, "wb") as f:
+                f.write(b"\0" * size)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:
+            path.unlink(missing_ok=True)
+
+    def release_reserve(self) -> bool:
+        """Delete the reserve file; True if there was one."""
+        try:
+            (self.run_dir / RESERVE_FILE).unlink()
+        except OSError:
+            return False
+        return True

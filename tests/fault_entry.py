@@ -1,0 +1,43 @@
+"""A training entry for the fault tests: the real ``launcher.entry`` plus a fault injected by a callback.
+
+    FAULT_SPEC='{"kill_at_step": 4, "attempt": 1, "rank": 0, "signal": 9}' python -m tests.fault_entry RUN_DIR
+
+A run config selects it with ``launcher.entry: tests.fault_entry``. The rank named by ``rank`` sends itself
+``signal`` at the end of optimizer step ``kill_at_step`` during attempt ``attempt`` (RUN_DIR/launch.json),
+as the kernel's OOM killer or a node failure would end it; every other rank and attempt trains normally.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from launcher import entry
+
+SPEC_ENV = "FAULT_SPEC"
+
+
+class KillAtStep(TrainerCallback):
+    def __init__(self, spec: dict):
+        self.spec = spec
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == int(self.spec["kill_at_step"]):
+            os.kill(os.getpid(), int(self.spec.get("signal", 9)))
+        return control
+
+
+def main() -> int:
+    run_dir = Path(sys.argv[1]).resolve()
+    spec = json.loads(os.environ.get(SPEC_ENV) or "{}")
+    attempt = json.loads((run_dir / "launch.json").read_text()).get("attempt", 1)
+    chosen = attempt == int(spec.get("attempt", 1)) and os.environ.get("RANK", "0") == str(spec.get("rank", 0))
+    return entry.main(sys.argv[1:], callbacks=(KillAtStep(spec),) if chosen and spec else ())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,356 @@
+"""Faults during a run lose nothing: a full disk, a closed pipe or terminal, exit codes, a damaged record.
+
+The disk is a real tmpfs in a private mount namespace (``unshare -m``, root): the whole ``launcher run``
+lives in that namespace, and the test fills and frees the disk through ``/proc/PID/root``, the namespace
+as the supervisor sees it. When the launcher ends, the namespace copies the run folder out to the test's
+own folder (the tmpfs goes with the namespace).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.state.states import EXIT_CODE_TABLE, EXIT_CODES, TERMINAL, RunState, run_exit_code
+from tests.conftest import REPO
+from tests.fake_runs import PREFLIGHT_SKIP, alive, fake_config, kill_all, launcher, processes_naming, wait_for
+
+PROBE = r"""
+import json, os, sys
+from pathlib import Path
+from launcher.state.record import RunStore
+from launcher.state.states import RunState
+
+root, free = Path(sys.argv[1]), sys.argv[2] == "free"
+run_dir = root / "run"
+run_dir.mkdir()
+store = RunStore.create(run_dir, "run")
+store.transition(RunState.RUNNING, progress={"step": 1})
+store.reserve()
+fd = os.open(root / "filler", os.O_WRONLY | os.O_CREAT)
+for chunk in (1 << 16, 4096, 512, 1):  # to the last byte
+    try:
+        while True:
+            os.write(fd, b"x" * chunk)
+    except OSError:
+        pass
+os.close(fd)
+seen = {"good": (run_dir / "status.json").read_text()}
+seen["saved"] = store.save(progress={"step": 2})
+seen["after_failed_save"] = (run_dir / "status.json").read_text()
+store.event("during_outage", step=2)
+seen["events_while_full"] = (run_dir / "events.jsonl").read_text()
+if free:
+    (root / "filler").unlink()
+    seen["saved_again"] = store.save(progress={"step": 3})
+seen["end_landed"] = store.record_end(RunState.FAILED, reason="test end")
+seen["final"] = json.loads((run_dir / "status.json").read_text())
+seen["events"] = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+seen["reserve_left"] = (run_dir / ".record-reserve").exists()
+print(json.dumps(seen))
+"""
+
+
+def _can_mount_tmpfs() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
+                           capture_output=True)  # fmt: skip
+    return probe.returncode == 0
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers(tmp_path):
+    """Whatever a test leaves running under its folder is killed afterwards."""
+    yield
+    kill_all(processes_naming(str(tmp_path)))
+
+
+needs_tmpfs = pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs root: unshare -m and mount -t tmpfs")
+
+
+def tmpfs_command(mount: Path, size_mb: int, argv: list[str], copy_to: Path | None = None) -> list[str]:
+    """``argv`` in a private mount namespace with a fresh ``size_mb`` tmpfs on ``mount``; the exit code is
+    argv's; ``copy_to`` gets a copy of the tmpfs once argv ended."""
+    copy = f' cp -a "{mount}/." "{copy_to}/";' if copy_to else ""
+    script = f'mount -t tmpfs -o size={size_mb}m tmpfs "{mount}" || exit 90; "$@"; rc=$?;{copy} exit $rc'
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *argv]
+
+
+# --- the record on a full disk (RunStore alone, fast) ------------------------------------------------------
+
+
+@needs_tmpfs
+@pytest.mark.parametrize("free", [True, False], ids=["space-freed", "disk-stays-full"])
+def test_a_record_write_on_a_full_disk_keeps_the_last_good_record_and_the_end_lands(tmp_path, free):
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    cmd = tmpfs_command(mount, 1, [sys.executable, "-c", PROBE, str(mount), "free" if free else "full"])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen = json.loads(proc.stdout)
+    assert seen["saved"] is False  # refused, not raised
+    assert seen["after_failed_save"] == seen["good"]  # the last good record stays, whole
+    assert json.loads(seen["after_failed_save"])["progress"] == {"step": 1}
+    assert "during_outage" not in seen["events_while_full"]  # held back, not half-written
+    assert "cannot write the run record" in proc.stderr and "ENOSPC" in proc.stderr  # reported at once
+    if free:
+        assert seen["saved_again"] is True
+    assert seen["end_landed"] is True  # on a full disk thanks to the reserve given back
+    final = seen["final"]
+    assert final["state"] == "FAILED" and final["reason"] == "test end"
+    outage = final["record_write_failures"]
+    assert len(outage) == 1 and outage[0]["until"] is not None and outage[0]["failed_writes"] >= 1
+    assert "ENOSPC" in outage[0]["error"]
+    kinds = [e["event"] for e in seen["events"]]
+    assert kinds[-1] == "ended" and "during_outage" in kinds and "record_write_failed" in kinds
+    assert kinds.index("during_outage") < kinds.index("ended")
+    assert not seen["reserve_left"]
+
+
+# --- exit codes -----------------------------------------------------------------------------------------------
+
+
+def test_every_terminal_state_has_an_exit_code_and_only_success_is_zero():
+    assert set(EXIT_CODES) == set(TERMINAL)
+    for state in TERMINAL:
+        for job in ({"exit_code": 1}, {"exit_code": None, "signal": 9}, {"exit_code": 0}):
+            code = run_exit_code(state, **job, stop_signal=15 if state.value in ("CANCELLED", "TERMINATED") else None)
+            assert (code == 0) == (state is RunState.SUCCEEDED), (state, job, code)
+    assert run_exit_code(RunState.CANCELLED, exit_code=1, stop_signal=15) == 143
+    assert run_exit_code(RunState.TERMINATED, exit_code=0, stop_signal=1) == 129
+    assert run_exit_code(RunState.FAILED, exit_code=None, signal=9) == 137
+    assert run_exit_code(RunState.FAILED, exit_code=3) == 3
+    with pytest.raises(ValueError):
+        run_exit_code(RunState.RUNNING)
+
+
+def test_the_exit_code_table_is_in_run_help_and_readme():
+    shown = launcher("run", "--help", timeout=60)
+    assert shown.returncode == 0
+    readme = (REPO / "README.md").read_text()
+    for line in EXIT_CODE_TABLE.splitlines()[1:]:
+        assert line.strip() in shown.stdout, line
+        assert line.strip().split(None, 1)[-1] in readme, line
+
+
+# --- closed pipes -----------------------------------------------------------------------------------------------
+
+
+def test_a_closed_pipe_ends_list_and_status_without_a_traceback(tmp_path):
+    from tests.fake_runs import write_record
+
+    root = tmp_path / "runs"
+    for i in range(200):
+        write_record(root / f"r{i:03d}-20261130-101500", run_id=f"r{i:03d}-20261130-101500", state="FAILED")
+    for args in (["list", "--root", root], ["status", root / "r000-20261130-101500"]):
+        read, write = os.pipe()
+        proc = subprocess.Popen([sys.executable, "-m", "launcher", *map(str, args)], cwd=REPO, stdout=write,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+        os.close(write)
+        os.close(read)  # the reader is gone before the launcher writes a line (as `| head` after its lines)
+        _, err = proc.communicate(timeout=120)
+        assert "Traceback" not in err and "BrokenPipe" not in err, err
+        assert proc.returncode == 141, (args, proc.returncode, err)
+
+
+# --- verify keeps an earlier PASS ------------------------------------------------------------------------------------
+
+
+def test_verify_does_not_replace_an_earlier_pass_with_a_fail_from_damage(tmp_path):
+    from launcher.results.verify import RECHECK_FILE, VERIFY_FILE, CheckResult, VerifyReport, _write
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    ok = VerifyReport(run_dir, "run", [CheckResult("adapter", "final adapter", "PASS", "64 tensors")])
+    _write(ok, run_dir)
+    first = (run_dir / VERIFY_FILE).read_text()
+    damaged = VerifyReport(run_dir, "run", [CheckResult("adapter", "final adapter", "FAIL", "unreadable")])
+    _write(damaged, run_dir)
+    assert (run_dir / VERIFY_FILE).read_text() == first  # the PASS stays
+    assert json.loads((run_dir / RECHECK_FILE).read_text())["passed"] is False  # the new FAIL is reported
+    assert damaged.written == run_dir / RECHECK_FILE and "keeps the PASS" in damaged.kept
+    fixed = VerifyReport(run_dir, "run", [CheckResult("adapter", "final adapter", "PASS", "64 tensors")])
+    _write(fixed, run_dir)  # a PASS is always written
+    assert fixed.written == run_dir / VERIFY_FILE and fixed.kept is None
+
+
+# --- a full disk under a real run (fake ranks under the real torchrun) ---------------------------------------------
+
+
+def _tree_hashes(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}  # fmt: skip
+
+
+def _fill(path: Path) -> None:
+    """Write ``path`` until the disk refuses another byte."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        for chunk in (1 << 20, 4096, 1):
+            try:
+                while True:
+                    os.write(fd, b"x" * chunk)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+
+
+class DiskRun:
+    """``launcher run`` of fake ranks with its runs folder on a small private tmpfs."""
+
+    def __init__(self, tmp_path: Path, demo_assets, spec: dict, **settings):
+        self.mount, self.copy = tmp_path / "disk", tmp_path / "after"
+        self.mount.mkdir()
+        self.copy.mkdir()
+        cfg, env = fake_config(tmp_path, demo_assets, {"quiet": True, **spec},
+                               output_root=str(self.mount / "runs"), **settings)  # fmt: skip
+        # preflight's output row wants 0.5 GiB free for a real run; this disk is small on purpose
+        self.env = {**env, "LAUNCHER_PREFLIGHT_SKIP": f"{PREFLIGHT_SKIP},output"}
+        self.out = tmp_path / "run.out"
+        argv = [sys.executable, "-m", "launcher", "run", str(cfg), "--quiet"]
+        with open(self.out, "wb") as out:
+            self.proc = subprocess.Popen(tmpfs_command(self.mount, 16, argv, self.copy), cwd=REPO, env=self.env,
+                                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+
+    @property
+    def live_root(self) -> Path:
+        """The runs folder as the supervisor's mount namespace sees it."""
+        return Path(f"/proc/{self.proc.pid}/root") / str(self.mount).lstrip("/") / "runs"
+
+    def run_dir(self) -> Path:
+        return wait_for("the run folder on the tmpfs",
+                        lambda: next((p for p in self.live_root.iterdir() if (p / "status.json").exists()), None),
+                        timeout=240)  # fmt: skip
+
+    def status(self, run_dir: Path) -> dict:
+        return json.loads((run_dir / "status.json").read_text())
+
+    def output(self) -> str:
+        return self.out.read_text(errors="replace")
+
+
+@needs_tmpfs
+@pytest.mark.slow
+def test_disk_full_mid_run_then_freed_the_run_goes_on_and_ends_with_a_correct_record(tmp_path, demo_assets):
+    go = tmp_path / "go"
+    spec = {"lines": 8, "interval": 0.2, "checkpoints": 2, "stall_after": 3, "resume_file": str(go),
+            "then": "exit", "exit_code": 3}  # fmt: skip
+    run = DiskRun(tmp_path, demo_assets, spec)
+    try:
+        run_dir = run.run_dir()
+        wait_for("step 3 in the record", lambda: (run.status(run_dir).get("progress") or {}).get("step") == 3)
+        rank = json.loads((run_dir / "fake_ranks" / "rank0.json").read_text())["pid"]
+        kept = _tree_hashes(run_dir / "output" / "checkpoint-2")
+        _fill(run.live_root.parent / "filler")
+        wait_for("the supervisor to report the refused write", lambda: "cannot write the run record" in run.output(),
+                 timeout=60)  # fmt: skip
+        during = run.status(run_dir)  # the last good record, whole
+        assert during["state"] == "RUNNING" and during["record_write_failures"] == []
+        assert run.proc.poll() is None and alive_pid(rank), "the job or the supervisor died of the full disk"
+        (run.live_root.parent / "filler").unlink()
+        wait_for(
+            "the outage in the record once writes land again",
+            lambda: [f for f in run.status(run_dir)["record_write_failures"] if f["until"]],
+            timeout=60,
+        )
+        go.touch()
+        rc = run.proc.wait(timeout=240)
+    finally:
+        kill_all(processes_naming(str(tmp_path)))
+    final_dir = the_copy(run.copy)
+    status = json.loads((final_dir / "status.json").read_text())
+    assert rc == 1, run.output()  # torchrun's exit code for a rank that exited 3
+    assert status["state"] == "FAILED" and status["failed_rank"]["exit_code"] == 3, status
+    assert status["progress"]["step"] == 8  # the steps after the outage were followed
+    outage = status["record_write_failures"]
+    assert len(outage) == 1 and "ENOSPC" in outage[0]["error"] and outage[0]["failed_writes"] >= 1
+    kinds = [json.loads(line)["event"] for line in (final_dir / "events.jsonl").read_text().splitlines()]
+    assert kinds[-1] == "ended" and "record_write_failed" in kinds
+    assert _tree_hashes(final_dir / "output" / "checkpoint-2") == kept  # the checkpoint written before is intact
+    assert not (final_dir / ".record-reserve").exists()
+
+
+@needs_tmpfs
+@pytest.mark.slow
+def test_disk_full_for_good_the_supervisor_stops_the_job_and_leaves_an_end_record(tmp_path, demo_assets):
+    spec = {"lines": 8, "interval": 0.2, "checkpoints": 2, "stall_after": 3, "resume_file": str(tmp_path / "never")}
+    run = DiskRun(tmp_path, demo_assets, spec, record_write_stop_s=2)
+    try:
+        run_dir = run.run_dir()
+        wait_for("step 3 in the record", lambda: (run.status(run_dir).get("progress") or {}).get("step") == 3)
+        rank = json.loads((run_dir / "fake_ranks" / "rank0.json").read_text())["pid"]
+        kept = _tree_hashes(run_dir / "output" / "checkpoint-2")
+        _fill(run.live_root.parent / "filler")
+        rc = run.proc.wait(timeout=240)  # never freed: the supervisor must end the run by itself
+    finally:
+        kill_all(processes_naming(str(tmp_path)))
+    final_dir = the_copy(run.copy)
+    status = json.loads((final_dir / "status.json").read_text())
+    assert rc not in (0, None), run.output()
+    assert status["state"] == "FAILED", status
+    assert "could not be written" in status["reason"] and "ENOSPC" in status["reason"]
+    assert status["processes"] == [] and not alive_pid(rank)
+    events = [json.loads(line) for line in (final_dir / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "ended" and events[-1]["state"] == "FAILED"
+    assert "stopping" in [e["event"] for e in events]
+    assert _tree_hashes(final_dir / "output" / "checkpoint-2") == kept
+    assert "the run record in" in run.output() and "Traceback" not in run.output()
+
+
+def alive_pid(pid: int) -> bool:
+    import psutil
+
+    try:
+        return alive(psutil.Process(pid))
+    except psutil.NoSuchProcess:
+        return False
+
+
+def the_copy(folder: Path) -> Path:
+    runs = [p for p in (folder / "runs").iterdir() if p.is_dir()]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def test_list_shows_what_status_shows_for_a_lost_supervisor_and_a_rebooted_host(tmp_path):
+    from tests.fake_runs import crafted_run
+
+    lost = crafted_run(tmp_path, name="lost-20261130-101500")
+    rebooted = crafted_run(tmp_path, name="boot-20261130-101500", boot_id="00000000-0000-4000-8000-000000000000")
+    listed = launcher("list", "--root", tmp_path / "runs", timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    rows = {line.split()[0]: line.split()[1] for line in listed.stdout.splitlines()[1:]}
+    for run_dir in (lost, rebooted):
+        shown = json.loads(launcher("status", run_dir, "--json", timeout=60).stdout)["state"]
+        assert rows[run_dir.name] == shown != "RUNNING", (run_dir.name, rows, shown)
+    assert rows[lost.name] == "SUPERVISOR_LOST" and rows[rebooted.name] == "NODE_LOST"
+
+
+@pytest.mark.slow
+def test_a_foreground_run_whose_terminal_closes_ends_terminated_and_exits_129(tmp_path, demo_assets):
+    from tests.fake_runs import read_status, wait_for_growth, wait_for_run_dir
+    from tests.test_supervision import hang_up, in_pty
+
+    cfg, env = fake_config(tmp_path, demo_assets, {"lines": 100000, "interval": 0.2, "total_steps": 100000})
+    err = tmp_path / "stderr.txt"
+    # the launcher leads the terminal's session, as a login shell's foreground job gets the hangup; its
+    # stdout is the terminal, its stderr a file the test can read for a traceback afterwards
+    pid, fd = in_pty(["sh", "-c", f'exec "{sys.executable}" -m launcher run "{cfg}" 2>"{err}"'], env)
+    run_dir = wait_for_run_dir(tmp_path / "runs")
+    wait_for_growth(run_dir / "output" / "trainer_log.jsonl", lines=2)
+    ended = hang_up(pid, fd, timeout=120)  # the terminal closes (an SSH session ends)
+    status = read_status(run_dir)
+    assert os.WIFEXITED(ended) and os.WEXITSTATUS(ended) == 129, (ended, err.read_text()[-3000:])
+    assert status["state"] == "TERMINATED" and status["stop_signal"] == 1 and status["run_exit_code"] == 129
+    assert "terminal closed" in status["stopped_by"]
+    assert "Traceback" not in err.read_text(), err.read_text()[-3000:]
