@@ -313,7 +313,7 @@ def test_compose_stop_mid_run_records_terminated_within_the_grace_period(live_ru
     out, _ = follower.communicate(timeout=120)
     assert follower.returncode == 0 and "'loss'" in out, out[-2000:]  # LLaMA-Factory's lines from the job log
     host = json.loads(launcher_on_host("status", run, "--json").stdout)
-    assert host["state"] == "TERMINATED" and host["container_state"] == "exited"
+    assert host["state"] == "TERMINATED" and host["recorded_state"] == "TERMINATED"
 
 
 def test_a_killed_container_is_node_lost_and_a_new_up_is_allowed_with_a_warning(cpu_image, engine,

@@ -29,13 +29,15 @@ class Prepared:
 
 
 def check_run_config(config: RunConfig, *, problems: list[str] | None = None, model: bool = True,
-                     devices: bool = True) -> Findings:  # fmt: skip
+                     devices: bool = True, output: bool = True) -> Findings:  # fmt: skip
     """Every check of a run config that needs no run: the launcher section (``problems`` from
     ``read_run_config``), the devices, the LLaMA-Factory part (``checks.config_check``), the output root.
 
     Args:
         model: read the model's config.json (``launcher check --no-model`` does not).
         devices: count the backend's devices (``launcher check`` runs off the server and does not).
+        output: check the output root's space (a run leaves that to preflight's ``output`` row, which
+            ``LAUNCHER_PREFLIGHT_SKIP`` can skip; an unusable folder still stops the run when it is made).
     """
     out = Findings()
     for problem in problems or []:
@@ -62,6 +64,8 @@ def check_run_config(config: RunConfig, *, problems: list[str] | None = None, mo
     placeholder = Path(launcher.output_root).resolve() / "validate" / "output"
     args = llamafactory_args(config, name, placeholder)
     out.items.extend(check_llamafactory(args, model=model, devices=devices).items)
+    if not output:
+        return out
     root = Path(launcher.output_root)
     _, status, detail = check_output(root, launcher.smoke)
     if status == "fail" and not devices and not root.exists():  # checked off the server: made there
@@ -77,7 +81,7 @@ def prepare(config: RunConfig) -> Prepared:
     Raises:
         ConfigError: with every problem found (backend, devices, the LLaMA-Factory part, output root).
     """
-    found = check_run_config(config)
+    found = check_run_config(config, output=False)
     if found.errors:
         raise ConfigError(str(config.source), [f.message for f in found.errors])
     for note in [*config.notes, *(f.message for f in found.items if f.level == WARN)]:
