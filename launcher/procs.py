@@ -54,6 +54,14 @@ def container_identity() -> dict[str, Any] | None:
     return {"name": name, "id": found.group(1) if found else None, "image": image}
 
 
+def namespace_started() -> float | None:
+    """When this pid namespace's init (pid 1) started: a container's start, or the host's boot."""
+    try:
+        return psutil.Process(1).create_time()
+    except (psutil.Error, OSError):
+        return None
+
+
 def identity(proc: psutil.Process) -> dict[str, Any]:
     """What we record about a process to recognise it later."""
     with proc.oneshot():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -169,7 +170,7 @@ def test_a_live_supervisor_keeps_the_recorded_state(tmp_path, supervisor_stand_i
 def test_a_gone_supervisor_here_is_supervisor_lost(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    write_record(tmp_path, state="RUNNING", boot_id=boot_id(), supervisor={"pid": dead.pid, "create_time": 1.0})
+    write_record(tmp_path, state="RUNNING", boot_id=boot_id(), supervisor={"pid": dead.pid, "create_time": time.time()})
     seen = reconcile(read_record(tmp_path), tmp_path)
     assert seen.state is RunState.SUPERVISOR_LOST and seen.liveness == "gone"
 
@@ -217,3 +218,15 @@ def test_under_the_lock_a_run_from_a_vanished_container_is_node_lost(tmp_path, m
     assert len(warnings) == 1 and "run old" in warnings[0] and "deltanet-train-cpu" in warnings[0]
     record = read_record(run_dir)
     assert record.state is RunState.NODE_LOST and record.ended and "run lock was free" in record.reason
+
+
+def test_a_restarted_container_is_node_lost_although_its_namespace_id_came_back(tmp_path):
+    """`docker compose up` after `docker kill` restarts the same container: same id, and the kernel may hand
+    the new pid namespace the old one's number. A supervisor older than this namespace's init is gone."""
+    from launcher.procs import namespace_started
+
+    started = namespace_started()
+    write_record(tmp_path, state="RUNNING", boot_id=boot_id(),
+                 supervisor={"pid": 7, "create_time": started - 60, "pid_ns": self_identity()["pid_ns"]})  # fmt: skip
+    seen = reconcile(read_record(tmp_path), tmp_path)
+    assert seen.state is RunState.NODE_LOST and "restarted" in seen.note

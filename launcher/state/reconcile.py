@@ -17,10 +17,11 @@ Nothing here writes; callers that act on the answer record it through ``RunStore
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from launcher.procs import boot_id, find_live, pid_namespace
+from launcher.procs import boot_id, find_live, namespace_started, pid_namespace
 from launcher.state.record import RunRecord
 from launcher.state.states import RunState
 
@@ -45,33 +46,61 @@ class Reconciled:
         return [p.pid for p in self.live]
 
 
-def inspect_container(container: dict[str, Any] | None) -> tuple[str | None, list[str] | None]:
-    """The container's state from the Docker engine (``gone`` if it no longer exists, None if unknown) and,
-    while it runs, the command lines of its processes (``docker top``; None if unknown)."""
+@dataclass
+class ContainerView:
+    """What the Docker engine says of a container: ``state`` (its word, ``gone``, or None when no engine
+    answers), when it last started (epoch seconds), and while it runs its processes' command lines."""
+
+    state: str | None = None
+    started: float | None = None
+    commands: list[str] | None = None
+
+
+def inspect_container(container: dict[str, Any] | None) -> ContainerView:
+    """Ask the Docker engine about the run's container (by id, else by name)."""
     ref = (container or {}).get("id") or (container or {}).get("name")
     if not ref:
-        return None, None
+        return ContainerView()
     try:
         from docker.errors import DockerException, NotFound
 
         import docker
     except ImportError:
-        return None, None
+        return ContainerView()
     try:
         found = docker.from_env(timeout=2).containers.get(ref)
     except NotFound:
-        return "gone", None
+        return ContainerView("gone")
     except (DockerException, OSError):
-        return None, None
-    state = str(found.status)
-    if state != "running":
-        return state, None
+        return ContainerView()
+    state = (getattr(found, "attrs", None) or {}).get("State") or {}
+    view = ContainerView(str(found.status), _epoch(state.get("StartedAt")))
+    if view.state == "running":
+        try:
+            top = found.top()
+            column = top["Titles"].index("CMD")
+            view.commands = [str(p[column]) for p in top["Processes"] or []]
+        except (DockerException, OSError, KeyError, TypeError, ValueError, AttributeError):
+            pass
+    return view
+
+
+def _epoch(iso: Any) -> float | None:
+    """Docker's RFC 3339 time (nanoseconds, Z) as epoch seconds."""
+    if not isinstance(iso, str) or iso.startswith("0001-"):
+        return None
     try:
-        top = found.top()
-        column = top["Titles"].index("CMD")
-        return state, [str(p[column]) for p in top["Processes"] or []]
-    except (DockerException, OSError, KeyError, TypeError, ValueError, AttributeError):
-        return state, None
+        head, _, frac = iso.rstrip("Z").partition(".")
+        return datetime.fromisoformat(head).replace(tzinfo=UTC).timestamp() + float(f"0.{frac or 0}")
+    except ValueError:
+        return None
+
+
+def _restarted_since(record: RunRecord, started: float | None) -> bool:
+    """Whether the run's container (or this pid namespace) started again after the run's supervisor did:
+    that run's supervisor is then certainly gone, whatever runs there now."""
+    began = (record.supervisor or {}).get("create_time")
+    return started is not None and isinstance(began, int | float) and started > float(began) + 1.0
 
 
 def _same_namespace(record: RunRecord) -> bool:
@@ -91,12 +120,21 @@ def reconcile(record: RunRecord, run_dir: Path) -> Reconciled:
         result.state, result.live, result.liveness = RunState.NODE_LOST, [], "gone"
         result.note = "the host rebooted (boot id changed) since the run was recorded live"
         return result
+    if here and _restarted_since(record, namespace_started()):  # a restarted container may reuse its ns id
+        result.state, result.live, result.liveness = RunState.NODE_LOST, [], "gone"
+        result.note = "its container was restarted since the run was recorded live"
+        return result
     if record.container:
-        result.container_state, commands = inspect_container(record.container)
+        view = inspect_container(record.container)
+        result.container_state, commands = view.state, view.commands
         name = record.container.get("name") or record.container.get("id")
         if result.container_state is not None and result.container_state not in _CONTAINER_ALIVE:
             result.state, result.liveness = RunState.NODE_LOST, "gone"
             result.note = f"container {name} is {result.container_state}"
+            return result
+        if _restarted_since(record, view.started):
+            result.state, result.liveness = RunState.NODE_LOST, "gone"
+            result.note = f"container {name} was restarted since the run was recorded live"
             return result
         if not here:
             if result.container_state is None:
