@@ -89,9 +89,8 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float, interval: floa
 @pytest.fixture(scope="session")
 def engine():
     """The docker SDK client of a live engine; a failure (never a skip) when none answers."""
-    from docker.errors import DockerException
-
     import docker
+    from docker.errors import DockerException
 
     try:
         client = docker.from_env(timeout=30)

@@ -184,9 +184,8 @@ def test_another_boot_is_node_lost(tmp_path):
 def test_another_pid_namespace_without_an_engine_is_unknown_never_supervisor_lost(tmp_path, monkeypatch):
     """A run recorded inside a container, read on the host where no Docker engine answers: its pids mean
     nothing here, so liveness is unknown and the recorded state stands."""
-    from docker.errors import DockerException
-
     import docker
+    from docker.errors import DockerException
 
     def no_engine(**_):
         raise DockerException("no engine")
@@ -202,9 +201,9 @@ def test_another_pid_namespace_without_an_engine_is_unknown_never_supervisor_los
 def test_under_the_lock_a_run_from_a_vanished_container_is_node_lost(tmp_path, monkeypatch):
     """A new container's supervisor holds the run lock; an earlier run recorded RUNNING in another container
     (other pid namespace, no engine to ask from inside) cannot be live, or it would hold the lock."""
+    import docker
     from docker.errors import DockerException
 
-    import docker
     from launcher.run.setup import check_earlier_runs
 
     def no_engine(**_):

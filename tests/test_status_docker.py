@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import sys
 
+import docker
 import psutil
 import pytest
 from docker.errors import DockerException, NotFound
 
-import docker
 from launcher.monitor.status import collect
 from launcher.procs import boot_id, identity
 from tests.fake_runs import spawn, write_record

@@ -62,9 +62,8 @@ def inspect_container(container: dict[str, Any] | None) -> ContainerView:
     if not ref:
         return ContainerView()
     try:
-        from docker.errors import DockerException, NotFound
-
         import docker
+        from docker.errors import DockerException, NotFound
     except ImportError:
         return ContainerView()
     try:
