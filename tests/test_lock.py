@@ -182,7 +182,7 @@ def test_sixteen_concurrent_starts_make_exactly_one_run(contested_run):
     assert supervisors[0].pid == read_status(run_dir)["supervisor"]["pid"]
     # refused supervisors leave nothing behind in the runs folder
     assert sorted(p.name for p in contested_run.root.iterdir()) == sorted(
-        [run_dir.name, "launcher.run.lock", "launcher.run.lock.owner.json"]
+        [run_dir.name, "launcher.lock", "launcher.lock.owner.json"]
     )
 
 

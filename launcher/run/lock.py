@@ -20,8 +20,8 @@ from launcher.files import make_folder, write_json_atomic
 from launcher.procs import boot_id, find_live, pid_namespace, self_identity
 from launcher.state.record import now_iso
 
-LOCK_NAME = "launcher.run.lock"
-OWNER_NAME = "launcher.run.lock.owner.json"
+LOCK_NAME = "launcher.lock"
+OWNER_NAME = "launcher.lock.owner.json"
 
 
 class LockBusy(LauncherError):
