@@ -22,6 +22,7 @@ from launcher.demo import _CLIENT, _COUNSELOR, _SYSTEM, TinyShape, build_model_c
 
 MARKER = "random_init.json"
 DATASET = "bench_long"
+SPREAD = "bench_spread"
 
 # docs/upstream.md (Qwen3.5-27B): 64 layers, every fourth full attention (0-based 3, 7, ..., 63).
 QWEN3_5_27B = TinyShape(
@@ -78,11 +79,27 @@ def write_model_dir(out: Path, shape: str) -> Path:
     return out
 
 
-def _long_text(rng: random.Random, tokenizer, pool: list[str], min_tokens: int) -> str:
+def _text_of(rng: random.Random, tokenizer, pool: list[str], tokens: int) -> str:
+    """Sentences of ``pool`` in random order until they hold about ``tokens`` tokens (each counted once)."""
+    counts = {sentence: len(tokenizer(sentence, add_special_tokens=False)["input_ids"]) for sentence in pool}
     parts: list[str] = []
-    while len(tokenizer(" ".join(parts))["input_ids"]) < min_tokens:
-        parts.extend(rng.sample(pool, len(pool)))
+    total = 0
+    while total < tokens:
+        for sentence in rng.sample(pool, len(pool)):
+            parts.append(sentence)
+            total += counts[sentence]
+            if total >= tokens:
+                break
     return " ".join(parts)
+
+
+def _write(out: Path, name: str, records: list[dict[str, Any]]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(records, ensure_ascii=False))
+    columns = {"prompt": "instruction", "query": "input", "response": "output", "system": "system"}
+    info = {name: {"file_name": f"{name}.json", "formatting": "alpaca", "columns": columns}}
+    (out / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    return out
 
 
 def write_dataset(out: Path, model_dir: Path, cutoff_len: int, samples: int = 8, seed: int = 0) -> Path:
@@ -91,21 +108,32 @@ def write_dataset(out: Path, model_dir: Path, cutoff_len: int, samples: int = 8,
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rng = random.Random(seed)
+    over = int(cutoff_len * 1.1) + 16  # sentence joins can merge a few tokens: stay clearly above the cutoff
     records = [
         {
             "system": _SYSTEM,
-            "instruction": _long_text(rng, tokenizer, _CLIENT, cutoff_len),
+            "instruction": _text_of(rng, tokenizer, _CLIENT, over),
             "input": "",
-            "output": _long_text(rng, tokenizer, _COUNSELOR, cutoff_len),
+            "output": _text_of(rng, tokenizer, _COUNSELOR, over),
         }
         for _ in range(samples)
     ]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{DATASET}.json").write_text(json.dumps(records, ensure_ascii=False))
-    columns = {"prompt": "instruction", "query": "input", "response": "output", "system": "system"}
-    info = {DATASET: {"file_name": f"{DATASET}.json", "formatting": "alpaca", "columns": columns}}
-    (out / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n")
-    return out
+    return _write(out, DATASET, records)
+
+
+def write_spread_dataset(out: Path, model_dir: Path, low: int, high: int, samples: int = 40, seed: int = 0) -> Path:
+    """Alpaca records of about ``low`` to ``high`` tokens in all (uniform), 30 % client turn, 70 % reply, as
+    SoulChat-like dialogues spread at cutoff 4096; ``dataset_info.json`` names them ``SPREAD``."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(seed)
+    records = []
+    for _ in range(samples):
+        total = rng.randint(low, high) - 24  # the template's own tokens
+        records.append({"system": "", "instruction": _text_of(rng, tokenizer, _CLIENT, int(total * 0.3)),
+                        "input": "", "output": _text_of(rng, tokenizer, _COUNSELOR, int(total * 0.7))})  # fmt: skip
+    return _write(out, SPREAD, records)
 
 
 def count_parameters(model_dir: Path) -> dict[str, int]:

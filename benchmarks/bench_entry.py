@@ -131,6 +131,7 @@ def install_step_timer(torch, dev, recorder: Recorder) -> None:
         dev.sync()
         ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
         mask = inputs.get("attention_mask") if hasattr(inputs, "get") else None
+        labels = inputs.get("labels") if hasattr(inputs, "get") else None
         recorder.add_step({
             "step": len(recorder.data["steps"]) + 1,
             "seconds": round(time.perf_counter() - start, 4),
@@ -139,6 +140,7 @@ def install_step_timer(torch, dev, recorder: Recorder) -> None:
             # to a multiple of 8): seq_len counts those positions, tokens only the sample's own tokens.
             "tokens": int(mask.sum()) if mask is not None else (int(ids.numel()) if ids is not None else None),
             "seq_len": int(ids.shape[-1]) if ids is not None else None,
+            "supervised_tokens": int((labels[..., 1:] != -100).sum()) if labels is not None else None,
             "allocated_at_start_gib": None if allocated is None else round(allocated, 3),
             "peak_allocated_gib": dev.peak_gib(),
         })  # fmt: skip

@@ -80,7 +80,9 @@ def _train(run_dir: Path, callbacks: tuple = ()) -> int:
 
     import patches
 
-    patches.apply_enabled(launch["patches"], backend=launch["backend"], proof_dir=run_dir / "proof")
+    patches.apply_enabled(
+        launch["patches"], backend=launch["backend"], proof_dir=run_dir / "proof", facts=launch.get("facts")
+    )
 
     from launcher.data.privacy import log_examples_wanted, protect_training_log
 

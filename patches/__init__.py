@@ -7,13 +7,15 @@ torch, transformers and LLaMA-Factory only inside functions):
 - ``normalize_settings(raw)``: the ``launcher.patches`` section of a run config (name -> bool, or
   name -> mapping with ``enabled`` and patch options) turned into name -> {"enabled": bool, ...} for
   every registered patch, defaults filled in; raises ``ValueError`` listing every problem at once.
-- ``apply_enabled(settings, *, backend, proof_dir)``: inside a training process, before the model is
+- ``apply_enabled(settings, *, backend, proof_dir, facts)``: inside a training process, before the model is
   built, apply every enabled patch in order and write proof records into ``proof_dir``
   (``proof_dir/rank<RANK>/<patch>.json``); raises ``PatchError`` when an enabled patch cannot apply.
 
 Patches: ``deltanet_routing`` (DeltaNet kernel per backend), ``checkpoint_all_layers`` (non-reentrant
-checkpointing of every layer). Each module's docstring says which upstream behaviour it changes, for which
-versions, and when it can be deleted.
+checkpointing of every layer, optionally a measured layer plan), ``chunked_loss`` (the loss without the whole
+logits), ``text_only_batches`` (no dummy image for text-only data), ``final_eval_once`` (no second evaluation
+of the final model) and ``pad_lengths`` (off unless named: padding to a multiple of N tokens). Each module's
+docstring says which upstream behaviour it changes, for which versions, and when it can be deleted.
 """
 
 from __future__ import annotations

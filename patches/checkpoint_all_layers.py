@@ -25,6 +25,12 @@ What this patch does:
    checkpointing at all, and records what the step actually did (``checkpoint_census``), including the
    number of FSDP units.
 
+3. optionally leaves some layers un-checkpointed, chosen from costs measured on this model at this run's
+   sequence length (``checkpoint_budget``): ``uncheckpointed_layers: N``, or ``memory_budget_gib: G`` for the
+   step's peak allocated memory (CUDA and NPU, which report it). The plan is made at the end of the first
+   step and holds from the second, whose census is recorded as ``second_training_step``; the default leaves
+   every layer checkpointed.
+
 When the patch is turned off, the first-step observation still runs (it only reads), so the record shows
 what LLaMA-Factory did by itself.
 
@@ -39,14 +45,16 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+from dataclasses import asdict
 from functools import partial
 from typing import Any
 
 from packaging.specifiers import SpecifierSet
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from . import trainer_hook
-from .checkpoint_census import StepObserver, describe_checkpoint_func
+from .checkpoint_budget import GIB, LayerMeter, apply_plan, correction, layer_kind, plan, scaled, shrink_plan
+from .checkpoint_census import StepObserver, checkpoint_layers, describe_checkpoint_func
 from .errors import PatchError
 from .proof import ProofFile, utc_now
 from .versions import require_global_loads, require_symbols
@@ -60,10 +68,19 @@ _MARKER = "__deltanet_launcher_patch__"
 
 
 class Options(BaseModel):
-    """``launcher.patches.checkpoint_all_layers``: no options besides ``enabled``."""
+    """``launcher.patches.checkpoint_all_layers``: ``uncheckpointed_layers`` (a count) or ``memory_budget_gib``
+    (a peak per device) lets measured layers keep their activations; neither (the default): every layer."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     enabled: bool = True
+    uncheckpointed_layers: int | None = Field(None, ge=0)
+    memory_budget_gib: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _one_way(self) -> Options:
+        if self.uncheckpointed_layers is not None and self.memory_budget_gib is not None:
+            raise ValueError("set uncheckpointed_layers or memory_budget_gib, not both")
+        return self
 
 
 def check_symbols() -> None:
@@ -137,13 +154,29 @@ def _gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, use
 setattr(_gradient_checkpointing_enable, _MARKER, NAME)
 
 
-def apply(options: dict[str, Any], *, backend: str, proof: ProofFile) -> dict[str, Any]:
+def _memory(backend: str):
+    """The backend's allocator counters (``torch.cuda`` or ``torch.npu``), or None on CPU."""
+    import torch
+
+    module = getattr(torch, backend, None) if backend in ("cuda", "npu") else None
+    return module if module is not None and hasattr(module, "max_memory_allocated") else None
+
+
+def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dict[str, Any]) -> dict[str, Any]:
     """Install the replacement and the first-step hook; idempotent (the original is saved once)."""
+    if options.get("memory_budget_gib") is not None and backend == "cpu":
+        raise PatchError(
+            NAME,
+            "memory_budget_gib needs a device that reports its peak allocated memory (cuda, npu); the backend is cpu",
+            "use uncheckpointed_layers: N on cpu, or leave both unset to checkpoint every layer",
+        )
     lf = importlib.import_module(LF_MODULE)
     if getattr(lf._gradient_checkpointing_enable, _MARKER, None) != NAME:
         _state["original"] = lf._gradient_checkpointing_enable
     lf._gradient_checkpointing_enable = _gradient_checkpointing_enable
-    _state.update(proof=proof, enabled=True, enable_calls=[], func=non_reentrant_checkpoint())
+    _state.update(proof=proof, enabled=True, enable_calls=[], func=non_reentrant_checkpoint(), backend=backend,
+                  count=options.get("uncheckpointed_layers"), budget=options.get("memory_budget_gib"),
+                  cutoff_len=facts.get("cutoff_len"))  # fmt: skip
     trainer_hook.on_first_training_step(NAME, before=_before_first_step, after=_after_first_step)
     return {
         "replaced": [
@@ -157,7 +190,7 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile) -> dict[st
 def observe(*, backend: str, proof: ProofFile) -> None:
     """Disabled: leave LLaMA-Factory alone, but record what its checkpointing did at the first step."""
     restore()
-    _state.update(proof=proof, enabled=False)
+    _state.update(proof=proof, enabled=False, count=None, budget=None)
     trainer_hook.on_first_training_step(NAME, before=_before_first_step, after=_after_first_step)
 
 
@@ -175,6 +208,8 @@ def _before_first_step(trainer, model) -> None:
         requested = bool(_state["enable_calls"]) or bool(getattr(trainer.args, "gradient_checkpointing", False))
         if requested:
             info["reapplied_layers"] = checkpoint_every_layer(model, _state["func"])
+            if _state["count"] is not None or _state["budget"] is not None:
+                _start_measuring(model, info)
         else:
             info["reapplied_layers"] = 0
             info["note"] = (
@@ -192,7 +227,86 @@ def _before_first_step(trainer, model) -> None:
 
 def _after_first_step(trainer, model) -> None:
     observer = _state.get("observer")
-    if observer is None:
-        return
-    census = observer.finish()
-    _state["proof"].update(first_training_step={**_state["first_step_info"], **census, "recorded_at": utc_now()})
+    if observer is not None:
+        census = observer.finish()
+        _state["proof"].update(first_training_step={**_state["first_step_info"], **census, "recorded_at": utc_now()})
+    if _state.get("meter") is not None:
+        _finish_measuring(model)
+
+
+def _start_measuring(model, info: dict[str, Any]) -> None:
+    """Measure one layer of each kind during the first step, and the step's peak where the device tells it."""
+    kinds: dict[str, int] = {}
+    for _, layer in checkpoint_layers(model):
+        kinds[layer_kind(layer)] = kinds.get(layer_kind(layer), 0) + 1
+    meter = LayerMeter(_state["func"], kinds)
+    checkpoint_every_layer(model, meter)
+    _state["meter"] = meter
+    memory = _memory(_state["backend"])
+    if memory is not None:
+        memory.reset_peak_memory_stats()
+        _state["held_gib"] = memory.memory_allocated() / GIB
+    info["measuring"] = sorted(kinds)
+
+
+def _finish_measuring(model) -> None:
+    """Make the plan from what the first step measured, apply it, and watch the second step."""
+    meter = _state.pop("meter")
+    checkpoint_every_layer(model, _state["func"])  # the meter's job is done
+    record: dict[str, Any] = {"errors": meter.errors, "recorded_at": utc_now()}
+    memory = _memory(_state["backend"])
+    if not meter.costs:
+        record["note"] = "no layer could be measured; every layer stays checkpointed"
+    elif _state["count"] is not None:
+        chosen = plan(meter.costs, count=_state["count"])
+        record.update(asdict(chosen), uncheckpointed_names=apply_plan(model, chosen.uncheckpointed))
+    else:
+        seq_len = max(c.seq_len for c in meter.costs.values())
+        first_peak = memory.max_memory_allocated() / GIB
+        chosen = plan(meter.costs, budget_gib=_state["budget"], peak_gib=first_peak, held_gib=_state["held_gib"],
+                      seq_len=seq_len, cutoff_len=_state.get("cutoff_len"))  # fmt: skip
+        record.update(asdict(chosen), uncheckpointed_names=apply_plan(model, chosen.uncheckpointed))
+        _state["budget_plan"] = {"costs": meter.costs, "chosen": chosen.uncheckpointed, "first_peak": first_peak,
+                                 "seq_len": seq_len, "names": record["uncheckpointed_names"]}  # fmt: skip
+    record["uncheckpointed_total"] = len(record.get("uncheckpointed_names", []))
+    _state["proof"].update(layer_plan=record)
+    trainer_hook.on_training_step(NAME, 2, before=_before_second_step, after=_after_second_step)
+
+
+def _before_second_step(trainer, model) -> None:
+    _state["observer"] = StepObserver(model)
+    if _state.get("budget_plan") and _state["budget_plan"]["names"]:
+        _memory(_state["backend"]).reset_peak_memory_stats()
+
+        def seq_len(module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            _state["budget_plan"].setdefault("second_seq_len", int(ids.shape[-1]))
+
+        _state["seq_hook"] = model.register_forward_pre_hook(seq_len, with_kwargs=True)
+
+
+def _after_second_step(trainer, model) -> None:
+    census = _state.pop("observer").finish()
+    _state["proof"].update(second_training_step={**census, "recorded_at": utc_now()})
+    if "seq_hook" in _state:
+        _state.pop("seq_hook").remove()
+        _correct_plan(model)
+
+
+def _correct_plan(model) -> None:
+    """Hold the second step's real peak against the plan; take back the layers the budget does not afford."""
+    done = _state.pop("budget_plan")
+    peak = _memory(_state["backend"]).max_memory_allocated() / GIB
+    factor = correction(done["costs"], done["chosen"], peak_gib=peak, held_gib=_state["held_gib"],
+                        first_peak_gib=done["first_peak"], seq_len=done.get("second_seq_len", done["seq_len"]),
+                        first_seq_len=done["seq_len"])  # fmt: skip
+    record: dict[str, Any] = {"second_step_peak_gib": round(peak, 3), "factor": round(factor, 4),
+                              "second_step_seq_len": done.get("second_seq_len"), "rechecked": []}  # fmt: skip
+    if factor > 1.0:
+        again = plan(scaled(done["costs"], factor), budget_gib=_state["budget"], peak_gib=done["first_peak"],
+                     held_gib=_state["held_gib"], seq_len=done["seq_len"],
+                     cutoff_len=_state.get("cutoff_len"))  # fmt: skip
+        record.update(uncheckpointed=again.uncheckpointed, projected_peak_gib=again.projected_peak_gib,
+                      rechecked=shrink_plan(model, done["names"], again.uncheckpointed))  # fmt: skip
+    record["uncheckpointed_total"] = len(done["names"]) - len(record["rechecked"])
+    _state["proof"].update(plan_correction={**record, "recorded_at": utc_now()})

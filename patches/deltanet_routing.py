@@ -214,7 +214,7 @@ _ORIGINALS: dict[str, dict[str, Any]] = {}  # module name -> its globals before 
 _active: dict[str, Any] = {}  # the installed route, its call log and proof file
 
 
-def apply(options: dict[str, Any], *, backend: str, proof: ProofFile) -> dict[str, Any]:
+def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dict[str, Any]) -> dict[str, Any]:
     """Select and install the route; idempotent (always wraps the saved upstream values, never a recorder)."""
     # On CUDA transformers has imported FLA already (if installed); on NPU import it only to use it.
     wants_fla = backend == "cuda" or (backend == "npu" and options["kernel"] != "torch")

@@ -6,6 +6,15 @@ Order (fixed; ``PATCH_NAMES``):
    DeltaNet constructor reads, so it must be in place before the model is built.
 2. ``checkpoint_all_layers`` - replaces a LLaMA-Factory model-preparation function and hooks the first
    ``Trainer.training_step``; it needs nothing from the first patch and must also precede the model build.
+3. ``chunked_loss`` - wraps the ``Qwen3_5ForConditionalGeneration`` forward (class level) for calls with
+   labels; independent of the others.
+4. ``text_only_batches`` - wraps LLaMA-Factory's multimodal collator; acts only on data the launcher counted
+   text-only (``facts``).
+5. ``final_eval_once`` - wraps ``transformers.Trainer.evaluate``.
+6. ``pad_lengths`` (off unless named) - wraps the same collator as 4, outside it, to set its padding multiple.
+
+Each ``apply`` also gets ``facts``: what the launcher knew about the run before it started (``launch.json``:
+the datasets' media count, ``cutoff_len``), the same on every rank.
 
 For each patch, in that order, ``apply_enabled``:
 
@@ -16,7 +25,7 @@ For each patch, in that order, ``apply_enabled``:
   ``PatchError``, which stops the run before the model is built.
 
 A patch module provides ``NAME``, ``SUPPORTED``, ``Options`` (pydantic, ``extra="forbid"``),
-``check_symbols()``, ``apply(options, *, backend, proof) -> dict``, ``observe(*, backend, proof)`` and
+``check_symbols()``, ``apply(options, *, backend, proof, facts) -> dict``, ``observe(*, backend, proof)`` and
 ``restore()``. Patch modules import torch and upstream packages only inside functions.
 """
 
@@ -28,7 +37,16 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from . import checkpoint_all_layers, deltanet_routing, settings, trainer_hook
+from . import (
+    checkpoint_all_layers,
+    chunked_loss,
+    deltanet_routing,
+    final_eval_once,
+    pad_lengths,
+    settings,
+    text_only_batches,
+    trainer_hook,
+)
 from .errors import PatchError
 from .proof import ProofFile, RankInfo
 from .versions import check_versions
@@ -38,6 +56,10 @@ logger = logging.getLogger(__name__)
 PATCHES: dict[str, ModuleType] = {
     deltanet_routing.NAME: deltanet_routing,
     checkpoint_all_layers.NAME: checkpoint_all_layers,
+    chunked_loss.NAME: chunked_loss,
+    text_only_batches.NAME: text_only_batches,
+    final_eval_once.NAME: final_eval_once,
+    pad_lengths.NAME: pad_lengths,
 }
 PATCH_NAMES: tuple[str, ...] = tuple(PATCHES)
 BACKENDS = ("npu", "cuda", "cpu")
@@ -61,13 +83,15 @@ def _header(name: str, options: dict[str, Any], backend: str, rank: RankInfo) ->
     }
 
 
-def apply_enabled(settings: Mapping[str, Any], *, backend: str, proof_dir: Path) -> list[str]:
+def apply_enabled(settings: Mapping[str, Any], *, backend: str, proof_dir: Path,
+                  facts: Mapping[str, Any] | None = None) -> list[str]:  # fmt: skip
     """Apply the enabled patches in registry order and write one proof record per patch on this rank.
 
     Args:
         settings: the ``launcher.patches`` mapping, raw or as returned by ``normalize_settings``.
         backend: ``npu``, ``cuda`` or ``cpu``.
         proof_dir: the run's proof folder; records go to ``proof_dir/rank<RANK>/<patch>.json``.
+        facts: what the launcher knew before the run (``launch.json``'s ``facts``); none by default.
 
     Returns:
         The names of the patches applied, in order.
@@ -100,7 +124,7 @@ def apply_enabled(settings: Mapping[str, Any], *, backend: str, proof_dir: Path)
             found = check_versions(name, module.SUPPORTED)
             proof.update(versions=found)
             module.check_symbols()
-            facts = module.apply(options, backend=backend, proof=proof)
+            facts_found = module.apply(options, backend=backend, proof=proof, facts=dict(facts or {}))
         except PatchError as exc:
             proof.update(status="failed", error=str(exc))
             raise
@@ -113,7 +137,7 @@ def apply_enabled(settings: Mapping[str, Any], *, backend: str, proof_dir: Path)
             )
             proof.update(status="failed", error=str(error))
             raise error from exc
-        proof.update(status="applied", **facts)
+        proof.update(status="applied", **facts_found)
         logger.info("patch %s: applied (%s)", name, ", ".join(f"{d} {v}" for d, v in found.items()))
         applied.append(name)
     return applied

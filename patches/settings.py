@@ -1,7 +1,8 @@
 """Validate the ``launcher.patches`` section: every problem reported at once, each with its fix.
 
 Accepted forms per patch: ``name: true|false``, or ``name: {enabled: ..., <option>: ...}`` (a mapping
-without ``enabled`` means enabled). Patches not mentioned are enabled with their defaults. The result has
+without ``enabled`` means enabled). Patches not mentioned get their defaults: enabled, except a patch whose
+``Options.enabled`` defaults to false (``pad_lengths``). The result has
 every registered patch, in registry order, as ``{"enabled": bool, <option>: value, ...}``; it is itself a
 valid input, so normalizing twice changes nothing.
 """
@@ -64,10 +65,12 @@ def normalize_settings(raw: Mapping[str, Any] | None, patches: Mapping[str, Modu
             problems.append(f"{WHERE}.{key}: unknown patch{hint}; known patches: {', '.join(patches)}")
     normalized: dict[str, dict[str, Any]] = {}
     for name, module in patches.items():
-        value = raw.get(name, True)
+        value = raw.get(name, {})  # not named: the patch's defaults (enabled, unless its Options say not)
         fields = list(module.Options.model_fields)
         if isinstance(value, bool):
             value = {"enabled": value}
+        elif isinstance(value, Mapping) and value and "enabled" not in value and name in raw:
+            value = {**value, "enabled": True}
         elif not isinstance(value, Mapping):
             problems.append(f"{WHERE}.{name} is {value!r}; expected true, false, or a mapping with {', '.join(fields)}")
             continue

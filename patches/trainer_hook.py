@@ -1,10 +1,12 @@
-"""Callbacks around the first ``transformers.Trainer.training_step`` of this process.
+"""Callbacks around the first (or the N-th) ``transformers.Trainer.training_step`` of this process.
 
 Some facts only exist once training runs: the Trainer re-enables gradient checkpointing from its own
 arguments in ``_inner_training_loop`` just before the loop, and the model it hands to ``training_step`` is
 already wrapped (PEFT, DDP, FSDP). So patches that must act "at the first real training step" register a
-``before`` and an ``after`` callback here. The wrapper is installed once on the ``Trainer`` class (a marker
-attribute makes it idempotent); after the first step it costs one boolean test per call.
+``before`` and an ``after`` callback here (``on_first_training_step``; ``on_training_step`` for a later
+step, such as the second step of a layer plan decided at the end of the first). The wrapper is installed
+once on the ``Trainer`` class (a marker attribute makes it idempotent); after the last step anyone asked
+for it costs one comparison per call.
 
 ``before`` callbacks may raise (an enabled patch that finds its work undone fails the run there, before the
 first forward). ``after`` callbacks only record; their errors are logged, never raised, so they cannot mask
@@ -26,20 +28,27 @@ logger = logging.getLogger(__name__)
 _MARKER = "__deltanet_launcher_first_step__"
 StepCallback = Callable[[Any, Any], None]  # (trainer, model)
 
-_callbacks: dict[str, tuple[StepCallback | None, StepCallback | None]] = {}
-_state = {"fired": False}
+_callbacks: dict[tuple[int, str], tuple[StepCallback | None, StepCallback | None]] = {}
+_state = {"steps": 0}
+
+
+def on_training_step(key: str, step: int, *, before: StepCallback | None = None,
+                     after: StepCallback | None = None) -> None:  # fmt: skip
+    """Register (or replace) the callbacks of ``key`` around this process's ``step``-th training step
+    (1-based); make sure the wrapper is installed."""
+    install()
+    _callbacks[(step, key)] = (before, after)
 
 
 def on_first_training_step(key: str, *, before: StepCallback | None = None, after: StepCallback | None = None):
     """Register (or replace) the callbacks stored under ``key`` and make sure the wrapper is installed."""
-    install()
-    _callbacks[key] = (before, after)
+    on_training_step(key, 1, before=before, after=after)
 
 
 def clear() -> None:
-    """Forget every callback and arm the wrapper again (a fresh ``apply_enabled`` starts here)."""
+    """Forget every callback and count steps from zero again (a fresh ``apply_enabled`` starts here)."""
     _callbacks.clear()
-    _state["fired"] = False
+    _state["steps"] = 0
 
 
 def is_installed() -> bool:
@@ -58,11 +67,11 @@ def install() -> None:
 
     @functools.wraps(original)
     def training_step(self, *args, **kwargs):
-        if _state["fired"]:
+        if not _callbacks or _state["steps"] >= max(step for step, _ in _callbacks):
             return original(self, *args, **kwargs)
-        _state["fired"] = True
+        _state["steps"] += 1
         model = args[0] if args else kwargs["model"]
-        callbacks = list(_callbacks.items())
+        callbacks = [(key, pair) for (step, key), pair in list(_callbacks.items()) if step == _state["steps"]]
         for _, (before, _after) in callbacks:
             if before is not None:
                 before(self, model)

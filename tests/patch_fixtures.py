@@ -158,10 +158,19 @@ def tiny_training():
 
 
 def run_tiny_training(
-    run_dir: Path, assets: dict[str, Path], patch_settings: dict[str, Any], nproc: int = 1, timeout: float = 600
+    run_dir: Path,
+    assets: dict[str, Path],
+    patch_settings: dict[str, Any],
+    nproc: int = 1,
+    timeout: float = 600,
+    lf: dict[str, Any] | None = None,
+    entry: str = "launcher.entry",
 ) -> subprocess.CompletedProcess:
-    """Train the demo model for two steps through ``torchrun -m launcher.entry`` (the real path)."""
+    """Train the demo model for two steps through ``torchrun -m launcher.entry`` (the real path);
+    ``lf`` overrides LLaMA-Factory keys; ``entry`` is the rank module (a test entry wraps launcher.entry).
+    ``launch.json`` carries the facts the launcher would write."""
     import patches
+    from launcher.run.rundir import run_facts
 
     run_dir.mkdir(parents=True)
     args = {
@@ -169,12 +178,14 @@ def run_tiny_training(
         "model_name_or_path": str(assets["model"]),
         "dataset_dir": str(assets["data"]),
         "output_dir": str(run_dir / "output"),
+        **(lf or {}),
     }
     (run_dir / "llamafactory.yaml").write_text(yaml.safe_dump(args, sort_keys=False))
     launch = {
         "patches": patches.normalize_settings(patch_settings),
         "backend": "cpu",
         "llamafactory_yaml": "llamafactory.yaml",
+        "facts": run_facts(args),
     }
     (run_dir / "launch.json").write_text(json.dumps(launch, indent=2))
     cmd = [
@@ -184,7 +195,7 @@ def run_tiny_training(
         "--standalone",
         f"--nproc-per-node={nproc}",
         "-m",
-        "launcher.entry",
+        entry,
         str(run_dir),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2")}

@@ -309,3 +309,42 @@ def test_logs_show_the_supervisors_own_output_when_the_job_never_started(tmp_pat
     proc = launcher_cmd("logs", run_dir)
     assert proc.returncode == 0 and "supervisor's own output" in proc.stdout
     assert "preflight failed: model.weights" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("launcher", "lf", "expected"),
+    [
+        ({}, {"compute_accuracy": True}, "compute_accuracy: true reads the training logits, which "
+         "launcher.patches.chunked_loss never builds; remove compute_accuracy or set "
+         "launcher.patches.chunked_loss: false"),
+        ({"patches": {"checkpoint_all_layers": {"memory_budget_gib": 60}}}, {},
+         "memory_budget_gib needs a device that reports its peak memory (cuda, npu); the backend is cpu"),
+        ({"distribution": "fsdp2", "nproc_per_node": 2,
+          "patches": {"checkpoint_all_layers": {"uncheckpointed_layers": 4}}},
+         {}, "uncheckpointed_layers is not supported with distribution: fsdp2"),
+    ],
+    ids=["accuracy-needs-logits", "budget-on-cpu", "plan-under-fsdp2"],
+)  # fmt: skip
+def test_patch_options_that_cannot_work_are_refused_naming_the_key(tmp_path, demo_assets, launcher, lf, expected):
+    cfg = make_config(tmp_path, demo_assets, launcher={"backend": "cpu", **launcher}, **lf)
+    errors = errors_of(cfg)
+    assert any(expected in e for e in errors), errors
+    assert len(errors) == 1, errors
+
+
+def test_the_media_count_reads_only_datasets_that_map_a_media_column(tmp_path, demo_assets):
+    from launcher.checks.data import dataset_media
+
+    lf = {"dataset_dir": str(demo_assets["data"]), "dataset": "demo_counsel_train", "eval_dataset": "demo_counsel_eval"}
+    assert dataset_media(lf) == {"counted": True, "images": 0, "videos": 0, "records": 0,
+                                 "datasets": ["demo_counsel_train", "demo_counsel_eval"]}  # fmt: skip
+    records = [{"messages": [{"role": "user", "content": "<image>hi"}, {"role": "assistant", "content": "ok"}],
+                "images": ["a.png"]}, {"messages": [], "images": []}]  # fmt: skip
+    (tmp_path / "mm.json").write_text(json.dumps(records))
+    info = {"mm": {"file_name": "mm.json", "formatting": "sharegpt",
+                   "columns": {"messages": "messages", "images": "images"}}}  # fmt: skip
+    (tmp_path / "dataset_info.json").write_text(json.dumps(info))
+    found = dataset_media({"dataset_dir": str(tmp_path), "dataset": "mm"})
+    assert (found["counted"], found["images"], found["records"]) == (True, 1, 2)
+    missing = dataset_media({"dataset_dir": str(tmp_path), "dataset": "nope"})
+    assert missing["counted"] is False and "nope: not registered" in missing["why"]

@@ -13,12 +13,29 @@ import pytest
 import patches
 from patches.registry import PATCHES
 
-DEFAULTS = {"deltanet_routing": {"enabled": True, "kernel": "auto"}, "checkpoint_all_layers": {"enabled": True}}
+CHECKPOINT_DEFAULTS = {"enabled": True, "uncheckpointed_layers": None, "memory_budget_gib": None}
+DEFAULTS = {
+    "deltanet_routing": {"enabled": True, "kernel": "auto"},
+    "checkpoint_all_layers": CHECKPOINT_DEFAULTS,
+    "chunked_loss": {"enabled": True, "chunk_tokens": 512},
+    "text_only_batches": {"enabled": True},
+    "final_eval_once": {"enabled": True},
+    "pad_lengths": {"enabled": False, "multiple": 256},  # the one patch that is off unless named
+}
 
 
-def test_registry_order_is_routing_then_checkpointing():
-    assert patches.PATCH_NAMES == ("deltanet_routing", "checkpoint_all_layers")
+def test_registry_order_is_routing_then_checkpointing_then_the_rest():
+    assert patches.PATCH_NAMES == (
+        "deltanet_routing", "checkpoint_all_layers", "chunked_loss", "text_only_batches", "final_eval_once",
+        "pad_lengths",
+    )  # fmt: skip
     assert tuple(PATCHES) == patches.PATCH_NAMES
+
+
+def test_an_off_by_default_patch_is_on_once_named_with_options():
+    assert patches.normalize_settings({"pad_lengths": {"multiple": 512}})["pad_lengths"] == {
+        "enabled": True, "multiple": 512}  # fmt: skip
+    assert patches.normalize_settings({"pad_lengths": True})["pad_lengths"] == {"enabled": True, "multiple": 256}
 
 
 @pytest.mark.parametrize("raw", [None, {}])
@@ -39,7 +56,7 @@ def test_unmentioned_patches_are_enabled_with_defaults(raw):
 def test_bool_and_mapping_forms(raw, expected):
     settings = patches.normalize_settings(raw)
     assert settings["deltanet_routing"] == expected
-    assert settings["checkpoint_all_layers"] == {"enabled": True}
+    assert settings["checkpoint_all_layers"] == CHECKPOINT_DEFAULTS
 
 
 def test_normalized_settings_are_a_fixed_point():
@@ -59,7 +76,7 @@ def test_every_problem_is_reported_at_once_with_its_key_and_fix():
     assert lines[0] == "5 problem(s) in launcher.patches:"
     message = "\n".join(lines)
     assert "launcher.patches.deltanet_routng: unknown patch (did you mean deltanet_routing?)" in message
-    assert "known patches: deltanet_routing, checkpoint_all_layers" in message
+    assert "known patches: deltanet_routing, checkpoint_all_layers, chunked_loss" in message
     assert "launcher.patches.deltanet_routing.kernal: unknown option" in message
     assert "its options are enabled, kernel" in message
     assert "launcher.patches.deltanet_routing.kernel is 'cuda'; expected one of 'auto', 'fla' or 'torch'" in message
@@ -67,7 +84,7 @@ def test_every_problem_is_reported_at_once_with_its_key_and_fix():
     assert "launcher.patches.checkpoint_all_layers is None; expected true, false, or a mapping" in message
 
 
-def test_checkpointing_has_no_options_besides_enabled():
+def test_checkpointing_refuses_an_unknown_option():
     with pytest.raises(ValueError, match=r"checkpoint_all_layers\.use_reentrant: unknown option"):
         patches.normalize_settings({"checkpoint_all_layers": {"use_reentrant": True}})
 

@@ -56,8 +56,9 @@ def test_a_missing_package_is_named(tmp_path, monkeypatch):
 
 def test_turning_the_refused_patch_off_lets_the_run_go_on_and_is_recorded(tmp_path, monkeypatch):
     fake_versions(monkeypatch, llamafactory="0.9.6")
-    applied = patches.apply_enabled({"checkpoint_all_layers": False}, backend="cpu", proof_dir=tmp_path)
-    assert applied == ["deltanet_routing"]
+    off = {"checkpoint_all_layers": False, "text_only_batches": False, "final_eval_once": False}
+    applied = patches.apply_enabled(off, backend="cpu", proof_dir=tmp_path)
+    assert applied == ["deltanet_routing", "chunked_loss"]  # the two that do not touch LLaMA-Factory
     record = read_proof(tmp_path, "checkpoint_all_layers")
     assert record["enabled"] is False
     assert record["status"] == "disabled"
@@ -91,9 +92,6 @@ def test_records_go_to_the_folder_of_this_rank(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
     patches.apply_enabled({"deltanet_routing": {"kernel": "torch"}}, backend="cpu", proof_dir=tmp_path)
-    assert sorted(p.name for p in (tmp_path / "rank3").iterdir()) == [
-        "checkpoint_all_layers.json",
-        "deltanet_routing.json",
-    ]
+    assert sorted(p.name for p in (tmp_path / "rank3").iterdir()) == sorted(f"{n}.json" for n in patches.PATCH_NAMES)
     record = read_proof(tmp_path, "deltanet_routing", rank=3)
     assert (record["rank"], record["world_size"], record["options"]) == (3, 4, {"kernel": "torch"})

@@ -209,6 +209,43 @@ def dataset_think_share(lf: dict[str, Any]) -> dict[str, float]:
     return shares
 
 
+MEDIA_COLUMNS = ("images", "videos")
+
+
+def dataset_media(lf: dict[str, Any]) -> dict[str, Any]:
+    """How many records of the named datasets (train and eval) carry an image or a video.
+
+    LLaMA-Factory reads media only from the columns ``dataset_info.json`` maps (``columns.images``,
+    ``columns.videos``; ``data/parser.py``), so a dataset without such a column holds none, unread. A mapped
+    column is counted record by record.
+
+    Returns:
+        ``{"counted": True, "images": n, "videos": n, "datasets": [...], "records": n}`` (``records``: those
+        read to count), or ``{"counted": False, "why": ...}`` when a dataset cannot be read here.
+    """
+    problems, found = _dataset_files(lf)
+    if problems:
+        return {"counted": False, "why": "; ".join(problems)}
+    _, info = _registered(lf)
+    counts: dict[str, Any] = {"counted": True, "images": 0, "videos": 0, "records": 0,
+                              "datasets": [name for name, _, _ in found]}  # fmt: skip
+    for name, path, _cols in found:
+        columns = (info.get(name) or {}).get("columns") or {}  # type: ignore[union-attr]
+        mapped = {kind: columns[kind] for kind in MEDIA_COLUMNS if columns.get(kind)}
+        if not mapped:
+            continue
+        try:
+            records = read_records(path) if path.is_file() else None
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            return {"counted": False, "why": f"{name}: {path} {err}"}
+        if records is None:
+            return {"counted": False, "why": f"{name}: {path.name} maps {', '.join(mapped)} and is not read here"}
+        counts["records"] += len(records)
+        for kind, column in mapped.items():
+            counts[kind] += sum(1 for r in records if isinstance(r, dict) and r.get(column))
+    return counts
+
+
 def check_dataset(lf: dict[str, Any]) -> Row:
     """The ``dataset`` row: every named dataset registered, present, and every record fitting its columns."""
     problems, seen = dataset_records(lf)

@@ -148,10 +148,18 @@ def write_run_files(config: RunConfig, backend: Backend, run_dir: RunDir, lf_arg
     if config.launcher.distribution == "fsdp2":
         write_text_atomic(path / ACCELERATE_YAML, dump_yaml(accelerate_config(config, backend)))
     launch = {"patches": config.patches, "backend": backend.name, "llamafactory_yaml": lf_yaml, "attempt": attempt,
-              "log_examples": config.launcher.log_examples}  # fmt: skip
+              "log_examples": config.launcher.log_examples, "facts": run_facts(lf_args)}  # fmt: skip
     write_text_atomic(path / LAUNCH_FILE, json.dumps(launch, indent=2) + "\n")
     info = manifest(config, backend, run_dir)
     write_text_atomic(path / attempt_name("manifest.json", attempt), json.dumps(info, indent=2) + "\n")
+
+
+def run_facts(lf_args: dict[str, Any]) -> dict[str, Any]:
+    """What the patches may rely on, known before the run and the same on every rank (``launch.json``)."""
+    from launcher.checks.data import dataset_media
+
+    return {"cutoff_len": int(lf_args.get("cutoff_len") or 2048),  # LLaMA-Factory's DataArguments default
+            "dataset_media": dataset_media(lf_args)}  # fmt: skip
 
 
 def manifest(config: RunConfig, backend: Backend, run_dir: RunDir) -> dict[str, Any]:

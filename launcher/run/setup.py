@@ -12,6 +12,7 @@ from pathlib import Path
 from launcher import backend as backends
 from launcher.checks.config_check import ERROR, OK, SKIPPED, WARN, Findings, check_llamafactory
 from launcher.checks.data import check_output
+from launcher.checks.patch_check import patch_problems
 from launcher.errors import ExitCode, LauncherError
 from launcher.run.config import ConfigError, RunConfig, llamafactory_args
 from launcher.state.reconcile import reconcile
@@ -63,6 +64,8 @@ def check_run_config(config: RunConfig, *, problems: list[str] | None = None, mo
                 f"backend's devices where the run will train")  # fmt: skip
     placeholder = Path(launcher.output_root).resolve() / "validate" / "output"
     args = llamafactory_args(config, name, placeholder)
+    for key, problem in patch_problems(config.patches, args, backend=name, distribution=launcher.distribution):
+        out.add(key, ERROR, problem)
     out.items.extend(check_llamafactory(args, model=model, devices=devices).items)
     if not output:
         return out
