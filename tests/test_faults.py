@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -456,3 +457,102 @@ def test_a_foreground_run_whose_terminal_closes_ends_terminated_and_exits_129(tm
     assert status["state"] == "TERMINATED" and status["stop_signal"] == 1 and status["run_exit_code"] == 129
     assert "terminal closed" in status["stopped_by"]
     assert "Traceback" not in err.read_text(), err.read_text()[-3000:]
+
+
+# --- who sent the stop signal (siginfo: si_pid, si_uid) ---------------------------------------------------------
+
+SENDER = "import os, sys, time; os.kill(int(sys.argv[1]), 15); time.sleep(600)"
+
+
+def _blocked_mask(pid: int) -> int:
+    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("SigBlk:"))
+    return int(line.split()[1], 16)
+
+
+def test_stop_signals_are_taken_with_their_sender_and_children_start_unblocked():
+    from launcher.run.signals import StopSignals
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    with StopSignals() as stops:
+        with stops.unblocked():  # how the supervisor spawns its job
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            assert _blocked_mask(child.pid) & (1 << (signal.SIGTERM - 1)) == 0  # the job can die of SIGTERM
+        finally:
+            child.kill()
+            child.wait()
+        sender = subprocess.Popen([sys.executable, "-c", SENDER, str(os.getpid()), "stop-sender"])
+        try:
+            got = stops.wait(60)
+        finally:
+            sender.kill()
+            sender.wait()
+        assert got is not None and got.pid == sender.pid and got.uid == os.getuid() and got.signum == signal.SIGTERM
+        assert got.describe().startswith(f"SIGTERM from pid {sender.pid} (") and "stop-sender" in got.describe()
+        os.kill(os.getpid(), signal.SIGINT)  # pending when the block ends: taken, not a KeyboardInterrupt
+    assert stops.first == got  # the first signal is the one kept
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.slow
+def test_the_record_names_the_process_that_sent_sigterm_to_a_foreground_run(tmp_path, demo_assets):
+    from tests.fake_runs import launcher_bg, rank_processes, read_status, spawn, wait_for_run_dir
+
+    cfg, env = fake_config(tmp_path, demo_assets, {"lines": 100000, "interval": 0.2, "total_steps": 100000})
+    supervisor = launcher_bg("run", cfg, "--quiet", env=env, log=tmp_path / "run.out")
+    run_dir = wait_for_run_dir(tmp_path / "runs")
+    rank_processes(run_dir, 1)  # the job runs: the supervisor is in its watch loop
+    # a known process sends the signal and stays alive, as `kill` in a shell script that goes on
+    sender = spawn([sys.executable, "-c", SENDER, str(supervisor.pid), "stop-sender"], "stop-sender")
+    try:
+        rc = supervisor.wait(timeout=120)
+    finally:
+        sender.kill()
+        sender.wait()
+    status = read_status(run_dir)
+    out = (tmp_path / "run.out").read_text()
+    assert rc == 143 and status["state"] == "TERMINATED", out[-3000:]
+    assert status["stopped_by"].startswith(f"SIGTERM from pid {sender.pid} ("), status["stopped_by"]
+    assert "stop-sender" in status["stopped_by"] and f"uid {os.getuid()})" in status["stopped_by"]
+    assert status["stop_sender"]["pid"] == sender.pid and status["stop_sender"]["uid"] == os.getuid()
+    assert status["stop_sender"]["signal"] == 15 and status["stop_sender"]["si_code"] == 0  # SI_USER: kill()
+    assert f"pid {sender.pid}" in status["reason"]
+    shown = launcher("status", run_dir, env=env, timeout=60).stdout
+    assert f"SIGTERM from pid {sender.pid}" in shown
+
+
+def _can_unshare_pid() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-p", "-f", "--mount-proc", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_unshare_pid(), reason="needs root: unshare -p -f --mount-proc (a pid namespace)")
+def test_sigterm_from_outside_the_pid_namespace_is_recorded_as_the_container_engine(tmp_path, demo_assets):
+    """The launcher as a container's main process (pid 1 of its own pid namespace, as under docker); the
+    test, outside that namespace, sends SIGTERM as the engine does for `docker stop`: the kernel reports
+    si_pid 0, since the sender has no pid in the namespace."""
+    import psutil
+
+    from tests.fake_runs import read_status, wait_for_growth, wait_for_run_dir
+
+    cfg, env = fake_config(tmp_path, demo_assets, {"lines": 100000, "interval": 0.2, "total_steps": 100000})
+    argv = ["unshare", "-p", "-f", "--mount-proc", "--kill-child", sys.executable, "-m", "launcher", "run",
+            str(cfg), "--quiet"]  # fmt: skip
+    with open(tmp_path / "run.out", "wb") as out:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        run_dir = wait_for_run_dir(tmp_path / "runs")
+        wait_for_growth(run_dir / "output" / "trainer_log.jsonl", lines=1)  # the job runs
+        assert read_status(run_dir)["supervisor"]["pid"] == 1  # pid 1 of its namespace, as in a container
+        (main,) = psutil.Process(proc.pid).children()  # unshare --fork: its one child is the namespace's pid 1
+        main.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    finally:
+        kill_all(processes_naming(str(tmp_path)))
+    status = read_status(run_dir)
+    assert rc == 143 and status["state"] == "TERMINATED", (tmp_path / "run.out").read_text()[-3000:]
+    assert status["stopped_by"].startswith("SIGTERM from outside this pid namespace (si_pid 0: the container engine")
+    assert status["stop_sender"]["pid"] == 0 and status["stop_sender"]["si_code"] == 0

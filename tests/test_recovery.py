@@ -71,7 +71,7 @@ def test_sigterm_saves_a_checkpoint_at_the_next_step_and_resume_reaches_the_plan
     out = (tmp_path / "run.out").read_text()
     assert rc == 128 + signal.SIGTERM, out[-3000:]
     assert status["state"] == "TERMINATED" and status["run_exit_code"] == 143
-    assert status["stop_signal"] == signal.SIGTERM and "docker stop" in status["stopped_by"]
+    assert status["stop_signal"] == signal.SIGTERM and f"SIGTERM from pid {os.getpid()} (" in status["stopped_by"]
     saved = status["saved_checkpoint"]
     last_logged = max(logged_steps(run_dir))
     assert saved is not None, status["reason"]
