@@ -299,3 +299,60 @@ def test_stall_action_restart_resumes_a_frozen_attempt_from_its_checkpoint(tmp_p
     assert first["last_step"] == 3 and first["steps_lost"] == 1
     assert status["failed_rank"]["exit_code"] == 3  # the second attempt ran on to its own end
     assert logged_steps(run_dir)[-1] == 6
+
+
+# --- pace and ETA after a resume --------------------------------------------------------------------------------
+
+
+def _lf_line(step: int, total: int, elapsed_s: int, tokens: int) -> dict:
+    """A training line as LLaMA-Factory 0.9.5's LogCallback writes it, with its own (cumulative) figures."""
+    from datetime import timedelta
+
+    return {"current_steps": step, "total_steps": total, "loss": 1.0, "lr": 1e-4, "epoch": step / total,
+            "percentage": round(100 * step / total, 2), "elapsed_time": str(timedelta(seconds=elapsed_s)),
+            "remaining_time": str(timedelta(seconds=int((total - step) * elapsed_s / step))),
+            "throughput": round(tokens / elapsed_s, 2), "total_tokens": tokens}  # fmt: skip
+
+
+@pytest.mark.parametrize("days", [0, 2], ids=["hours", "past-a-day"])
+def test_pace_and_eta_after_a_resume_are_measured_from_the_resume_point(tmp_path, days):
+    """Attempt 1 ran 120 steps at 10 s a step; attempt 2 resumed from checkpoint-100 and runs at 20 s a
+    step (10,000 tokens a step: 500 tokens/s). LLaMA-Factory's elapsed time restarts with attempt 2 while
+    its step and token counts do not, so its own throughput and remaining time are wrong."""
+    from launcher.monitor.status import _eta, collect
+    from tests.fake_runs import write_record
+
+    total, since, per_step = 1000, 100, 20
+    offset = days * 86400  # a long attempt: LLaMA-Factory then writes "2 days, 1:02:03"
+    run_dir = tmp_path / "runs" / "r-20261130-101500"
+    ckpt = run_dir / "output" / f"checkpoint-{since}"
+    ckpt.mkdir(parents=True)
+    state = {"global_step": since, "num_input_tokens_seen": since * 10_000}
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    lines = [_lf_line(s, total, s * 10, s * 10_000) for s in range(1, 121)]  # attempt 1, then a kill at 120
+    lines += [_lf_line(s, total, offset + (s - since) * per_step, s * 10_000) for s in range(since + 1, 131)]
+    (run_dir / "output" / "trainer_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    write_record(run_dir, run_id=run_dir.name, state="CANCELLED", attempt=2, resumed_from=f"output/checkpoint-{since}",
+                 progress={"first_step": since + 1, "step": 130, "total_steps": total})  # fmt: skip
+
+    info = collect(run_dir)
+    pace = info["pace"]
+    elapsed = offset + 30 * per_step
+    assert pace["since_step"] == since and pace["steps"] == 30 and pace["elapsed_s"] == elapsed
+    assert pace["s_per_step"] == pytest.approx(elapsed / 30)
+    assert pace["tokens_per_s"] == pytest.approx(30 * 10_000 / elapsed)
+    wrong = lines[-1]["throughput"]  # LLaMA-Factory's: 1.3 M tokens over this attempt's time
+    assert wrong > 2 * pace["tokens_per_s"]
+    eta = _eta(lines[-1], pace)
+    assert eta == pytest.approx((total - 130) * elapsed / 30)
+    if not days:
+        assert pace["s_per_step"] == 20 and pace["tokens_per_s"] == 500
+        shown = launcher("status", run_dir, timeout=60).stdout
+        assert "pace        20 s/step, 500 tokens/s (30 step(s) in 0:10:00 since step 100)" in shown, shown
+
+    # the attempt has not logged yet (the record's first step is attempt 1's): no pace rather than a wrong one
+    write_record(run_dir, run_id=run_dir.name, state="CANCELLED", attempt=2, resumed_from=f"output/checkpoint-{since}",
+                 progress={"first_step": 1, "step": 120, "total_steps": total})  # fmt: skip
+    with open(run_dir / "output" / "trainer_log.jsonl", "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in lines[:120]))
+    assert collect(run_dir)["pace"] is None
