@@ -338,29 +338,66 @@ class DiskRun:
     def status(self, run_dir: Path) -> dict:
         return json.loads((run_dir / "status.json").read_text())
 
+    def at_step_3(self) -> tuple[Path, int, dict[str, str]]:
+        """Once the record shows step 3: the run folder, rank 0's pid and the hashes of checkpoint-2."""
+        run_dir = self.run_dir()
+        wait_for("step 3 in the record", lambda: (self.status(run_dir).get("progress") or {}).get("step") == 3)
+        rank = json.loads((run_dir / "fake_ranks" / "rank0.json").read_text())["pid"]
+        return run_dir, rank, _tree_hashes(run_dir / "output" / "checkpoint-2")
+
     def output(self) -> str:
         return self.out.read_text(errors="replace")
+
+    def _mount(self, *options: str) -> None:
+        """``mount OPTIONS`` on the tmpfs, inside the run's mount namespace."""
+        argv = ["nsenter", "-t", str(self.proc.pid), "-m", "mount", *options, str(self.mount)]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+
+    def refuse_writes(self, how: str) -> None:
+        """The disk refuses writes: full to the last byte, or read-only.
+
+        Read-only as a remount does it to every path under the mount: the tmpfs itself cannot be remounted
+        read-only while the job's log is open for writing (EBUSY; the kernel's own errors=remount-ro forces
+        it, a tmpfs has no such errors), so a bind mount of it over itself is remounted read-only, and every
+        file opened from then on (each record write opens its file) gets EROFS."""
+        if how == "full":
+            fill_disk(self.live_root.parent / "filler")
+        else:
+            self._mount("--bind", str(self.mount))
+            self._mount("-o", "remount,bind,ro")
+
+    def accept_writes(self, how: str) -> None:
+        if how == "full":
+            (self.live_root.parent / "filler").unlink()
+        else:
+            self._mount("-o", "remount,bind,rw")
+
+
+REFUSALS = pytest.mark.parametrize(("how", "errno_name"), [("full", "ENOSPC"), ("read-only", "EROFS")],
+                                   ids=["disk-full", "read-only"])  # fmt: skip
 
 
 @needs_tmpfs
 @pytest.mark.slow
-def test_disk_full_mid_run_then_freed_the_run_goes_on_and_ends_with_a_correct_record(tmp_path, demo_assets):
+@REFUSALS
+def test_record_writes_refused_mid_run_then_accepted_the_run_goes_on_and_ends_with_a_correct_record(
+    tmp_path, demo_assets, how, errno_name
+):
     go = tmp_path / "go"
     spec = {"lines": 8, "interval": 0.2, "checkpoints": 2, "stall_after": 3, "resume_file": str(go),
             "then": "exit", "exit_code": 3}  # fmt: skip
     run = DiskRun(tmp_path, demo_assets, spec)
     try:
-        run_dir = run.run_dir()
-        wait_for("step 3 in the record", lambda: (run.status(run_dir).get("progress") or {}).get("step") == 3)
-        rank = json.loads((run_dir / "fake_ranks" / "rank0.json").read_text())["pid"]
-        kept = _tree_hashes(run_dir / "output" / "checkpoint-2")
-        fill_disk(run.live_root.parent / "filler")
+        run_dir, rank, kept = run.at_step_3()
+        run.refuse_writes(how)
         wait_for("the supervisor to report the refused write", lambda: "cannot write the run record" in run.output(),
                  timeout=60)  # fmt: skip
+        assert f"({errno_name}: " in run.output()
         during = run.status(run_dir)  # the last good record, whole
         assert during["state"] == "RUNNING" and during["record_write_failures"] == []
-        assert run.proc.poll() is None and alive_pid(rank), "the job or the supervisor died of the full disk"
-        (run.live_root.parent / "filler").unlink()
+        assert run.proc.poll() is None and alive_pid(rank), "the job or the supervisor died of the refused writes"
+        run.accept_writes(how)
         wait_for(
             "the outage in the record once writes land again",
             lambda: [f for f in run.status(run_dir)["record_write_failures"] if f["until"]],
@@ -376,9 +413,10 @@ def test_disk_full_mid_run_then_freed_the_run_goes_on_and_ends_with_a_correct_re
     assert status["state"] == "FAILED" and status["failed_rank"]["exit_code"] == 3, status
     assert status["progress"]["step"] == 8  # the steps after the outage were followed
     outage = status["record_write_failures"]
-    assert len(outage) == 1 and "ENOSPC" in outage[0]["error"] and outage[0]["failed_writes"] >= 1
+    assert len(outage) == 1 and errno_name in outage[0]["error"] and outage[0]["failed_writes"] >= 1
     kinds = [json.loads(line)["event"] for line in (final_dir / "events.jsonl").read_text().splitlines()]
     assert kinds[-1] == "ended" and "record_write_failed" in kinds
+    assert "the run record in" in run.output() and "is written again" in run.output()
     assert _tree_hashes(final_dir / "output" / "checkpoint-2") == kept  # the checkpoint written before is intact
     assert not (final_dir / ".record-reserve").exists()
 
@@ -389,10 +427,7 @@ def test_disk_full_for_good_the_supervisor_stops_the_job_and_leaves_an_end_recor
     spec = {"lines": 8, "interval": 0.2, "checkpoints": 2, "stall_after": 3, "resume_file": str(tmp_path / "never")}
     run = DiskRun(tmp_path, demo_assets, spec, record_write_stop_s=2)
     try:
-        run_dir = run.run_dir()
-        wait_for("step 3 in the record", lambda: (run.status(run_dir).get("progress") or {}).get("step") == 3)
-        rank = json.loads((run_dir / "fake_ranks" / "rank0.json").read_text())["pid"]
-        kept = _tree_hashes(run_dir / "output" / "checkpoint-2")
+        run_dir, rank, kept = run.at_step_3()
         fill_disk(run.live_root.parent / "filler")
         rc = run.proc.wait(timeout=240)  # never freed: the supervisor must end the run by itself
     finally:
@@ -408,6 +443,56 @@ def test_disk_full_for_good_the_supervisor_stops_the_job_and_leaves_an_end_recor
     assert "stopping" in [e["event"] for e in events]
     assert _tree_hashes(final_dir / "output" / "checkpoint-2") == kept
     assert "the run record in" in run.output() and "Traceback" not in run.output()
+
+
+def holds_flock(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` holds a flock on ``path`` now (/proc/locks: works on a read-only mount, where
+    the lock file cannot be opened for writing to test it)."""
+    st = os.stat(path)
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 5 and fields[1] == "FLOCK" and fields[4] == str(pid) and fields[5] == inode:
+            return True
+    return False
+
+
+@needs_tmpfs
+@pytest.mark.slow
+def test_read_only_for_good_the_supervisor_stops_the_job_and_holds_the_lock_until_the_end_lands(tmp_path, demo_assets):
+    """A disk remounted read-only takes no byte: not even the reserve can make room for the end record. The
+    supervisor stops the job after record_write_stop_s, keeps the end in memory and the lock held, and
+    leaves the last good record (RUNNING, its last step) whole; once the disk is writable again the end lands,
+    and only then is the lock released."""
+    spec = {"lines": 8, "interval": 0.2, "checkpoints": 2, "stall_after": 3, "resume_file": str(tmp_path / "never")}
+    run = DiskRun(tmp_path, demo_assets, spec, record_write_stop_s=2)
+    try:
+        run_dir, rank, kept = run.at_step_3()
+        last_good = (run_dir / "status.json").read_text()
+        supervisor = json.loads(last_good)["supervisor"]["pid"]
+        run.refuse_writes("read-only")
+        wait_for("the job to be stopped", lambda: not alive_pid(rank), timeout=120)
+        wait_for("the supervisor to say the end is not on disk yet", lambda: "is not on disk yet" in run.output(),
+                 timeout=120)  # fmt: skip
+        assert run.proc.poll() is None and holds_flock(supervisor, run.live_root / "launcher.lock")
+        assert (run_dir / "status.json").read_text() == last_good  # the most precise record this disk allows
+        assert "(EROFS: " in run.output() and "Traceback" not in run.output()
+        run.accept_writes("read-only")  # the disk is fixed: the end lands, then the lock is released
+        rc = run.proc.wait(timeout=240)
+    finally:
+        kill_all(processes_naming(str(tmp_path)))
+    final_dir = the_copy(run.copy)
+    status = json.loads((final_dir / "status.json").read_text())
+    assert rc not in (0, None), run.output()
+    assert status["state"] == "FAILED" and "could not be written" in status["reason"] and "EROFS" in status["reason"]
+    assert status["processes"] == [] and status["progress"]["step"] == 3
+    (outage,) = status["record_write_failures"]
+    assert "EROFS" in outage["error"] and outage["until"] is not None
+    events = [json.loads(line) for line in (final_dir / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "ended" and events[-1]["state"] == "FAILED"
+    kinds = [e["event"] for e in events]
+    assert kinds.index("stopping") < kinds.index("record_write_failed") < kinds.index("ended")
+    assert _tree_hashes(final_dir / "output" / "checkpoint-2") == kept
 
 
 def alive_pid(pid: int) -> bool:
