@@ -116,15 +116,21 @@ def test_two_ranks_agree_on_the_step_they_save_at_on_launcher_stop(tmp_path, dem
     assert f"rank 1: stopped after saving checkpoint-{saved['step']}" in log
 
 
-@pytest.mark.slow
-def test_stop_now_skips_the_save(tmp_path, demo_assets):
-    spec = {"lines": 100000, "interval": 0.2, "save_on_stop": True}
-    cfg, env = fake_config(tmp_path, demo_assets, spec)
+def started_saving_run(tmp_path: Path, demo_assets) -> tuple[Path, dict[str, str], list]:
+    """A started run of fake ranks that honour the save on stop, once the job has announced it: its folder,
+    the environment and the ranks."""
+    cfg, env = fake_config(tmp_path, demo_assets, {"lines": 100000, "interval": 0.2, "save_on_stop": True})
     started = launcher("start", cfg, env=env, timeout=300)
     assert started.returncode == 0, started.stdout + started.stderr
     run_dir = the_run_dir(tmp_path / "runs")
-    rank_processes(run_dir, 1)
+    ranks = rank_processes(run_dir, 1)
     wait_for("the job to announce its save on stop", lambda: (run_dir / "save_on_stop.json").exists())
+    return run_dir, env, ranks
+
+
+@pytest.mark.slow
+def test_stop_now_skips_the_save(tmp_path, demo_assets):
+    run_dir, env, _ = started_saving_run(tmp_path, demo_assets)
     stopped = launcher("stop", run_dir, "--now", env=env, timeout=180)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     status = read_status(run_dir)
@@ -136,13 +142,7 @@ def test_stop_now_skips_the_save(tmp_path, demo_assets):
 
 @pytest.mark.slow
 def test_stop_saves_through_the_protocol_and_the_record_names_the_step(tmp_path, demo_assets):
-    spec = {"lines": 100000, "interval": 0.2, "save_on_stop": True}
-    cfg, env = fake_config(tmp_path, demo_assets, spec)
-    started = launcher("start", cfg, env=env, timeout=300)
-    assert started.returncode == 0, started.stdout + started.stderr
-    run_dir = the_run_dir(tmp_path / "runs")
-    rank_processes(run_dir, 1)
-    wait_for("the job to announce its save on stop", lambda: (run_dir / "save_on_stop.json").exists())
+    run_dir, env, _ = started_saving_run(tmp_path, demo_assets)
     stopped = launcher("stop", run_dir, env=env, timeout=180)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     status = read_status(run_dir)
@@ -151,6 +151,37 @@ def test_stop_saves_through_the_protocol_and_the_record_names_the_step(tmp_path,
     wait_for("every process of the run to end", lambda: recorded_processes(run_dir) == [], timeout=60)
     shown = launcher("status", run_dir, env=env).stdout
     assert f"step {status['saved_checkpoint']['step']} on the stop" in shown and "143 (128 + signal 15)" in shown
+
+
+@pytest.mark.slow
+def test_stop_of_a_run_whose_supervisor_is_lost_saves_through_the_protocol_then_cleans_up(tmp_path, demo_assets):
+    import psutil
+
+    from tests.fake_runs import alive, status_json
+
+    run_dir, env, ranks = started_saving_run(tmp_path, demo_assets)
+    torchrun = psutil.Process(read_status(run_dir)["job_pid"])
+    supervisor = psutil.Process(read_status(run_dir)["supervisor"]["pid"])
+    supervisor.kill()  # the OOM killer, or a `kill -9` by mistake: the job trains on, unsupervised
+    wait_for("the supervisor to be gone", lambda: not alive(supervisor))
+    assert status_json(run_dir, env)["state"] == "SUPERVISOR_LOST"
+    stopped = launcher("stop", run_dir, env=env, timeout=180)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert "the supervisor is gone; the job saves a checkpoint at the next step" in stopped.stdout
+    status = read_status(run_dir)
+    saved = status["saved_checkpoint"]
+    assert status["state"] == "SUPERVISOR_LOST" and saved is not None, status["reason"]
+    assert (run_dir / saved["path"] / "adapter_model.safetensors").is_file() and saved["optimizer_state"] is True
+    assert max(logged_steps(run_dir)) - 1 <= saved["step"]  # at most one step behind the log
+    assert f"checkpoint {saved['path']} saved at step {saved['step']} on the stop" in status["reason"]
+    assert "killed after the grace period" not in status["reason"]  # it exited by itself after the save
+    assert "launcher stop (pid" in status["stopped_by"]
+    assert not any(alive(p) for p in [torchrun, *ranks])
+    kinds = [e["event"] for e in events(run_dir)]
+    assert kinds.index("stopping") < kinds.index("ended") < kinds.index("cleanup") and "save_timeout" not in kinds
+    assert [e for e in events(run_dir) if e["event"] == "stopping"][0]["save"] is True
+    shown = launcher("status", run_dir, env=env).stdout
+    assert f"step {saved['step']} on the stop" in shown
 
 
 # --- automatic recovery ---------------------------------------------------------------------------------------------

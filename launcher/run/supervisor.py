@@ -46,7 +46,7 @@ from launcher.run.signals import Received, StopSignals
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.reconcile import reconcile
 from launcher.state.record import RunStore, now_iso
-from launcher.state.runs import SAVE_DONE, SAVE_READY, SAVE_REQUEST
+from launcher.state.runs import OUTPUT_SUBDIR, SAVE_DONE, SAVE_READY, SAVE_REQUEST
 from launcher.state.states import RunState, end_state, run_exit_code
 from launcher.state.trainer_log import TrainerLogFollower
 
@@ -60,6 +60,17 @@ SAVE_KILL_GRACE_S = 10.0  # after a save on stop that did not end the job in tim
 def request_stop(run_dir: Path, grace_s: float | None, by: str, now: bool = False) -> None:
     """Leave a stop request for the run's supervisor (read when it receives SIGTERM). ``now`` skips the save."""
     write_json_atomic(run_dir / STOP_REQUEST, {"time": now_iso(), "grace_s": grace_s, "by": by, "now": now})
+
+
+def saved_checkpoint(run_dir: Path, saved: Any) -> dict[str, Any] | None:
+    """The checkpoint the job reported saving on a stop (``stop_saved.json``'s content), if it is the newest
+    complete one on disk: ``{step, path, optimizer_state}``, the path relative to the run directory."""
+    if not isinstance(saved, dict):
+        return None
+    last = last_complete_checkpoint(run_dir / OUTPUT_SUBDIR)
+    if last is None or last.step != saved.get("step"):
+        return None
+    return {"step": last.step, "path": last.relative_to(run_dir), "optimizer_state": last.optimizer_state}
 
 
 def _read_stop_request(run_dir: Path) -> dict[str, Any] | None:
@@ -160,6 +171,7 @@ class Supervisor:
                   spawning=self._signals.unblocked())  # fmt: skip
         self._remember(job.pid)
         self.store.transition(RunState.RUNNING, event=None, job_pid=job.pid, command=cmd, started=now_iso(),
+                              stop_grace_s=launcher.stop_grace_s,
                               node={"nnodes": node.nnodes, "node_rank": node.node_rank,
                                     "master_addr": node.master_addr},
                               processes=list(self._known.values()))  # fmt: skip
@@ -302,7 +314,7 @@ class Supervisor:
         request = _read_stop_request(self.run_dir.path) if stopped_by is not None else None
         accepted: bool | None = None
         cause = None
-        saved = self._saved_checkpoint(ending.saved)
+        saved = saved_checkpoint(self.run_dir.path, ending.saved)
         if saved:
             fields["saved_checkpoint"] = saved
         if stopped_by is not None:
@@ -353,16 +365,6 @@ class Supervisor:
                             stalled=ending.why == "stall" and self._launcher.stall_action == "restart")  # fmt: skip
         fields["run_exit_code"] = run_exit_code(state, exit_code=exit_code, signal=sig, stop_signal=stopped_by)
         return state, fields, retry
-
-    def _saved_checkpoint(self, saved: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The checkpoint the job reported saving on the stop, if it is complete on disk."""
-        if not saved:
-            return None
-        last = last_complete_checkpoint(self.run_dir.output)
-        if last is None or last.step != saved.get("step"):
-            return None
-        return {"step": last.step, "path": last.relative_to(self.run_dir.path),
-                "optimizer_state": last.optimizer_state}  # fmt: skip
 
     def _restart(self, state: RunState, fields: dict[str, Any], cause: str, backoff_s: float) -> bool:
         """Record this attempt's failure and start over from the last complete checkpoint as the next attempt,
