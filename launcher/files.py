@@ -54,7 +54,10 @@ def write_bytes_atomic(path: Path, data: bytes, mode: int | None = None) -> None
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        try:
+            Path(tmp).unlink(missing_ok=True)
+        except OSError:  # e.g. the failed write (EIO) made the kernel remount the disk read-only: report the EIO
+            pass
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:

@@ -83,6 +83,20 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float = 120, every: f
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
 
 
+def fill_disk(path: Path) -> None:
+    """Write ``path`` until its disk refuses another byte (a real full disk, to the last byte)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        for chunk in (1 << 20, 4096, 512, 1):
+            try:
+                while True:
+                    os.write(fd, b"x" * chunk)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+
+
 def spawn(args: list[str], marker: str, **popen: Any) -> subprocess.Popen:
     """Start ``args`` and return once the new process runs them (its command line names ``marker``): right
     after ``Popen`` the child may not have exec'd yet and still shows its parent's command line."""

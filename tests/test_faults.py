@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,13 +21,23 @@ import pytest
 
 from launcher.state.states import EXIT_CODE_TABLE, EXIT_CODES, TERMINAL, RunState, run_exit_code
 from tests.conftest import REPO
-from tests.fake_runs import PREFLIGHT_SKIP, alive, fake_config, kill_all, launcher, processes_naming, wait_for
+from tests.fake_runs import (
+    PREFLIGHT_SKIP,
+    alive,
+    fake_config,
+    fill_disk,
+    kill_all,
+    launcher,
+    processes_naming,
+    wait_for,
+)
 
 PROBE = r"""
 import json, os, sys
 from pathlib import Path
 from launcher.state.record import RunStore
 from launcher.state.states import RunState
+from tests.fake_runs import fill_disk
 
 root, free = Path(sys.argv[1]), sys.argv[2] == "free"
 run_dir = root / "run"
@@ -34,14 +45,7 @@ run_dir.mkdir()
 store = RunStore.create(run_dir, "run")
 store.transition(RunState.RUNNING, progress={"step": 1})
 store.reserve()
-fd = os.open(root / "filler", os.O_WRONLY | os.O_CREAT)
-for chunk in (1 << 16, 4096, 512, 1):  # to the last byte
-    try:
-        while True:
-            os.write(fd, b"x" * chunk)
-    except OSError:
-        pass
-os.close(fd)
+fill_disk(root / "filler")
 seen = {"good": (run_dir / "status.json").read_text()}
 seen["saved"] = store.save(progress={"step": 2})
 seen["after_failed_save"] = (run_dir / "status.json").read_text()
@@ -114,6 +118,119 @@ def test_a_record_write_on_a_full_disk_keeps_the_last_good_record_and_the_end_la
     assert kinds[-1] == "ended" and "during_outage" in kinds and "record_write_failed" in kinds
     assert kinds.index("during_outage") < kinds.index("ended")
     assert not seen["reserve_left"]
+
+
+# --- a failing disk under the filesystem: EIO, and the kernel's emergency read-only remount ----------------------
+
+DEAD_DISK_PROBE = r"""
+import json, os, sys
+from pathlib import Path
+from launcher.state.record import RunStore
+from launcher.state.states import RunState
+from tests.fake_runs import fill_disk
+
+mnt, backing = Path(sys.argv[1]), Path(sys.argv[2])
+run_dir = mnt / "run"
+run_dir.mkdir()
+store = RunStore.create(run_dir, "run")
+store.transition(RunState.RUNNING, progress={"step": 1})
+good = (run_dir / "status.json").read_text()
+fill_disk(backing / "filler")  # the block device's own storage
+seen = {"saved": store.save(progress={"step": 2}), "error": (store.failing or {}).get("error")}
+store.event("during_outage", step=2)
+seen["end_landed"] = store.record_end(RunState.FAILED, reason="test end")
+seen["kept"] = (run_dir / "status.json").read_text() == good
+seen["events"] = (run_dir / "events.jsonl").read_text()
+seen["mount"] = next(line for line in open("/proc/self/mounts") if str(mnt) in line)
+print(json.dumps(seen))
+"""
+
+
+def _dead_disk_command(tmp_path: Path) -> list[str]:
+    """The probe on an ext4 on a loop device whose backing file lies on a 8 MiB tmpfs, in a private mount
+    namespace: the test fills the tmpfs, and the block device's next write fails (a real I/O error under
+    the filesystem, as a dying disk gives), after which ext4 remounts itself read-only (errors=remount-ro)."""
+    backing, mnt = tmp_path / "backing", tmp_path / "mnt"
+    backing.mkdir()
+    mnt.mkdir()
+    script = (f'mount -t tmpfs -o size=8m tmpfs "{backing}" || exit 90; truncate -s 64m "{backing}/img" && '
+              f'mkfs.ext4 -q -F -E lazy_itable_init=1,lazy_journal_init=1 "{backing}/img" || exit 91; '
+              f'mount -o loop,errors=remount-ro "{backing}/img" "{mnt}" || exit 92; "$@"')  # fmt: skip
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", sys.executable, "-c",
+            DEAD_DISK_PROBE, str(mnt), str(backing)]  # fmt: skip
+
+
+def _can_loop_mount() -> bool:
+    if not _can_mount_tmpfs() or shutil.which("mkfs.ext4") is None:
+        return False
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs tmpfs /mnt && truncate -s 8m /mnt/i && "
+                            "mkfs.ext4 -q /mnt/i && mkdir /mnt/m && mount -o loop /mnt/i /mnt/m"],
+                           capture_output=True)  # fmt: skip
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _can_loop_mount(), reason="needs root, loop devices and mkfs.ext4")
+def test_a_failing_block_device_never_raises_from_the_record_writer_and_keeps_the_last_good_record(tmp_path):
+    """Which error the kernel reports first varies from run to run: EIO (a failed journal write, which also
+    aborts the journal), ENOSPC (a failed data write) or EROFS (the filesystem already remounted itself
+    read-only). All take the same path: refused, kept in memory, reported; nothing lands on a dead disk."""
+    proc = subprocess.run(_dead_disk_command(tmp_path), capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen = json.loads(proc.stdout)
+    assert seen["saved"] is False and seen["end_landed"] is False  # refused, not raised
+    assert seen["kept"]  # the last good status.json, whole
+    assert "during_outage" not in seen["events"] and "ended" not in seen["events"]  # held, never half-written
+    errno_name = seen["error"].split(":")[0]
+    assert errno_name in ("EIO", "ENOSPC", "EROFS"), seen["error"]
+    assert f"cannot write the run record in {tmp_path / 'mnt' / 'run'} ({errno_name}: " in proc.stderr
+    assert "Traceback" not in proc.stderr
+    print(f"\nfailing block device: the record writer saw {seen['error']}; mount now: {seen['mount'].strip()}")
+
+
+def test_an_eio_keeps_the_last_good_record_and_is_the_error_reported(tmp_path, monkeypatch):
+    """EIO injected by hand (faked: no device here fails on demand; the test above gets a real EIO only on
+    some runs): ``os.fsync`` of the run's files fails with EIO, and removing the temporary file fails with
+    EROFS, as when the kernel remounts a disk read-only on that I/O error. The record writer must keep the
+    last good record and report the EIO, the first error, not the EROFS of its clean-up."""
+    import errno
+
+    from launcher.state.record import RunStore
+    from launcher.state.states import RunState
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    store = RunStore.create(run_dir, "run")
+    store.transition(RunState.RUNNING, progress={"step": 1})
+    good = (run_dir / "status.json").read_text()
+    real_fsync, real_unlink = os.fsync, Path.unlink
+    broken = {"on": True}
+
+    def fsync(fd: int) -> None:
+        if broken["on"] and os.readlink(f"/proc/self/fd/{fd}").startswith(str(run_dir)):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_fsync(fd)
+
+    def unlink(path: Path, missing_ok: bool = False) -> None:
+        if broken["on"] and str(path).startswith(str(run_dir)):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        real_unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(Path, "unlink", unlink)
+    assert store.save(progress={"step": 2}) is False
+    assert (run_dir / "status.json").read_text() == good
+    assert store.failing["error"].startswith("EIO: ")
+    store.event("during_outage", step=2)
+    broken["on"] = False
+    for leftover in run_dir.glob(".status.json.*.tmp"):  # what the failed clean-up left
+        leftover.unlink()
+    assert store.record_end(RunState.FAILED, reason="test end") is True
+    final = json.loads((run_dir / "status.json").read_text())
+    (outage,) = final["record_write_failures"]
+    assert outage["error"].startswith("EIO: ") and outage["until"] is not None
+    kinds = [json.loads(line)["event"] for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert kinds[-3:] == ["during_outage", "record_write_failed", "ended"]
 
 
 # --- exit codes -----------------------------------------------------------------------------------------------
@@ -191,20 +308,6 @@ def _tree_hashes(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*")) if p.is_file()}  # fmt: skip
 
 
-def _fill(path: Path) -> None:
-    """Write ``path`` until the disk refuses another byte."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
-    try:
-        for chunk in (1 << 20, 4096, 1):
-            try:
-                while True:
-                    os.write(fd, b"x" * chunk)
-            except OSError:
-                pass
-    finally:
-        os.close(fd)
-
-
 class DiskRun:
     """``launcher run`` of fake ranks with its runs folder on a small private tmpfs."""
 
@@ -235,29 +338,66 @@ class DiskRun:
     def status(self, run_dir: Path) -> dict:
         return json.loads((run_dir / "status.json").read_text())
 
+    def at_step_3(self) -> tuple[Path, int, dict[str, str]]:
+        """Once the record shows step 3: the run folder, rank 0's pid and the hashes of checkpoint-2."""
+        run_dir = self.run_dir()
+        wait_for("step 3 in the record", lambda: (self.status(run_dir).get("progress") or {}).get("step") == 3)
+        rank = json.loads((run_dir / "fake_ranks" / "rank0.json").read_text())["pid"]
+        return run_dir, rank, _tree_hashes(run_dir / "output" / "checkpoint-2")
+
     def output(self) -> str:
         return self.out.read_text(errors="replace")
+
+    def _mount(self, *options: str) -> None:
+        """``mount OPTIONS`` on the tmpfs, inside the run's mount namespace."""
+        argv = ["nsenter", "-t", str(self.proc.pid), "-m", "mount", *options, str(self.mount)]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+
+    def refuse_writes(self, how: str) -> None:
+        """The disk refuses writes: full to the last byte, or read-only.
+
+        Read-only as a remount does it to every path under the mount: the tmpfs itself cannot be remounted
+        read-only while the job's log is open for writing (EBUSY; the kernel's own errors=remount-ro forces
+        it, a tmpfs has no such errors), so a bind mount of it over itself is remounted read-only, and every
+        file opened from then on (each record write opens its file) gets EROFS."""
+        if how == "full":
+            fill_disk(self.live_root.parent / "filler")
+        else:
+            self._mount("--bind", str(self.mount))
+            self._mount("-o", "remount,bind,ro")
+
+    def accept_writes(self, how: str) -> None:
+        if how == "full":
+            (self.live_root.parent / "filler").unlink()
+        else:
+            self._mount("-o", "remount,bind,rw")
+
+
+REFUSALS = pytest.mark.parametrize(("how", "errno_name"), [("full", "ENOSPC"), ("read-only", "EROFS")],
+                                   ids=["disk-full", "read-only"])  # fmt: skip
 
 
 @needs_tmpfs
 @pytest.mark.slow
-def test_disk_full_mid_run_then_freed_the_run_goes_on_and_ends_with_a_correct_record(tmp_path, demo_assets):
+@REFUSALS
+def test_record_writes_refused_mid_run_then_accepted_the_run_goes_on_and_ends_with_a_correct_record(
+    tmp_path, demo_assets, how, errno_name
+):
     go = tmp_path / "go"
     spec = {"lines": 8, "interval": 0.2, "checkpoints": 2, "stall_after": 3, "resume_file": str(go),
             "then": "exit", "exit_code": 3}  # fmt: skip
     run = DiskRun(tmp_path, demo_assets, spec)
     try:
-        run_dir = run.run_dir()
-        wait_for("step 3 in the record", lambda: (run.status(run_dir).get("progress") or {}).get("step") == 3)
-        rank = json.loads((run_dir / "fake_ranks" / "rank0.json").read_text())["pid"]
-        kept = _tree_hashes(run_dir / "output" / "checkpoint-2")
-        _fill(run.live_root.parent / "filler")
+        run_dir, rank, kept = run.at_step_3()
+        run.refuse_writes(how)
         wait_for("the supervisor to report the refused write", lambda: "cannot write the run record" in run.output(),
                  timeout=60)  # fmt: skip
+        assert f"({errno_name}: " in run.output()
         during = run.status(run_dir)  # the last good record, whole
         assert during["state"] == "RUNNING" and during["record_write_failures"] == []
-        assert run.proc.poll() is None and alive_pid(rank), "the job or the supervisor died of the full disk"
-        (run.live_root.parent / "filler").unlink()
+        assert run.proc.poll() is None and alive_pid(rank), "the job or the supervisor died of the refused writes"
+        run.accept_writes(how)
         wait_for(
             "the outage in the record once writes land again",
             lambda: [f for f in run.status(run_dir)["record_write_failures"] if f["until"]],
@@ -273,9 +413,10 @@ def test_disk_full_mid_run_then_freed_the_run_goes_on_and_ends_with_a_correct_re
     assert status["state"] == "FAILED" and status["failed_rank"]["exit_code"] == 3, status
     assert status["progress"]["step"] == 8  # the steps after the outage were followed
     outage = status["record_write_failures"]
-    assert len(outage) == 1 and "ENOSPC" in outage[0]["error"] and outage[0]["failed_writes"] >= 1
+    assert len(outage) == 1 and errno_name in outage[0]["error"] and outage[0]["failed_writes"] >= 1
     kinds = [json.loads(line)["event"] for line in (final_dir / "events.jsonl").read_text().splitlines()]
     assert kinds[-1] == "ended" and "record_write_failed" in kinds
+    assert "the run record in" in run.output() and "is written again" in run.output()
     assert _tree_hashes(final_dir / "output" / "checkpoint-2") == kept  # the checkpoint written before is intact
     assert not (final_dir / ".record-reserve").exists()
 
@@ -286,11 +427,8 @@ def test_disk_full_for_good_the_supervisor_stops_the_job_and_leaves_an_end_recor
     spec = {"lines": 8, "interval": 0.2, "checkpoints": 2, "stall_after": 3, "resume_file": str(tmp_path / "never")}
     run = DiskRun(tmp_path, demo_assets, spec, record_write_stop_s=2)
     try:
-        run_dir = run.run_dir()
-        wait_for("step 3 in the record", lambda: (run.status(run_dir).get("progress") or {}).get("step") == 3)
-        rank = json.loads((run_dir / "fake_ranks" / "rank0.json").read_text())["pid"]
-        kept = _tree_hashes(run_dir / "output" / "checkpoint-2")
-        _fill(run.live_root.parent / "filler")
+        run_dir, rank, kept = run.at_step_3()
+        fill_disk(run.live_root.parent / "filler")
         rc = run.proc.wait(timeout=240)  # never freed: the supervisor must end the run by itself
     finally:
         kill_all(processes_naming(str(tmp_path)))
@@ -305,6 +443,56 @@ def test_disk_full_for_good_the_supervisor_stops_the_job_and_leaves_an_end_recor
     assert "stopping" in [e["event"] for e in events]
     assert _tree_hashes(final_dir / "output" / "checkpoint-2") == kept
     assert "the run record in" in run.output() and "Traceback" not in run.output()
+
+
+def holds_flock(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` holds a flock on ``path`` now (/proc/locks: works on a read-only mount, where
+    the lock file cannot be opened for writing to test it)."""
+    st = os.stat(path)
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 5 and fields[1] == "FLOCK" and fields[4] == str(pid) and fields[5] == inode:
+            return True
+    return False
+
+
+@needs_tmpfs
+@pytest.mark.slow
+def test_read_only_for_good_the_supervisor_stops_the_job_and_holds_the_lock_until_the_end_lands(tmp_path, demo_assets):
+    """A disk remounted read-only takes no byte: not even the reserve can make room for the end record. The
+    supervisor stops the job after record_write_stop_s, keeps the end in memory and the lock held, and
+    leaves the last good record (RUNNING, its last step) whole; once the disk is writable again the end lands,
+    and only then is the lock released."""
+    spec = {"lines": 8, "interval": 0.2, "checkpoints": 2, "stall_after": 3, "resume_file": str(tmp_path / "never")}
+    run = DiskRun(tmp_path, demo_assets, spec, record_write_stop_s=2)
+    try:
+        run_dir, rank, kept = run.at_step_3()
+        last_good = (run_dir / "status.json").read_text()
+        supervisor = json.loads(last_good)["supervisor"]["pid"]
+        run.refuse_writes("read-only")
+        wait_for("the job to be stopped", lambda: not alive_pid(rank), timeout=120)
+        wait_for("the supervisor to say the end is not on disk yet", lambda: "is not on disk yet" in run.output(),
+                 timeout=120)  # fmt: skip
+        assert run.proc.poll() is None and holds_flock(supervisor, run.live_root / "launcher.lock")
+        assert (run_dir / "status.json").read_text() == last_good  # the most precise record this disk allows
+        assert "(EROFS: " in run.output() and "Traceback" not in run.output()
+        run.accept_writes("read-only")  # the disk is fixed: the end lands, then the lock is released
+        rc = run.proc.wait(timeout=240)
+    finally:
+        kill_all(processes_naming(str(tmp_path)))
+    final_dir = the_copy(run.copy)
+    status = json.loads((final_dir / "status.json").read_text())
+    assert rc not in (0, None), run.output()
+    assert status["state"] == "FAILED" and "could not be written" in status["reason"] and "EROFS" in status["reason"]
+    assert status["processes"] == [] and status["progress"]["step"] == 3
+    (outage,) = status["record_write_failures"]
+    assert "EROFS" in outage["error"] and outage["until"] is not None
+    events = [json.loads(line) for line in (final_dir / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "ended" and events[-1]["state"] == "FAILED"
+    kinds = [e["event"] for e in events]
+    assert kinds.index("stopping") < kinds.index("record_write_failed") < kinds.index("ended")
+    assert _tree_hashes(final_dir / "output" / "checkpoint-2") == kept
 
 
 def alive_pid(pid: int) -> bool:
@@ -354,3 +542,102 @@ def test_a_foreground_run_whose_terminal_closes_ends_terminated_and_exits_129(tm
     assert status["state"] == "TERMINATED" and status["stop_signal"] == 1 and status["run_exit_code"] == 129
     assert "terminal closed" in status["stopped_by"]
     assert "Traceback" not in err.read_text(), err.read_text()[-3000:]
+
+
+# --- who sent the stop signal (siginfo: si_pid, si_uid) ---------------------------------------------------------
+
+SENDER = "import os, sys, time; os.kill(int(sys.argv[1]), 15); time.sleep(600)"
+
+
+def _blocked_mask(pid: int) -> int:
+    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("SigBlk:"))
+    return int(line.split()[1], 16)
+
+
+def test_stop_signals_are_taken_with_their_sender_and_children_start_unblocked():
+    from launcher.run.signals import StopSignals
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    with StopSignals() as stops:
+        with stops.unblocked():  # how the supervisor spawns its job
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            assert _blocked_mask(child.pid) & (1 << (signal.SIGTERM - 1)) == 0  # the job can die of SIGTERM
+        finally:
+            child.kill()
+            child.wait()
+        sender = subprocess.Popen([sys.executable, "-c", SENDER, str(os.getpid()), "stop-sender"])
+        try:
+            got = stops.wait(60)
+        finally:
+            sender.kill()
+            sender.wait()
+        assert got is not None and got.pid == sender.pid and got.uid == os.getuid() and got.signum == signal.SIGTERM
+        assert got.describe().startswith(f"SIGTERM from pid {sender.pid} (") and "stop-sender" in got.describe()
+        os.kill(os.getpid(), signal.SIGINT)  # pending when the block ends: taken, not a KeyboardInterrupt
+    assert stops.first == got  # the first signal is the one kept
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.slow
+def test_the_record_names_the_process_that_sent_sigterm_to_a_foreground_run(tmp_path, demo_assets):
+    from tests.fake_runs import launcher_bg, rank_processes, read_status, spawn, wait_for_run_dir
+
+    cfg, env = fake_config(tmp_path, demo_assets, {"lines": 100000, "interval": 0.2, "total_steps": 100000})
+    supervisor = launcher_bg("run", cfg, "--quiet", env=env, log=tmp_path / "run.out")
+    run_dir = wait_for_run_dir(tmp_path / "runs")
+    rank_processes(run_dir, 1)  # the job runs: the supervisor is in its watch loop
+    # a known process sends the signal and stays alive, as `kill` in a shell script that goes on
+    sender = spawn([sys.executable, "-c", SENDER, str(supervisor.pid), "stop-sender"], "stop-sender")
+    try:
+        rc = supervisor.wait(timeout=120)
+    finally:
+        sender.kill()
+        sender.wait()
+    status = read_status(run_dir)
+    out = (tmp_path / "run.out").read_text()
+    assert rc == 143 and status["state"] == "TERMINATED", out[-3000:]
+    assert status["stopped_by"].startswith(f"SIGTERM from pid {sender.pid} ("), status["stopped_by"]
+    assert "stop-sender" in status["stopped_by"] and f"uid {os.getuid()})" in status["stopped_by"]
+    assert status["stop_sender"]["pid"] == sender.pid and status["stop_sender"]["uid"] == os.getuid()
+    assert status["stop_sender"]["signal"] == 15 and status["stop_sender"]["si_code"] == 0  # SI_USER: kill()
+    assert f"pid {sender.pid}" in status["reason"]
+    shown = launcher("status", run_dir, env=env, timeout=60).stdout
+    assert f"SIGTERM from pid {sender.pid}" in shown
+
+
+def _can_unshare_pid() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-p", "-f", "--mount-proc", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_unshare_pid(), reason="needs root: unshare -p -f --mount-proc (a pid namespace)")
+def test_sigterm_from_outside_the_pid_namespace_is_recorded_as_the_container_engine(tmp_path, demo_assets):
+    """The launcher as a container's main process (pid 1 of its own pid namespace, as under docker); the
+    test, outside that namespace, sends SIGTERM as the engine does for `docker stop`: the kernel reports
+    si_pid 0, since the sender has no pid in the namespace."""
+    import psutil
+
+    from tests.fake_runs import read_status, wait_for_growth, wait_for_run_dir
+
+    cfg, env = fake_config(tmp_path, demo_assets, {"lines": 100000, "interval": 0.2, "total_steps": 100000})
+    argv = ["unshare", "-p", "-f", "--mount-proc", "--kill-child", sys.executable, "-m", "launcher", "run",
+            str(cfg), "--quiet"]  # fmt: skip
+    with open(tmp_path / "run.out", "wb") as out:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        run_dir = wait_for_run_dir(tmp_path / "runs")
+        wait_for_growth(run_dir / "output" / "trainer_log.jsonl", lines=1)  # the job runs
+        assert read_status(run_dir)["supervisor"]["pid"] == 1  # pid 1 of its namespace, as in a container
+        (main,) = psutil.Process(proc.pid).children()  # unshare --fork: its one child is the namespace's pid 1
+        main.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    finally:
+        kill_all(processes_naming(str(tmp_path)))
+    status = read_status(run_dir)
+    assert rc == 143 and status["state"] == "TERMINATED", (tmp_path / "run.out").read_text()[-3000:]
+    assert status["stopped_by"].startswith("SIGTERM from outside this pid namespace (si_pid 0: the container engine")
+    assert status["stop_sender"]["pid"] == 0 and status["stop_sender"]["si_code"] == 0

@@ -71,7 +71,7 @@ def test_sigterm_saves_a_checkpoint_at_the_next_step_and_resume_reaches_the_plan
     out = (tmp_path / "run.out").read_text()
     assert rc == 128 + signal.SIGTERM, out[-3000:]
     assert status["state"] == "TERMINATED" and status["run_exit_code"] == 143
-    assert status["stop_signal"] == signal.SIGTERM and "docker stop" in status["stopped_by"]
+    assert status["stop_signal"] == signal.SIGTERM and f"SIGTERM from pid {os.getpid()} (" in status["stopped_by"]
     saved = status["saved_checkpoint"]
     last_logged = max(logged_steps(run_dir))
     assert saved is not None, status["reason"]
@@ -116,15 +116,21 @@ def test_two_ranks_agree_on_the_step_they_save_at_on_launcher_stop(tmp_path, dem
     assert f"rank 1: stopped after saving checkpoint-{saved['step']}" in log
 
 
-@pytest.mark.slow
-def test_stop_now_skips_the_save(tmp_path, demo_assets):
-    spec = {"lines": 100000, "interval": 0.2, "save_on_stop": True}
-    cfg, env = fake_config(tmp_path, demo_assets, spec)
+def started_saving_run(tmp_path: Path, demo_assets) -> tuple[Path, dict[str, str], list]:
+    """A started run of fake ranks that honour the save on stop, once the job has announced it: its folder,
+    the environment and the ranks."""
+    cfg, env = fake_config(tmp_path, demo_assets, {"lines": 100000, "interval": 0.2, "save_on_stop": True})
     started = launcher("start", cfg, env=env, timeout=300)
     assert started.returncode == 0, started.stdout + started.stderr
     run_dir = the_run_dir(tmp_path / "runs")
-    rank_processes(run_dir, 1)
+    ranks = rank_processes(run_dir, 1)
     wait_for("the job to announce its save on stop", lambda: (run_dir / "save_on_stop.json").exists())
+    return run_dir, env, ranks
+
+
+@pytest.mark.slow
+def test_stop_now_skips_the_save(tmp_path, demo_assets):
+    run_dir, env, _ = started_saving_run(tmp_path, demo_assets)
     stopped = launcher("stop", run_dir, "--now", env=env, timeout=180)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     status = read_status(run_dir)
@@ -136,13 +142,7 @@ def test_stop_now_skips_the_save(tmp_path, demo_assets):
 
 @pytest.mark.slow
 def test_stop_saves_through_the_protocol_and_the_record_names_the_step(tmp_path, demo_assets):
-    spec = {"lines": 100000, "interval": 0.2, "save_on_stop": True}
-    cfg, env = fake_config(tmp_path, demo_assets, spec)
-    started = launcher("start", cfg, env=env, timeout=300)
-    assert started.returncode == 0, started.stdout + started.stderr
-    run_dir = the_run_dir(tmp_path / "runs")
-    rank_processes(run_dir, 1)
-    wait_for("the job to announce its save on stop", lambda: (run_dir / "save_on_stop.json").exists())
+    run_dir, env, _ = started_saving_run(tmp_path, demo_assets)
     stopped = launcher("stop", run_dir, env=env, timeout=180)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     status = read_status(run_dir)
@@ -151,6 +151,37 @@ def test_stop_saves_through_the_protocol_and_the_record_names_the_step(tmp_path,
     wait_for("every process of the run to end", lambda: recorded_processes(run_dir) == [], timeout=60)
     shown = launcher("status", run_dir, env=env).stdout
     assert f"step {status['saved_checkpoint']['step']} on the stop" in shown and "143 (128 + signal 15)" in shown
+
+
+@pytest.mark.slow
+def test_stop_of_a_run_whose_supervisor_is_lost_saves_through_the_protocol_then_cleans_up(tmp_path, demo_assets):
+    import psutil
+
+    from tests.fake_runs import alive, status_json
+
+    run_dir, env, ranks = started_saving_run(tmp_path, demo_assets)
+    torchrun = psutil.Process(read_status(run_dir)["job_pid"])
+    supervisor = psutil.Process(read_status(run_dir)["supervisor"]["pid"])
+    supervisor.kill()  # the OOM killer, or a `kill -9` by mistake: the job trains on, unsupervised
+    wait_for("the supervisor to be gone", lambda: not alive(supervisor))
+    assert status_json(run_dir, env)["state"] == "SUPERVISOR_LOST"
+    stopped = launcher("stop", run_dir, env=env, timeout=180)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert "the supervisor is gone; the job saves a checkpoint at the next step" in stopped.stdout
+    status = read_status(run_dir)
+    saved = status["saved_checkpoint"]
+    assert status["state"] == "SUPERVISOR_LOST" and saved is not None, status["reason"]
+    assert (run_dir / saved["path"] / "adapter_model.safetensors").is_file() and saved["optimizer_state"] is True
+    assert max(logged_steps(run_dir)) - 1 <= saved["step"]  # at most one step behind the log
+    assert f"checkpoint {saved['path']} saved at step {saved['step']} on the stop" in status["reason"]
+    assert "killed after the grace period" not in status["reason"]  # it exited by itself after the save
+    assert "launcher stop (pid" in status["stopped_by"]
+    assert not any(alive(p) for p in [torchrun, *ranks])
+    kinds = [e["event"] for e in events(run_dir)]
+    assert kinds.index("stopping") < kinds.index("ended") < kinds.index("cleanup") and "save_timeout" not in kinds
+    assert [e for e in events(run_dir) if e["event"] == "stopping"][0]["save"] is True
+    shown = launcher("status", run_dir, env=env).stdout
+    assert f"step {saved['step']} on the stop" in shown
 
 
 # --- automatic recovery ---------------------------------------------------------------------------------------------
@@ -299,3 +330,60 @@ def test_stall_action_restart_resumes_a_frozen_attempt_from_its_checkpoint(tmp_p
     assert first["last_step"] == 3 and first["steps_lost"] == 1
     assert status["failed_rank"]["exit_code"] == 3  # the second attempt ran on to its own end
     assert logged_steps(run_dir)[-1] == 6
+
+
+# --- pace and ETA after a resume --------------------------------------------------------------------------------
+
+
+def _lf_line(step: int, total: int, elapsed_s: int, tokens: int) -> dict:
+    """A training line as LLaMA-Factory 0.9.5's LogCallback writes it, with its own (cumulative) figures."""
+    from datetime import timedelta
+
+    return {"current_steps": step, "total_steps": total, "loss": 1.0, "lr": 1e-4, "epoch": step / total,
+            "percentage": round(100 * step / total, 2), "elapsed_time": str(timedelta(seconds=elapsed_s)),
+            "remaining_time": str(timedelta(seconds=int((total - step) * elapsed_s / step))),
+            "throughput": round(tokens / elapsed_s, 2), "total_tokens": tokens}  # fmt: skip
+
+
+@pytest.mark.parametrize("days", [0, 2], ids=["hours", "past-a-day"])
+def test_pace_and_eta_after_a_resume_are_measured_from_the_resume_point(tmp_path, days):
+    """Attempt 1 ran 120 steps at 10 s a step; attempt 2 resumed from checkpoint-100 and runs at 20 s a
+    step (10,000 tokens a step: 500 tokens/s). LLaMA-Factory's elapsed time restarts with attempt 2 while
+    its step and token counts do not, so its own throughput and remaining time are wrong."""
+    from launcher.monitor.status import _eta, collect
+    from tests.fake_runs import write_record
+
+    total, since, per_step = 1000, 100, 20
+    offset = days * 86400  # a long attempt: LLaMA-Factory then writes "2 days, 1:02:03"
+    run_dir = tmp_path / "runs" / "r-20261130-101500"
+    ckpt = run_dir / "output" / f"checkpoint-{since}"
+    ckpt.mkdir(parents=True)
+    state = {"global_step": since, "num_input_tokens_seen": since * 10_000}
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    lines = [_lf_line(s, total, s * 10, s * 10_000) for s in range(1, 121)]  # attempt 1, then a kill at 120
+    lines += [_lf_line(s, total, offset + (s - since) * per_step, s * 10_000) for s in range(since + 1, 131)]
+    (run_dir / "output" / "trainer_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    write_record(run_dir, run_id=run_dir.name, state="CANCELLED", attempt=2, resumed_from=f"output/checkpoint-{since}",
+                 progress={"first_step": since + 1, "step": 130, "total_steps": total})  # fmt: skip
+
+    info = collect(run_dir)
+    pace = info["pace"]
+    elapsed = offset + 30 * per_step
+    assert pace["since_step"] == since and pace["steps"] == 30 and pace["elapsed_s"] == elapsed
+    assert pace["s_per_step"] == pytest.approx(elapsed / 30)
+    assert pace["tokens_per_s"] == pytest.approx(30 * 10_000 / elapsed)
+    wrong = lines[-1]["throughput"]  # LLaMA-Factory's: 1.3 M tokens over this attempt's time
+    assert wrong > 2 * pace["tokens_per_s"]
+    eta = _eta(lines[-1], pace)
+    assert eta == pytest.approx((total - 130) * elapsed / 30)
+    if not days:
+        assert pace["s_per_step"] == 20 and pace["tokens_per_s"] == 500
+        shown = launcher("status", run_dir, timeout=60).stdout
+        assert "pace        20 s/step, 500 tokens/s (30 step(s) in 0:10:00 since step 100)" in shown, shown
+
+    # the attempt has not logged yet (the record's first step is attempt 1's): no pace rather than a wrong one
+    write_record(run_dir, run_id=run_dir.name, state="CANCELLED", attempt=2, resumed_from=f"output/checkpoint-{since}",
+                 progress={"first_step": 1, "step": 120, "total_steps": total})  # fmt: skip
+    with open(run_dir / "output" / "trainer_log.jsonl", "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in lines[:120]))
+    assert collect(run_dir)["pace"] is None

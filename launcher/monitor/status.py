@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 import sys
 import time
 from datetime import datetime, timezone
@@ -17,24 +18,26 @@ from pathlib import Path
 from typing import Any
 
 from launcher.errors import ExitCode
-from launcher.files import FileFollower, tail_lines
+from launcher.files import FileFollower, read_json_object, tail_lines
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.reconcile import reconcile
-from launcher.state.record import RecordUnreadable, read_record
+from launcher.state.record import RecordUnreadable, RunRecord, read_record
 from launcher.state.runs import JOB_LOG, SUPERVISOR_LOG, list_runs
 from launcher.state.states import RunState
 from launcher.state.trainer_log import read_trainer_log_tail
 
 
 def _parse_hms(text: Any) -> float | None:
+    """LLaMA-Factory's ``elapsed_time`` is ``str(timedelta)``: ``H:MM:SS``, past a day ``2 days, H:MM:SS``."""
+    days, _, hms = str(text).rpartition(", ")
     try:
-        parts = [float(x) for x in str(text).split(":")]
-    except ValueError:
+        seconds = float(days.split()[0]) * 86400 if days else 0.0
+        clock = 0.0
+        for part in hms.split(":"):
+            clock = clock * 60 + float(part)
+    except (ValueError, IndexError):
         return None
-    seconds = 0.0
-    for part in parts:
-        seconds = seconds * 60 + part
-    return seconds
+    return seconds + clock
 
 
 def _fmt_s(seconds: float | None) -> str:
@@ -75,6 +78,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
                                     or line["eval_loss"] < summary["best_eval_loss"]):  # fmt: skip
             summary["best_eval_loss"], summary["best_eval_step"] = line["eval_loss"], line["current_steps"]
     step, total = progress.get("current_steps"), progress.get("total_steps")
+    trained = next((r for r in reversed(tail) if "loss" in r and "current_steps" in r), {})
+    pace = _pace(trained, record, run_dir)
     elapsed = _since(record.started) if record.ended is None else None
     if record.started and record.ended:
         try:
@@ -102,7 +107,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "best_eval_step": summary.get("best_eval_step"),
         "lr": last_loss.get("lr"),
         "elapsed_s": elapsed,
-        "eta_s": _eta(progress, summary) if not seen.state.terminal else None,
+        "eta_s": _eta(progress, pace) if not seen.state.terminal else None,
+        "pace": pace,
         "last_checkpoint": None if checkpoint is None else {
             "step": checkpoint.step, "path": str(checkpoint.path), "optimizer_state": checkpoint.optimizer_state},
         "exit_code": record.exit_code,
@@ -122,18 +128,64 @@ def collect(run_dir: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _eta(progress: dict[str, Any], summary: dict[str, Any]) -> float | None:
-    """Seconds left, from this attempt's own pace (LLaMA-Factory's remaining_time is wrong after a resume:
-    its elapsed time restarts while the step count does not)."""
+_CHECKPOINT_STEP = re.compile(r"checkpoint-(\d+)/*$")
+
+
+def _resume_point(record: RunRecord, run_dir: Path) -> tuple[int, int | None] | None:
+    """The step this attempt continued from and the input tokens seen by then (None: not known), from the
+    checkpoint it resumed from (its ``trainer_state.json``); ``(0, 0)`` for an attempt that started afresh.
+    None when the record does not say which step."""
+    if not record.resumed_from:
+        return 0, 0
+    found = _CHECKPOINT_STEP.search(record.resumed_from)
+    if not found:
+        return None
+    folder = record.resolve(run_dir, record.resumed_from)
+    state = read_json_object(folder / "trainer_state.json") if folder else None
+    tokens = state.get("num_input_tokens_seen") if isinstance(state, dict) else None
+    return int(found.group(1)), tokens if isinstance(tokens, int) else None
+
+
+def _pace(line: dict[str, Any], record: RunRecord, run_dir: Path) -> dict[str, Any] | None:
+    """This attempt's pace from its resume point: seconds per step and, when the log counts tokens, tokens/s.
+
+    LLaMA-Factory's own figures are wrong after a resume: its ``elapsed_time`` restarts with the attempt
+    while ``current_steps`` and ``total_tokens`` continue from the checkpoint, so its ``remaining_time``
+    and ``throughput`` count the steps and tokens of earlier attempts against this attempt's time. Here
+    both are counted from the resume point. ``line`` is the newest training line of the trainer log.
+    """
+    point = _resume_point(record, run_dir)
+    step, elapsed = line.get("current_steps"), _parse_hms(line.get("elapsed_time"))
+    first = (record.progress or {}).get("first_step")
+    if point is None or step is None or elapsed is None or elapsed <= 0:
+        return None
+    since, tokens_then = point
+    if step <= since or (since and (first is None or first <= since)):  # a line of an earlier attempt
+        return None
+    pace: dict[str, Any] = {"since_step": since, "steps": step - since, "elapsed_s": elapsed,
+                            "s_per_step": elapsed / (step - since), "tokens_per_s": None}  # fmt: skip
+    tokens = line.get("total_tokens")
+    if isinstance(tokens, (int, float)) and tokens_then is not None and tokens >= tokens_then:
+        pace["tokens_per_s"] = (tokens - tokens_then) / elapsed
+    return pace
+
+
+def _eta(progress: dict[str, Any], pace: dict[str, Any] | None) -> float | None:
+    """Seconds left, at this attempt's own pace (see ``_pace``; LLaMA-Factory's ``remaining_time`` is wrong
+    after a resume)."""
     step, total = progress.get("current_steps"), progress.get("total_steps")
-    elapsed = _parse_hms(progress.get("elapsed_time"))
-    first = summary.get("first_step")
-    if step is None or not total or elapsed is None:
+    if step is None or not total or pace is None:
         return None
-    done = step - (first - 1 if first is not None else 0)
-    if done <= 0 or elapsed <= 0:
-        return None
-    return (total - step) * elapsed / done
+    return max(0, total - step) * pace["s_per_step"]
+
+
+def _fmt_pace(pace: dict[str, Any] | None) -> str:
+    if pace is None:
+        return "-"
+    text = f"{pace['s_per_step']:.3g} s/step"
+    if pace["tokens_per_s"] is not None:
+        text += f", {pace['tokens_per_s']:,.0f} tokens/s"
+    return text + f" ({pace['steps']} step(s) in {_fmt_s(pace['elapsed_s'])} since step {pace['since_step']})"
 
 
 def render(info: dict[str, Any]) -> str:
@@ -160,6 +212,7 @@ def render(info: dict[str, Any]) -> str:
         ("best eval", best),
         ("lr", fmt(info["lr"], ".3g")),
         ("elapsed", _fmt_s(info["elapsed_s"])),
+        ("pace", _fmt_pace(info.get("pace"))),
         ("eta", _fmt_s(info["eta_s"])),
         ("checkpoint", ckpt_text),
     ]

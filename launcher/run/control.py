@@ -17,18 +17,19 @@ from typing import TYPE_CHECKING
 
 from launcher import SOURCE_ROOT
 from launcher.errors import ExitCode, LauncherError
-from launcher.files import make_folder
+from launcher.files import make_folder, read_json_object, write_json_atomic
 from launcher.procs import find_live, terminate
 from launcher.run.config import RunConfig
 from launcher.state.reconcile import reconcile
-from launcher.state.record import RecordUnreadable, RunStore, read_record
-from launcher.state.runs import SUPERVISOR_LOG
+from launcher.state.record import RecordUnreadable, RunStore, now_iso, read_record
+from launcher.state.runs import SAVE_DONE, SAVE_READY, SAVE_REQUEST, SUPERVISOR_LOG
 from launcher.state.states import RunState
 
 if TYPE_CHECKING:
     from launcher.run.resume import ResumePlan
 
 HANDSHAKE_TIMEOUT_S = 300.0
+DEFAULT_STOP_GRACE_S = 120.0  # launcher.stop_grace_s's default, for a record that does not say
 
 
 def start_detached(config: RunConfig, resume: ResumePlan | None = None) -> int:
@@ -113,6 +114,7 @@ def stop_run(run_dir: Path, grace_s: float | None, wait_s: float | None = None, 
     store = RunStore.open(run_dir)
     record = store.record
     seen = reconcile(record, run_dir)
+    by = f"launcher stop (pid {os.getpid()}, uid {os.getuid()})"
     if record.terminal and not seen.live:
         print(f"run {record.run_id} already ended: {record.state.value}")
         return ExitCode.OK
@@ -126,7 +128,7 @@ def stop_run(run_dir: Path, grace_s: float | None, wait_s: float | None = None, 
     supervisor = find_live(record.supervisor or {}, "launcher")
     if supervisor is not None:
         try:
-            request_stop(run_dir, grace_s, by=f"launcher stop (pid {os.getpid()}, uid {os.getuid()})", now=now)
+            request_stop(run_dir, grace_s, by=by, now=now)
         except OSError as err:  # e.g. a full disk: the supervisor still stops the run, as for `docker stop`
             print(f"warning: cannot write the stop request in {run_dir} ({err}); sending SIGTERM anyway",
                   file=sys.stderr)  # fmt: skip
@@ -147,15 +149,51 @@ def stop_run(run_dir: Path, grace_s: float | None, wait_s: float | None = None, 
             f"run {record.run_id} has not ended after {limit:.0f} s; check `launcher status {record.run_id}`",
             ExitCode.FAILED,
         )
-    # The supervisor is gone: clean up what it left, and record it.
+    # The supervisor is gone: clean up what it left (after a save on stop, as the supervisor would), and record it.
     procs = seen.live
+    pids = [p.pid for p in procs]
+    fields = {}
+    if procs and not now and _announced_save(run_dir, procs):
+        grace = grace_s if grace_s is not None else record.stop_grace_s
+        fields = _save_before_cleanup(run_dir, store, procs, DEFAULT_STOP_GRACE_S if grace is None else grace, by)
+        procs = [p for p in procs if p.is_running()]
     killed = terminate(procs, grace_s=grace_s if grace_s is not None else 30.0) if procs else []
-    reason = f"supervisor lost; `launcher stop` stopped {len(procs)} leftover process(es) {[p.pid for p in procs]}"
+    reason = f"supervisor lost; `launcher stop` stopped {len(pids)} leftover process(es) {pids}"
     if killed:
         reason += f", killed after the grace period: {killed}"
+    if fields:
+        saved = fields["saved_checkpoint"]
+        reason += (f"; checkpoint {saved['path']} saved at step {saved['step']} on the stop" if saved
+                   else "; no checkpoint saved on the stop")  # fmt: skip
     if not record.terminal:
         store.record_end(seen.state if seen.state.terminal else RunState.SUPERVISOR_LOST, reason=reason,
-                         processes=[])  # fmt: skip
+                         processes=[], **fields)  # fmt: skip
     store.event("cleanup", state=store.state.value, reason=reason)
     print(f"run {record.run_id}: {reason}; recorded {store.state.value}")
     return ExitCode.OK
+
+
+def _announced_save(run_dir: Path, procs: list) -> bool:
+    """The job said it honours a save request (``save_on_stop.json``), and the rank that said so is alive."""
+    ready = read_json_object(run_dir / SAVE_READY)
+    return isinstance(ready, dict) and ready.get("pid") in {p.pid for p in procs}
+
+
+def _save_before_cleanup(run_dir: Path, store: RunStore, procs: list, grace: float, by: str) -> dict:
+    """Ask the job of a run whose supervisor is gone to save a checkpoint at the next step and exit, the way
+    the supervisor does (``save_request.json``, read by stopsave.py in each rank); wait for its processes to
+    end, up to ``grace`` seconds. Returns the record fields: the saved checkpoint (or None) and who stopped it."""
+    import psutil
+
+    from launcher.run.supervisor import saved_checkpoint
+
+    (run_dir / SAVE_DONE).unlink(missing_ok=True)
+    write_json_atomic(run_dir / SAVE_REQUEST, {"time": now_iso(), "why": f"{by}; the supervisor is gone"})
+    store.event("stopping", signal=None, grace_s=grace, why="launcher stop: the supervisor is gone", save=True,
+                requested_by=by)  # fmt: skip
+    print(f"run {store.record.run_id}: the supervisor is gone; the job saves a checkpoint at the next step and "
+          f"exits (up to {grace:g} s)")  # fmt: skip
+    _, left = psutil.wait_procs(procs, timeout=grace)
+    if left:
+        store.event("save_timeout", pids=[p.pid for p in left])
+    return {"saved_checkpoint": saved_checkpoint(run_dir, read_json_object(run_dir / SAVE_DONE)), "stopped_by": by}

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -102,8 +103,11 @@ class Job:
     file as stdout, an orphaned job keeps training and ``launcher stop`` can still end it cleanly.
     """
 
-    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path, echo: bool):
-        with open(log_path, "ab") as log:
+    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path, echo: bool,
+                 spawning: AbstractContextManager | None = None):  # fmt: skip
+        """``spawning``: the context the root process is spawned in (the supervisor's ``StopSignals.unblocked``:
+        the job must not inherit the stop signals the supervisor blocks)."""
+        with open(log_path, "ab") as log, spawning or nullcontext():
             offset = log.tell()
             self.proc = subprocess.Popen(
                 cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

@@ -12,7 +12,8 @@ the lock, validated the config and created the run directory. In order, the supe
    start time), the trainer log is followed (``FINISHING`` after the last optimizer step, ``STALLED``
    when it stops advancing), a heartbeat is kept;
 5. on SIGTERM/SIGINT/SIGHUP (or ``launcher stop``), stops every process group of the job, waits the
-   grace period, kills what is left;
+   grace period, kills what is left; the signal is taken with its sender (run/signals.py), which the
+   record names (``stopped_by``, ``stop_sender``);
 6. records the end (exit code or signal, root cause, terminal state from ``states.end_state``) through
    the run's ``RunStore``, runs the acceptance checks when the job exited 0, and only then releases
    the lock.
@@ -41,10 +42,11 @@ from launcher.run.restart import not_retried_why, retry_cause
 from launcher.run.rootcause import describe_rank_failure, looks_like_oom, rank_failure, root_cause
 from launcher.run.rundir import RunDir, make_run_dir, write_run_files
 from launcher.run.setup import Prepared, check_earlier_runs, prepare
+from launcher.run.signals import Received, StopSignals
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.reconcile import reconcile
 from launcher.state.record import RunStore, now_iso
-from launcher.state.runs import SAVE_DONE, SAVE_READY, SAVE_REQUEST
+from launcher.state.runs import OUTPUT_SUBDIR, SAVE_DONE, SAVE_READY, SAVE_REQUEST
 from launcher.state.states import RunState, end_state, run_exit_code
 from launcher.state.trainer_log import TrainerLogFollower
 
@@ -58,6 +60,17 @@ SAVE_KILL_GRACE_S = 10.0  # after a save on stop that did not end the job in tim
 def request_stop(run_dir: Path, grace_s: float | None, by: str, now: bool = False) -> None:
     """Leave a stop request for the run's supervisor (read when it receives SIGTERM). ``now`` skips the save."""
     write_json_atomic(run_dir / STOP_REQUEST, {"time": now_iso(), "grace_s": grace_s, "by": by, "now": now})
+
+
+def saved_checkpoint(run_dir: Path, saved: Any) -> dict[str, Any] | None:
+    """The checkpoint the job reported saving on a stop (``stop_saved.json``'s content), if it is the newest
+    complete one on disk: ``{step, path, optimizer_state}``, the path relative to the run directory."""
+    if not isinstance(saved, dict):
+        return None
+    last = last_complete_checkpoint(run_dir / OUTPUT_SUBDIR)
+    if last is None or last.step != saved.get("step"):
+        return None
+    return {"step": last.step, "path": last.relative_to(run_dir), "optimizer_state": last.optimizer_state}
 
 
 def _read_stop_request(run_dir: Path) -> dict[str, Any] | None:
@@ -80,14 +93,12 @@ def _say(text: str, err: bool = False) -> None:
             pass
 
 
-def _sender(signum: int, request: dict[str, Any] | None) -> str:
-    """Who sent the stop signal, as far as the supervisor can tell."""
+def _sender(received: Received, request: dict[str, Any] | None) -> str:
+    """Who sent the stop signal: ``launcher stop`` names itself in its request; else what the kernel said
+    about the signal's sender (run/signals.py)."""
     if request:
         return str(request.get("by") or "launcher stop")
-    return {
-        signal.SIGHUP: "the terminal closed (SIGHUP)",
-        signal.SIGINT: "Ctrl-C in the terminal (SIGINT)",
-    }.get(signum, f"{signal.Signals(signum).name} from outside the launcher (docker stop, docker compose stop, kill)")
+    return received.describe()
 
 
 @dataclass
@@ -109,7 +120,7 @@ class Supervisor:
     poll_s: float = 1.0
     attempt: int = 1
     node_rank: int = 0
-    _stop_signal: int | None = None
+    _signals: StopSignals = field(default_factory=StopSignals)
     # where this attempt's job began: its log output and error files only (a resumed run shares them)
     _job_since: float = 0.0
     _log_start: int = 0
@@ -117,18 +128,17 @@ class Supervisor:
     _restarts: int = 0
     _last_step: int | None = None
 
-    def _on_signal(self, signum: int, _frame: Any) -> None:
-        if self._stop_signal is None:
-            self._stop_signal = signum
+    @property
+    def _stop_signal(self) -> int | None:
+        """The first stop signal received (SIGTERM, SIGINT, SIGHUP), or None."""
+        return self._signals.first.signum if self._signals.first else None
 
     @property
     def _launcher(self):
         return self.prepared.config.launcher
 
     def run(self) -> int:
-        handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-        previous = {s: signal.signal(s, self._on_signal) for s in handled}
-        try:
+        with self._signals:  # stop signals are taken with their sender (run/signals.py)
             while True:
                 ending = self._run_attempt()
                 state, fields, cause = self._conclude(ending)
@@ -145,9 +155,6 @@ class Supervisor:
                     self.store.event("not_restarted", attempt=self.attempt, state=state.value,
                                      why=not_retried_why(state, stopped))  # fmt: skip
                 return self._record_end(state, fields)
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
 
     def _run_attempt(self) -> Ending:
         launcher = self._launcher
@@ -160,9 +167,11 @@ class Supervisor:
         self._known = {}
         self._job_since = time.time()
         self._log_start = self.run_dir.log.stat().st_size if self.run_dir.log.exists() else 0
-        job = Job(cmd, child_env(self.prepared.backend), self.run_dir.log, echo=self.echo)
+        job = Job(cmd, child_env(self.prepared.backend), self.run_dir.log, echo=self.echo,
+                  spawning=self._signals.unblocked())  # fmt: skip
         self._remember(job.pid)
         self.store.transition(RunState.RUNNING, event=None, job_pid=job.pid, command=cmd, started=now_iso(),
+                              stop_grace_s=launcher.stop_grace_s,
                               node={"nnodes": node.nnodes, "node_rank": node.node_rank,
                                     "master_addr": node.master_addr},
                               processes=list(self._known.values()))  # fmt: skip
@@ -228,7 +237,7 @@ class Supervisor:
                 self.store.transition(new_state, heartbeat=now_iso(), progress=dict(follower.summary),
                                       processes=list(self._known.values()))  # fmt: skip
                 last_beat = time.monotonic()
-            time.sleep(self.poll_s)
+            self._signals.wait(self.poll_s)
         follower.poll()
         follower.close()
         share_readable(self.run_dir.output)
@@ -300,17 +309,18 @@ class Supervisor:
             terminate(leftovers, grace_s=10)
         exit_code, sig = (None, -code) if code < 0 else (code, None)
         fields: dict[str, Any] = {"exit_code": exit_code, "signal": sig, "attempt": self.attempt,
-                                  "leftover_pids_stopped": leftover_pids, "stopped_by": None,
+                                  "leftover_pids_stopped": leftover_pids, "stopped_by": None, "stop_sender": None,
                                   "saved_checkpoint": None}  # fmt: skip
         request = _read_stop_request(self.run_dir.path) if stopped_by is not None else None
         accepted: bool | None = None
         cause = None
-        saved = self._saved_checkpoint(ending.saved)
+        saved = saved_checkpoint(self.run_dir.path, ending.saved)
         if saved:
             fields["saved_checkpoint"] = saved
         if stopped_by is not None:
             fields["stop_signal"] = stopped_by
-            fields["stopped_by"] = _sender(stopped_by, request)
+            fields["stopped_by"] = _sender(self._signals.first or Received(stopped_by), request)
+            fields["stop_sender"] = (self._signals.first or Received(stopped_by)).to_dict()
             fields["reason"] = (
                 f"stopped by `launcher stop` ({request.get('by')})"
                 if request
@@ -356,16 +366,6 @@ class Supervisor:
         fields["run_exit_code"] = run_exit_code(state, exit_code=exit_code, signal=sig, stop_signal=stopped_by)
         return state, fields, retry
 
-    def _saved_checkpoint(self, saved: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The checkpoint the job reported saving on the stop, if it is complete on disk."""
-        if not saved:
-            return None
-        last = last_complete_checkpoint(self.run_dir.output)
-        if last is None or last.step != saved.get("step"):
-            return None
-        return {"step": last.step, "path": last.relative_to(self.run_dir.path),
-                "optimizer_state": last.optimizer_state}  # fmt: skip
-
     def _restart(self, state: RunState, fields: dict[str, Any], cause: str, backoff_s: float) -> bool:
         """Record this attempt's failure and start over from the last complete checkpoint as the next attempt,
         after ``backoff_s``; False when a stop arrived meanwhile (the run is then PENDING)."""
@@ -385,7 +385,8 @@ class Supervisor:
         self.store.transition(
             RunState.PENDING, event=None, attempt=self.attempt, attempts=[*self.store.record.attempts, entry],
             exit_code=None, signal=None, stop_signal=None, reason=None, failed_rank=None, processes=[],
-            job_pid=None, leftover_pids_stopped=[], saved_checkpoint=None, stopped_by=None, run_exit_code=None,
+            job_pid=None, leftover_pids_stopped=[], saved_checkpoint=None, stopped_by=None, stop_sender=None,
+            run_exit_code=None,
             resumed_from=checkpoint.relative_to(self.run_dir.path) if checkpoint else None,
             resume_mode=None if checkpoint is None else ("exact" if checkpoint.optimizer_state else "adapter-only"),
         )  # fmt: skip
@@ -397,15 +398,16 @@ class Supervisor:
         write_run_files(config, backend, self.run_dir, lf_args, attempt=self.attempt)
         deadline = time.monotonic() + backoff_s
         while time.monotonic() < deadline and self._stop_signal is None:
-            time.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
+            self._signals.wait(min(self.poll_s, max(0.0, deadline - time.monotonic())))
         return self._stop_signal is None
 
     def _record_stop_while_pending(self) -> int:
         sig = self._stop_signal or signal.SIGTERM
         request = _read_stop_request(self.run_dir.path)
         state = RunState.CANCELLED if request else RunState.TERMINATED
-        by = _sender(sig, request)
-        fields = {"stop_signal": sig, "stopped_by": by, "attempt": self.attempt,
+        received = self._signals.first or Received(sig)
+        by = _sender(received, request)
+        fields = {"stop_signal": sig, "stopped_by": by, "stop_sender": received.to_dict(), "attempt": self.attempt,
                   "reason": f"stopped by {by} while waiting to restart; no job was running",
                   "run_exit_code": run_exit_code(state, stop_signal=sig)}  # fmt: skip
         return self._record_end(state, fields)
@@ -460,7 +462,8 @@ def _open_run(prepared: Prepared, lock: RunLock, resume: ResumePlan | None) -> t
         RunState.PENDING, event=None, smoke=config.launcher.smoke, backend=backend.name, attempt=attempt,
         supervisor=self_identity(), boot_id=boot_id(), container=container_identity(), run_dir=str(run_dir.path),
         exit_code=None, signal=None, stop_signal=None, reason=None, ended=None, failed_rank=None,
-        acceptance=None, leftover_pids_stopped=[], stopped_by=None, run_exit_code=None, saved_checkpoint=None,
+        acceptance=None, leftover_pids_stopped=[], stopped_by=None, stop_sender=None, run_exit_code=None,
+        saved_checkpoint=None,
         resumed_from=str(resume.checkpoint.relative_to(run_dir.path)) if resume else None,
         resume_mode=resume.mode if resume else None,
     )  # fmt: skip

@@ -89,8 +89,10 @@ class RunRecord:
     # record writes the disk refused: {since, until, failed_writes, error}, one per outage
     record_write_failures: list[dict[str, Any]] = field(default_factory=list)
     stopped_by: str | None = None  # who sent the stop signal of a CANCELLED/TERMINATED run
+    stop_sender: dict[str, Any] | None = None  # that signal's siginfo: signal, pid, uid, si_code, cmdline
     run_exit_code: int | None = None  # what `launcher run` returned for this attempt (states.EXIT_CODES)
     saved_checkpoint: dict[str, Any] | None = None  # {step, path} saved on a stop (save on stop)
+    stop_grace_s: float | None = None  # the save-on-stop grace, for `launcher stop` once the supervisor is gone
     attempts: list[dict[str, Any]] = field(default_factory=list)  # earlier attempts: state, cause, steps lost
 
     @property

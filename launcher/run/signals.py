@@ -1,0 +1,135 @@
+"""The stop signals a supervisor receives, and who sent them.
+
+A Python signal handler learns only the signal's number. To record who sent a stop signal, the supervisor
+blocks SIGTERM, SIGINT and SIGHUP while it runs and takes them with ``signal.sigtimedwait`` (its waits
+between polls), which hands back the kernel's ``siginfo_t``: the sender's pid and uid and how it was sent
+(``si_code``; sigtimedwait(2), sigaction(2)). The sender is named at once, while it may still be alive:
+
+- ``si_code`` SI_KERNEL: the kernel sent it: a terminal that closed (SIGHUP) or Ctrl-C in it (SIGINT);
+- ``si_pid`` 0 from ``kill()``: a process outside this pid namespace, i.e. the container engine
+  (``docker stop``, ``docker compose stop``) or someone on the host;
+- any other pid: that process, with its command line (psutil) and the sender's uid.
+
+A blocked signal stays blocked across fork and exec, so the job is spawned inside ``unblocked()``, which
+restores the mask the supervisor had (the job's processes must die of SIGTERM as before). A signal that
+arrives in that window, or in a thread that does not block it, still reaches the plain handler installed
+alongside, which records the signal with an unknown sender: never lost, only less precisely named.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# si_code of a signal the kernel itself sent (Linux, include/uapi/asm-generic/siginfo.h); not in the signal module
+SI_KERNEL = 0x80
+_CMDLINE_CHARS = 160
+
+
+@dataclass(frozen=True)
+class Received:
+    """One stop signal: its number, and who sent it as far as the kernel said (None: not known)."""
+
+    signum: int
+    pid: int | None = None
+    uid: int | None = None
+    code: int | None = None
+    cmdline: str | None = None  # the sender's, read when the signal arrived
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    def describe(self) -> str:
+        """Who sent it, in a line for the record (``stopped_by``)."""
+        if self.code == SI_KERNEL or (self.code is None and self.signum in (signal.SIGHUP, signal.SIGINT)):
+            known = {signal.SIGHUP: "the terminal closed (SIGHUP)", signal.SIGINT: "Ctrl-C in the terminal (SIGINT)"}
+            return known.get(self.signum, f"{self.name} from the kernel")
+        if self.code is None:  # the plain handler's: the kernel did not say
+            return f"{self.name} from a sender the launcher could not see (docker stop, docker compose stop, kill)"
+        if self.pid == 0:
+            return (f"{self.name} from outside this pid namespace (si_pid 0: the container engine, e.g. docker stop "
+                    f"or docker compose stop, or a process on the host; uid {self.uid})")  # fmt: skip
+        what = self.cmdline if self.cmdline else "ended before it could be named"
+        return f"{self.name} from pid {self.pid} ({what}, uid {self.uid})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"signal": self.signum, "pid": self.pid, "uid": self.uid, "si_code": self.code, "cmdline": self.cmdline}
+
+
+def _cmdline(pid: int) -> str | None:
+    try:
+        words = psutil.Process(pid).cmdline()
+    except (psutil.Error, OSError):
+        return None
+    text = " ".join(words)
+    return text if len(text) <= _CMDLINE_CHARS else text[: _CMDLINE_CHARS - 3] + "..."
+
+
+def from_siginfo(info: Any) -> Received:
+    """A ``signal.struct_siginfo`` as a ``Received``, naming the sender while it may still be alive."""
+    pid = int(info.si_pid)
+    cmdline = "the supervisor itself" if pid == os.getpid() else _cmdline(pid) if pid > 0 else None
+    return Received(int(info.si_signo), pid=pid, uid=int(info.si_uid), code=int(info.si_code), cmdline=cmdline)
+
+
+class StopSignals:
+    """While entered: SIGTERM, SIGINT and SIGHUP are blocked and taken by ``wait``; the first one is kept
+    (``first``). On exit, signals still pending are taken (they would otherwise be delivered to the handlers
+    restored then), and the previous handlers and mask come back."""
+
+    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS):
+        self.signals = signals
+        self.first: Received | None = None
+        self._handlers: dict[int, Any] = {}
+        self._mask: set[int] | None = None
+
+    def _keep(self, received: Received) -> None:
+        if self.first is None:
+            self.first = received
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._keep(Received(signum))
+
+    def __enter__(self) -> StopSignals:
+        self._handlers = {s: signal.signal(s, self._on_signal) for s in self.signals}
+        self._mask = signal.pthread_sigmask(signal.SIG_BLOCK, self.signals)
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        self._drain()
+        for s, handler in self._handlers.items():
+            signal.signal(s, handler)
+        if self._mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
+
+    def wait(self, timeout: float) -> Received | None:
+        """Wait up to ``timeout`` seconds (0: not at all) for a stop signal: the supervisor's sleep between polls."""
+        info = signal.sigtimedwait(self.signals, max(0.0, timeout))
+        if info is None:
+            return None
+        received = from_siginfo(info)
+        self._keep(received)
+        return received
+
+    def _drain(self) -> None:
+        while self.wait(0) is not None:
+            pass
+
+    @contextmanager
+    def unblocked(self) -> Iterator[None]:
+        """Spawn children here: they start with the mask the supervisor had before ``__enter__``."""
+        self._drain()  # a pending signal would be delivered to the plain handler at the unblock
+        if self._mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_BLOCK, self.signals)
