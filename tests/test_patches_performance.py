@@ -238,8 +238,18 @@ def read_log(run_dir: Path) -> list[dict]:
 def trainings(demo_assets, tiny_training, tmp_path_factory):
     """The demo model, 2 steps of 2 micro-batches each, evaluated at every step: patches on, then off."""
     root = tmp_path_factory.mktemp("performance_runs")
-    extra = {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 1, "eval_dataset": "demo_counsel_eval",
-             "eval_strategy": "steps", "eval_steps": 1, "per_device_eval_batch_size": 2, "seed": 7}  # fmt: skip
+    extra = {
+        "gradient_accumulation_steps": 2,
+        "per_device_train_batch_size": 1,
+        "eval_dataset": "demo_counsel_eval",
+        "eval_strategy": "steps",
+        "eval_steps": 1,
+        "per_device_eval_batch_size": 2,
+        "seed": 7,
+        "optim": "sgd",
+        "learning_rate": 1.0e-2,
+        "lora_dropout": 0.0,
+    }  # fmt: skip  (SGD: the update is the gradient)
     results = {
         "on": tiny_training(root / "on", demo_assets, {"checkpoint_all_layers": {"uncheckpointed_layers": 1}},
                             lf=extra, entry="tests.eval_count_entry"),
@@ -259,6 +269,20 @@ def test_the_patched_training_has_the_same_first_loss_and_eval_loss(trainings):
     assert first_on == pytest.approx(first_off, rel=1e-4)
     evals_on, evals_off = ([x["eval_loss"] for x in log if "eval_loss" in x] for log in (on, off))
     assert evals_on[0] == pytest.approx(evals_off[0], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_the_patched_training_makes_the_same_lora_update(trainings):
+    """With SGD and LoRA B starting at zero, B after two steps is minus the learning rate times the summed
+    gradients: equal B tensors mean equal gradients through the real Trainer, with the patches on and off."""
+    from safetensors.torch import load_file
+
+    on, off = (load_file(trainings[n] / "output" / "adapter_model.safetensors") for n in ("on", "off"))
+    b_names = [n for n in off if "lora_B" in n]
+    assert b_names and set(on) == set(off)
+    assert all(off[n].abs().max() > 0 for n in b_names)
+    worst = max(relative(on[n], off[n]) for n in b_names)
+    assert worst < 1e-3, worst
 
 
 @pytest.mark.slow
