@@ -92,6 +92,11 @@ def _train(run_dir: Path, callbacks: tuple = ()) -> int:
     from llamafactory.train.tuner import run_exp
 
     args = yaml.safe_load((run_dir / launch["llamafactory_yaml"]).read_text())
+    profile = launch.get("profile")
+    if profile:  # `launcher profile`
+        from launcher.profiling import ProfileCallback
+
+        callbacks = (*callbacks, ProfileCallback(run_dir, launch["backend"], profile["warmup"], profile["steps"]))
     run_exp(args=args, callbacks=[make_callback(run_dir), *callbacks])
     return 0
 

@@ -26,6 +26,19 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     return supervise(load_run_config(ns.config, overrides_of(ns)), echo=not ns.quiet)
 
 
+def _args_profile(p: argparse.ArgumentParser) -> None:
+    add_config_arg(p)
+    p.add_argument("--steps", type=int, default=3, help="steps to profile (default 3)")
+    p.add_argument("--warmup", type=int, default=2, help="steps run first and not profiled (default 2)")
+    p.add_argument("--quiet", action="store_true", help="do not echo the job's output (it still goes to the log)")
+
+
+def _cmd_profile(ns: argparse.Namespace) -> int:
+    from launcher.run.profile import profile_run
+
+    return profile_run(ns.config, overrides_of(ns), steps=ns.steps, warmup=ns.warmup, echo=not ns.quiet)
+
+
 def _cmd_start(ns: argparse.Namespace) -> int:
     from launcher.run.config import load_run_config
     from launcher.run.lock import LOCK_NAME, LockBusy, is_locked, read_owner
@@ -158,6 +171,12 @@ VERBS: tuple[Verb, ...] = (
     Verb("run", "train in the foreground: validate, create a run directory, supervise the job to its end",
          "launcher run configs/demo_cpu.yaml\n  launcher run configs/qwen3_5_27b_lora_soulchat.yaml\n\n"
          + EXIT_CODE_TABLE, _args_run, _cmd_run),
+    Verb("profile", "a short supervised run that profiles N steps after W warm-up steps on every rank: "
+         "profile.md says where a step's time goes",
+         "launcher profile configs/demo_cpu.yaml\n"
+         "  launcher profile configs/qwen3_5_27b_lora_soulchat.yaml --steps 3 --warmup 2\n"
+         "  (on the NPU server: docker compose run --rm train launcher profile configs/CONFIG.yaml)",
+         _args_profile, _cmd_profile),
     Verb("start", "start a run in the background (survives the SSH session) and return at once",
          "launcher start configs/qwen3_5_27b_lora_soulchat.yaml", add_config_arg, _cmd_start),
     Verb("stop", "stop a run: a checkpoint at the next step, then exit; SIGTERM and SIGKILL after the grace period",

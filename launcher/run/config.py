@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 import patches
 from launcher.errors import ExitCode, LauncherError
+from launcher.run.tuning import Tuning
 
 FORMAL_MIN_CUTOFF = 4096
 # Keys the launcher owns in the LLaMA-Factory part: it decides where a run writes.
@@ -88,6 +89,15 @@ class RestartPolicy(BaseModel):
     backoff_s: float = Field(default=60.0, ge=0)
 
 
+class ProfileSettings(BaseModel):
+    """``launcher.profile`` (set by ``launcher profile``): profile ``steps`` steps after ``warmup`` steps."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    warmup: int = Field(default=2, ge=0, le=1000)
+    steps: int = Field(default=3, ge=1, le=100)
+
+
 class LauncherSection(BaseModel):
     """The ``launcher:`` section of a run config."""
 
@@ -118,6 +128,10 @@ class LauncherSection(BaseModel):
     truncation_warn_share: float = Field(default=0.05, ge=0, le=1)
     # privacy: LLaMA-Factory's decoded training-example dump reaches the log only when true
     log_examples: bool = False
+    # the job's environment levers: NPU dispatch and allocator, a persistent Triton cache (run/tuning.py)
+    tuning: Tuning = Field(default_factory=Tuning)
+    # `launcher profile`: the torch (or torch_npu) profiler over these steps of every rank (launcher/profiling.py)
+    profile: ProfileSettings | None = None
 
     @field_validator("run_name")
     @classmethod

@@ -148,7 +148,8 @@ def write_run_files(config: RunConfig, backend: Backend, run_dir: RunDir, lf_arg
     if config.launcher.distribution == "fsdp2":
         write_text_atomic(path / ACCELERATE_YAML, dump_yaml(accelerate_config(config, backend)))
     launch = {"patches": config.patches, "backend": backend.name, "llamafactory_yaml": lf_yaml, "attempt": attempt,
-              "log_examples": config.launcher.log_examples, "facts": run_facts(lf_args)}  # fmt: skip
+              "log_examples": config.launcher.log_examples, "facts": run_facts(lf_args),
+              "profile": config.launcher.profile.model_dump() if config.launcher.profile else None}  # fmt: skip
     write_text_atomic(path / LAUNCH_FILE, json.dumps(launch, indent=2) + "\n")
     info = manifest(config, backend, run_dir)
     write_text_atomic(path / attempt_name("manifest.json", attempt), json.dumps(info, indent=2) + "\n")
@@ -160,6 +161,13 @@ def run_facts(lf_args: dict[str, Any]) -> dict[str, Any]:
 
     return {"cutoff_len": int(lf_args.get("cutoff_len") or 2048),  # LLaMA-Factory's DataArguments default
             "dataset_media": dataset_media(lf_args)}  # fmt: skip
+
+
+def tuning_record(config: RunConfig, backend: Backend) -> dict[str, dict[str, str]]:
+    """The environment levers of ``launcher.tuning`` the job gets, each with its source (run/tuning.py)."""
+    from launcher.run.tuning import tuning_env
+
+    return tuning_env(config.launcher.tuning, backend.name, config.launcher.output_root, os.environ)[1]
 
 
 def manifest(config: RunConfig, backend: Backend, run_dir: RunDir) -> dict[str, Any]:
@@ -176,6 +184,7 @@ def manifest(config: RunConfig, backend: Backend, run_dir: RunDir) -> dict[str, 
         "distribution": config.launcher.distribution,
         "nproc_per_node": config.launcher.nproc_per_node,
         "patches": config.patches,
+        "tuning": tuning_record(config, backend),
         "notes": config.notes,
         "packages": package_versions(),
         "git_commit": git_commit(),

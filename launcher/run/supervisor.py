@@ -43,6 +43,7 @@ from launcher.run.rootcause import describe_rank_failure, looks_like_oom, rank_f
 from launcher.run.rundir import RunDir, make_run_dir, write_run_files
 from launcher.run.setup import Prepared, check_earlier_runs, prepare
 from launcher.run.signals import Received, StopSignals
+from launcher.run.tuning import tuning_env
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.reconcile import reconcile
 from launcher.state.record import RunStore, now_iso
@@ -167,7 +168,9 @@ class Supervisor:
         self._known = {}
         self._job_since = time.time()
         self._log_start = self.run_dir.log.stat().st_size if self.run_dir.log.exists() else 0
-        job = Job(cmd, child_env(self.prepared.backend), self.run_dir.log, echo=self.echo,
+        env = child_env(self.prepared.backend)
+        env.update(tuning_env(launcher.tuning, self.prepared.backend.name, launcher.output_root, os.environ)[0])
+        job = Job(cmd, env, self.run_dir.log, echo=self.echo,
                   spawning=self._signals.unblocked())  # fmt: skip
         self._remember(job.pid)
         self.store.transition(RunState.RUNNING, event=None, job_pid=job.pid, command=cmd, started=now_iso(),

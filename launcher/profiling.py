@@ -1,0 +1,316 @@
+"""`launcher profile`, in each rank: the torch profiler over N steps after W warm-up steps, and where time went.
+
+``ProfileCallback`` (installed by ``entry.py`` when ``launch.json`` has ``profile``) runs
+``torch.profiler.profile`` on CPU and CUDA, ``torch_npu.profiler.profile`` on NPU, with the same schedule:
+``skip_first=W``, then ``N`` active steps; the profiler's step boundary is the end of each optimizer step
+(``on_step_end``), so a profiled step spans from the end of the previous step to the end of this one: the
+next batch's loading, forward, backward, optimizer and logging. The same callback measures each such period
+on its own clock (device synchronised), which is what the profile's parts are held against.
+
+What each part is (``split_step``), per profiled step:
+
+- device work: on CUDA and NPU the device's kernels, by name: DeltaNet (FLA's gated-delta-rule kernels),
+  attention, matmul, communication (NCCL/HCCL all-gather, reduce-scatter, all-reduce, ...), optimizer (the
+  fused/foreach optimizer kernels), other compute; on CPU the operators' own time inside our
+  ``deltanet::`` ranges (``patches/kernel_recorder.py``), attention, matmul and communication operators, the
+  optimizer's ``Optimizer.step`` range, and the rest;
+- time the device idles (CPU: no operator runs), split by what the host was doing then: loading data (the
+  DataLoader's ``__next__``), the optimizer step, compiling or autotuning Triton kernels (``launcher::compile``
+  and ``launcher::autotune`` ranges this module puts around Triton's compile and autotuner benchmark), and
+  other host-side gaps (Python, logging, callbacks).
+
+The rank writes ``profile/rank<R>.trace.json`` (Chrome trace: chrome://tracing or Perfetto; on NPU the
+Ascend profiler's folder ``profile/rank<R>.ascend/`` for MindStudio Insight) and ``profile/rank<R>.json``;
+``results/profile_report.py`` merges the ranks into ``profile.json`` and ``profile.md``.
+
+Layer 3, like ``stopsave.py``: torch, transformers and triton are imported in the rank only.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from launcher.files import write_json_atomic
+
+PROFILE_DIR = "profile"
+DELTANET_KERNELS = ("chunk_gated_delta", "gated_delta", "chunk_fwd", "chunk_bwd", "chunk_scaled_dot_kkt",
+                    "recompute_w_u", "solve_tril", "chunk_local_cumsum", "fused_recurrent", "causal_conv1d",
+                    "merge_16x16", "chunk_dplr", "l2norm")  # fmt: skip
+ATTENTION = ("flash", "fmha", "attention", "sdpa", "softmax")
+MATMUL = ("gemm", "matmul", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "sm90_xmma", "cutlass",
+          "cublas", "ampere_", "hopper_")  # fmt: skip
+COMMUNICATION = ("nccl", "hccl", "gloo", "allreduce", "all_reduce", "allgather", "all_gather", "reduce_scatter",
+                 "reducescatter", "broadcast", "c10d::")  # fmt: skip
+OPTIMIZER_KERNELS = ("multi_tensor_apply", "foreach", "adam", "sgd")
+DEVICE_PARTS = ("deltanet", "attention", "matmul", "communication", "optimizer", "other_compute")
+IDLE_PARTS = ("data_loading", "optimizer_host", "compile_autotune", "host_gaps")
+
+
+def kernel_part(name: str) -> str:
+    """The part a device kernel (or, on CPU, an operator) belongs to, from its name."""
+    low = name.lower()
+    for part, needles in (("communication", COMMUNICATION), ("deltanet", DELTANET_KERNELS),
+                          ("attention", ATTENTION), ("optimizer", OPTIMIZER_KERNELS), ("matmul", MATMUL)):  # fmt: skip
+        if any(n in low for n in needles):
+            return part
+    return "other_compute"
+
+
+def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _subtract(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out = []
+    for start, end in a:
+        cursor = start
+        for bs, be in b:
+            if be <= cursor or bs >= end:
+                continue
+            if bs > cursor:
+                out.append((cursor, bs))
+            cursor = max(cursor, be)
+        if cursor < end:
+            out.append((cursor, end))
+    return out
+
+
+def split_step(window: tuple[float, float], work: list[tuple[str, float, float]],
+               host: dict[str, list[tuple[float, float]]]) -> dict[str, float]:  # fmt: skip
+    """Seconds of each part in one profiled step.
+
+    Args:
+        window: the step's start and end (seconds on the profiler's clock).
+        work: ``(part, start, end)`` of each device kernel (CPU: each operator's own time, as intervals).
+        host: host ranges by kind (``data_loading``, ``optimizer_host``, ``compile_autotune``).
+
+    Returns:
+        Each part of ``DEVICE_PARTS`` and ``IDLE_PARTS`` in seconds. Device parts are clipped to the window;
+        where kernels of two parts overlap (communication beside compute on another stream) both count, so
+        the device parts can add up to more than the busy time: the summary says how much overlapped.
+    """
+    clip = [window]
+    parts = dict.fromkeys(DEVICE_PARTS + IDLE_PARTS, 0.0)
+    busy: list[tuple[float, float]] = []
+    for part, start, end in work:
+        inside = _intersect([(start, end)], clip)
+        parts[part] += _length(inside)
+        busy.extend(inside)
+    idle = _subtract(clip, _merge(busy))
+    for kind in ("compile_autotune", "data_loading", "optimizer_host"):  # in this order where ranges nest
+        spent = _intersect(idle, _merge(host.get(kind, [])))
+        parts[kind] = _length(spent)
+        idle = _subtract(idle, spent)
+    parts["host_gaps"] = _length(idle)
+    parts["overlap"] = sum(parts[p] for p in DEVICE_PARTS) - _length(_merge(busy))
+    return parts
+
+
+class ProfileCallback:
+    """The Trainer callback of a profiled rank (built lazily so that this module imports without torch)."""
+
+    def __new__(cls, run_dir: Path, backend: str, warmup: int, steps: int):
+        from transformers import TrainerCallback
+
+        class _Callback(TrainerCallback):
+            def __init__(self) -> None:
+                self.run_dir, self.backend, self.warmup, self.steps = run_dir, backend, warmup, steps
+                self.rank = int(os.environ.get("RANK", "0"))
+                self.folder = run_dir / PROFILE_DIR
+                self.profiler = None
+                self.periods: list[dict[str, Any]] = []
+                self.lengths: list[int] = []
+                self.last_end: float | None = None
+                self.compile_s = 0.0
+
+            def _sync(self) -> None:
+                import torch
+
+                module = getattr(torch, self.backend, None) if self.backend != "cpu" else None
+                if module is not None and hasattr(module, "synchronize"):
+                    module.synchronize()
+
+            def on_train_begin(self, args, state, control, model=None, **kwargs):
+                self.folder.mkdir(exist_ok=True)
+                self.summary: dict[str, Any] = {"profiled_steps": []}
+                self.profiler = _start_profiler(self.backend, self.warmup, self.steps, self.folder, self.rank,
+                                                self._summarize)  # fmt: skip
+                _wrap_triton()
+                if model is not None:
+                    model.register_forward_pre_hook(self._length, with_kwargs=True)
+                self._sync()
+                self.last_end = time.perf_counter()
+
+            def _summarize(self, profiler) -> None:  # when the active steps end: the events exist only now
+                self.summary = summarize_profiler(profiler, self.backend, self.warmup, self.steps)
+
+            def _length(self, module, args, kwargs):
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                if getattr(ids, "shape", None) is not None and module.training:
+                    self.lengths.append(int(ids.shape[-1]))
+
+            def on_step_end(self, args, state, control, **kwargs):
+                self._sync()
+                now = time.perf_counter()
+                profiled = self.warmup < state.global_step <= self.warmup + self.steps
+                self.periods.append({"step": state.global_step, "seconds": now - self.last_end, "profiled": profiled})
+                self.last_end = now
+                if self.profiler is not None:
+                    self.profiler.step()
+                return control
+
+            def on_train_end(self, args, state, control, **kwargs):
+                if self.profiler is None:
+                    return control
+                self.profiler.stop()
+                record = dict(self.summary)
+                record.update(rank=self.rank, backend=self.backend, warmup=self.warmup, steps=self.steps,
+                              periods=self.periods, seq_lens=sorted(set(self.lengths)))  # fmt: skip
+                write_json_atomic(self.folder / f"rank{self.rank}.json", record)
+                self.profiler = None
+                return control
+
+        return _Callback()
+
+
+def _start_profiler(backend: str, warmup: int, steps: int, folder: Path, rank: int, summarize):
+    """The backend's profiler, started, with ``skip_first=warmup`` and ``steps`` active steps; ``summarize``
+    gets it when the active steps end."""
+    if backend == "npu":
+        import torch_npu
+
+        prof = torch_npu.profiler
+        activities = [prof.ProfilerActivity.CPU, prof.ProfilerActivity.NPU]
+        export = prof.tensorboard_trace_handler(str(folder / f"rank{rank}.ascend"))
+
+        def ready(p):
+            export(p)
+            summarize(p)
+
+    else:
+        import torch.profiler as prof
+
+        activities = [prof.ProfilerActivity.CPU] + ([prof.ProfilerActivity.CUDA] if backend == "cuda" else [])
+
+        def ready(p):
+            p.export_chrome_trace(str(folder / f"rank{rank}.trace.json"))
+            summarize(p)
+
+    schedule = prof.schedule(skip_first=warmup, wait=0, warmup=0, active=steps, repeat=1)
+    profiler = prof.profile(activities=activities, schedule=schedule, on_trace_ready=ready)
+    profiler.start()
+    return profiler
+
+
+def _wrap_triton() -> None:
+    """Name Triton's compile and autotune work as profiler ranges (nothing to do where Triton is absent)."""
+    try:
+        import triton.compiler.compiler as compiler
+        from triton.runtime import autotuner
+    except Exception:  # CPU images carry no Triton; triton-ascend has the same modules
+        return
+    from torch.profiler import record_function
+
+    def ranged(func, name):
+        if getattr(func, "__launcher_ranged__", False):
+            return func
+
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            with record_function(name):
+                return func(*args, **kwargs)
+
+        wrapper.__launcher_ranged__ = True
+        return wrapper
+
+    compiler.compile = ranged(compiler.compile, "launcher::compile")
+    if hasattr(autotuner.Autotuner, "_bench"):
+        autotuner.Autotuner._bench = ranged(autotuner.Autotuner._bench, "launcher::autotune")
+
+
+def summarize_profiler(profiler, backend: str, warmup: int, steps: int) -> dict[str, Any]:
+    """Per profiled step, the seconds of each part (``split_step``), from the profiler's events."""
+    events = list(profiler.events())
+    windows = sorted((e.time_range.start / 1e6, e.time_range.end / 1e6, e.name) for e in events
+                     if e.name.startswith("ProfilerStep"))  # fmt: skip
+    host: dict[str, list[tuple[float, float]]] = {"data_loading": [], "optimizer_host": [], "compile_autotune": []}
+    work: list[tuple[str, float, float]] = []
+    for e in events:
+        start, end = e.time_range.start / 1e6, e.time_range.end / 1e6
+        name = e.name
+        if name.startswith("enumerate(DataLoader)"):
+            host["data_loading"].append((start, end))
+        elif name.startswith("Optimizer.step"):
+            host["optimizer_host"].append((start, end))
+        elif name.startswith("launcher::"):
+            host["compile_autotune"].append((start, end))
+        device = str(getattr(e, "device_type", "")).split(".")[-1]
+        if backend != "cpu" and device in ("CUDA", "PrivateUse1"):
+            work.append((kernel_part(name), start, end))
+    if backend == "cpu":
+        work = _cpu_work(events)
+    per_step = []
+    for start, end, name in windows:
+        parts = split_step((start, end), work, host)
+        per_step.append({"name": name, "seconds": end - start, **{k: round(v, 6) for k, v in parts.items()}})
+    return {"profiled_steps": per_step}
+
+
+def _cpu_part(event) -> str | None:
+    """The part of a CPU operator from the ranges around it; None inside data loading or compiling (those are
+    host work, counted from their ranges)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(("enumerate(DataLoader)", "launcher::")):
+            return None
+        if parent.name.startswith("deltanet::"):
+            return "deltanet"
+        if parent.name.startswith("Optimizer.step"):
+            return "optimizer"
+        parent = parent.cpu_parent
+    return kernel_part(event.name)
+
+
+def _cpu_work(events) -> list[tuple[str, float, float]]:
+    """On CPU, each operator's own time as intervals (its range minus its children's), with its part.
+
+    An operator inside a ``deltanet::`` range is DeltaNet and inside ``Optimizer.step`` the optimizer,
+    whatever its name; others go by name (``_cpu_part``). The ranges themselves are not work."""
+    work = []
+    for e in events:
+        if e.name.startswith(("ProfilerStep", "enumerate(DataLoader)", "launcher::", "deltanet::",
+                              "Optimizer.")) or e.name.startswith("## "):  # fmt: skip
+            continue
+        own = [(e.time_range.start / 1e6, e.time_range.end / 1e6)]
+        own = _subtract(own, _merge([(c.time_range.start / 1e6, c.time_range.end / 1e6) for c in e.cpu_children]))
+        part = _cpu_part(e)
+        if part is not None:
+            work.extend((part, a, b) for a, b in own)
+    return work

@@ -1,0 +1,128 @@
+"""The profile of a run, all ranks together: ``profile.json`` and ``profile.md`` (``launcher profile``).
+
+Reads ``RUN_DIR/profile/rank<R>.json`` (written by each rank, ``launcher/profiling.py``): per profiled step the
+seconds of each part and the step's own measured period. For each rank it reports the mean of each part over
+the profiled steps, their sum against the measured step time (the check: within 10 %, or the summary says how
+much is unaccounted), the first step against the later ones (compilation and autotuning show there), the
+distinct sequence lengths; across ranks the spread of step times (the slowest rank sets the pace of every
+collective, so the others wait). Host-side: no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from launcher.files import write_json_atomic, write_text_atomic
+
+PROFILE_DIR = "profile"
+PARTS = ("deltanet", "attention", "matmul", "other_compute", "communication", "optimizer",
+         "data_loading", "optimizer_host", "compile_autotune", "host_gaps")  # fmt: skip
+LABELS = {
+    "deltanet": "DeltaNet kernels", "attention": "attention", "matmul": "matmul", "other_compute": "other compute",
+    "communication": "communication", "optimizer": "optimizer (device)", "data_loading": "data loading (device idle)",
+    "optimizer_host": "optimizer (host, device idle)", "compile_autotune": "kernel compile / autotune",
+    "host_gaps": "other host-side gaps (device idle)",
+}  # fmt: skip
+TOLERANCE = 0.10
+
+
+def rank_summary(record: dict[str, Any]) -> dict[str, Any]:
+    """One rank: mean seconds per part over the profiled steps, the measured step time, and the check."""
+    steps = record.get("profiled_steps") or []
+    measured = [p["seconds"] for p in record.get("periods", []) if p.get("profiled")]
+    parts = {k: statistics.fmean(s.get(k, 0.0) for s in steps) for k in PARTS} if steps else {}
+    accounted = sum(parts.values()) - (statistics.fmean(s.get("overlap", 0.0) for s in steps) if steps else 0.0)
+    step_s = statistics.fmean(measured) if measured else None
+    periods = record.get("periods", [])
+    unprofiled = [p["seconds"] for p in periods[1:] if not p.get("profiled")]
+    later = unprofiled or [p["seconds"] for p in periods[1:]]
+    share = None if not step_s else accounted / step_s
+    return {
+        "rank": record.get("rank"),
+        "profiled_steps": len(steps),
+        "step_s": None if step_s is None else round(step_s, 6),
+        "parts_s": {k: round(v, 6) for k, v in parts.items()},
+        "accounted_s": round(accounted, 6),
+        "accounted_share": None if share is None else round(share, 4),
+        "adds_up": share is not None and abs(share - 1) <= TOLERANCE,
+        "first_step_s": round(periods[0]["seconds"], 6) if periods else None,
+        "later_steps_median_s": round(statistics.median(later), 6) if later else None,
+        "later_steps_profiled": not unprofiled,  # then they carry the profiler's own overhead
+        # what the rank itself worked: the step minus its time in collectives (where it waited for others)
+        "work_s": None if step_s is None else round(step_s - parts.get("communication", 0.0), 6),
+        "seq_lens": record.get("seq_lens", []),
+        "backend": record.get("backend"),
+    }
+
+
+def build_report(run_dir: Path) -> dict[str, Any]:
+    """Every rank's summary, and the spread of step times across ranks."""
+    records = []
+    found = [p for p in (run_dir / PROFILE_DIR).glob("rank*.json") if p.stem[4:].isdigit()]
+    for path in sorted(found, key=lambda p: int(p.stem[4:])):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    ranks = [rank_summary(r) for r in records]
+    times = [r["work_s"] for r in ranks if r["work_s"] is not None]
+    spread = None
+    if len(times) > 1:  # collectives make every rank's step as long as the slowest's: compare the work
+        spread = {"fastest_s": min(times), "slowest_s": max(times), "spread_s": round(max(times) - min(times), 6),
+                  "spread_share": round((max(times) - min(times)) / max(times), 4)}  # fmt: skip
+    traces = sorted(str(p.relative_to(run_dir)) for p in (run_dir / PROFILE_DIR).glob("rank*.trace.json"))
+    traces += sorted(str(p.relative_to(run_dir)) for p in (run_dir / PROFILE_DIR).glob("rank*.ascend"))
+    return {"run_dir": str(run_dir), "ranks": ranks, "spread_across_ranks": spread, "traces": traces,
+            "tolerance": TOLERANCE}  # fmt: skip
+
+
+def render(report: dict[str, Any]) -> str:
+    """``profile.md``: a table of parts per rank, the check, the first step, the spread, the lengths."""
+    ranks = report["ranks"]
+    if not ranks:
+        return "# Profile\n\nNo rank wrote a profile (did the run reach the profiled steps?).\n"
+    head = "| part | " + " | ".join(f"rank {r['rank']}" for r in ranks) + " |"
+    lines = ["# Profile", "", f"Mean seconds per profiled step ({ranks[0]['profiled_steps']} steps after the "
+             "warm-up), per rank. Device parts are the device's own kernels (on CPU: operators); the idle "
+             "parts are when no device work ran, by what the host was doing.", "", head,
+             "|---|" + "---|" * len(ranks)]  # fmt: skip
+    for part in PARTS:
+        cells = [f"{r['parts_s'].get(part, 0.0):.4f}" for r in ranks]
+        lines.append(f"| {LABELS[part]} | " + " | ".join(cells) + " |")
+    lines.append("| **parts, overlap counted once** | " + " | ".join(f"{r['accounted_s']:.4f}" for r in ranks) + " |")
+    lines.append("| **measured step** | " + " | ".join(f"{r['step_s'] or 0:.4f}" for r in ranks) + " |")
+    lines.append("")
+    for r in ranks:
+        share = r["accounted_share"]
+        verdict = (f"the parts add up to {share:.1%} of the measured step (within {TOLERANCE:.0%})" if r["adds_up"]
+                   else f"the parts add up to {share:.1%} of the measured step: {abs(1 - share):.1%} is "
+                        f"{'unaccounted' if share < 1 else 'counted twice (overlapping work)'}"
+                   if share is not None else "no measured step")  # fmt: skip
+        first = (f"first step {r['first_step_s']:.3f} s against a median of {r['later_steps_median_s']:.3f} s for "
+                 f"the later {'(profiled, so slowed by the profiler) ' if r['later_steps_profiled'] else ''}ones "
+                 "(compilation, autotuning and allocator warm-up show in the first)"
+                 if r["later_steps_median_s"] else "")  # fmt: skip
+        lengths = ", ".join(map(str, r["seq_lens"])) or "-"
+        lines.append(f"- rank {r['rank']}: {verdict}; {first}; sequence lengths seen: {lengths}.")
+    spread = report.get("spread_across_ranks")
+    if spread:
+        lines.append(
+            f"- across ranks: work per step (the step minus time in collectives) from {spread['fastest_s']:.3f} s to "
+            f"{spread['slowest_s']:.3f} s; the faster ranks wait {spread['spread_s']:.3f} s "
+            f"({spread['spread_share']:.1%} of the slowest) in each step's collectives for the slowest."
+        )
+    if report.get("traces"):
+        lines.append(f"- traces: {', '.join(report['traces'])} (Chrome trace: chrome://tracing or ui.perfetto.dev; "
+                     "an `.ascend` folder: MindStudio Insight).")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def write_report(run_dir: Path) -> dict[str, Any]:
+    """Build, write ``profile.json`` and ``profile.md`` into ``run_dir``, and return the report."""
+    report = build_report(run_dir)
+    write_json_atomic(run_dir / "profile.json", report)
+    write_text_atomic(run_dir / "profile.md", render(report))
+    return report

@@ -1,0 +1,72 @@
+"""`launcher profile` on CPU with the tiny model: real runs through the supervisor, the real torch profiler.
+
+A planted sleep in one rank's collator (``tests/slow_rank_entry.py``) must show as data loading on that rank
+and as a spread of work across the two ranks; the parts of every rank must add up to its measured step.
+The split itself is also checked on known intervals.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from launcher.profiling import kernel_part, split_step
+from launcher.results.profile_report import rank_summary, render
+from tests.conftest import launcher_cmd, make_config
+
+
+def test_the_split_of_a_step_on_known_intervals():
+    work = [("matmul", 0.0, 1.0), ("communication", 0.5, 1.5), ("deltanet", 2.0, 3.0)]
+    host = {"data_loading": [(3.0, 3.6)], "optimizer_host": [(3.5, 3.8)], "compile_autotune": [(1.5, 1.7)]}
+    parts = split_step((0.0, 4.0), work, host)
+    assert parts["matmul"] == 1.0 and parts["communication"] == 1.0 and parts["deltanet"] == 1.0
+    assert parts["overlap"] == pytest.approx(0.5)  # matmul and communication side by side
+    assert parts["compile_autotune"] == pytest.approx(0.2) and parts["data_loading"] == pytest.approx(0.6)
+    assert parts["optimizer_host"] == pytest.approx(0.2)  # 3.6-3.8; 3.5-3.6 was already data loading
+    assert parts["host_gaps"] == pytest.approx(4.0 - 2.5 - 0.2 - 0.6 - 0.2)
+    summary = rank_summary({"rank": 0, "profiled_steps": [{**parts, "seconds": 4.0}],
+                            "periods": [{"seconds": 9.0}, {"seconds": 4.2, "profiled": True}]})  # fmt: skip
+    assert summary["accounted_s"] == pytest.approx(4.0) and summary["adds_up"]  # 4.0 of 4.2: within 10 %
+    assert "within 10%" in render({"ranks": [summary]})
+
+
+def test_kernel_names_go_to_their_parts():
+    assert kernel_part("chunk_gated_delta_rule_fwd_kernel_h") == "deltanet"
+    assert kernel_part("ncclDevKernel_AllGather_RING_LL") == "communication"
+    assert kernel_part("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmul"
+    assert kernel_part("pytorch_flash::flash_fwd_kernel") == "attention"
+    assert kernel_part("multi_tensor_apply_kernel") == "optimizer"
+    assert kernel_part("elementwise_kernel") == "other_compute"
+
+
+@pytest.mark.slow
+def test_profile_of_two_ranks_with_a_slow_collator_on_one(tmp_path, demo_assets, monkeypatch):
+    monkeypatch.setenv("SLOW_DATA", json.dumps({"rank": 1, "seconds": 0.5}))
+    cfg = make_config(tmp_path, demo_assets, launcher={"entry": "tests.slow_rank_entry", "nproc_per_node": 2})
+    proc = launcher_cmd("profile", cfg, "--steps", "2", "--warmup", "1", "--quiet")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    run_dir = next(p for p in (tmp_path / "runs").iterdir() if p.is_dir())
+    assert run_dir.name.startswith("demo-cpu-profile-")
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "SUCCEEDED"
+    report = json.loads((run_dir / "profile.json").read_text())
+    ranks = {r["rank"]: r for r in report["ranks"]}
+    assert set(ranks) == {0, 1} and all(r["profiled_steps"] == 2 for r in ranks.values())
+    for r in ranks.values():
+        assert r["adds_up"], r  # the parts against the step measured on the rank's own clock
+        assert r["parts_s"]["deltanet"] > 0 and r["parts_s"]["matmul"] > 0 and r["seq_lens"]
+    assert ranks[1]["parts_s"]["data_loading"] >= 0.45  # the planted 0.5 s
+    assert ranks[0]["parts_s"]["data_loading"] < 0.25
+    assert ranks[0]["parts_s"]["communication"] > ranks[1]["parts_s"]["communication"]  # rank 0 waits
+    assert report["spread_across_ranks"]["spread_s"] >= 0.3
+    assert (run_dir / "profile" / "rank0.trace.json").is_file() and (run_dir / "profile.md").is_file()
+    assert "the faster ranks wait" in (run_dir / "profile.md").read_text()
+    assert f"profile: {run_dir / 'profile.md'} (2 rank(s))" in proc.stdout
+
+
+def test_bad_profile_arguments_are_refused(tmp_path, demo_assets):
+    cfg = make_config(tmp_path, demo_assets)
+    proc = launcher_cmd("profile", cfg, "--steps", "0")
+    assert proc.returncode == 2 and "profile at least 1 step" in proc.stderr
+    assert not (tmp_path / "runs").exists() or not [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
