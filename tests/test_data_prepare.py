@@ -115,6 +115,45 @@ def test_split_is_deterministic_and_keeps_conversations_whole(tmp_path):
     assert abs(len(a.val) - 0.25 * 80) <= 3  # whole conversations: close to, not exactly, the share
 
 
+def test_a_test_split_is_held_out_disjoint_hashed_and_never_registered(tmp_path):
+    src = write_json(tmp_path / "catch_mdpcot.json", mdpcot_records(dialogues=40))
+    result = prepare(src, tmp_path / "d", Options(), val_size=0.2, test_size=0.2, seed=7)
+
+    def dialogue(sample) -> str:
+        first = sample["history"][0][0] if sample["history"] else sample["instruction"]
+        return first.rsplit(" ", 2)[1]
+
+    test = _load(result.files["test"])
+    sides = [{dialogue(s) for s in side} for side in (result.train, result.val, test)]
+    assert all(sides) and not (sides[0] & sides[1]) and not (sides[0] & sides[2]) and not (sides[1] & sides[2])
+    accepted = result.counts["records"] - result.counts["rejected"]
+    assert len(result.train) + len(result.val) + len(test) == accepted and abs(len(test) - 0.2 * accepted) <= 3
+    info = _load(tmp_path / "d" / "dataset_info.json")
+    assert set(info) == {result.name, f"{result.name}_val"}  # the test file is never registered
+    record = _load(result.files["summary"])
+    from launcher.files import sha256_file
+
+    assert record["test"] == {"file": result.files["test"].name, "sha256": sha256_file(result.files["test"]),
+                              "samples": len(test)}  # fmt: skip
+    again = prepare(src, tmp_path / "e", Options(), val_size=0.2, test_size=0.2, seed=7)
+    assert again.files["test"].read_bytes() == result.files["test"].read_bytes()  # deterministic
+
+
+def test_check_refuses_a_config_that_trains_or_evaluates_on_the_test_split(tmp_path):
+    from launcher.checks.data import held_out_problems
+
+    src = write_json(tmp_path / "catch_mdpcot.json", mdpcot_records(dialogues=20))
+    result = prepare(src, tmp_path / "d", Options(), val_size=0.2, test_size=0.2, seed=7)
+    info_path = tmp_path / "d" / "dataset_info.json"
+    info = _load(info_path)
+    info["sneaky"] = {**info[result.name], "file_name": result.files["test"].name}  # registered by hand
+    info_path.write_text(json.dumps(info))
+    lf = {"dataset_dir": str(tmp_path / "d"), "dataset": result.name, "eval_dataset": "sneaky"}
+    (problem,) = held_out_problems(lf)
+    assert problem.startswith(f"sneaky: {result.files['test']} is the held-out test split")
+    assert held_out_problems({**lf, "eval_dataset": f"{result.name}_val"}) == []
+
+
 def test_split_by_count_and_empty_validation():
     keys = [str(i // 2) for i in range(20)]  # ten conversations of two samples
     train, val = split_by_conversation(keys, 4, seed=1)

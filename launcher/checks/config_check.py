@@ -31,7 +31,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from launcher.checks.data import dataset_records, dataset_think_share
+from launcher.checks.data import dataset_records, dataset_think_share, held_out_problems
 from launcher.results.lora_targets import (
     ATTENTION_PROJECTIONS,
     DELTANET_PROJECTIONS,
@@ -258,6 +258,7 @@ def check_datasets(args: dict[str, Any], out: Findings) -> None:
         out.add("dataset_dir", SKIPPED, f"datasets: not checked ({dataset_dir} is not a folder here)")
         return
     problems, seen = dataset_records(args)
+    problems += held_out_problems(args)
     for problem in problems:
         out.add("dataset", ERROR, problem)
     if seen and not problems:

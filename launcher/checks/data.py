@@ -209,6 +209,33 @@ def dataset_think_share(lf: dict[str, Any]) -> dict[str, float]:
     return shares
 
 
+def held_out_problems(lf: dict[str, Any]) -> list[str]:
+    """A named train or eval dataset that is a held-out test split of ``launcher data prepare`` (its file, or
+    a file with the same sha256, as recorded in any ``*.prepare.json`` of the dataset folder)."""
+    from launcher.files import sha256_file
+
+    dataset_dir = Path(str(lf.get("dataset_dir", "data")))
+    held: dict[str, tuple[str, Path]] = {}  # sha256 -> (test file name, record)
+    for record_path in dataset_dir.glob("*.prepare.json") if dataset_dir.is_dir() else ():
+        try:
+            test = (json.loads(record_path.read_text(encoding="utf-8")) or {}).get("test")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            continue
+        if isinstance(test, dict) and test.get("sha256"):
+            held[test["sha256"]] = (str(test.get("file")), record_path)
+    if not held:
+        return []
+    _, found = _dataset_files(lf)
+    problems = []
+    for name, path, _cols in found:
+        digest = sha256_file(path) if path.is_file() else None
+        if digest in held:
+            test_file, record_path = held[digest]
+            problems.append(f"{name}: {path} is the held-out test split {test_file} ({record_path.name}); it must "
+                            "not train or evaluate: name the train and validation datasets instead")  # fmt: skip
+    return problems
+
+
 MEDIA_COLUMNS = ("images", "videos")
 
 

@@ -133,6 +133,9 @@ def _args_data(p: argparse.ArgumentParser) -> None:
     split.add_argument("--val-size", type=float, default=None,
                        help="validation share in (0, 1) or a count of samples (default 0.05); 0 for none")  # fmt: skip
     split.add_argument("--val", type=Path, default=None, help="your own validation file (same format); no split")
+    prep.add_argument("--test-size", type=float, default=0,
+                      help="held-out test share in (0, 1) or count, whole conversations, never registered as a "
+                      "dataset (default 0: none)")  # fmt: skip
     prep.add_argument("--seed", type=int, default=42, help="split seed (default 42)")
     prep.add_argument("--name", default=None,
                       help="dataset name (default soulchat_r1[_dialogue]_{nothink|think}); eval: NAME_val")  # fmt: skip
@@ -185,7 +188,7 @@ def _cmd_prepare(ns: argparse.Namespace) -> int:
     options = Options(reasoning=ns.reasoning, system=system, system_from_target=ns.system_from_target)
     val_size = 0.05 if ns.val_size is None else ns.val_size
     result = prepare(ns.src, ns.out, options, val_file=ns.val, val_size=val_size, seed=ns.seed, name=ns.name,
-                     force=ns.force)  # fmt: skip
+                     force=ns.force, test_size=ns.test_size)  # fmt: skip
     for line in summary_lines(result):
         print(line)
     if ns.show_samples > 0:

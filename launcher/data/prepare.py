@@ -163,22 +163,34 @@ class PrepareResult:
     reasoning: str = "drop"
 
 
+def _check_size(flag: str, size: float) -> None:
+    if size < 0 or (size >= 1 and not float(size).is_integer()):
+        raise PrepareError(f"{flag} {size:g} is neither a share in (0, 1) nor a whole count (e.g. 0.05 or 300)")
+
+
 def prepare(src: Path, out: Path, options: Options, *, val_file: Path | None = None, val_size: float = 0.05,
-            seed: int = 42, name: str | None = None, force: bool = False) -> PrepareResult:  # fmt: skip
+            seed: int = 42, name: str | None = None, force: bool = False,
+            test_size: float = 0) -> PrepareResult:  # fmt: skip
     """Convert ``src`` (and ``val_file``) and write the LLaMA-Factory files into ``out``.
+
+    ``test_size`` (a share or a count; 0: none) holds whole conversations of ``src`` out first, into
+    ``NAME_test.json``: never registered in ``dataset_info.json`` (so no config can name it as a train or
+    eval dataset), its sha256 in ``NAME.prepare.json`` (``launcher check`` refuses a config whose datasets are
+    that file); the validation split is then drawn from the rest.
 
     Raises:
         PrepareError: bad input, no sample left, or outputs that exist while ``force`` is false. Nothing
             is written in that case.
     """
-    if val_size < 0 or (val_size >= 1 and not float(val_size).is_integer()):
-        raise PrepareError(f"--val-size {val_size:g} is neither a share in (0, 1) nor a whole count (e.g. 0.05 or 300)")
+    _check_size("--val-size", val_size)
+    _check_size("--test-size", test_size)
     train_part = convert_file(src, options)
     val_part = convert_file(val_file, options, kind=train_part.kind) if val_file else None
     name = name or default_name(train_part.kind, options.reasoning)
     files = {
         "train": out / f"{name}.json",
         "val": out / f"{name}_val.json",
+        "test": out / f"{name}_test.json",
         "rejects": out / f"{name}.rejects.jsonl",
         "summary": out / f"{name}.prepare.json",
     }
@@ -193,17 +205,29 @@ def prepare(src: Path, out: Path, options: Options, *, val_file: Path | None = N
     if out.exists() and not out.is_dir():
         raise PrepareError(f"--out {out} is a file; give a folder")
 
+    samples, keys, test = train_part.samples, train_part.keys, []
+    if test_size:
+        rest_idx, test_idx = split_by_conversation(keys, test_size, seed + 1)  # its own draw, before validation
+        test = [samples[i] for i in test_idx]
+        samples, keys = [samples[i] for i in rest_idx], [keys[i] for i in rest_idx]
     if val_part is not None:
-        train, val = train_part.samples, val_part.samples
+        train, val = samples, val_part.samples
         split = {"mode": "file", "file": str(val_file)}
     else:
-        train_idx, val_idx = split_by_conversation(train_part.keys, val_size, seed)
-        train = [train_part.samples[i] for i in train_idx]
-        val = [train_part.samples[i] for i in val_idx]
+        train_idx, val_idx = split_by_conversation(keys, val_size, seed)
+        train = [samples[i] for i in train_idx]
+        val = [samples[i] for i in val_idx]
         split = {"mode": "seeded", "seed": seed, "val_size": val_size, "conversations": len(set(train_part.keys))}
+    if test_size:
+        split["test"] = {"test_size": test_size, "seed": seed + 1, "samples": len(test)}
     if not train and train_part.samples:
         raise PrepareError(
-            f"--val-size {val_size:g} takes all {len(train_part.samples)} accepted samples; leave some for training"
+            (
+                f"--val-size {val_size:g} and --test-size {test_size:g} take"
+                if test_size
+                else f"--val-size {val_size:g} takes"
+            )
+            + f" all {len(train_part.samples)} accepted samples; leave some for training"
         )
     if not train:
         raise PrepareError(
@@ -224,11 +248,16 @@ def prepare(src: Path, out: Path, options: Options, *, val_file: Path | None = N
         files.pop("val")
         (out / f"{name}_val.json").unlink(missing_ok=True)  # a stale one from an earlier --force run
         info.pop(f"{name}_val", None)
+    if test:  # held out: written, hashed, never registered
+        write_text_atomic(files["test"], json.dumps(test, ensure_ascii=False, indent=1) + "\n", private)
+    else:
+        files.pop("test")
     write_text_atomic(files["rejects"], "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rejects), private)
     counts = {
         "records": train_part.records + (val_part.records if val_part else 0),
         "train": len(train),
         "val": len(val),
+        "test": len(test),
         "rejected": len(rejects),
         "rejected_by_kind": dict(Counter(r["kind"] for r in rejects)),
     }
@@ -247,6 +276,9 @@ def prepare(src: Path, out: Path, options: Options, *, val_file: Path | None = N
             "system_sha256": hashlib.sha256(options.system.encode()).hexdigest() if options.system else None,
         },
         "split": split,
+        "test": {"file": files["test"].name, "sha256": sha256_file(files["test"]), "samples": len(test)}
+        if test
+        else None,
         "counts": counts,
         "files": {k: p.name for k, p in files.items()},
     }
@@ -274,7 +306,9 @@ def summary_lines(result: PrepareResult, rejects_shown: int = 5) -> list[str]:
     c = result.counts
     lines = [
         f"read {c['records']} records from {result.sources} ({result.kind}, reasoning {result.reasoning}); wrote "
-        f"{c['train']} train + {c['val']} validation samples; rejected {c['rejected']}"
+        f"{c['train']} train + {c['val']} validation"
+        + (f" + {c['test']} held-out test (not registered)" if c.get("test") else "")
+        + f" samples; rejected {c['rejected']}"
         + (f" ({_kind_counts(c['rejected_by_kind'])})" if c["rejected"] else ""),
     ]
     if c["rejected"]:
