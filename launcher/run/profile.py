@@ -1,8 +1,9 @@
 """`launcher profile CONFIG`: a short run through the same supervisor, profiled on every rank.
 
 The config is the user's, with ``launcher.profile: {warmup, steps}`` and, so the run is short and measures
-training alone: ``max_steps`` = warm-up + profiled steps, no evaluation, no checkpoint, and ``-profile`` after
-the run name. It gets its own run directory, state and records like any run; the ranks write their profiles
+training alone: ``max_steps`` = warm-up + profiled steps, no evaluation (so no early stopping or best-model
+loading), no checkpoint, no automatic restart, and ``-profile`` after the run name.
+It gets its own run directory, state and records like any run; the ranks write their profiles
 (``launcher/profiling.py``) and this command merges them into ``profile.json`` and ``profile.md``
 (``results/profile_report.py``) once the run has ended, whatever its end state.
 """
@@ -22,7 +23,9 @@ from launcher.state.runs import list_runs
 def profile_overrides(name: str, steps: int, warmup: int) -> dict[str, Any]:
     """The keys a profile run sets over the user's config."""
     return {"launcher.profile.steps": steps, "launcher.profile.warmup": warmup, "launcher.run_name": f"{name}-profile",
-            "max_steps": warmup + steps, "eval_strategy": "no", "do_eval": False, "save_strategy": "no"}  # fmt: skip
+            "launcher.early_stopping": None, "launcher.restart": None,  # no evaluation to stop on; no retries
+            "max_steps": warmup + steps, "eval_strategy": "no", "do_eval": False, "save_strategy": "no",
+            "load_best_model_at_end": False}  # fmt: skip
 
 
 def profile_run(config_path: Path, overrides: dict[str, Any], *, steps: int, warmup: int, echo: bool = True) -> int:
