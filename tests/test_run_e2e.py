@@ -75,6 +75,9 @@ def test_run_trains_and_saves_an_adapter(tmp_path, demo_assets, launcher):
     if launcher["distribution"] == "fsdp2":
         assert (run_dir / "accelerate.yaml").is_file()
         assert "fsdp2" in log.lower()
+        for rank in (0, 1):  # text-only data: no rank builds the dummy image, so none waits on a vision tower
+            record = json.loads((run_dir / "proof" / f"rank{rank}" / "text_only_batches.json").read_text())
+            assert record["dummy_image"] == "skipped" and record["first_batch"]["pixel_values"] is False
 
 
 def test_output_goes_to_the_terminal_and_the_log(tmp_path, demo_assets):
