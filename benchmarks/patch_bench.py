@@ -178,6 +178,7 @@ def _proof_summary(run_dir: Path) -> dict[str, Any]:
             "status": ckpt.get("status"),
             **{k: first.get(k) for k in CENSUS_KEYS},
             "layer_plan": ckpt.get("layer_plan"),
+            "plan_correction": ckpt.get("plan_correction"),
             "second_step_observed": (ckpt.get("second_training_step") or {}).get("observed"),
         },
         **{name: {k: v for k, v in _read_json(run_dir / "proof" / "rank0" / f"{name}.json").items()

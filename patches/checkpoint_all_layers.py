@@ -53,7 +53,17 @@ from packaging.specifiers import SpecifierSet
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from . import trainer_hook
-from .checkpoint_budget import GIB, LayerMeter, apply_plan, correction, layer_kind, plan, scaled, shrink_plan
+from .checkpoint_budget import (
+    GIB,
+    PRIOR_FACTOR,
+    LayerMeter,
+    apply_plan,
+    correction,
+    layer_kind,
+    plan,
+    scaled,
+    shrink_plan,
+)
 from .checkpoint_census import StepObserver, checkpoint_layers, describe_checkpoint_func
 from .errors import PatchError
 from .proof import ProofFile, utc_now
@@ -238,7 +248,8 @@ def _start_measuring(model, info: dict[str, Any]) -> None:
     """Measure one layer of each kind during the first step, and the step's peak where the device tells it."""
     kinds: dict[str, int] = {}
     for _, layer in checkpoint_layers(model):
-        kinds[layer_kind(layer)] = kinds.get(layer_kind(layer), 0) + 1
+        if getattr(layer, "layer_type", None):  # decoder layers only: the frozen vision blocks keep nothing
+            kinds[layer_kind(layer)] = kinds.get(layer_kind(layer), 0) + 1
     meter = LayerMeter(_state["func"], kinds)
     checkpoint_every_layer(model, meter)
     _state["meter"] = meter
@@ -263,8 +274,8 @@ def _finish_measuring(model) -> None:
     else:
         seq_len = max(c.seq_len for c in meter.costs.values())
         first_peak = memory.max_memory_allocated() / GIB
-        chosen = plan(meter.costs, budget_gib=_state["budget"], peak_gib=first_peak, held_gib=_state["held_gib"],
-                      seq_len=seq_len, cutoff_len=_state.get("cutoff_len"))  # fmt: skip
+        chosen = plan(scaled(meter.costs, PRIOR_FACTOR), budget_gib=_state["budget"], peak_gib=first_peak,
+                      held_gib=_state["held_gib"], seq_len=seq_len, cutoff_len=_state.get("cutoff_len"))  # fmt: skip
         record.update(asdict(chosen), uncheckpointed_names=apply_plan(model, chosen.uncheckpointed))
         _state["budget_plan"] = {"costs": meter.costs, "chosen": chosen.uncheckpointed, "first_peak": first_peak,
                                  "seq_len": seq_len, "names": record["uncheckpointed_names"]}  # fmt: skip
@@ -274,7 +285,10 @@ def _finish_measuring(model) -> None:
 
 
 def _before_second_step(trainer, model) -> None:
-    _state["observer"] = StepObserver(model)
+    try:
+        _state["observer"] = StepObserver(model)
+    except Exception:  # observing must never stop a run
+        logger.exception("cannot observe checkpointing at the second training step")
     if _state.get("budget_plan") and _state["budget_plan"]["names"]:
         _memory(_state["backend"]).reset_peak_memory_stats()
 
@@ -286,8 +300,9 @@ def _before_second_step(trainer, model) -> None:
 
 
 def _after_second_step(trainer, model) -> None:
-    census = _state.pop("observer").finish()
-    _state["proof"].update(second_training_step={**census, "recorded_at": utc_now()})
+    observer = _state.pop("observer", None)
+    if observer is not None:
+        _state["proof"].update(second_training_step={**observer.finish(), "recorded_at": utc_now()})
     if "seq_hook" in _state:
         _state.pop("seq_hook").remove()
         _correct_plan(model)
@@ -302,11 +317,12 @@ def _correct_plan(model) -> None:
                         first_seq_len=done["seq_len"])  # fmt: skip
     record: dict[str, Any] = {"second_step_peak_gib": round(peak, 3), "factor": round(factor, 4),
                               "second_step_seq_len": done.get("second_seq_len"), "rechecked": []}  # fmt: skip
-    if factor > 1.0:
+    if factor > PRIOR_FACTOR:  # dearer than the first plan assumed: take back what the budget does not afford
         again = plan(scaled(done["costs"], factor), budget_gib=_state["budget"], peak_gib=done["first_peak"],
                      held_gib=_state["held_gib"], seq_len=done["seq_len"],
                      cutoff_len=_state.get("cutoff_len"))  # fmt: skip
-        record.update(uncheckpointed=again.uncheckpointed, projected_peak_gib=again.projected_peak_gib,
+        record.update(projected_peak_gib=again.projected_peak_gib,
                       rechecked=shrink_plan(model, done["names"], again.uncheckpointed))  # fmt: skip
-    record["uncheckpointed_total"] = len(done["names"]) - len(record["rechecked"])
+    kept = [n for n in done["names"] if n not in record["rechecked"]]
+    record.update(uncheckpointed_names=kept, uncheckpointed_total=len(kept))
     _state["proof"].update(plan_correction={**record, "recorded_at": utc_now()})

@@ -23,7 +23,8 @@ What this patch does (class-level wrapper of that ``forward``; nothing else of t
   positions never reach ``lm_head`` at all.
 - the returned output has ``logits=None``; everything else (``past_key_values``, ``rope_deltas``, ...) is the
   inner model's. Code that needs the training logits (LLaMA-Factory's ``compute_accuracy``, the DFT/EAFT/ASFT
-  losses) cannot run with it, which ``launcher check`` refuses (``checks/config_check.py``).
+  losses, the Trainer's ``label_smoothing_factor``, which takes the labels away from the model) cannot run
+  with it, which ``launcher check`` refuses (``checks/patch_check.py``).
 - without ``labels`` (generation, ``predict_with_generate``) the upstream forward runs untouched.
 
 Pure torch: runs on CPU, CUDA and NPU alike. Proof per rank: the class patched, the chunk size, and at the
@@ -114,7 +115,7 @@ def chunked_causal_lm_loss(hidden, labels, head, chunk_tokens: int):
     def chunk_sum(h, y):
         return F.cross_entropy(head(h).float(), y, reduction="sum")
 
-    total = rows.new_zeros((), dtype=torch.float32)
+    total = (rows.sum() * 0).float()  # a graph even without a supervised token: NaN with zero gradients, as upstream
     for start in range(0, rows.shape[0], chunk_tokens):
         h, y = rows[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         grad = torch.is_grad_enabled()

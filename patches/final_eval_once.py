@@ -9,8 +9,9 @@ eval set, a second time. The seed's formal run lost 8.5 minutes of eight NPUs to
 
 What this patch does (a wrapper of ``transformers.Trainer.evaluate``): every evaluation of the default eval
 set remembers its metrics and the global step. A later call with the same step, the same
-``metric_key_prefix``, no other dataset and no ``load_best_model_at_end`` (which may have swapped the
-weights) returns a copy of those metrics instead of running the eval loop again, so LLaMA-Factory still
+``metric_key_prefix``, no other dataset, no ``load_best_model_at_end`` (which may have swapped the weights)
+and no ``predict_with_generate`` (LLaMA-Factory's final call generates with other settings)
+returns a copy of those metrics instead of running the eval loop again, so LLaMA-Factory still
 writes ``eval_results.json`` and ``all_results.json`` with the final figures; the evaluation itself, and its
 line in ``trainer_log.jsonl``, happens once. Everything else runs unchanged. Proof per rank: every evaluation
 (step, whether it ran or was reused, its seconds).
@@ -55,7 +56,10 @@ def check_symbols() -> None:
 
 def _reusable(trainer, eval_dataset, prefix: str) -> dict[str, Any] | None:
     last = _state.get("last")
-    if last is None or eval_dataset is not None or getattr(trainer.args, "load_best_model_at_end", False):
+    args = trainer.args
+    if last is None or eval_dataset is not None or getattr(args, "load_best_model_at_end", False):
+        return None
+    if getattr(args, "predict_with_generate", False):  # the final call passes its own generation settings
         return None
     if last["step"] != trainer.state.global_step or last["prefix"] != prefix:
         return None

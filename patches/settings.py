@@ -69,7 +69,7 @@ def normalize_settings(raw: Mapping[str, Any] | None, patches: Mapping[str, Modu
         fields = list(module.Options.model_fields)
         if isinstance(value, bool):
             value = {"enabled": value}
-        elif isinstance(value, Mapping) and value and "enabled" not in value and name in raw:
+        elif isinstance(value, Mapping) and "enabled" not in value and name in raw:
             value = {**value, "enabled": True}
         elif not isinstance(value, Mapping):
             problems.append(f"{WHERE}.{name} is {value!r}; expected true, false, or a mapping with {', '.join(fields)}")

@@ -12,7 +12,9 @@ collectives if any rank does, so a batch with an image on one rank and none on a
 
 What this patch does: only when the launcher found, before the run, that none of the run's datasets (train
 and eval) holds an image or a video (``facts["dataset_media"]``, written into ``launch.json`` from
-``dataset_info.json`` and the records), it gives each collator its own copy of the template whose plugin
+``dataset_info.json`` and the records), and that the vision tower and projector stay frozen (LLaMA-Factory's
+default; a trainable one would get no gradient, which DDP refuses at the next step), it gives each
+collator its own copy of the template whose plugin
 has no image token, so the dummy is never built; no rank ever runs the vision tower, so no rank can wait on
 another's. A run whose data has any image or video, or whose media could not be counted, keeps
 LLaMA-Factory's behaviour unchanged (the proof says which). A batch that does carry media under the patch
@@ -72,7 +74,11 @@ def check_symbols() -> None:
 
 
 def media_verdict(facts: dict[str, Any]) -> tuple[bool, str]:
-    """Whether the run's data is known to be text-only, and why (from the launcher's count)."""
+    """Whether the dummy can go: the run's data is known to be text-only and nothing of the vision tower
+    trains (under DDP a trainable parameter without a gradient stops the next step), and why."""
+    if facts.get("vision_trainable"):
+        return False, ("the vision tower or projector trains (freeze_vision_tower or freeze_multi_modal_projector "
+                       "is false): its parameters need the dummy image's gradient; dummy kept")  # fmt: skip
     media = facts.get("dataset_media")
     if not isinstance(media, dict) or not media.get("counted"):
         why = (media or {}).get("why") if isinstance(media, dict) else None

@@ -1,13 +1,15 @@
 """Wrap a method of an upstream class once, and unwrap it again: the idiom of the class-level patches.
 
 A wrapper carries ``__deltanet_launcher_patch__`` (the patch's name) and ``__deltanet_launcher_original__``
-(what it wrapped). ``wrap_once`` does nothing when the outermost callable already is this patch's wrapper,
-so applying twice is a no-op; ``unwrap`` restores the original only when this patch's wrapper is the
-outermost one (two patches may wrap the same method, in registry order).
+(what it wrapped), and the wrapped callable's name, docstring and signature (``functools.update_wrapper``:
+``generate()`` reads the forward's signature to decide what to pass). ``wrap_once`` does nothing when this
+patch's wrapper is anywhere in the chain, so applying twice is a no-op; ``unwrap`` restores the original only
+when this patch's wrapper is the outermost one (two patches may wrap the same method, in registry order).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 
@@ -15,12 +17,18 @@ MARKER = "__deltanet_launcher_patch__"
 ORIGINAL = "__deltanet_launcher_original__"
 
 
+def _chain(func: Callable):
+    while func is not None:
+        yield func
+        func = getattr(func, ORIGINAL, None)
+
+
 def wrap_once(cls: type, attr: str, patch: str, make: Callable[[Callable], Callable]) -> None:
-    """Replace ``cls.attr`` by ``make(current)`` unless it is already ``patch``'s wrapper."""
+    """Replace ``cls.attr`` by ``make(current)`` unless ``patch``'s wrapper is already in its chain."""
     current = getattr(cls, attr)
-    if getattr(current, MARKER, None) == patch:
+    if any(getattr(f, MARKER, None) == patch for f in _chain(current)):
         return
-    wrapper = make(current)
+    wrapper = functools.update_wrapper(make(current), current)
     setattr(wrapper, ORIGINAL, current)
     setattr(wrapper, MARKER, patch)
     setattr(cls, attr, wrapper)
@@ -36,5 +44,5 @@ def unwrap(module_name: str, class_name: str, attr: str, patch: str) -> None:
 
 
 def original_of(func: Callable) -> Callable:
-    """The upstream callable under a wrapper of ours (the callable itself when it is not wrapped)."""
-    return getattr(func, ORIGINAL, func)
+    """The upstream callable under every wrapper of ours (the callable itself when it is not wrapped)."""
+    return list(_chain(func))[-1]

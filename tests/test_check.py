@@ -317,13 +317,14 @@ def test_logs_show_the_supervisors_own_output_when_the_job_never_started(tmp_pat
         ({}, {"compute_accuracy": True}, "compute_accuracy: true reads the training logits, which "
          "launcher.patches.chunked_loss never builds; remove compute_accuracy or set "
          "launcher.patches.chunked_loss: false"),
+        ({}, {"label_smoothing_factor": 0.1}, "label_smoothing_factor: 0.1 reads the training logits"),
         ({"patches": {"checkpoint_all_layers": {"memory_budget_gib": 60}}}, {},
          "memory_budget_gib needs a device that reports its peak memory (cuda, npu); the backend is cpu"),
         ({"distribution": "fsdp2", "nproc_per_node": 2,
           "patches": {"checkpoint_all_layers": {"uncheckpointed_layers": 4}}},
          {}, "uncheckpointed_layers is not supported with distribution: fsdp2"),
     ],
-    ids=["accuracy-needs-logits", "budget-on-cpu", "plan-under-fsdp2"],
+    ids=["accuracy-needs-logits", "label-smoothing", "budget-on-cpu", "plan-under-fsdp2"],
 )  # fmt: skip
 def test_patch_options_that_cannot_work_are_refused_naming_the_key(tmp_path, demo_assets, launcher, lf, expected):
     cfg = make_config(tmp_path, demo_assets, launcher={"backend": "cpu", **launcher}, **lf)

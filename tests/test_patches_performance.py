@@ -320,7 +320,8 @@ def test_a_dataset_with_an_image_keeps_the_dummy_and_runs_the_vision_tower_on_ev
     demo_assets, tiny_training, tmp_path
 ):
     """Half the records carry a real 64x64 image: the run keeps LLaMA-Factory's dummy for the others, so every
-    rank runs the vision tower every step (under FSDP no rank may skip its collectives)."""
+    rank runs the vision tower every step (two DDP ranks here; under FSDP that is what keeps a rank from
+    waiting on another's vision-tower collectives)."""
     from PIL import Image
 
     data = tmp_path / "data"
@@ -346,3 +347,66 @@ def test_a_dataset_with_an_image_keeps_the_dummy_and_runs_the_vision_tower_on_ev
         assert kept["dummy_image"] == "kept" and "4 image(s)" in kept["why"]
         census = read_proof(tmp_path / "run" / "proof", "checkpoint_all_layers", rank)["first_training_step"]
         assert census["by_class"]["Qwen3_5VisionBlock"]["observed"] == {"non_reentrant": 1}
+
+
+# --- found in review --------------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("restore_patches")
+def test_the_wrapped_forward_keeps_its_signature_and_applying_twice_keeps_one_chain(tmp_path):
+    import inspect
+
+    from llamafactory.data.collator import MultiModalDataCollatorForSeq2Seq
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from patches.wrapping import ORIGINAL
+
+    settings = {"pad_lengths": {"multiple": 64}}
+    patches.apply_enabled(settings, backend="cpu", proof_dir=tmp_path)
+    patches.apply_enabled(settings, backend="cpu", proof_dir=tmp_path)  # pad_lengths wraps text_only_batches
+    # generate() reads the forward's signature to pass logits_to_keep=1 at prefill
+    assert "logits_to_keep" in inspect.signature(Qwen3_5ForConditionalGeneration.forward).parameters
+    chain, call = [], MultiModalDataCollatorForSeq2Seq.__call__
+    while hasattr(call, ORIGINAL):
+        chain.append(call.__deltanet_launcher_patch__)
+        call = getattr(call, ORIGINAL)
+    assert chain == ["pad_lengths", "text_only_batches"]
+
+
+def test_a_micro_batch_without_a_supervised_token_is_nan_with_zero_gradients_as_upstream():
+    import torch
+
+    head = torch.nn.Linear(8, 11, bias=False)
+    hidden = torch.randn(1, 6, 8, requires_grad=True)
+    loss, supervised, _ = chunked_loss.chunked_causal_lm_loss(hidden, torch.full((1, 6), -100), head, 16)
+    assert supervised == 0 and torch.isnan(loss) and loss.requires_grad
+    loss.backward()  # the Trainer's backward must not raise
+    assert hidden.grad is not None and not hidden.grad.abs().sum()
+
+
+def test_kinds_that_keep_nothing_are_not_planned():
+    costs = {"vision": cost("vision", 27, 0.0, 0.003), "deltanet": cost("deltanet", 48, 0.5, 0.010)}
+    assert plan(costs, count=4).uncheckpointed == {"deltanet": 4}
+
+
+def test_a_trainable_vision_tower_keeps_the_dummy_image():
+    from patches.text_only_batches import media_verdict
+
+    counted = {"dataset_media": {"counted": True, "images": 0, "videos": 0, "records": 0, "datasets": ["d"]}}
+    assert media_verdict(counted)[0] is True
+    kept, why = media_verdict({**counted, "vision_trainable": True})
+    assert kept is False and "freeze_vision_tower" in why
+
+
+def test_the_final_evaluation_is_not_reused_when_it_generates():
+    from patches import final_eval_once
+
+    trainer = SimpleNamespace(args=SimpleNamespace(load_best_model_at_end=False, predict_with_generate=False),
+                              state=SimpleNamespace(global_step=4))  # fmt: skip
+    final_eval_once._state["last"] = {"step": 4, "prefix": "eval", "metrics": {"eval_loss": 1.0}}
+    try:
+        assert final_eval_once._reusable(trainer, None, "eval") == {"eval_loss": 1.0}
+        trainer.args.predict_with_generate = True
+        assert final_eval_once._reusable(trainer, None, "eval") is None
+    finally:
+        final_eval_once._state.clear()

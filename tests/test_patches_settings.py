@@ -36,6 +36,7 @@ def test_an_off_by_default_patch_is_on_once_named_with_options():
     assert patches.normalize_settings({"pad_lengths": {"multiple": 512}})["pad_lengths"] == {
         "enabled": True, "multiple": 512}  # fmt: skip
     assert patches.normalize_settings({"pad_lengths": True})["pad_lengths"] == {"enabled": True, "multiple": 256}
+    assert patches.normalize_settings({"pad_lengths": {}})["pad_lengths"]["enabled"] is True  # named: on
 
 
 @pytest.mark.parametrize("raw", [None, {}])

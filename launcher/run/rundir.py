@@ -160,7 +160,10 @@ def run_facts(lf_args: dict[str, Any]) -> dict[str, Any]:
     from launcher.checks.data import dataset_media
 
     return {"cutoff_len": int(lf_args.get("cutoff_len") or 2048),  # LLaMA-Factory's DataArguments default
-            "dataset_media": dataset_media(lf_args)}  # fmt: skip
+            "dataset_media": dataset_media(lf_args),
+            # LLaMA-Factory's FinetuningArguments freeze both by default; trained, they need the dummy image
+            "vision_trainable": not lf_args.get("freeze_vision_tower", True)
+            or not lf_args.get("freeze_multi_modal_projector", True)}  # fmt: skip
 
 
 def tuning_record(config: RunConfig, backend: Backend) -> dict[str, dict[str, str]]:
