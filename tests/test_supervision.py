@@ -61,6 +61,10 @@ def in_pty(argv: list[str], env: dict[str, str]) -> tuple[int, int]:
     pid, fd = pty.fork()
     if pid == 0:  # child: exec at once (nothing of pytest runs here)
         try:
+            # a login shell starts with default dispositions; under nohup or a background job the test
+            # runner may have inherited SIGHUP/SIGINT ignored, which exec would pass on to the "terminal"
+            for sig in (signal.SIGHUP, signal.SIGINT):
+                signal.signal(sig, signal.SIG_DFL)
             os.chdir(REPO)
             os.execvpe(argv[0], argv, env)
         finally:
