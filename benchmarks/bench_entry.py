@@ -5,7 +5,7 @@
 In this process only, before handing over to ``launcher.entry.main`` (which applies the patches and runs
 LLaMA-Factory exactly as a real run does):
 
-1. on CUDA, lifts FLA's Hopper guard (``benchmarks.fla_guard``; the lent H200 has Triton 3.6.0) and records it;
+1. on CUDA, lifts FLA's Hopper guard (``benchmarks.fla_guard``; the measuring H200 has Triton 3.6.0) and records it;
 2. runs ``launcher validate-kernels`` cases (``$BENCH_KERNEL_CASES``, e.g. ``full:qwen3_5_27b``) on the
    kernel this run routes to, against the fp32 reference, and records the report: the guard is lifted only
    together with this evidence;

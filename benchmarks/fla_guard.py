@@ -4,7 +4,7 @@
 
 fla-core 0.6.0 refuses the gated-delta-rule backward on Hopper GPUs with 3.4.0 <= Triton < 3.7.1 (FLA issue
 #640; the guard in ``fla/ops/common/chunk_o.py`` reads the module flag ``TRITON_ABOVE_3_7_1`` at call time).
-The lent H200 has Triton 3.6.0 and no way to bring a newer one, so measurements there set that flag in the
+The measuring H200 has Triton 3.6.0 and no newer one could be installed, so measurements there set that flag in the
 measuring process, and the same process checks the kernel against the fp32 reference
 (``launcher validate-kernels`` here, the 27B-shape case in ``bench_entry``), so the numbers come with the
 evidence that the gradients are right on that machine. Product code never does this: ``patches`` and

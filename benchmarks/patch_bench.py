@@ -1,18 +1,24 @@
-"""Benchmark: the patches on and off through the real launcher path.
+"""Benchmark: the patches and performance options through the real launcher path.
 
-    python -m benchmarks.patch_bench --out DIR [--steps 6] [--variants on,off] [--shape 27b|tiny]
+    python -m benchmarks.patch_bench --out DIR [--steps 6] [--variants on,off,...] [--shape 27b|tiny]
                                      [--backend cuda|cpu]
+
+Variants (``VARIANTS``, run in the order given): ``on`` (the product's defaults), ``off`` (every patch off:
+LLaMA-Factory 0.9.5's own behaviour), ``budget120`` (``checkpoint_all_layers.memory_budget_gib: 120``),
+``spread`` and ``spread-pad256`` (samples of about 1,000 to 4,096 tokens, the second padded to a multiple of
+256), ``ctx32k`` and ``ctx64k`` (cutoff 8x and 16x), ``on-warm`` (``on`` again, its first step with the Triton
+cache the earlier variants filled: ``TRITON_CACHE_DIR`` is ``DIR/triton-cache`` for every variant).
 
 1. ``DIR/model``: a config-only folder of the Qwen3.5-27B shape (``--shape 27b``; ``tiny`` for a CPU run of
    the plumbing) with the demo tokenizer and a matching processor (``benchmarks.bench_assets``); the rank
    entry builds the model from it with random weights on the device.
-2. ``DIR/data``: samples longer than ``cutoff_len`` on both sides, so every step sees exactly 4096 tokens
-   (256 for ``tiny``).
+2. ``DIR/data-<cutoff>``: samples longer than ``cutoff_len`` on both sides, so every step sees exactly the
+   cutoff (4096 for ``27b``, 256 for ``tiny``, times the variant's factor); ``DIR/data-spread`` for the spread.
 3. ``DIR/configs/<variant>.yaml``: the seed's LoRA settings (r8 on q/k/v/o, batch 1, bf16 on CUDA, gradient
-   checkpointing on) for ``--steps`` steps, ``launcher.entry: benchmarks.bench_entry``; variant ``on`` runs
-   the default patches, ``off`` turns both off (LLaMA-Factory 0.9.5's own behaviour).
+   checkpointing on) for ``--steps`` steps (or the variant's own), ``launcher.entry: benchmarks.bench_entry``.
 4. ``python -m launcher run CONFIG --quiet`` for each variant, with ``RECORD_VRAM=1`` (LLaMA-Factory logs
-   ``vram_allocated``) and ``LAUNCHER_PREFLIGHT_SKIP=packages,kernel,model``: the lent GPU machine is not the
+   ``vram_allocated``) and ``LAUNCHER_PREFLIGHT_SKIP=packages,kernel,model,data_stats``: a measuring host is
+   not the
    CUDA image (packages), its Triton trips FLA's Hopper guard in the preflight child process, where the guard
    is not lifted (kernel; the rank entry runs the kernel check instead), the folder has no weights (model), and
    the samples are longer than the cutoff on purpose, which a formal run's data check refuses (data_stats).
