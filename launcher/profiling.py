@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from launcher.files import write_json_atomic
+from launcher.state.runs import PROFILE_DIR
 
-PROFILE_DIR = "profile"
 DELTANET_KERNELS = ("chunk_gated_delta", "gated_delta", "chunk_fwd", "chunk_bwd", "chunk_scaled_dot_kkt",
                     "recompute_w_u", "solve_tril", "chunk_local_cumsum", "fused_recurrent", "causal_conv1d",
                     "merge_16x16", "chunk_dplr", "l2norm")  # fmt: skip

@@ -98,7 +98,7 @@ def _text_only_template(collator):
         own = copy.copy(collator.template)
         own.mm_plugin = copy.copy(own.mm_plugin)
         own.mm_plugin.image_token = None
-        object.__setattr__(collator, _OWN_TEMPLATE, own)
+        setattr(collator, _OWN_TEMPLATE, own)
     return own
 
 

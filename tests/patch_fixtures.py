@@ -34,6 +34,25 @@ def restore_patches():
     restore_all()
 
 
+def stub_training_step(self, model, inputs, num_items_in_batch=None):
+    model.train()
+    loss = model(**inputs).loss
+    loss.backward()
+    return loss.detach()
+
+
+@pytest.fixture
+def stub_trainer(monkeypatch):
+    """``transformers.Trainer.training_step`` replaced by forward+backward (so the first- and later-step hooks
+    run without a whole Trainer); returns a fake trainer."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    monkeypatch.setattr(transformers.Trainer, "training_step", stub_training_step)
+    return SimpleNamespace(args=SimpleNamespace(gradient_checkpointing=True))
+
+
 def tiny_text_config(layer_types: tuple[str, ...] = ("linear_attention", "full_attention")):
     """A ``Qwen3_5TextConfig`` small enough to build and run in well under a second."""
     from transformers import Qwen3_5TextConfig

@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "launcher.monitor": 3,
     "launcher.entry": 3,
     "launcher.stopsave": 3,
+    "launcher.profiling": 3,
     "launcher.run": 4,
     "launcher.cli": 5,
     "launcher.__main__": 5,

@@ -167,7 +167,11 @@ def test_bad_val_sizes_are_refused(tmp_path):
         prepare(src, tmp_path / "a", Options(), val_size=1000)
     with pytest.raises(PrepareError, match="neither a share in \\(0, 1\\) nor a whole count"):
         prepare(src, tmp_path / "b", Options(), val_size=2.5)
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    with pytest.raises(PrepareError, match="--test-size 1.5 is neither a share"):
+        prepare(src, tmp_path / "c", Options(), test_size=1.5)
+    with pytest.raises(PrepareError, match="--val-size 3 and --test-size 3 take all 6 accepted samples"):
+        prepare(src, tmp_path / "d", Options(), val_size=3, test_size=3)
+    assert not any((tmp_path / n).exists() for n in "abcd")
 
 
 def test_user_validation_file(tmp_path):

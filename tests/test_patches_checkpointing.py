@@ -66,22 +66,6 @@ def modes(census: dict) -> dict[str, str]:
     return {entry["layer_type"]: entry["observed"] for entry in census["layers_detail"]}
 
 
-def stub_training_step(self, model, inputs, num_items_in_batch=None):
-    model.train()
-    loss = model(**inputs).loss
-    loss.backward()
-    return loss.detach()
-
-
-@pytest.fixture
-def stub_trainer(monkeypatch):
-    """``transformers.Trainer.training_step`` replaced by forward+backward; returns a fake trainer."""
-    import transformers
-
-    monkeypatch.setattr(transformers.Trainer, "training_step", stub_training_step)
-    return SimpleNamespace(args=SimpleNamespace(gradient_checkpointing=True))
-
-
 def test_without_the_patch_llamafactory_skips_the_frozen_deltanet_layer(make_tiny_model):
     model = prepared_like_llamafactory(make_tiny_model())
     census = observed_step(model)

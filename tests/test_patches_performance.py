@@ -172,20 +172,6 @@ def test_a_count_is_spread_over_the_kinds_in_order():
     assert plan(costs, count=5).uncheckpointed == {"deltanet": 3, "attention": 1}
 
 
-@pytest.fixture
-def stub_trainer(monkeypatch):
-    import transformers
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        model.train()
-        loss = model(**inputs).loss
-        loss.backward()
-        return loss.detach()
-
-    monkeypatch.setattr(transformers.Trainer, "training_step", training_step)
-    return SimpleNamespace(args=SimpleNamespace(gradient_checkpointing=True))
-
-
 @pytest.mark.usefixtures("restore_patches")
 def test_the_layer_plan_is_measured_in_the_first_step_and_holds_from_the_second(tmp_path, demo_assets,
                                                                                  stub_trainer):  # fmt: skip

@@ -116,7 +116,8 @@ def _args_data(p: argparse.ArgumentParser) -> None:
         "LLaMA-Factory files plus dataset_info.json entries; malformed records go to NAME.rejects.jsonl "
         "with their index and reason.",
         epilog="examples:\n  launcher data prepare --format soulchat-r1 catch_mdpcot.json --out /data\n"
-        "  launcher data prepare --format soulchat-r1 catch_dialogue.json --out /data --system-from-target",
+        "  launcher data prepare --format soulchat-r1 catch_dialogue.json --out /data --system-from-target\n"
+        "  launcher data prepare --format soulchat-r1 catch_mdpcot.json --out /data --val-size 300 --test-size 300",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     prep.add_argument("src", type=Path, help="catch_mdpcot.json or catch_dialogue.json (JSON array or .jsonl)")

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from launcher.files import write_json_atomic, write_text_atomic
+from launcher.state.runs import PROFILE_DIR
 
-PROFILE_DIR = "profile"
 PARTS = ("deltanet", "attention", "matmul", "other_compute", "communication", "optimizer",
          "data_loading", "optimizer_host", "compile_autotune", "host_gaps")  # fmt: skip
 LABELS = {

@@ -24,6 +24,7 @@ LAUNCH_FILE = "launch.json"
 JOB_LOG = "launcher.log"  # everything the job printed
 SUPERVISOR_LOG = "supervisor.log"  # what a detached supervisor printed (preflight, refusals, its end line)
 ERRORS_DIR = "errors"  # errors/rank<N>.json: the traceback of each rank that raised
+PROFILE_DIR = "profile"  # profile/rank<N>.json and traces: `launcher profile` (profiling.py, results/profile_report.py)
 # save on stop (launcher/stopsave.py in the ranks, run/supervisor.py): the supervisor asks, the ranks answer
 SAVE_REQUEST = "save_request.json"  # written by the supervisor: save a checkpoint at the next step, then exit
 SAVE_READY = "save_on_stop.json"  # written by local rank 0 once training began: this job honours a request
