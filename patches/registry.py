@@ -12,9 +12,12 @@ Order (fixed; ``PATCH_NAMES``):
    text-only (``facts``).
 5. ``final_eval_once`` - wraps ``transformers.Trainer.evaluate``.
 6. ``pad_lengths`` (off unless named) - wraps the same collator as 4, outside it, to set its padding multiple.
+7. ``packed_rows`` - wraps the DeltaNet forward (class level) and LLaMA-Factory's 4D-mask collator; acts only
+   on packed rows (``neat_packing``), whose DeltaNet layers it runs one sample at a time on the routed kernel,
+   so it needs ``deltanet_routing``'s recorders (``launcher check`` refuses packing without them).
 
 Each ``apply`` also gets ``facts``: what the launcher knew about the run before it started (``launch.json``:
-the datasets' media count, ``cutoff_len``), the same on every rank.
+the datasets' media count, ``cutoff_len``, whether it packs), the same on every rank.
 
 For each patch, in that order, ``apply_enabled``:
 
@@ -42,6 +45,7 @@ from . import (
     chunked_loss,
     deltanet_routing,
     final_eval_once,
+    packed_rows,
     pad_lengths,
     settings,
     text_only_batches,
@@ -60,6 +64,7 @@ PATCHES: dict[str, ModuleType] = {
     text_only_batches.NAME: text_only_batches,
     final_eval_once.NAME: final_eval_once,
     pad_lengths.NAME: pad_lengths,
+    packed_rows.NAME: packed_rows,
 }
 PATCH_NAMES: tuple[str, ...] = tuple(PATCHES)
 BACKENDS = ("npu", "cuda", "cpu")

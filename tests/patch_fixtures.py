@@ -92,6 +92,24 @@ def make_tiny_model():
     return build
 
 
+def lora_model(model_dir: Path, lora_b_std: float = 0.02):
+    """The model folder's ``Qwen3_5ForConditionalGeneration`` in fp32 with real PEFT LoRA (r 4) on q/k/v/o, in
+    training mode; LoRA B starts at zero upstream, so it gets values here and A gets gradients."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(AutoConfig.from_pretrained(model_dir)).float()
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))  # fmt: skip
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=lora_b_std)
+    model.train()
+    return model
+
+
 _STUB_FILES = {
     "fla/__init__.py": '__version__ = "0.6.0"\n',
     "fla/ops/__init__.py": "",

@@ -323,14 +323,34 @@ def test_logs_show_the_supervisors_own_output_when_the_job_never_started(tmp_pat
         ({"distribution": "fsdp2", "nproc_per_node": 2,
           "patches": {"checkpoint_all_layers": {"uncheckpointed_layers": 4}}},
          {}, "uncheckpointed_layers is not supported with distribution: fsdp2"),
+        ({"patches": {"packed_rows": False}}, {"packing": True}, "neat_packing: true needs "
+         "launcher.patches.packed_rows: without it transformers' DeltaNet layers run a packed row as one sequence"),
+        ({"patches": {"deltanet_routing": False}}, {"packing": True}, "needs launcher.patches.deltanet_routing"),
     ],
-    ids=["accuracy-needs-logits", "label-smoothing", "budget-on-cpu", "plan-under-fsdp2"],
+    ids=["accuracy-needs-logits", "label-smoothing", "budget-on-cpu", "plan-under-fsdp2",
+         "packing-without-the-patch", "packing-without-routing"],
 )  # fmt: skip
 def test_patch_options_that_cannot_work_are_refused_naming_the_key(tmp_path, demo_assets, launcher, lf, expected):
     cfg = make_config(tmp_path, demo_assets, launcher={"backend": "cpu", **launcher}, **lf)
     errors = errors_of(cfg)
     assert any(expected in e for e in errors), errors
     assert len(errors) == 1, errors
+
+
+def test_packing_that_would_let_samples_see_each_other_is_refused(tmp_path, demo_assets):
+    fa2 = errors_of(make_config(tmp_path, demo_assets, name="fa2.yaml", neat_packing=True, flash_attn="fa2"))
+    assert any(
+        "flash_attn: fa2 with neat_packing: LLaMA-Factory 0.9.5 then replaces the Qwen3.5 decoder and "
+        "DeltaNet forwards with direct FLA calls"
+        in e
+        and "use flash_attn: sdpa" in e
+        for e in fa2
+    ), fa2
+    pretraining = errors_of(make_config(tmp_path, demo_assets, name="pt.yaml", packing=True, stage="pt"))
+    assert any(
+        "packing: true with stage pt: LLaMA-Factory packs stage pt rows as one token stream" in e for e in pretraining
+    ), pretraining
+    assert errors_of(make_config(tmp_path, demo_assets, name="ok.yaml", packing=True)) == []
 
 
 def test_the_media_count_reads_only_datasets_that_map_a_media_column(tmp_path, demo_assets):

@@ -19,6 +19,7 @@ import patches
 from patches import chunked_loss
 from patches.checkpoint_budget import LayerCost, plan
 from patches.proof import read_proof
+from tests.patch_fixtures import lora_model
 
 pytest_plugins = ["patch_fixtures"]
 
@@ -28,22 +29,6 @@ ONLY = {"deltanet_routing": False, "checkpoint_all_layers": False, "chunked_loss
 
 def only(**on) -> dict:
     return {**ONLY, **on}
-
-
-def lora_model(model_dir: Path):
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, Qwen3_5ForConditionalGeneration
-
-    torch.manual_seed(0)
-    model = Qwen3_5ForConditionalGeneration(AutoConfig.from_pretrained(model_dir)).float()
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))  # fmt: skip
-    for name, param in model.named_parameters():  # LoRA B starts at zero: give it values so A has gradients
-        if "lora_B" in name:
-            torch.nn.init.normal_(param, std=0.02)
-    model.train()
-    return model
 
 
 def micro_batches(vocab: int):

@@ -56,7 +56,7 @@ def test_a_missing_package_is_named(tmp_path, monkeypatch):
 
 def test_turning_the_refused_patch_off_lets_the_run_go_on_and_is_recorded(tmp_path, monkeypatch):
     fake_versions(monkeypatch, llamafactory="0.9.6")
-    off = {"checkpoint_all_layers": False, "text_only_batches": False, "final_eval_once": False}
+    off = {"checkpoint_all_layers": False, "text_only_batches": False, "final_eval_once": False, "packed_rows": False}
     applied = patches.apply_enabled(off, backend="cpu", proof_dir=tmp_path)
     assert applied == ["deltanet_routing", "chunked_loss"]  # the two that do not touch LLaMA-Factory
     record = read_proof(tmp_path, "checkpoint_all_layers")

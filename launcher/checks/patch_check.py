@@ -5,7 +5,11 @@
   (it takes the labels from the model and smooths the logits itself, so the patch would silently not run);
 - ``checkpoint_all_layers.memory_budget_gib`` needs a device that reports its peak memory (not ``cpu``);
 - the layer plan (``uncheckpointed_layers``, ``memory_budget_gib``) measures one layer outside the model's
-  forward, which FSDP would all-gather out of order: not under ``distribution: fsdp2``.
+  forward, which FSDP would all-gather out of order: not under ``distribution: fsdp2``;
+- packing (``packing``/``neat_packing``) keeps the samples of a row apart only for stage ``sft`` (LLaMA-Factory's
+  neat packing), with attention through the 4D block mask (not ``flash_attn: fa2``, where LLaMA-Factory 0.9.5
+  swaps in its own Qwen3.5 forwards calling FLA directly), and with ``deltanet_routing`` and ``packed_rows`` on
+  (transformers' DeltaNet layers alone run a packed row as one sequence).
 """
 
 from __future__ import annotations
@@ -36,4 +40,30 @@ def patch_problems(patches: dict[str, dict[str, Any]], lf: dict[str, Any], *, ba
         problems.append((f"{where}.{planned[0]}", (
             f"{where}.{planned[0]} is not supported with distribution: fsdp2 (the layer measurement would run one "
             f"FSDP unit outside the model's forward); remove it to checkpoint every layer")))  # fmt: skip
+    return problems + packing_problems(patches, lf)
+
+
+def packing_problems(patches: dict[str, dict[str, Any]], lf: dict[str, Any]) -> list[tuple[str, str]]:
+    """Why a packing config would let the samples of a row see each other, if it would."""
+    key = "neat_packing" if lf.get("neat_packing") else "packing"
+    if not lf.get(key):
+        return []
+    problems = []
+    stage = lf.get("stage", "sft")
+    if stage != "sft":
+        problems.append((key, (
+            f"{key}: true with stage {stage}: LLaMA-Factory packs stage {stage} rows as one token stream, so the "
+            "samples of a row would see each other and share DeltaNet state; samples are kept apart only for "
+            "stage sft. Remove packing, or train with stage: sft")))  # fmt: skip
+    if lf.get("flash_attn") == "fa2":
+        problems.append(("flash_attn", (
+            f"flash_attn: fa2 with {key}: LLaMA-Factory 0.9.5 then replaces the Qwen3.5 decoder and DeltaNet "
+            "forwards with direct FLA calls, bypassing launcher.patches.deltanet_routing and packed_rows and "
+            "their proof; use flash_attn: sdpa (or eager): it attends through the block-diagonal mask")))  # fmt: skip
+    for name in ("deltanet_routing", "packed_rows"):
+        if not patches.get(name, {}).get("enabled"):
+            problems.append((f"launcher.patches.{name}", (
+                f"{key}: true needs launcher.patches.{name}: without it transformers' DeltaNet layers run a packed "
+                "row as one sequence (the convolution and the recurrent state flow from one sample into the "
+                f"next); enable {name}, or turn packing off")))  # fmt: skip
     return problems

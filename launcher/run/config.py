@@ -337,6 +337,11 @@ def llamafactory_args(config: RunConfig, backend: str, output_dir: Path) -> dict
     args.pop("overwrite_output_dir", None)
     if backend == "cpu":
         args["use_cpu"] = True  # also keeps a CPU run off any GPU the host may have
+    if args.get("packing") and args.get("stage", "sft") == "sft":
+        # LLaMA-Factory's plain packing lets the samples of a row attend to each other; neat packing keeps
+        # them apart (block-diagonal mask, position ids per sample), which the packed_rows patch extends to
+        # the DeltaNet layers. A packed sample never sees another one here (docs/data.md, "Packing").
+        args["neat_packing"] = True
     early = config.launcher.early_stopping
     if early is not None:
         # LLaMA-Factory adds HF's EarlyStoppingCallback(early_stopping_patience=early_stopping_steps)

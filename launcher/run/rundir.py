@@ -163,7 +163,8 @@ def run_facts(lf_args: dict[str, Any]) -> dict[str, Any]:
             "dataset_media": dataset_media(lf_args),
             # LLaMA-Factory's FinetuningArguments freeze both by default; trained, they need the dummy image
             "vision_trainable": not lf_args.get("freeze_vision_tower", True)
-            or not lf_args.get("freeze_multi_modal_projector", True)}  # fmt: skip
+            or not lf_args.get("freeze_multi_modal_projector", True),
+            "packing": bool(lf_args.get("neat_packing"))}  # fmt: skip
 
 
 def tuning_record(config: RunConfig, backend: Backend) -> dict[str, dict[str, str]]:

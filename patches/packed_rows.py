@@ -1,0 +1,363 @@
+"""Packed rows for the hybrid model: every sample of a row starts from a clean state in every kind of layer.
+
+Upstream behaviour:
+
+- LLaMA-Factory 0.9.5 (``data/processor/supervised.py``, ``PackedSupervisedDatasetProcessor``) packs whole
+  samples into rows of ``cutoff_len + 1`` tokens. Under ``neat_packing`` the row's 2D attention mask numbers
+  the samples (1, 1, 2, 2, 2, 0 for padding), the Qwen3.5 collator computes the position ids of each sample
+  on its own (``_compute_rope_position_ids_with_packing``: they restart at 0), and
+  ``SFTDataCollatorWith4DAttentionMask`` turns the mask into a 4D block-diagonal causal mask
+  (``prepare_4d_attention_mask``) unless attention is ``flash_attention_2``. With plain ``packing`` the mask
+  is all ones: samples see each other.
+- transformers 5.6.0 (``masking_utils._preprocess_mask_arguments``) hands a 4D mask to the full-attention
+  layers as it is, so attention stays inside each sample. But ``Qwen3_5GatedDeltaNet.forward`` knows no
+  sample boundary: its causal convolution (kernel 4) reads the previous sample's last three tokens and its
+  chunk kernel is called without ``cu_seqlens``, so the recurrent state flows from one sample into the next.
+- LLaMA-Factory 0.9.5's own Qwen3.5 packing (``model/patcher.py``, only with ``flash_attn: fa2``) replaces
+  the decoder and DeltaNet forwards with direct FLA varlen calls, bypassing the routing patch and its proof,
+  and meets transformers 5.6.0's broken flash-attention function; ``launcher check`` refuses it.
+
+What this patch does:
+
+1. wraps ``Qwen3_5GatedDeltaNet.forward`` (and the MoE twin): when the layer's mask is 4D (a packed row),
+   it reads the samples off the mask's diagonal and sub-diagonal (``segments``), checks once per process
+   that the mask is exactly block-diagonal causal, and runs the layer with the convolution reset at every
+   sample start (``segment_causal_conv``) and the routed chunk kernel per sample: FLA's kernel once, with
+   the row's ``cu_seqlens`` (the rows flattened to batch 1, as FLA requires); the torch reference once per
+   sample. Other masks go to the upstream forward unchanged (unpacked training, generation). A cache passed
+   with a packed row (training sets ``use_cache: false``; a fresh cache may still come) is left unfilled:
+   nothing decodes from a packed row.
+2. wraps ``SFTDataCollatorWith4DAttentionMask.__call__``: on every packed batch it checks that the text
+   position ids restart at 0 at every sample start and count up inside it, and stops the run otherwise.
+
+Nothing is shared between samples, which ``tests/test_packing.py`` shows on the tiny model: each sample's
+loss and the LoRA gradients of a packed row equal those of the samples run alone (fp32, 1e-4), and a
+planted leak (no convolution reset, or no ``cu_seqlens``) fails that comparison.
+
+Proof per rank: the first packed batch (rows, samples per row, position ids checked), the first packed
+DeltaNet call (kernel, ``cu_seqlens``, mask checked) and, at the first training step, the packed calls in it.
+When the launcher's facts say the run packs and the first step saw no packed row, the run stops there.
+
+Versions: written and tested against transformers 5.6.0 and llamafactory 0.9.5 (``SUPPORTED``). Delete this
+patch when transformers' Qwen3.5 DeltaNet takes ``cu_seqlens`` from packed inputs by itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from packaging.specifiers import SpecifierSet
+from pydantic import BaseModel, ConfigDict
+
+from . import trainer_hook
+from .errors import PatchError
+from .kernel_recorder import KernelRecorder
+from .proof import ProofFile, utc_now
+from .versions import require_symbols
+from .wrapping import unwrap, wrap_once
+
+NAME = "packed_rows"
+SUPPORTED = {"transformers": SpecifierSet(">=5.6.0,<5.7"), "llamafactory": SpecifierSet(">=0.9.5,<0.9.6")}
+DELTANET = (
+    ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet"),
+    ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet"),
+)
+COLLATOR = ("llamafactory.data.collator", "SFTDataCollatorWith4DAttentionMask")
+FIX = "turn packing off (packing: false, neat_packing: false), or report the LLaMA-Factory/transformers versions"
+
+
+class Options(BaseModel):
+    """``launcher.patches.packed_rows``: no options besides ``enabled``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The samples of a batch of packed rows ``[B, T]``, read off a 4D mask.
+
+    ``spans``: ``(row, start, end, real)`` of every segment in order, where ``real`` says whether it is a
+    sample (its tokens attend to themselves) or padding (one segment per run of padding);
+    ``position``: each token's offset inside its segment, ``[B, T]``.
+    """
+
+    rows: int
+    length: int
+    spans: tuple[tuple[int, int, int, bool], ...]
+    position: Any
+
+    def samples_per_row(self) -> list[int]:
+        return [sum(1 for r, _, _, real in self.spans if r == row and real) for row in range(self.rows)]
+
+    def cu_seqlens(self) -> list[int]:
+        """The segment boundaries of the rows laid end to end (FLA's varlen layout, batch 1)."""
+        return [row * self.length + start for row, start, _, _ in self.spans] + [self.rows * self.length]
+
+
+def allowed_of(mask) -> Any:
+    """``[B, T, T]`` booleans from a 4D mask: additive (0 = attend) or boolean (True = attend)."""
+    import torch
+
+    return mask[:, 0] == 0 if torch.is_floating_point(mask) else mask[:, 0].bool()
+
+
+def segments(mask) -> Segments:
+    """Samples of packed rows from their 4D block-diagonal causal mask ``[B, 1, T, T]`` (only two diagonals read).
+
+    A token starts a sample when it attends to itself but not to the token before it; padding (a token that
+    attends to nothing) makes one segment per run of padding.
+    """
+    import torch
+
+    allowed = allowed_of(mask)
+    rows, length = allowed.shape[0], allowed.shape[-1]
+    itself = allowed.diagonal(0, -2, -1)  # [B, T]
+    previous = torch.zeros_like(itself)
+    previous[:, 1:] = allowed.diagonal(-1, -2, -1)
+    was_real = torch.zeros_like(itself)
+    was_real[:, 1:] = itself[:, :-1]
+    start = (itself & ~previous) | (~itself & was_real)
+    start[:, 0] = True
+    index = torch.arange(length, device=mask.device).expand(rows, length)
+    first = torch.where(start, index, torch.zeros_like(index)).cummax(-1).values
+    spans = []
+    start_cpu, itself_cpu = start.cpu(), itself.cpu()
+    for row in range(rows):
+        at = torch.nonzero(start_cpu[row]).flatten().tolist()
+        for begin, end in zip(at, [*at[1:], length], strict=True):
+            spans.append((row, begin, end, bool(itself_cpu[row, begin])))
+    return Segments(rows=rows, length=length, spans=tuple(spans), position=index - first)
+
+
+def block_causal_mismatch(mask, found: Segments) -> int:
+    """How many entries of the mask differ from the block-diagonal causal mask of ``found`` (0 when exact)."""
+    import torch
+
+    allowed = allowed_of(mask)
+    length = found.length
+    index = torch.arange(length, device=allowed.device)
+    first = index[None, :] - found.position.to(allowed.device)  # [B, T]: the start of each token's segment
+    expected = (index[None, None, :] <= index[None, :, None]) & (index[None, None, :] >= first[:, :, None])
+    real = allowed.diagonal(0, -2, -1)
+    expected &= real[:, :, None] & real[:, None, :]
+    return int((expected != allowed).sum())
+
+
+def segment_causal_conv(x, weight, bias, position):
+    """Depthwise causal convolution ``[B, C, T]`` that never reads across a sample start, then SiLU.
+
+    ``weight`` is ``nn.Conv1d``'s ``[C, 1, K]``; tap ``j`` (``j`` tokens back) counts only where the token
+    is at least ``j`` tokens into its segment (``position``), which is transformers' zero-padded causal
+    convolution applied to each sample alone.
+    """
+    import torch.nn.functional as F
+
+    taps = weight.shape[-1]
+    length = x.shape[-1]
+    out = x * weight[:, 0, taps - 1, None]
+    for back in range(1, taps):
+        shifted = F.pad(x, (back, 0))[..., :length]
+        reach = (position >= back).to(x.dtype)[:, None, :]
+        out = out + shifted * reach * weight[:, 0, taps - 1 - back, None]
+    if bias is not None:
+        out = out + bias[:, None]
+    return F.silu(out)
+
+
+def chunk_per_segment(kernel, query, key, value, g, beta, found: Segments):
+    """The layer's routed chunk kernel over every segment, none seeing another's state."""
+    import torch
+
+    if not isinstance(kernel, KernelRecorder):
+        raise PatchError(NAME, (
+            f"a DeltaNet layer is bound to {type(kernel).__name__}, not to the routed kernel, so its packed rows "
+            "cannot be split by sample"), "keep launcher.patches.deltanet_routing enabled when packing")  # fmt: skip
+    options = {"initial_state": None, "output_final_state": False, "use_qk_l2norm_in_kernel": True}
+    if kernel.label == "fla":
+        rows, length = query.shape[:2]
+        flat = [t.reshape(1, rows * length, *t.shape[2:]) for t in (query, key, value, g, beta)]
+        bounds = found.cu_seqlens()
+        cu = torch.tensor(bounds, dtype=torch.long, device=query.device)
+        out, _ = kernel(*flat[:3], g=flat[3], beta=flat[4], cu_seqlens=cu,
+                        cu_seqlens_cpu=torch.tensor(bounds, dtype=torch.long), **options)  # fmt: skip
+        return out.reshape(rows, length, *out.shape[2:])
+    rows = [
+        torch.cat([kernel(query[r : r + 1, s:e], key[r : r + 1, s:e], value[r : r + 1, s:e],
+                          g=g[r : r + 1, s:e], beta=beta[r : r + 1, s:e], **options)[0]
+                   for r, s, e, _ in found.spans if r == row], dim=1)
+        for row in range(found.rows)
+    ]  # fmt: skip
+    return torch.cat(rows, dim=0)
+
+
+def packed_forward(layer, hidden_states, found: Segments):
+    """One Gated DeltaNet layer over packed rows: projections, segment-reset convolution, per-sample kernel,
+    gated norm, output projection (transformers' layer arithmetic, written for segments)."""
+    import torch
+    import torch.nn.functional as F
+
+    batch, length, _ = hidden_states.shape
+    mixed = segment_causal_conv(layer.in_proj_qkv(hidden_states).transpose(1, 2), layer.conv1d.weight,
+                                layer.conv1d.bias, found.position.to(hidden_states.device)).transpose(1, 2)  # fmt: skip
+    query, key, value = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+    query = query.reshape(batch, length, -1, layer.head_k_dim)
+    key = key.reshape(batch, length, -1, layer.head_k_dim)
+    value = value.reshape(batch, length, -1, layer.head_v_dim)
+    beta = layer.in_proj_b(hidden_states).sigmoid()
+    g = -layer.A_log.float().exp() * F.softplus(layer.in_proj_a(hidden_states).float() + layer.dt_bias)
+    groups = layer.num_v_heads // layer.num_k_heads
+    if groups > 1:
+        query, key = query.repeat_interleave(groups, dim=2), key.repeat_interleave(groups, dim=2)
+    core = chunk_per_segment(layer.chunk_gated_delta_rule, query, key, value, g, beta, found)
+    gate = layer.in_proj_z(hidden_states).reshape(-1, layer.head_v_dim)
+    core = layer.norm(core.reshape(-1, layer.head_v_dim), gate).reshape(batch, length, -1)
+    return layer.out_proj(core)
+
+
+_state: dict[str, Any] = {}
+_cache: dict[str, Any] = {}  # the last mask's segments: every DeltaNet layer of a forward gets the same mask
+
+
+def _segments_of(mask) -> Segments:
+    """Segments of ``mask``, read once per mask object (recompute in the backward passes the same object)."""
+    held = _cache.get("mask")
+    if held is None or held() is not mask:
+        _cache.update(mask=weakref.ref(mask), segments=segments(mask))
+    return _cache["segments"]
+
+
+def _make_forward(original):
+    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        decoding = cache_params is not None and cache_params.has_previous_state(self.layer_idx)
+        if attention_mask is None or attention_mask.dim() != 4 or decoding or not _state:
+            return original(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+        found = _segments_of(attention_mask)
+        _state["calls"] += 1
+        if not _state.get("first_call"):
+            wrong = block_causal_mismatch(attention_mask, found)
+            if wrong:
+                raise PatchError(NAME, (
+                    f"a DeltaNet layer got a 4D mask that is not block-diagonal causal ({wrong} entries differ), "
+                    "so its samples cannot be told apart"), FIX)  # fmt: skip
+            kernel = self.chunk_gated_delta_rule
+            label = getattr(kernel, "label", None)
+            _state["first_call"] = True
+            _state["proof"].update(first_packed_call={
+                "rows": found.rows, "row_length": found.length, "samples_per_row": found.samples_per_row(),
+                "kernel": getattr(kernel, "kernel_name", type(kernel).__name__),
+                "kernel_label": label,
+                "cu_seqlens": "one kernel call per batch" if label == "fla" else "one kernel call per sample",
+                "conv_reset": "at every sample start", "mask": "block-diagonal causal (checked)",
+                "device": str(hidden_states.device), "recorded_at": utc_now(),
+            })  # fmt: skip
+        return packed_forward(self, hidden_states, found)
+
+    return forward
+
+
+def restarts(positions) -> bool:
+    """A sample's text position ids start at 0 and never go back (image tokens may repeat a position)."""
+    return int(positions[0]) == 0 and bool((positions[1:] >= positions[:-1]).all())
+
+
+def _make_collate(original):
+    def __call__(self, features):
+        batch = original(self, features)
+        mask = batch.get("attention_mask")
+        if not _state or mask is None or getattr(mask, "dim", lambda: 0)() != 4:
+            return batch
+        found = segments(mask)
+        position = batch.get("position_ids")
+        text = position[0] if position is not None and position.dim() == 3 else position
+        if text is None:
+            raise PatchError(NAME, "a packed batch has no position_ids, so every sample would continue the "
+                             "positions of the one before it", FIX)  # fmt: skip
+        bad = [(row, start) for row, start, end, real in found.spans if real and not restarts(text[row, start:end])]
+        if bad:
+            raise PatchError(NAME, (
+                f"the position ids of {len(bad)} packed sample(s) do not restart at 0 at the sample start (row, "
+                f"position: {bad[:3]}), so rotary positions would run on across samples"), FIX)  # fmt: skip
+        _state["batches"] += 1
+        _state["samples"] += sum(found.samples_per_row())
+        _state["rows"] += found.rows
+        if not _state.get("first_batch"):
+            _state["first_batch"] = True
+            _state["proof"].update(first_packed_batch={
+                "rows": found.rows, "row_length": found.length, "samples_per_row": found.samples_per_row(),
+                "position_ids": "restart at 0 in every sample (checked on every batch)", "recorded_at": utc_now(),
+            })  # fmt: skip
+        return batch
+
+    return __call__
+
+
+def check_symbols() -> None:
+    """The DeltaNet classes exist and their constructors still set what the packed forward reads; the 4D
+    collator exists."""
+    needed = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm",
+              "out_proj", "key_dim", "value_dim", "head_k_dim", "head_v_dim", "num_k_heads", "num_v_heads",
+              "chunk_gated_delta_rule", "layer_idx")  # fmt: skip
+    for module_name, class_name in DELTANET:
+        module = require_symbols(NAME, module_name, (class_name,), "transformers")
+        missing = [name for name in needed if name not in getattr(module, class_name).__init__.__code__.co_names]
+        if missing:
+            raise PatchError(NAME, f"{class_name}.__init__ no longer sets {', '.join(missing)}",
+                             "install transformers>=5.6.0,<5.7, or turn packing off")  # fmt: skip
+    require_symbols(NAME, COLLATOR[0], (COLLATOR[1],), "llamafactory")
+
+
+def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dict[str, Any]) -> dict[str, Any]:
+    """Wrap the DeltaNet forwards and the 4D collator once (idempotent)."""
+    for module_name, class_name in DELTANET:
+        wrap_once(getattr(importlib.import_module(module_name), class_name), "forward", NAME, _make_forward)
+    wrap_once(getattr(importlib.import_module(COLLATOR[0]), COLLATOR[1]), "__call__", NAME, _make_collate)
+    _state.clear()
+    _cache.clear()
+    _state.update(proof=proof, packing=bool(facts.get("packing")), calls=0, batches=0, samples=0, rows=0)
+    trainer_hook.on_first_training_step(NAME, before=_before_first_step, after=_after_first_step)
+    trainer_hook.on_training_step(NAME, 2, before=_before_second_step)
+    return {
+        "replaced": [f"{m}.{c}.forward" for m, c in DELTANET] + [".".join(COLLATOR) + ".__call__"],
+        "packing": _state["packing"],
+    }
+
+
+def _before_first_step(trainer, model) -> None:
+    _state["calls_before_step"] = _state["calls"]
+
+
+def _after_first_step(trainer, model) -> None:
+    calls = _state["calls"] - _state.pop("calls_before_step", 0)
+    _state["first_step_calls"] = calls
+    _state["proof"].update(first_training_step={
+        "packed_deltanet_calls": calls, "packed_batches_so_far": _state["batches"],
+        "samples_per_row_mean": round(_state["samples"] / max(_state["rows"], 1), 2), "recorded_at": utc_now(),
+    })  # fmt: skip
+
+
+def _before_second_step(trainer, model) -> None:
+    """A run that packs must have met packed rows in the DeltaNet layers by now (the first step's record)."""
+    if _state["packing"] and not _state.get("first_step_calls"):
+        error = PatchError(NAME, (
+            "the run packs samples, but no DeltaNet layer met a packed row in the first training step (the mask "
+            "reaching them was not 4D), so state would flow between samples"), FIX)  # fmt: skip
+        _state["proof"].update(status="failed", error=str(error))
+        raise error
+
+
+def observe(*, backend: str, proof: ProofFile) -> None:
+    """Disabled: transformers' DeltaNet layers run packed rows as one sequence."""
+    restore()
+
+
+def restore() -> None:
+    """Unwrap what this patch wrapped (where its wrapper is the outermost) and forget the state."""
+    for module_name, class_name in DELTANET:
+        unwrap(module_name, class_name, "forward", NAME)
+    unwrap(*COLLATOR, "__call__", NAME)
+    _state.clear()
+    _cache.clear()

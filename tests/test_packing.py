@@ -1,0 +1,239 @@
+"""Packing on the hybrid model (CPU, fp32, the tiny demo model with real PEFT LoRA on q/k/v/o).
+
+A packed row is built exactly as LLaMA-Factory 0.9.5's neat packing hands it to the model: samples laid end
+to end, padding after them, the 2D mask numbering the samples turned into the 4D block-diagonal causal mask by
+LLaMA-Factory's own ``prepare_4d_attention_mask``, and position ids restarting at 0 in every sample. Each
+sample's loss and the LoRA gradients of the row must equal those of the samples run alone; the same test with a
+planted leak (the convolution not reset, the chunk kernel run over the whole row) must fail. The slow test runs
+``packing: true`` through ``launcher run`` and real LLaMA-Factory.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import patches
+from patches import packed_rows
+from patches.proof import read_proof
+from tests.patch_fixtures import lora_model
+
+pytest_plugins = ["patch_fixtures"]
+
+LENGTHS = (11, 23, 17)  # three samples, then padding
+ROW = 64
+ON = {"deltanet_routing": True, "packed_rows": True, "checkpoint_all_layers": False, "chunked_loss": False,
+      "text_only_batches": False, "final_eval_once": False}  # fmt: skip
+
+
+def samples(vocab: int):
+    """Three samples: ids, and labels with the first third masked as the prompt."""
+    import torch
+
+    torch.manual_seed(3)
+    out = []
+    for length in LENGTHS:
+        ids = torch.randint(5, vocab, (length,))
+        labels = ids.clone()
+        labels[: length // 3] = -100
+        out.append((ids, labels))
+    return out
+
+
+def packed_row(parts, only: int | None = None):
+    """The row LLaMA-Factory's neat packing builds; ``only`` keeps the labels of one sample."""
+    import torch
+    from llamafactory.data.collator import prepare_4d_attention_mask
+
+    ids = torch.zeros(1, ROW, dtype=torch.long)
+    labels = torch.full((1, ROW), -100)
+    numbered = torch.zeros(1, ROW, dtype=torch.long)
+    position = torch.zeros(1, ROW, dtype=torch.long)
+    at = 0
+    for index, (sample_ids, sample_labels) in enumerate(parts):
+        span = slice(at, at + len(sample_ids))
+        ids[0, span], numbered[0, span] = sample_ids, index + 1
+        position[0, span] = torch.arange(len(sample_ids))
+        if only is None or only == index:
+            labels[0, span] = sample_labels
+        at += len(sample_ids)
+    return {"input_ids": ids, "labels": labels, "attention_mask": prepare_4d_attention_mask(numbered, torch.float32),
+            "position_ids": position[None].expand(4, 1, ROW).clone()}  # fmt: skip
+
+
+def alone(sample):
+    ids, labels = sample
+    return {"input_ids": ids[None], "labels": labels[None], "attention_mask": None}
+
+
+def summed_loss(model, batch):
+    """Sum of the token losses (the row's mean times its supervised tokens) and the LoRA gradients."""
+    model.zero_grad()
+    tokens = int((batch["labels"][:, 1:] != -100).sum())
+    loss = model(**batch).loss * tokens
+    loss.backward()
+    return loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def compare(model, parts) -> tuple[float, float]:
+    """(worst relative difference of the per-sample losses, of the LoRA gradients): packed vs alone."""
+    import torch
+
+    losses = []
+    for index, sample in enumerate(parts):
+        with torch.no_grad():
+            packed = model(**packed_row(parts, only=index)).loss.item()
+            single = model(**alone(sample)).loss.item()
+        losses.append(abs(packed - single) / abs(single))
+    total, grads = summed_loss(model, packed_row(parts))
+    reference = {}
+    for sample in parts:
+        _, sample_grads = summed_loss(model, alone(sample))
+        for name, grad in sample_grads.items():
+            reference[name] = reference.get(name, 0) + grad
+    worst = max(float((grads[n] - reference[n]).norm() / reference[n].norm()) for n in reference)
+    return max(losses), worst
+
+
+@pytest.mark.usefixtures("restore_patches")
+def test_each_packed_sample_equals_the_sample_alone_and_so_do_the_lora_gradients(tmp_path, demo_assets):
+    patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)  # before the model is built, as a run does
+    model = lora_model(demo_assets["model"], lora_b_std=0.05)
+    parts = samples(model.config.text_config.vocab_size)
+    loss_gap, grad_gap = compare(model, parts)
+    assert loss_gap < 1e-4 and grad_gap < 1e-4, (loss_gap, grad_gap)
+    print(f"packed vs alone: losses within {loss_gap:.1e}, LoRA gradients within {grad_gap:.1e} (relative)")
+    first = read_proof(tmp_path, "packed_rows")["first_packed_call"]
+    assert first["samples_per_row"] == [3] and first["row_length"] == ROW
+    assert first["kernel_label"] == "torch" and first["mask"].endswith("(checked)")
+    assert any("lora_A" in n for n, p in model.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.usefixtures("restore_patches")
+def test_upstream_deltanet_leaks_state_across_packed_samples(tmp_path, demo_assets):
+    """Without the patch the same comparison fails: the test above can fail."""
+    patches.apply_enabled({**ON, "packed_rows": False}, backend="cpu", proof_dir=tmp_path)
+    model = lora_model(demo_assets["model"], lora_b_std=0.05)
+    parts = samples(model.config.text_config.vocab_size)
+    loss_gap, grad_gap = compare(model, parts)
+    assert not (loss_gap < 1e-4 and grad_gap < 1e-4) and grad_gap > 5e-4, (loss_gap, grad_gap)
+
+
+@pytest.mark.usefixtures("restore_patches")
+@pytest.mark.parametrize("leak", ["conv_not_reset", "no_cu_seqlens"])
+def test_a_planted_leak_fails_the_comparison(tmp_path, demo_assets, monkeypatch, leak):
+    import torch
+
+    patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)  # before the model is built, as a run does
+    model = lora_model(demo_assets["model"], lora_b_std=0.05)
+    parts = samples(model.config.text_config.vocab_size)
+    if leak == "conv_not_reset":
+        conv = packed_rows.segment_causal_conv
+
+        def never_reset(x, weight, bias, position):
+            return conv(x, weight, bias, torch.arange(x.shape[-1]).expand_as(position))
+
+        monkeypatch.setattr(packed_rows, "segment_causal_conv", never_reset)
+    else:
+
+        def one_segment(found):
+            rows = tuple((row, 0, found.length, True) for row in range(found.rows))
+            return packed_rows.Segments(found.rows, found.length, rows, found.position)
+
+        whole = packed_rows.chunk_per_segment
+
+        def whole_rows(kernel, *tensors):
+            return whole(kernel, *tensors[:-1], one_segment(tensors[-1]))
+
+        monkeypatch.setattr(packed_rows, "chunk_per_segment", whole_rows)
+    loss_gap, grad_gap = compare(model, parts)
+    assert not (loss_gap < 1e-4 and grad_gap < 1e-4) and grad_gap > 5e-4, (leak, loss_gap, grad_gap)
+
+
+def test_segments_are_read_off_the_mask_with_padding_as_its_own_segment():
+    import torch
+    from llamafactory.data.collator import prepare_4d_attention_mask
+
+    numbered = torch.tensor([[1, 1, 2, 2, 2, 3, 0, 0], [1, 1, 1, 1, 2, 2, 2, 2]])
+    for dtype in (torch.float32, torch.bfloat16):
+        mask = prepare_4d_attention_mask(numbered, dtype)
+        found = packed_rows.segments(mask)
+        assert found.spans == ((0, 0, 2, True), (0, 2, 5, True), (0, 5, 6, True), (0, 6, 8, False),
+                               (1, 0, 4, True), (1, 4, 8, True))  # fmt: skip
+        assert found.samples_per_row() == [3, 2]
+        assert found.cu_seqlens() == [0, 2, 5, 6, 8, 12, 16]
+        assert found.position.tolist() == [[0, 1, 0, 1, 2, 0, 0, 1], [0, 1, 2, 3, 0, 1, 2, 3]]
+        assert packed_rows.block_causal_mismatch(mask, found) == 0
+    leaky = prepare_4d_attention_mask(torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]]), torch.float32)
+    leaky[0, 0, 3, 1] = torch.finfo(torch.float32).min  # a hole inside a sample: not block-diagonal causal
+    assert packed_rows.block_causal_mismatch(leaky, packed_rows.segments(leaky)) == 1
+
+
+def test_the_varlen_call_equals_the_kernel_run_per_sample():
+    """The FLA route (one call, rows flattened to batch 1, ``cu_seqlens``) against the per-sample route; the
+    stand-in varlen kernel is transformers' torch reference split at ``cu_seqlens``, as FLA defines it."""
+    import torch
+    from llamafactory.data.collator import prepare_4d_attention_mask
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    from patches.kernel_recorder import CallLog, KernelRecorder
+
+    seen = []
+
+    def varlen(q, k, v, g, beta, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+        seen.append((q.shape[0], cu_seqlens.tolist(), cu_seqlens_cpu.tolist()))
+        bounds = cu_seqlens.tolist()
+        spans = zip(bounds[:-1], bounds[1:], strict=True)
+        pieces = [torch_chunk_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
+                                               **kwargs)[0] for s, e in spans]  # fmt: skip
+        return torch.cat(pieces, dim=1), None
+
+    def recorder(kernel, label):
+        return KernelRecorder(kernel, label=label, expected_device="cpu", log=CallLog(lambda call: None),
+                              patch="test", backend="cpu")  # fmt: skip
+
+    torch.manual_seed(0)
+    numbered = torch.tensor([[1] * 9 + [2] * 20 + [0] * 3, [1] * 16 + [2] * 16])
+    found = packed_rows.segments(prepare_4d_attention_mask(numbered, torch.float32))
+    q, k = torch.randn(2, 32, 2, 16), torch.randn(2, 32, 2, 16)
+    v, g, beta = torch.randn(2, 32, 2, 16), -torch.rand(2, 32, 2), torch.rand(2, 32, 2)
+    fla = packed_rows.chunk_per_segment(recorder(varlen, "fla"), q, k, v, g, beta, found)
+    per_sample = packed_rows.chunk_per_segment(recorder(torch_chunk_gated_delta_rule, "torch"), q, k, v, g, beta,
+                                               found)  # fmt: skip
+    assert seen == [(1, [0, 9, 29, 32, 48, 64], [0, 9, 29, 32, 48, 64])]
+    torch.testing.assert_close(fla, per_sample, rtol=1e-5, atol=1e-6)
+    assert fla.shape == v.shape
+
+
+def test_the_segment_convolution_equals_the_convolution_of_each_sample_alone():
+    import torch
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv1d(6, 6, kernel_size=4, groups=6, padding=3, bias=False)
+    x = torch.randn(1, 6, 12)
+    position = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 0, 1, 2, 3, 4]])
+    ours = packed_rows.segment_causal_conv(x, conv.weight, None, position)
+    with torch.no_grad():
+        pieces = [torch.nn.functional.silu(conv(x[..., s:e])[..., : e - s]) for s, e in ((0, 5), (5, 7), (7, 12))]
+    torch.testing.assert_close(ours, torch.cat(pieces, dim=-1), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_packing_trains_through_the_launcher_with_the_packed_path_proven(tmp_path, demo_assets):
+    """``packing: true`` through ``launcher run`` and real LLaMA-Factory 0.9.5 on CPU: the launcher turns it into
+    neat packing, the collator's position ids restart per sample, the DeltaNet layers run the packed path."""
+    import yaml
+
+    from tests.conftest import launcher_cmd, make_config, only_run_dir
+
+    cfg = make_config(tmp_path, demo_assets, packing=True, max_steps=2, save_strategy="no", eval_steps=2)
+    proc = launcher_cmd("run", cfg, "--quiet")
+    run_dir = only_run_dir(tmp_path / "runs")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert yaml.safe_load((run_dir / "llamafactory.yaml").read_text())["neat_packing"] is True
+    record = read_proof(run_dir / "proof", "packed_rows")
+    assert record["status"] == "applied" and record["packing"] is True
+    batch, call, step = record["first_packed_batch"], record["first_packed_call"], record["first_training_step"]
+    assert batch["row_length"] == 256 and max(batch["samples_per_row"]) >= 2, batch  # (cutoff_len - 1) + 1
+    assert batch["position_ids"].startswith("restart at 0")
+    assert call["samples_per_row"] == batch["samples_per_row"] and call["kernel_label"] == "torch"
+    assert step["packed_deltanet_calls"] >= 3  # the demo model's three DeltaNet layers, at least once each
