@@ -7,7 +7,9 @@ Variants (``VARIANTS``, run in the order given): ``on`` (the product's defaults)
 LLaMA-Factory 0.9.5's own behaviour), ``budget120`` (``checkpoint_all_layers.memory_budget_gib: 120``),
 ``spread`` and ``spread-pad256`` (samples of about 1,000 to 4,096 tokens, the second padded to a multiple of
 256), ``ctx32k`` and ``ctx64k`` (cutoff 8x and 16x), ``on-warm`` (``on`` again, its first step with the Triton
-cache the earlier variants filled: ``TRITON_CACHE_DIR`` is ``DIR/triton-cache`` for every variant).
+cache the earlier variants filled: ``TRITON_CACHE_DIR`` is ``DIR/triton-cache`` for every variant), ``profile``
+(``on``'s config through ``launcher profile`` instead of ``launcher run``: 5 steps, the last ``5 - --warmup``
+of them profiled).
 
 1. ``DIR/model``: a config-only folder of the Qwen3.5-27B shape (``--shape 27b``; ``tiny`` for a CPU run of
    the plumbing) with the demo tokenizer and a matching processor (``benchmarks.bench_assets``); the rank
@@ -16,7 +18,8 @@ cache the earlier variants filled: ``TRITON_CACHE_DIR`` is ``DIR/triton-cache`` 
    cutoff (4096 for ``27b``, 256 for ``tiny``, times the variant's factor); ``DIR/data-spread`` for the spread.
 3. ``DIR/configs/<variant>.yaml``: the seed's LoRA settings (r8 on q/k/v/o, batch 1, bf16 on CUDA, gradient
    checkpointing on) for ``--steps`` steps (or the variant's own), ``launcher.entry: benchmarks.bench_entry``.
-4. ``python -m launcher run CONFIG --quiet`` for each variant, with ``RECORD_VRAM=1`` (LLaMA-Factory logs
+4. ``python -m launcher run CONFIG --quiet`` for each variant (``profile``: ``python -m launcher profile CONFIG
+   --steps S-W --warmup W --quiet``), with ``RECORD_VRAM=1`` (LLaMA-Factory logs
    ``vram_allocated``) and ``LAUNCHER_PREFLIGHT_SKIP=packages,kernel,model,data_stats``: a measuring host is
    not the
    CUDA image (packages), its Triton trips FLA's Hopper guard in the preflight child process, where the guard
@@ -26,6 +29,8 @@ cache the earlier variants filled: ``TRITON_CACHE_DIR`` is ``DIR/triton-cache`` 
    tokens/s = tokens per step / median forward+backward time, the step period and LLaMA-Factory's own
    throughput, peak allocated memory, which kernel ran (proof records), how layers were checkpointed in the
    first step, and the kernel check of the rank process; then the targets (docs/benchmarks.md) are compared.
+   ``profile`` adds the run's ``profile.json`` (``launcher/results/profile_report.py``) and ``profile.md``, which
+   is also copied to ``DIR/profile.md``; the traces stay in the run directory (their paths are in the results).
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ctx32k": {"cutoff_factor": 8, "steps": 3},
     "ctx64k": {"cutoff_factor": 16, "steps": 3},
     "on-warm": {"steps": 3},  # "on" again: its first step with the Triton cache the earlier runs filled
+    # "on" through `launcher profile`: 5 steps in all (max_steps), --warmup of them before the profiled ones
+    "profile": {"steps": 5, "profile": True},
 }
 VARIANT_PATCHES = {name: v.get("patches", {}) for name, v in VARIANTS.items()}
 CUTOFF = {"27b": 4096, "tiny": 256}
@@ -73,6 +80,23 @@ KERNEL_CASES = {"27b": "full:qwen3_5_27b", "tiny": "quick:layout"}
 PREFLIGHT_SKIP = "packages,kernel,model,data_stats"
 CENSUS_KEYS = ("layers", "gradient_checkpointing_true", "functions", "observed", "by_layer_type")
 CASE_KEYS = ("name", "shape", "key_heads", "status", "errors", "finite", "peak_memory_gib", "timing_ms", "note")
+
+
+def run_name_of(variant: str, shape: str) -> str:
+    """The config's run name; `launcher profile` appends ``-profile`` itself."""
+    return f"bench-{shape}" if VARIANTS[variant].get("profile") else f"bench-{shape}-{variant}"
+
+
+def launcher_args(variant: str, config_path: Path, steps: int, warmup: int) -> list[str]:
+    """The ``launcher`` verb and arguments that run a variant: ``run``, or ``profile`` with the steps after
+    ``warmup`` profiled (``max_steps`` in the config is the same ``steps``, which `launcher profile` sets)."""
+    if VARIANTS[variant].get("profile"):
+        return ["profile", str(config_path), "--steps", str(steps - warmup), "--warmup", str(warmup), "--quiet"]
+    return ["run", str(config_path), "--quiet"]
+
+
+def steps_of(variant: str, steps: int) -> int:
+    return VARIANTS[variant].get("steps") or steps
 
 
 def cutoff_of(variant: str, shape: str) -> int:
@@ -96,7 +120,7 @@ def run_config(out: Path, variant: str, shape: str, backend: str, steps: int) ->
             "backend": backend,
             "nproc_per_node": 1,
             "distribution": "ddp",
-            "run_name": f"bench-{shape}-{variant}",
+            "run_name": run_name_of(variant, shape),
             "output_root": str(out / "runs"),
             "smoke": shape != "27b",
             "entry": "benchmarks.bench_entry",
@@ -123,7 +147,7 @@ def run_config(out: Path, variant: str, shape: str, backend: str, steps: int) ->
         "gradient_accumulation_steps": 1,
         "learning_rate": 5.0e-5,
         "lr_scheduler_type": "cosine",
-        "max_steps": VARIANTS[variant].get("steps") or steps,
+        "max_steps": steps_of(variant, steps),
         "max_grad_norm": 1.0,
         "logging_steps": 1,
         "save_strategy": "no",
@@ -136,9 +160,10 @@ def run_config(out: Path, variant: str, shape: str, backend: str, steps: int) ->
     return config
 
 
-def run_variant(config_path: Path, env: dict[str, str], timeout_s: float, log: Path) -> dict[str, Any]:
-    """``launcher run CONFIG --quiet`` in a child process; SIGTERM (a graceful stop) when it overruns."""
-    cmd = [sys.executable, "-m", "launcher", "run", str(config_path), "--quiet"]
+def run_variant(args: list[str], env: dict[str, str], timeout_s: float, log: Path) -> dict[str, Any]:
+    """``launcher ARGS`` (``run CONFIG --quiet``, ``profile ...``) in a child process; SIGTERM (a graceful stop)
+    when it overruns."""
+    cmd = [sys.executable, "-m", "launcher", *args]
     started = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -243,6 +268,22 @@ def summarize(run_dir: Path, warmup: int) -> dict[str, Any]:
     return result
 
 
+def profile_summary(run_dir: Path, out: Path) -> dict[str, Any]:
+    """A ``launcher profile`` run's report (``profile.json``), its ``profile.md`` (copied to ``out``) and where
+    its traces are, with their sizes: they are large, so they stay in the run directory."""
+    report = _read_json(run_dir / "profile.json")
+    md = run_dir / "profile.md"
+    if md.is_file():
+        shutil.copyfile(md, out / "profile.md")
+    traces = {}
+    for name in report.get("traces", []):
+        path = run_dir / name
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+        traces[str(path)] = round(sum(p.stat().st_size for p in files) / 2**20, 1)
+    return {"report": report or None, "markdown": md.read_text() if md.is_file() else None,
+            "markdown_copy": str(out / "profile.md") if md.is_file() else None, "trace_mib": traces}  # fmt: skip
+
+
 def lengths_summary(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     """Supervised tokens/s after the warm-up, the distinct padded lengths, and the seconds lost to steps that
     met a length not seen before (each such step against a line fitted through the steps of seen lengths)."""
@@ -329,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    short = [v for v in variants if VARIANTS[v].get("profile") and steps_of(v, ns.steps) - ns.warmup < 1]
+    if short:
+        parser.error(f"--warmup {ns.warmup} leaves no step to profile in {', '.join(short)} "
+                     f"({steps_of(short[0], ns.steps)} steps in all); for example --warmup 2")  # fmt: skip
     out = ns.out.resolve()
     (out / "configs").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
@@ -354,10 +399,14 @@ def main(argv: list[str] | None = None) -> int:
         config = run_config(out, variant, ns.shape, backend, ns.steps)
         path = out / "configs" / f"{variant}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
-        print(f"[patch_bench] {variant}: python -m launcher run {path} --quiet", flush=True)
-        run = run_variant(path, env, ns.timeout, out / "logs" / f"{variant}.supervisor.log")
-        run_dir = _newest_run(out / "runs", config["launcher"]["run_name"])
+        args = launcher_args(variant, path, config["max_steps"], ns.warmup)
+        print(f"[patch_bench] {variant}: python -m launcher {' '.join(args)}", flush=True)
+        run = run_variant(args, env, ns.timeout, out / "logs" / f"{variant}.supervisor.log")
+        profiled = VARIANTS[variant].get("profile")
+        run_dir = _newest_run(out / "runs", config["launcher"]["run_name"] + ("-profile" if profiled else ""))
         summary = summarize(run_dir, ns.warmup) if run_dir else {"state": None, "reason": "no run directory"}
+        if run_dir and profiled:
+            summary["profile"] = profile_summary(run_dir, out)
         if run_dir and (run_dir / "launcher.log").exists():
             shutil.copyfile(run_dir / "launcher.log", out / "logs" / f"{variant}.job.log")
         results["variants"][variant] = {**run, **summary}

@@ -19,6 +19,10 @@ What each part is (``split_step``), per profiled step:
   and ``launcher::autotune`` ranges this module puts around Triton's compile and autotuner benchmark), and
   other host-side gaps (Python, logging, callbacks).
 
+The profiler records nothing in the warm-up steps, so the same wrappers also time Triton's compile and autotune
+calls on the host's clock (``TRITON_CLOCK``) in every step: each period of ``rank<R>.json`` carries its
+compile/autotune seconds, and the first step (where the cold compiles land) is read against the profiled ones.
+
 The rank writes ``profile/rank<R>.trace.json`` (Chrome trace: chrome://tracing or Perfetto; on NPU the
 Ascend profiler's folder ``profile/rank<R>.ascend/`` for MindStudio Insight) and ``profile/rank<R>.json``;
 ``results/profile_report.py`` merges the ranks into ``profile.json`` and ``profile.md``.
@@ -28,8 +32,10 @@ Layer 3, like ``stopsave.py``: torch, transformers and triton are imported in th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -148,7 +154,7 @@ class ProfileCallback:
                 self.periods: list[dict[str, Any]] = []
                 self.lengths: list[int] = []
                 self.last_end: float | None = None
-                self.compile_s = 0.0
+                self.clock_at = TRITON_CLOCK.read()
 
             def _sync(self) -> None:
                 import torch
@@ -167,6 +173,7 @@ class ProfileCallback:
                     model.register_forward_pre_hook(self._length, with_kwargs=True)
                 self._sync()
                 self.last_end = time.perf_counter()
+                self.clock_at = TRITON_CLOCK.read()
 
             def _summarize(self, profiler) -> None:  # when the active steps end: the events exist only now
                 self.summary = summarize_profiler(profiler, self.backend, self.warmup, self.steps)
@@ -180,8 +187,10 @@ class ProfileCallback:
                 self._sync()
                 now = time.perf_counter()
                 profiled = self.warmup < state.global_step <= self.warmup + self.steps
-                self.periods.append({"step": state.global_step, "seconds": now - self.last_end, "profiled": profiled})
-                self.last_end = now
+                clock = TRITON_CLOCK.read()
+                self.periods.append({"step": state.global_step, "seconds": now - self.last_end, "profiled": profiled,
+                                     **{k: round(clock[k] - self.clock_at[k], 6) for k in clock}})  # fmt: skip
+                self.last_end, self.clock_at = now, clock
                 if self.profiler is not None:
                     self.profiler.step()
                 return control
@@ -229,30 +238,78 @@ def _start_profiler(backend: str, warmup: int, steps: int, folder: Path, rank: i
     return profiler
 
 
+class TritonClock:
+    """Host seconds inside Triton's compile and autotune calls, outermost calls only, in every step.
+
+    ``compile_autotune_s`` counts a call nested in another (a compile inside an autotuner's benchmark, Triton's
+    ``compile`` inside ``JITFunction._do_compile``) once; ``compiles`` and ``autotunes`` count the outermost calls
+    of each kind. Calls from other threads (Triton's async compile mode) add up too.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._totals = {"compile_autotune_s": 0.0, "compiles": 0, "autotunes": 0}
+
+    def read(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._totals)
+
+    @contextlib.contextmanager
+    def timing(self, kind: str):
+        """Time one call of ``kind`` (``compiles`` or ``autotunes``)."""
+        depth = self._local.__dict__.setdefault("depth", {})
+        outermost, first_of_kind = not any(depth.values()), not depth.get(kind)
+        depth[kind] = depth.get(kind, 0) + 1
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            depth[kind] -= 1
+            elapsed = time.perf_counter() - start
+            with self._lock:
+                if outermost:
+                    self._totals["compile_autotune_s"] += elapsed
+                if first_of_kind:
+                    self._totals[kind] += 1
+
+
+TRITON_CLOCK = TritonClock()
+
+
 def _wrap_triton() -> None:
-    """Name Triton's compile and autotune work as profiler ranges (nothing to do where Triton is absent)."""
+    """Name Triton's compile and autotune work as profiler ranges and time it on ``TRITON_CLOCK`` (nothing to do
+    where Triton is absent)."""
     try:
+        import triton.compiler as package
         import triton.compiler.compiler as compiler
-        from triton.runtime import autotuner
+        from triton.runtime import autotuner, jit
     except Exception:  # CPU images carry no Triton; triton-ascend has the same modules
         return
     from torch.profiler import record_function
 
-    def ranged(func, name):
+    def ranged(func, name, kind):
         if getattr(func, "__launcher_ranged__", False):
             return func
 
         @functools.wraps(func)
         def wrapper(*args, **kwargs):
-            with record_function(name):
+            with record_function(name), TRITON_CLOCK.timing(kind):
                 return func(*args, **kwargs)
 
         wrapper.__launcher_ranged__ = True
         return wrapper
 
-    compiler.compile = ranged(compiler.compile, "launcher::compile")
+    # A JITFunction binds `triton.compiler.compile` (the package's name, not the submodule's) once, when it first
+    # runs (`JITFunction.create_binder`: `from ..compiler import compile`); kernels that ran before this call (the
+    # preflight's or a benchmark's kernel check) keep the original. `JITFunction._do_compile`, where newer
+    # Triton has it, is looked up on the class at every compile, so it catches those too.
+    compiler.compile = ranged(compiler.compile, "launcher::compile", "compiles")
+    package.compile = ranged(package.compile, "launcher::compile", "compiles")
+    if hasattr(jit.JITFunction, "_do_compile"):
+        jit.JITFunction._do_compile = ranged(jit.JITFunction._do_compile, "launcher::compile", "compiles")
     if hasattr(autotuner.Autotuner, "_bench"):
-        autotuner.Autotuner._bench = ranged(autotuner.Autotuner._bench, "launcher::autotune")
+        autotuner.Autotuner._bench = ranged(autotuner.Autotuner._bench, "launcher::autotune", "autotunes")
 
 
 def summarize_profiler(profiler, backend: str, warmup: int, steps: int) -> dict[str, Any]:

@@ -153,13 +153,18 @@ def test_targets_compare_with_the_documented_ones():
     assert "ctx32k" not in found
 
 
+def run_tiny_bench(out, *args: str) -> dict:
+    """``patch_bench`` with the tiny shape on the CPU; its results, once it exited 0."""
+    code = patch_bench.main(["--out", str(out), "--shape", "tiny", "--samples", "3", "--timeout", "600", *args])
+    results = json.loads((out / "results.json").read_text())
+    assert code == 0, results
+    return results
+
+
 @pytest.mark.slow
 def test_tiny_benchmark_runs_both_variants_through_launcher_run(tmp_path):
     out = tmp_path / "bench"
-    code = patch_bench.main(["--out", str(out), "--shape", "tiny", "--steps", "3", "--warmup", "1",
-                             "--samples", "3", "--timeout", "600"])  # fmt: skip
-    results = json.loads((out / "results.json").read_text())
-    assert code == 0, results
+    results = run_tiny_bench(out, "--steps", "3", "--warmup", "1")
     on, off = results["variants"]["on"], results["variants"]["off"]
     for variant in (on, off):
         assert variant["state"] == "SUCCEEDED" and variant["steps_recorded"] == 3
@@ -174,3 +179,36 @@ def test_tiny_benchmark_runs_both_variants_through_launcher_run(tmp_path):
     linear = off["proof"]["checkpoint_all_layers"]["by_layer_type"]["linear_attention"]
     assert linear["observed"] == {"not_checkpointed": 3}  # LLaMA-Factory's own rule: frozen layers run plain
     assert (out / "logs" / "on.job.log").is_file() and results["preflight_skipped"] == patch_bench.PREFLIGHT_SKIP
+
+
+def test_profile_variant_runs_launcher_profile_on_the_on_config(tmp_path):
+    bench_assets.write_model_dir(tmp_path / "model", "tiny")
+    config, on = (patch_bench.run_config(tmp_path, v, "27b", "cuda", steps=6) for v in ("profile", "on"))
+    same = {k: v for k, v in on.items() if k not in ("launcher", "max_steps")}
+    assert {k: v for k, v in config.items() if k not in ("launcher", "max_steps")} == same
+    assert config["launcher"] == {**on["launcher"], "run_name": "bench-27b"}  # `launcher profile` adds -profile
+    assert config["max_steps"] == 5  # the variant's own, whatever --steps says; launcher profile sets the same
+    path = tmp_path / "profile.yaml"
+    assert patch_bench.launcher_args("profile", path, 5, 2) == ["profile", str(path), "--steps", "3", "--warmup", "2",
+                                                                "--quiet"]  # fmt: skip
+    assert patch_bench.launcher_args("on", path, 6, 2) == ["run", str(path), "--quiet"]
+    with pytest.raises(SystemExit):  # no step left to profile
+        patch_bench.main(["--out", str(tmp_path / "b"), "--shape", "tiny", "--variants", "profile", "--warmup", "5"])
+
+
+@pytest.mark.slow
+def test_tiny_profile_variant_runs_through_launcher_profile(tmp_path):
+    out = tmp_path / "bench"
+    results = run_tiny_bench(out, "--variants", "profile", "--warmup", "2")
+    variant = results["variants"]["profile"]
+    assert variant["command"].startswith("python -m launcher profile ") and "--steps 3 --warmup 2" in variant["command"]
+    assert variant["state"] == "SUCCEEDED" and variant["steps_recorded"] == 5 and variant["tokens_per_step"] == [256]
+    assert "/bench-tiny-profile-" in variant["run_dir"] and variant["kernel_check"]["ok"]
+    profile = variant["profile"]
+    (rank,) = profile["report"]["ranks"]
+    assert rank["profiled_steps"] == 3 and rank["adds_up"], rank
+    assert rank["first_step"]["profiled_steps"]["steps"] == 3 and rank["first_step"]["warmup_after"]["steps"] == 1
+    markdown = profile["markdown"]
+    assert (out / "profile.md").read_text() == markdown and "## The first step against the later ones" in markdown
+    ((trace, mib),) = profile["trace_mib"].items()
+    assert trace.endswith("profile/rank0.trace.json") and mib > 0 and not list(out.glob("*.trace.json"))

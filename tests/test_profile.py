@@ -2,7 +2,9 @@
 
 A planted sleep in one rank's collator (``tests/slow_rank_entry.py``) must show as data loading on that rank
 and as a spread of work across the two ranks; the parts of every rank must add up to its measured step.
-The split itself is also checked on known intervals.
+A planted stand-in Triton compile must show in the first step (before the profiled window, on the host's
+clock) and, in a profiled step, as kernel compile / autotune. The split itself is also checked on known
+intervals.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ import json
 
 import pytest
 
-from launcher.profiling import kernel_part, split_step
-from launcher.results.profile_report import rank_summary, render
+from launcher.profiling import TritonClock, kernel_part, split_step
+from launcher.results.profile_report import first_step_summary, rank_summary, render
 from tests.conftest import launcher_cmd, make_config
 
 
@@ -29,6 +31,38 @@ def test_the_split_of_a_step_on_known_intervals():
                             "periods": [{"seconds": 9.0}, {"seconds": 4.2, "profiled": True}]})  # fmt: skip
     assert summary["accounted_s"] == pytest.approx(4.0) and summary["adds_up"]  # 4.0 of 4.2: within 10 %
     assert "within 10%" in render({"ranks": [summary]})
+    assert summary["first_step"]["seconds"] == 9.0 and summary["first_step"]["excess_over_profiled_s"] == 4.8
+
+
+def test_the_first_step_against_the_warmup_and_the_profiled_steps():
+    periods = [{"step": 1, "seconds": 12.0, "profiled": False, "compile_autotune_s": 9.0, "compiles": 40,
+                "autotunes": 6},
+               {"step": 2, "seconds": 1.6, "profiled": False, "compile_autotune_s": 0.0, "compiles": 0,
+                "autotunes": 0}]  # fmt: skip
+    periods += [{"step": n, "seconds": s, "profiled": True, "compile_autotune_s": 0.0}
+                for n, s in ((3, 2.0), (4, 1.8), (5, 2.2))]  # fmt: skip
+    first = first_step_summary(periods)
+    assert first["seconds"] == 12.0 and first["compile_autotune_s"] == 9.0 and first["compiles"] == 40
+    assert first["warmup_after"] == {"steps": 1, "median_s": 1.6, "compile_autotune_median_s": 0.0}
+    assert first["profiled_steps"]["median_s"] == 2.0 and first["excess_over_profiled_s"] == 10.0
+    assert first["compile_share_of_excess"] == 0.9
+    rank = {"rank": 0, "profiled_steps": 3, "parts_s": {}, "accounted_s": 2.0, "step_s": 2.0, "accounted_share": 1.0,
+            "adds_up": True, "seq_lens": [], "first_step": first}  # fmt: skip
+    table = render({"ranks": [rank]})
+    assert "| **first step minus the profiled median** | 10.000 |" in table and "| 40 / 6 |" in table
+    assert "| kernel compile / autotune in the first step | 9.000 |" in table and "90%" in table
+    assert first_step_summary([]) is None
+
+
+def test_the_triton_clock_counts_nested_calls_once():
+    clock = TritonClock()
+    with clock.timing("autotunes"), clock.timing("compiles"), clock.timing("compiles"):  # compile in _do_compile
+        pass
+    with clock.timing("compiles"):
+        pass
+    totals = clock.read()
+    assert totals["compiles"] == 2 and totals["autotunes"] == 1
+    assert 0 < totals["compile_autotune_s"] < 1
 
 
 def test_kernel_names_go_to_their_parts():
@@ -41,8 +75,11 @@ def test_kernel_names_go_to_their_parts():
 
 
 @pytest.mark.slow
-def test_profile_of_two_ranks_with_a_slow_collator_on_one(tmp_path, demo_assets, monkeypatch):
+def test_profile_of_two_ranks_with_a_slow_collator_and_planted_compiles(tmp_path, demo_assets, monkeypatch):
+    pytest.importorskip("triton")  # the stand-in compile replaces Triton's JITFunction._do_compile
     monkeypatch.setenv("SLOW_DATA", json.dumps({"rank": 1, "seconds": 0.5}))
+    compiles = [{"step": 1, "seconds": 0.6}, {"step": 2, "seconds": 0.3, "rank": 1}]  # step 1: warm-up; 2: profiled
+    monkeypatch.setenv("SLOW_COMPILE", json.dumps(compiles))
     cfg = make_config(tmp_path, demo_assets, launcher={"entry": "tests.slow_rank_entry", "nproc_per_node": 2})
     proc = launcher_cmd("profile", cfg, "--steps", "2", "--warmup", "1", "--quiet")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -60,8 +97,16 @@ def test_profile_of_two_ranks_with_a_slow_collator_on_one(tmp_path, demo_assets,
     assert ranks[0]["parts_s"]["data_loading"] < 0.25
     assert ranks[0]["parts_s"]["communication"] > ranks[1]["parts_s"]["communication"]  # rank 0 waits
     assert report["spread_across_ranks"]["spread_s"] >= 0.3
+    for r in ranks.values():  # step 1 is the warm-up: the profiler saw nothing, the host's clock did
+        first = r["first_step"]
+        assert first["step"] == 1 and not first["profiled"] and first["compiles"] == 1
+        assert 0.55 <= first["compile_autotune_s"] < 0.9 and first["seconds"] >= first["compile_autotune_s"]
+        assert first["excess_over_profiled_s"] >= 0.5 and first["profiled_steps"]["steps"] == 2
+    assert ranks[1]["parts_s"]["compile_autotune"] == pytest.approx(0.15, abs=0.05)  # 0.3 s in one of 2 steps
+    assert ranks[0]["parts_s"]["compile_autotune"] < 0.02
     assert (run_dir / "profile" / "rank0.trace.json").is_file() and (run_dir / "profile.md").is_file()
-    assert "the faster ranks wait" in (run_dir / "profile.md").read_text()
+    table = (run_dir / "profile.md").read_text()
+    assert "the faster ranks wait" in table and "| **first step minus the profiled median** |" in table
     assert f"profile: {run_dir / 'profile.md'} (2 rank(s))" in proc.stdout
 
 

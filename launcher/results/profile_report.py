@@ -3,9 +3,10 @@
 Reads ``RUN_DIR/profile/rank<R>.json`` (written by each rank, ``launcher/profiling.py``): per profiled step the
 seconds of each part and the step's own measured period. For each rank it reports the mean of each part over
 the profiled steps, their sum against the measured step time (the check: within 10 %, or the summary says how
-much is unaccounted), the first step against the later ones (compilation and autotuning show there), the
-distinct sequence lengths; across ranks the spread of step times (the slowest rank sets the pace of every
-collective, so the others wait). Host-side: no torch.
+much is unaccounted), the first step against the warm-up steps after it and the profiled ones, with the host's
+time inside Triton's compile and autotune calls in each (timed in every step, so also before the profiled
+window, where the cold compiles land), the distinct sequence lengths; across ranks the spread of step times
+(the slowest rank sets the pace of every collective, so the others wait). Host-side: no torch.
 """
 
 from __future__ import annotations
@@ -36,9 +37,6 @@ def rank_summary(record: dict[str, Any]) -> dict[str, Any]:
     parts = {k: statistics.fmean(s.get(k, 0.0) for s in steps) for k in PARTS} if steps else {}
     accounted = sum(parts.values()) - (statistics.fmean(s.get("overlap", 0.0) for s in steps) if steps else 0.0)
     step_s = statistics.fmean(measured) if measured else None
-    periods = record.get("periods", [])
-    unprofiled = [p["seconds"] for p in periods[1:] if not p.get("profiled")]
-    later = unprofiled or [p["seconds"] for p in periods[1:]]
     share = None if not step_s else accounted / step_s
     return {
         "rank": record.get("rank"),
@@ -48,14 +46,55 @@ def rank_summary(record: dict[str, Any]) -> dict[str, Any]:
         "accounted_s": round(accounted, 6),
         "accounted_share": None if share is None else round(share, 4),
         "adds_up": share is not None and abs(share - 1) <= TOLERANCE,
-        "first_step_s": round(periods[0]["seconds"], 6) if periods else None,
-        "later_steps_median_s": round(statistics.median(later), 6) if later else None,
-        "later_steps_profiled": not unprofiled,  # then they carry the profiler's own overhead
+        "first_step": first_step_summary(record.get("periods", [])),
         # what the rank itself worked: the step minus its time in collectives (where it waited for others)
         "work_s": None if step_s is None else round(step_s - parts.get("communication", 0.0), 6),
         "seq_lens": record.get("seq_lens", []),
         "backend": record.get("backend"),
     }
+
+
+def _median(periods: list[dict[str, Any]], key: str) -> float | None:
+    values = [p[key] for p in periods if p.get(key) is not None]
+    return round(statistics.median(values), 6) if values else None
+
+
+def first_step_summary(periods: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first step (Triton compiles and autotunes, allocator warm-up) against the later ones.
+
+    Args:
+        periods: the rank's steps in order, each with ``seconds`` on the rank's clock, ``profiled`` and (from
+            ``launcher/profiling.py``'s ``TRITON_CLOCK``) ``compile_autotune_s``, ``compiles``, ``autotunes``.
+
+    Returns:
+        None without steps; else the first step's seconds and compile/autotune seconds and counts, the median
+        of the unprofiled warm-up steps after it and of the profiled steps (each with its compile/autotune
+        median), and how much longer the first step was than the profiled median. The profiled steps carry
+        the profiler's own overhead, the warm-up steps do not.
+    """
+    if not periods:
+        return None
+    first = periods[0]
+    warmup = [p for p in periods[1:] if not p.get("profiled")]
+    profiled = [p for p in periods if p.get("profiled")]
+    later_s = _median(profiled, "seconds")
+    excess = None if later_s is None else round(first["seconds"] - later_s, 6)
+    compile_s = first.get("compile_autotune_s")
+    return {
+        "step": first.get("step"),
+        "profiled": bool(first.get("profiled")),
+        "seconds": round(first["seconds"], 6),
+        "compile_autotune_s": compile_s,
+        "compiles": first.get("compiles"),
+        "autotunes": first.get("autotunes"),
+        "warmup_after": {"steps": len(warmup), "median_s": _median(warmup, "seconds"),
+                         "compile_autotune_median_s": _median(warmup, "compile_autotune_s")},
+        "profiled_steps": {"steps": len(profiled), "median_s": later_s,
+                           "compile_autotune_median_s": _median(profiled, "compile_autotune_s")},
+        "excess_over_profiled_s": excess,
+        # how much of the first step's extra time Triton's compile and autotune calls explain
+        "compile_share_of_excess": round(compile_s / excess, 4) if compile_s is not None and excess else None,
+    }  # fmt: skip
 
 
 def build_report(run_dir: Path) -> dict[str, Any]:
@@ -101,12 +140,8 @@ def render(report: dict[str, Any]) -> str:
                    else f"the parts add up to {share:.1%} of the measured step: {abs(1 - share):.1%} is "
                         f"{'unaccounted' if share < 1 else 'counted twice (overlapping work)'}"
                    if share is not None else "no measured step")  # fmt: skip
-        first = (f"first step {r['first_step_s']:.3f} s against a median of {r['later_steps_median_s']:.3f} s for "
-                 f"the later {'(profiled, so slowed by the profiler) ' if r['later_steps_profiled'] else ''}ones "
-                 "(compilation, autotuning and allocator warm-up show in the first)"
-                 if r["later_steps_median_s"] else "")  # fmt: skip
         lengths = ", ".join(map(str, r["seq_lens"])) or "-"
-        lines.append(f"- rank {r['rank']}: {verdict}; {first}; sequence lengths seen: {lengths}.")
+        lines.append(f"- rank {r['rank']}: {verdict}; sequence lengths seen: {lengths}.")
     spread = report.get("spread_across_ranks")
     if spread:
         lines.append(
@@ -114,10 +149,45 @@ def render(report: dict[str, Any]) -> str:
             f"{spread['slowest_s']:.3f} s; the faster ranks wait {spread['spread_s']:.3f} s "
             f"({spread['spread_share']:.1%} of the slowest) in each step's collectives for the slowest."
         )
+    lines += _render_first_step(ranks)
     if report.get("traces"):
         lines.append(f"- traces: {', '.join(report['traces'])} (Chrome trace: chrome://tracing or ui.perfetto.dev; "
                      "an `.ascend` folder: MindStudio Insight).")  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _render_first_step(ranks: list[dict[str, Any]]) -> list[str]:
+    """The first step against the later ones, one column per rank (``first_step_summary``)."""
+    firsts = [r.get("first_step") or {} for r in ranks]
+    if not any(firsts):
+        return []
+
+    def seconds(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    def row(label: str, cell) -> str:
+        return f"| {label} | " + " | ".join(cell(f) if f else "-" for f in firsts) + " |"
+
+    steps = {f["profiled_steps"]["steps"] for f in firsts if f}
+    return ["", "## The first step against the later ones", "",
+            "Seconds on each rank's clock (device synchronised). Kernel compile / autotune is the host's time "
+            "inside Triton's compile and autotuner calls, timed in every step (profiled or not); the profiled "
+            f"steps ({', '.join(map(str, sorted(steps)))} per rank) carry the profiler's own overhead, the "
+            "warm-up steps do not.", "",
+            "| | " + " | ".join(f"rank {r['rank']}" for r in ranks) + " |", "|---|" + "---|" * len(ranks),
+            row("first step" + (" (profiled)" if any(f.get("profiled") for f in firsts) else ""),
+                lambda f: seconds(f["seconds"])),
+            row("kernel compile / autotune in the first step", lambda f: seconds(f["compile_autotune_s"])),
+            row("Triton compiles / autotuner runs in it",
+                lambda f: f"{f['compiles']} / {f['autotunes']}" if f["compiles"] is not None else "-"),
+            row("warm-up steps after it, median", lambda f: seconds(f["warmup_after"]["median_s"])),
+            row("profiled steps, median", lambda f: seconds(f["profiled_steps"]["median_s"])),
+            row("kernel compile / autotune in a profiled step, median",
+                lambda f: seconds(f["profiled_steps"]["compile_autotune_median_s"])),
+            row("**first step minus the profiled median**", lambda f: seconds(f["excess_over_profiled_s"])),
+            row("share of that explained by compile / autotune",
+                lambda f: "-" if f["compile_share_of_excess"] is None else f"{f['compile_share_of_excess']:.0%}"),
+            ]  # fmt: skip
 
 
 def write_report(run_dir: Path) -> dict[str, Any]:
