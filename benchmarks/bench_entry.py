@@ -112,6 +112,18 @@ def install_random_init(device: str, recorder: Recorder) -> None:
     PreTrainedModel.from_pretrained = classmethod(from_pretrained)
 
 
+def real_tokens(mask, ids) -> int | None:
+    """The batch's tokens that are not padding: the 2D mask's ones, or the tokens a packed row's 4D mask lets
+    attend to themselves (neat packing)."""
+    if mask is None:
+        return int(ids.numel()) if ids is not None else None
+    if mask.dim() == 4:
+        from patches.packed_rows import allowed_of
+
+        return int(allowed_of(mask).diagonal(0, -2, -1).sum())
+    return int(mask.sum())
+
+
 def install_step_timer(torch, dev, recorder: Recorder) -> None:
     """Time each ``Trainer.training_step`` and the period between step starts; read peak memory after it."""
     from transformers import Trainer
@@ -138,7 +150,7 @@ def install_step_timer(torch, dev, recorder: Recorder) -> None:
             "period_s": None,
             # LLaMA-Factory's collator appends a masked dummy image to text-only batches of VL models (and pads
             # to a multiple of 8): seq_len counts those positions, tokens only the sample's own tokens.
-            "tokens": int(mask.sum()) if mask is not None else (int(ids.numel()) if ids is not None else None),
+            "tokens": real_tokens(mask, ids),
             "seq_len": int(ids.shape[-1]) if ids is not None else None,
             "supervised_tokens": int((labels[..., 1:] != -100).sum()) if labels is not None else None,
             "allocated_at_start_gib": None if allocated is None else round(allocated, 3),

@@ -62,10 +62,10 @@ def test_dataset_samples_exceed_the_cutoff_on_both_sides(tmp_path):
 
 
 DEFAULT_ON = {"deltanet_routing": True, "checkpoint_all_layers": True, "chunked_loss": True, "text_only_batches": True,
-              "final_eval_once": True, "pad_lengths": False}  # fmt: skip
+              "final_eval_once": True, "pad_lengths": False, "packed_rows": True}  # fmt: skip
 
 
-@pytest.mark.parametrize("variant", ["on", "off", "budget120", "spread-pad256", "ctx64k"])
+@pytest.mark.parametrize("variant", ["on", "off", "budget120", "spread-pad256", "ctx64k", "spread-packed"])
 def test_variant_configs_pass_the_launchers_validation(tmp_path, variant):
     bench_assets.write_model_dir(tmp_path / "model", "tiny")
     config = patch_bench.run_config(tmp_path, variant, "27b", "cuda", steps=6)
@@ -87,6 +87,7 @@ def test_variant_configs_pass_the_launchers_validation(tmp_path, variant):
         assert enabled == {**DEFAULT_ON, "pad_lengths": variant == "spread-pad256"}
     if variant == "budget120":
         assert loaded.patches["checkpoint_all_layers"]["memory_budget_gib"] == 120.0
+    assert lf.get("packing", False) is (variant == "spread-packed")
 
 
 def test_spread_samples_span_the_asked_lengths(tmp_path):
