@@ -64,8 +64,14 @@ def read_prompts_file(path: Path) -> list[dict[str, Any]]:
             raise LauncherError(f"--prompts {path}: entry {i} has no non-empty \"prompt\" string; {fix}",
                                 ExitCode.USAGE)  # fmt: skip
         reference = entry.get("reference")
-        prompts.append({"id": str(entry.get("id") or f"file-{i + 1}"), "kind": "crisis" if entry.get("crisis") else
-                        "file", "prompt": text, "reference": reference if isinstance(reference, str) else None})  # fmt: skip
+        prompts.append(
+            {
+                "id": str(entry.get("id") or f"file-{i + 1}"),
+                "kind": "crisis" if entry.get("crisis") else "file",
+                "prompt": text,
+                "reference": reference if isinstance(reference, str) else None,
+            }
+        )
     return prompts
 
 
