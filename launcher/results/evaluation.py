@@ -207,3 +207,42 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines.append("")
     lines += [f"_Generated {doc['created']} by `launcher evaluate`._", ""]
     return "\n".join(lines)
+
+
+def report_summary(doc: dict[str, Any], eval_best: str | None, metric: str | None) -> dict[str, Any]:
+    """What ``report.json`` carries of an evaluation: test loss and signals per checkpoint, and the preferences
+    of every criterion, the validation loss (``eval_best``) among them."""
+    preferred = {**({f"validation {metric or 'eval_loss'}": eval_best} if eval_best else {}),
+                 **{CRITERIA[k][2]: v for k, v in doc.get("preferred", {}).items() if k in CRITERIA}}  # fmt: skip
+    return {
+        "created": doc.get("created"),
+        "note": doc.get("note", SCREENING_NOTE),
+        "test_split": (doc.get("test_split") or {}).get("file"),
+        "checkpoints": {
+            c["name"]: {"step": c["step"], "test_loss": c.get("test_loss"), "signals": c["signals"]}
+            for c in doc["checkpoints"]
+        },  # fmt: skip
+        "preferred": preferred,
+        "criteria_disagree": len({v for v in preferred.values() if v}) > 1,
+    }
+
+
+def report_markdown(doc: dict[str, Any], eval_best: str | None, metric: str | None) -> list[str]:
+    """The ``report.md`` section of an evaluation: the signal table and, when they disagree, each criterion's
+    preferred checkpoint."""
+    names = [c["name"] for c in doc["checkpoints"]]
+    lines = ["## Evaluation (`launcher evaluate`)", "", f"> {doc.get('note', SCREENING_NOTE)}", "",
+             f"Test split `{(doc.get('test_split') or {}).get('file')}` (held out: never trained on, never used to "
+             f"select); answers side by side in `{EVALUATE_MD}`.", "",
+             "| signal | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]  # fmt: skip
+    lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in signal_rows(doc)]
+    lines.append("")
+    summary = report_summary(doc, eval_best, metric)
+    if summary["criteria_disagree"]:
+        lines += ["The criteria prefer different checkpoints (read the answers before choosing):", ""]
+        lines += [f"- {about}: {name}" for about, name in summary["preferred"].items() if name]
+    else:
+        chosen = next((v for v in summary["preferred"].values() if v), None)
+        lines.append(f"Every criterion with a value prefers {chosen}." if chosen else "No criterion has a value.")
+    lines.append("")
+    return lines
