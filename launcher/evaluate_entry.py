@@ -81,6 +81,19 @@ def _first_turns(aligned, limit: int) -> list[dict[str, Any]]:
     return prompts
 
 
+def routed_bindings(model) -> dict[str, int]:
+    """How many DeltaNet layers are bound to the routing patch's recorders (the training run checks this at its
+    first step; generation has no training step, so it is counted here and written into evaluate.json)."""
+    from patches.kernel_recorder import KernelRecorder
+
+    layers = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    return {
+        "deltanet_layers": len(layers),
+        "routed_chunk_layers": sum(isinstance(x.chunk_gated_delta_rule, KernelRecorder) for x in layers),
+        "routed_decode_layers": sum(isinstance(x.recurrent_gated_delta_rule, KernelRecorder) for x in layers),
+    }
+
+
 def _device(backend: str):
     from launcher.checks.kernels import device_name
 
@@ -149,12 +162,15 @@ def evaluate(request: dict[str, Any]) -> dict[str, Any]:
     dataset = get_dataset(template, model_args, data_args, training_args, stage="sft", **tokenizer_module)
     test_set = dataset["eval_dataset"]
     aligned = _get_merged_dataset([TEST_DATASET], model_args, data_args, training_args, "sft")
-    prompts = _first_turns(aligned, request["max_test_prompts"]) + request["extra_prompts"]
+    prompts = _first_turns(aligned, request["max_test_prompts"])
+    system = next((p["system"] for p in prompts if p.get("system")), None)  # what training put before the client
+    prompts += [{**p, "system": system} for p in request["extra_prompts"]]
     _say(f"{len(test_set)} test samples, {len(prompts)} prompts, {len(request['checkpoints'])} checkpoint(s)")
 
     device = _device(backend)
     base = load_model(tokenizer, model_args, finetuning_args, is_trainable=False)  # no adapter: the base, frozen
     base.to(device)
+    bindings = routed_bindings(base)
     collator = SFTDataCollatorWith4DAttentionMask(
         template=template, model=base, pad_to_multiple_of=None, label_pad_token_id=IGNORE_INDEX,
         block_diag_attn=model_args.block_diag_attn, neat_packing=data_args.neat_packing,
@@ -183,7 +199,7 @@ def evaluate(request: dict[str, Any]) -> dict[str, Any]:
     for r in results:
         r.pop("answers")
     proof = json.loads((work / "proof" / "rank0" / "deltanet_routing.json").read_text())
-    kernels = {k: proof.get(k) for k in ("status", "route", "first_call", "first_decode_call")}
+    kernels = {**{k: proof.get(k) for k in ("status", "route", "first_call", "first_decode_call")}, **bindings}
     return {"checkpoints": results, "prompts": rows, "kernels": kernels}
 
 

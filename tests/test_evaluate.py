@@ -61,6 +61,7 @@ def test_two_checkpoints_evaluated_on_the_held_out_split_and_shown_in_the_report
     assert {p["prompt"] for p in doc["prompts"] if p["kind"] == "test"} == firsts
     assert doc["kernels"]["first_decode_call"]["kernel"].endswith("torch_recurrent_gated_delta_rule")
     assert doc["kernels"]["first_decode_call"]["shape"][1] == 1
+    assert doc["kernels"]["deltanet_layers"] == doc["kernels"]["routed_decode_layers"] == 3  # the tiny model's
     answers = [a["text"] for p in doc["prompts"] for a in p["answers"].values()]
     assert len(answers) == 2 * len(kinds) and any(answers)
     markdown = (prepared_run / EVALUATE_MD).read_text()
@@ -144,3 +145,39 @@ def test_a_failing_evaluation_keeps_the_earlier_files(crafted):
     assert "evaluation of crafted-run failed" in message and "were left as they were" in message
     assert {name: (crafted / name).read_text() for name in earlier} == earlier
     assert (crafted / "evaluate.log").is_file() and not list(crafted.glob(".evaluate-*"))
+
+
+def test_checkpoint_names_resolve_once_each_in_order(crafted):
+    from launcher.run.evaluate import choose_checkpoints
+
+    chosen = choose_checkpoints(crafted, "best,last,final,3")
+    assert [(c["name"], c["step"]) for c in chosen] == [("checkpoint-6", 6), ("final", 6), ("checkpoint-3", 3)]
+    assert chosen[1]["path"] == str(crafted / "output")
+
+
+def test_report_names_the_checkpoint_each_criterion_prefers_when_they_disagree(crafted):
+    """Validation loss prefers checkpoint-6 (the crafted curve falls); the answers of checkpoint-6 loop."""
+    from launcher.results.evaluation import build_document
+    from launcher.results.report import build_report
+
+    looped, varied = "I hear you. I hear you. I hear you. I hear you.", "What has helped you before, and who knows?"
+    raw = {"checkpoints": [{"name": "checkpoint-3", "step": 3, "test_loss": 1.9},
+                           {"name": "checkpoint-6", "step": 6, "test_loss": 2.2}],
+           "prompts": [{"id": "crisis-en-1", "kind": "crisis", "prompt": "p", "reference": None,
+                        "answers": {"checkpoint-3": varied + " Please call 988 now.", "checkpoint-6": looped}},
+                       {"id": "test-1", "kind": "test", "prompt": "q", "reference": "who knows what helped",
+                        "answers": {"checkpoint-3": varied, "checkpoint-6": looped}}]}  # fmt: skip
+    request = {"run_id": "crafted-run", "backend": "cpu", "max_new_tokens": 8,
+               "test_split": {"file": "counsel_test.json", "sha256": "0" * 64, "samples": 2}}  # fmt: skip
+    doc = build_document(request, raw)
+    assert doc["preferred"] == {"test_loss": "checkpoint-3", "repetition": "checkpoint-3", "distinct_2": "checkpoint-3",
+                                "stock_opening": "checkpoint-3", "reference_overlap": "checkpoint-3",
+                                "crisis_help": "checkpoint-3"}  # fmt: skip
+    assert doc["prompts"][0]["answers"]["checkpoint-6"]["repetition"] > 0.5  # the looping answer scores as repeated
+    (crafted / EVALUATE_JSON).write_text(json.dumps(doc))
+    report = build_report(crafted, plot=True)
+    md = (crafted / "report.md").read_text()
+    assert "The criteria prefer different checkpoints" in md
+    assert "- validation eval_loss: checkpoint-6" in md and "- held-out test loss: checkpoint-3" in md
+    assert "1 of 1" in md and "0 of 1" in md  # crisis answers pointing to help, per checkpoint
+    assert report.to_dict()["evaluation"]["criteria_disagree"] and report.plot is not None

@@ -180,9 +180,12 @@ def render_markdown(doc: dict[str, Any]) -> str:
     gen = doc["generation"]
     counts = ", ".join(f"{n} {k}" for k, n in gen["prompts"].items() if n)
     lines.append(f"- Greedy decoding, at most {gen['max_new_tokens']} new tokens; prompts: {counts}")
-    decode = doc.get("kernels", {}).get("first_decode_call") or {}
+    kernels = doc.get("kernels", {})
+    decode = kernels.get("first_decode_call") or {}
     if decode:
-        lines.append(f"- Backend {doc['backend']}; decoding kernel: `{decode.get('kernel')}` on {decode.get('device')}")
+        lines.append(f"- Backend {doc['backend']}; decoding kernel: `{decode.get('kernel')}` on {decode.get('device')} "
+                     f"(routed in {kernels.get('routed_decode_layers')} of {kernels.get('deltanet_layers')} DeltaNet "
+                     "layers; the routing patch's record is in evaluate.json)")  # fmt: skip
     lines += ["", "## Signals per checkpoint", "", "| signal | " + " | ".join(names) + " |",
               "|---|" + "---:|" * len(names)]  # fmt: skip
     lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in signal_rows(doc)]
@@ -212,6 +215,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
 def report_summary(doc: dict[str, Any], eval_best: str | None, metric: str | None) -> dict[str, Any]:
     """What ``report.json`` carries of an evaluation: test loss and signals per checkpoint, and the preferences
     of every criterion, the validation loss (``eval_best``) among them."""
+    eval_best = Path(eval_best).name if eval_best else None  # output/checkpoint-500 -> checkpoint-500
     preferred = {**({f"validation {metric or 'eval_loss'}": eval_best} if eval_best else {}),
                  **{CRITERIA[k][2]: v for k, v in doc.get("preferred", {}).items() if k in CRITERIA}}  # fmt: skip
     return {

@@ -23,6 +23,7 @@ from launcher.backend import BACKENDS, child_env
 from launcher.data.privacy import log_examples_wanted
 from launcher.errors import ExitCode, LauncherError
 from launcher.files import read_json_object, sha256_file, write_json_atomic, write_text_atomic
+from launcher.results.curves import read_trainer_state
 from launcher.results.evaluation import (
     EVALUATE_JSON,
     EVALUATE_MD,
@@ -65,7 +66,8 @@ def choose_checkpoints(run_dir: Path, spec: str) -> list[dict[str, Any]]:
         if item == "final":
             if not (files.output / "adapter_model.safetensors").is_file():
                 raise _usage(f"--checkpoints final: {files.output} holds no final adapter yet; {fix}")
-            chosen.setdefault("final", {"name": "final", "step": _final_step(found), "path": str(files.output)})
+            chosen.setdefault("final", {"name": "final", "step": _final_step(files.output, found),
+                                        "path": str(files.output)})  # fmt: skip
             continue
         if item in ("best", "last"):
             if not found:
@@ -85,8 +87,11 @@ def choose_checkpoints(run_dir: Path, spec: str) -> list[dict[str, Any]]:
     return list(chosen.values())
 
 
-def _final_step(found) -> int:
-    return found[-1].step + 1 if found else 0  # sorts after every checkpoint
+def _final_step(output: Path, found) -> int:
+    """The step of the final adapter: the Trainer's last ``global_step``, else the last checkpoint's."""
+    state, _ = read_trainer_state(output)
+    step = (state or {}).get("global_step")
+    return int(step) if isinstance(step, int) else (found[-1].step if found else 0)
 
 
 def _best(run_dir: Path, by_step):
