@@ -1,4 +1,4 @@
-"""Route the Gated DeltaNet chunk kernel of ``qwen3_5``/``qwen3_5_moe`` per backend, and prove what ran.
+"""Route the Gated DeltaNet chunk and recurrent kernels of ``qwen3_5``/``qwen3_5_moe`` per backend; prove what ran.
 
 Upstream behaviour (transformers 5.6.0, ``models/qwen3_5/modeling_qwen3_5.py``; ``qwen3_5_moe`` is the
 same code): at import, the module globals ``chunk_gated_delta_rule``, ``fused_recurrent_gated_delta_rule``
@@ -15,20 +15,24 @@ What this patch does, before the model is built (``select_route`` decides, ``app
 =======  ============  ===============================  =========================================
 backend  kernel        chunk kernel                     conv1d / gated RMSNorm / recurrent (decode)
 =======  ============  ===============================  =========================================
-npu      auto or fla   FLA (triton-ascend); required    torch nn.Conv1d / torch norm / torch
+npu      auto or fla   FLA (triton-ascend); required    torch nn.Conv1d / torch norm / FLA
 cuda     auto          FLA if it imports, else torch    upstream choice / FLA norm / FLA
 cuda     fla           FLA; required                    upstream choice / FLA norm / FLA
 cpu      auto          transformers' torch reference    torch / torch / torch
 any      torch         transformers' torch reference    torch / torch / torch
 =======  ============  ===============================  =========================================
 
-On NPU the FLA fused norm stays off because it calls ``torch.cuda.current_device()``, and the recurrent
-kernel (used only for one-token decoding) stays torch: not validated on triton-ascend. When FLA is
+On NPU the FLA fused norm stays off because it calls ``torch.cuda.current_device()``. The recurrent kernel
+runs only in generation (``launcher evaluate``): once the prompt went through the chunk kernel, each new token
+calls ``recurrent_gated_delta_rule`` with the cached state; it follows the chunk kernel (FLA's
+``fused_recurrent_gated_delta_rule`` wherever the chunk kernel is FLA, on NPU too; the torch loop otherwise),
+and ``launcher validate-kernels`` checks it against the fp32 reference (case ``decode``). When FLA is
 installed but refuses the device (its Hopper guard for Triton >= 3.4, < 3.7.1; see ``fla_probe``), the run
 stops here with FLA's reason and the fix, unless the config says ``kernel: torch``. We never lift FLA's
-guard. The chosen chunk kernel is wrapped in a ``KernelRecorder``: it checks the device of every call,
-records the first call on each rank, and at the first training step the patch checks that every DeltaNet
-layer of the model is bound to it (a model built before the patch was applied fails the run there).
+guard. The chosen chunk and recurrent kernels are each wrapped in a ``KernelRecorder``: it checks the device
+of every call and records the first call on each rank (``first_call``; the recurrent one as
+``first_decode_call``), and at the first training step the patch checks that every DeltaNet layer of the
+model is bound to the chunk recorder (a model built before the patch was applied fails the run there).
 
 Versions: written and tested against transformers 5.6.0 (``SUPPORTED`` allows 5.6.x) and fla-core 0.6.0
 (``fla_probe.FLA_SUPPORTED``; checked only when FLA is used). On CPU, NPU and CUDA are exercised only at
@@ -162,7 +166,7 @@ def select_route(backend: str, kernel: str, fla: FlaFacts) -> Route:
     if fla.refusal:
         reason += f"; FLA's Hopper guard is avoided by its {fla.workaround} backend"
     if backend == "npu":
-        return Route(kernel="fla", norm="torch", recurrent="torch", conv="torch", reason=reason)
+        return Route(kernel="fla", norm="torch", recurrent="fla", conv="torch", reason=reason)
     return Route(kernel="fla", norm="fla", recurrent="fla", conv="upstream", reason=reason)
 
 
@@ -186,6 +190,7 @@ def check_symbols() -> None:
         names = (
             *ROUTED_GLOBALS,
             "torch_chunk_gated_delta_rule",
+            "torch_recurrent_gated_delta_rule",
             target.deltanet_class,
             target.torch_norm_class,
         )
@@ -222,20 +227,19 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
     route = select_route(backend, options["kernel"], fla)
     kernels = load_fla_kernels() if route.kernel == "fla" else FlaKernels()
     log = CallLog(lambda call: proof.update(first_call={**call, "recorded_at": utc_now()}))
+    decode_log = CallLog(lambda call: proof.update(first_decode_call={**call, "recorded_at": utc_now()}))
     for target in TARGETS:
         module = importlib.import_module(target.module)
         originals = _ORIGINALS.setdefault(target.module, {name: getattr(module, name) for name in ROUTED_GLOBALS})
         chunk = kernels.chunk if route.kernel == "fla" else module.torch_chunk_gated_delta_rule
+        recurrent = kernels.fused_recurrent if route.recurrent == "fla" else module.torch_recurrent_gated_delta_rule
+        recorder = {"expected_device": BACKEND_DEVICE[backend], "patch": NAME, "backend": backend}
         values = {
-            "chunk_gated_delta_rule": KernelRecorder(
-                chunk,
-                label=route.kernel,
-                expected_device=BACKEND_DEVICE[backend],
-                log=log,
-                patch=NAME,
-                backend=backend,
+            "chunk_gated_delta_rule": KernelRecorder(chunk, label=route.kernel, log=log, **recorder),
+            # the constructor binds `fused_recurrent_gated_delta_rule or torch_recurrent_gated_delta_rule`
+            "fused_recurrent_gated_delta_rule": KernelRecorder(
+                recurrent, label=route.recurrent, log=decode_log, role="recurrent_gated_delta_rule", **recorder
             ),
-            "fused_recurrent_gated_delta_rule": kernels.fused_recurrent if route.recurrent == "fla" else None,
             "FusedRMSNormGated": kernels.fused_norm if route.norm == "fla" else None,
             "causal_conv1d_fn": originals["causal_conv1d_fn"] if route.conv == "upstream" else None,
             "causal_conv1d_update": originals["causal_conv1d_update"] if route.conv == "upstream" else None,
@@ -244,7 +248,7 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
         }
         for name, value in values.items():
             setattr(module, name, value)
-    _active.update(route=route, log=log, proof=proof, first_step={})
+    _active.update(route=route, log=log, decode_log=decode_log, proof=proof, first_step={})
     trainer_hook.on_first_training_step(NAME, before=_before_first_step, after=_after_first_step)
     return {
         "route": {
@@ -267,11 +271,14 @@ def describe_bindings(target: Target) -> dict[str, str]:
     norm = module.FusedRMSNormGated or getattr(module, target.torch_norm_class)
     conv = module.causal_conv1d_fn
     recurrent = module.fused_recurrent_gated_delta_rule or module.torch_recurrent_gated_delta_rule
+    recurrent_name = (
+        f"{recurrent.kernel_name} (recorded)" if isinstance(recurrent, KernelRecorder) else qualified_name(recurrent)
+    )
     return {
         "chunk_gated_delta_rule": chunk_name,
         "rms_norm_gated": qualified_name(norm),
         "causal_conv1d": qualified_name(conv) if conv is not None else "torch.nn.Conv1d (transformers fallback)",
-        "recurrent_gated_delta_rule": qualified_name(recurrent),
+        "recurrent_gated_delta_rule": recurrent_name,
     }
 
 

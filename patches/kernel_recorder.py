@@ -1,7 +1,9 @@
-"""A stand-in for ``chunk_gated_delta_rule`` that checks the device on every call and records the first.
+"""A stand-in for a DeltaNet kernel that checks the device on every call and records the first.
 
-``Qwen3_5GatedDeltaNet`` calls ``self.chunk_gated_delta_rule(query, key, value, g=..., beta=..., ...)`` with
-``[B, T, H, D]`` tensors (FLA's layout; transformers' torch reference takes the same and transposes inside).
+``Qwen3_5GatedDeltaNet`` calls ``self.chunk_gated_delta_rule(query, key, value, g=..., beta=..., ...)`` (the
+prompt, and every training step) and ``self.recurrent_gated_delta_rule(...)`` (one-token decoding steps) with
+``[B, T, H, D]`` tensors (FLA's layout; transformers' torch references take the same and transpose inside).
+``role`` names which of the two a recorder stands for.
 The recorder:
 
 - checks on every call that every tensor argument is on the device type of the run's backend and raises
@@ -10,7 +12,7 @@ The recorder:
   which writes it into the rank's proof record;
 - counts calls, so the first training step can show the kernel really ran.
 
-All recorders of one route share one ``CallLog``: "first call" means first in the process.
+The recorders of one kernel role share one ``CallLog``: "first call" means first in the process.
 """
 
 from __future__ import annotations
@@ -40,7 +42,15 @@ class KernelRecorder:
     """Callable that checks, records and forwards to ``kernel``."""
 
     def __init__(
-        self, kernel: Callable, *, label: str, expected_device: str, log: CallLog, patch: str, backend: str
+        self,
+        kernel: Callable,
+        *,
+        label: str,
+        expected_device: str,
+        log: CallLog,
+        patch: str,
+        backend: str,
+        role: str = "chunk_gated_delta_rule",
     ) -> None:
         self.kernel = kernel
         self.kernel_name = qualified_name(kernel)
@@ -49,6 +59,7 @@ class KernelRecorder:
         self.log = log
         self.patch = patch
         self.backend = backend
+        self.role = role
 
     def __call__(self, query, key, value, *args, **kwargs):
         self._check_devices(query=query, key=key, value=value, g=kwargs.get("g"), beta=kwargs.get("beta"))
@@ -65,6 +76,7 @@ class KernelRecorder:
 
         return {
             "kernel": self.kernel_name,
+            "role": self.role,
             "label": self.label,
             "device": str(query.device),
             "dtype": str(query.dtype),
@@ -80,7 +92,7 @@ class KernelRecorder:
             if device is not None and device.type != self.expected_device:
                 raise PatchError(
                     self.patch,
-                    f"chunk_gated_delta_rule ({self.label}: {self.kernel_name}) received {name} on {device}, "
+                    f"{self.role} ({self.label}: {self.kernel_name}) received {name} on {device}, "
                     f"but this run's backend is {self.backend}, so a DeltaNet layer would run off the "
                     f"{self.expected_device} device (slowly, or not at all)",
                     "make sure the whole model is placed on the accelerator (check the device visibility "

@@ -31,6 +31,7 @@ LAYERS: dict[str, int] = {
     "launcher.entry": 3,
     "launcher.stopsave": 3,
     "launcher.profiling": 3,
+    "launcher.evaluate_entry": 3,
     "launcher.run": 4,
     "launcher.cli": 5,
     "launcher.__main__": 5,

@@ -29,8 +29,8 @@ HOPPER = FlaFacts(True, "0.6.0", platform="cuda", refusal="fla-core 0.6.0 refuse
     [
         ("cpu", "auto", NO_FLA, ("torch", "torch", "torch", "torch")),
         ("cpu", "torch", NO_FLA, ("torch", "torch", "torch", "torch")),
-        ("npu", "auto", FLA_OK["npu"], ("fla", "torch", "torch", "torch")),
-        ("npu", "fla", FLA_OK["npu"], ("fla", "torch", "torch", "torch")),
+        ("npu", "auto", FLA_OK["npu"], ("fla", "torch", "fla", "torch")),
+        ("npu", "fla", FLA_OK["npu"], ("fla", "torch", "fla", "torch")),
         ("npu", "torch", FLA_OK["npu"], ("torch", "torch", "torch", "torch")),
         ("cuda", "auto", FLA_OK["cuda"], ("fla", "fla", "fla", "upstream")),
         ("cuda", "auto", NO_FLA, ("torch", "torch", "torch", "torch")),
@@ -207,5 +207,40 @@ def test_simulated_cuda_without_the_guard_routes_everything_to_fla(tmp_path, stu
     patches.apply_enabled({}, backend="cuda", proof_dir=tmp_path)
     assert m.chunk_gated_delta_rule.kernel.__module__ == "fla.ops.gated_delta_rule"
     assert m.FusedRMSNormGated.__module__ == "fla.modules"
-    assert m.fused_recurrent_gated_delta_rule.__module__ == "fla.ops.gated_delta_rule"
+    assert m.fused_recurrent_gated_delta_rule.kernel.__module__ == "fla.ops.gated_delta_rule"
     assert m.chunk_gated_delta_rule.expected_device == "cuda"
+
+
+@pytest.mark.usefixtures("restore_patches")
+def test_greedy_decoding_goes_through_the_recorded_recurrent_kernel(tmp_path, make_tiny_model):
+    """The prompt runs the chunk kernel, each later token the recurrent one; both first calls are recorded."""
+    import torch
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    patches.apply_enabled({}, backend="cpu", proof_dir=tmp_path)
+    assert isinstance(m.fused_recurrent_gated_delta_rule, KernelRecorder)
+    assert m.fused_recurrent_gated_delta_rule.kernel is m.torch_recurrent_gated_delta_rule
+    model = make_tiny_model().eval()
+    assert model.model.layers[0].linear_attn.recurrent_gated_delta_rule is m.fused_recurrent_gated_delta_rule
+    with torch.no_grad():
+        model.generate(input_ids=torch.randint(1, 64, (1, 6)), max_new_tokens=3, do_sample=False)
+
+    record = read_proof(tmp_path, "deltanet_routing")
+    assert record["route"]["recurrent_gated_delta_rule"].endswith("torch_recurrent_gated_delta_rule (recorded)")
+    assert record["first_call"]["shape"][1] == 6  # the prompt: the chunk kernel
+    decode = record["first_decode_call"]
+    assert decode["role"] == "recurrent_gated_delta_rule" and decode["shape"][1] == 1  # one new token
+    assert decode["kernel"].endswith("torch_recurrent_gated_delta_rule") and not decode["grad_enabled"]
+
+
+@pytest.mark.usefixtures("restore_patches")
+def test_simulated_npu_decodes_with_fla_recurrent(tmp_path, stub_fla):
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    stub_fla(platform="npu")
+    patches.apply_enabled({}, backend="npu", proof_dir=tmp_path)
+    recurrent = m.fused_recurrent_gated_delta_rule
+    assert recurrent.kernel.__module__ == "fla.ops.gated_delta_rule" and recurrent.expected_device == "npu"
+    route = read_proof(tmp_path, "deltanet_routing")["route"]
+    assert route["recurrent"] == "fla"
+    assert route["recurrent_gated_delta_rule"] == "fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule (recorded)"

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from launcher.checks import kernel_check, kernels  # noqa: E402
+from launcher.checks import decode_kernels, kernel_check, kernels  # noqa: E402
 from launcher.cli import main  # noqa: E402
 
 SMALL = kernels.Case("small", 1, 100, 3, 16)  # T=100 != H=3, not a multiple of the 64-token chunk
@@ -68,6 +68,10 @@ def test_quick_suite_passes_on_cpu_with_bf16_rounding_only():
         assert min(case.errors.values()) > 0 and case.max_error < 0.02  # bf16 rounding: small, never zero
     varlen = by_name["varlen"]
     assert varlen.status == "skip" and "cu_seqlens" in varlen.note and varlen.cu_seqlens == [0, 45, 130, 200]
+    decode = by_name["decode"]
+    assert "torch_recurrent_gated_delta_rule" in report.decode_kernel
+    assert decode.status == "pass" and set(decode.errors) == {"out", "state"}
+    assert 0 < decode.max_error < 0.02  # bf16 rounding of the step inputs: small, never zero
 
 
 def test_bf16_fails_a_threshold_below_its_rounding():
@@ -170,8 +174,8 @@ def test_preflight_kernel_check_runs_the_quick_suite():
     result = kernel_check.check("cpu")
     assert result["ok"], result
     suite = result["validate_kernels"]
-    assert suite["ok"] and set(suite["cases"]) == {"layout", "grouped", "varlen"}
-    assert suite["cases"]["varlen"] == "skip"
+    assert suite["ok"] and set(suite["cases"]) == {"layout", "grouped", "varlen", "decode"}
+    assert suite["cases"]["varlen"] == "skip" and suite["cases"]["decode"] == "skip"  # preflight: training kernel
 
 
 def test_preflight_kernel_check_fails_when_the_quick_suite_fails(monkeypatch):
@@ -184,3 +188,36 @@ def test_preflight_kernel_check_fails_when_the_quick_suite_fails(monkeypatch):
     result = kernel_check.check("cpu")
     assert not result["ok"] and "layout: out differs by 40%" in result["error"]
     assert kernel_check.check("cpu", suite=False)["ok"]
+
+
+DECODE = kernels.Case("decode", 1, 12, 4, 16, key_heads=2, prefill=30)
+
+
+def check_decode(kernel) -> kernels.CaseResult:
+    return decode_kernels.check_decode_case(torch, DECODE, kernel, kernels.Device(torch, "cpu"), 0.05)
+
+
+def test_decode_case_fails_a_recurrent_kernel_that_drops_the_cached_state_or_misscales():
+    recurrent = decode_kernels.torch_decode_reference()
+
+    def forgets_state(q, k, v, g, beta, initial_state=None, **kw):
+        return recurrent(q, k, v, g=g, beta=beta, initial_state=None, **kw)
+
+    def wrong_scale(*args, **kw):
+        out, state = recurrent(*args, **kw)
+        return out * 1.1, state
+
+    assert check_decode(recurrent).status == "pass"
+    forgot = check_decode(forgets_state)
+    assert forgot.status == "fail" and forgot.errors["state"] > 0.3 and "differs" in forgot.note
+    scaled = check_decode(wrong_scale)
+    assert scaled.status == "fail" and scaled.errors["out"] >= 0.09 and scaled.errors["state"] < 0.02
+
+
+def test_decode_case_times_routed_vs_torch_per_token():
+    case = kernels.Case("decode", 1, 4, 2, 16, prefill=8, timing=True)
+    recurrent = decode_kernels.torch_decode_reference()
+    result = decode_kernels.check_decode_case(torch, case, lambda *a, **k: recurrent(*a, **k),
+                                              kernels.Device(torch, "cpu"), 0.05, fallback=recurrent)  # fmt: skip
+    assert result.status == "pass"
+    assert set(result.timing_ms) == {"routed_per_token", "torch_per_token"}

@@ -1,4 +1,4 @@
-"""Kernel numerics: the routed Gated DeltaNet chunk kernel against a float32 reference.
+"""Kernel numerics: the routed Gated DeltaNet chunk (and decoding) kernels against a float32 reference.
 
     launcher validate-kernels [--device auto|npu|cuda|cpu] [--suite quick|full] [--json PATH]
 
@@ -33,6 +33,10 @@ How each case is checked:
   reports peak device memory of the routed forward+backward and the median time of the routed kernel
   against the torch fallback (forward+backward, bfloat16, the same inputs).
 
+- ``decode`` checks the recurrent kernel that generation calls once per new token (FLA's
+  ``fused_recurrent_gated_delta_rule`` on NPU and CUDA, transformers' torch loop on CPU), step by step from a
+  prompt's state, against the fp32 torch recurrence: outputs and final state (``launcher.checks.decode_kernels``).
+
 On CPU the "routed" kernel *is* the torch reference, run in bfloat16: the errors are then bfloat16 rounding
 only, small but not zero, so the comparison is live (``tests/test_validate_kernels.py`` shows broken
 kernels fail). The ``quick`` suite (small shapes) is the CPU default and what preflight runs; ``full`` is the
@@ -42,7 +46,6 @@ default on accelerators.
 from __future__ import annotations
 
 import inspect
-import math
 import statistics
 import sys
 import time
@@ -50,35 +53,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from launcher.checks import decode_kernels
+from launcher.checks.kernel_cases import Case, CaseResult, Device, _FullPrecision, make_inputs, rel_error
+
+__all__ = ["Case", "CaseResult", "Device", "Report", "check_case", "make_inputs", "rel_error", "validate"]
 DEFAULT_THRESHOLD = 0.05
 GRAD_NAMES = ("q", "k", "v", "g", "beta")
 TIMING_WARMUP, TIMING_REPEATS = 3, 10
-
-
-@dataclass(frozen=True)
-class Case:
-    """One kernel call shape. ``heads`` are value heads; ``key_heads`` the q/k heads before interleaving."""
-
-    name: str
-    batch: int
-    seq_len: int
-    heads: int
-    dim: int
-    key_heads: int | None = None
-    seq_lens: tuple[int, ...] | None = None  # varlen: the packed sequences (batch must be 1)
-    timing: bool = False
-    memory: bool = False
-    about: str = ""
-
-    @property
-    def shape(self) -> list[int]:
-        return [self.batch, self.seq_len, self.heads, self.dim]
-
-    @property
-    def cu_seqlens(self) -> list[int] | None:
-        if self.seq_lens is None:
-            return None
-        return [0, *(sum(self.seq_lens[: i + 1]) for i in range(len(self.seq_lens)))]
 
 
 def _varlen(name: str, lens: tuple[int, ...], heads: int, dim: int, key_heads: int | None = None) -> Case:
@@ -94,6 +75,7 @@ SUITES: dict[str, tuple[Case, ...]] = {
         Case("layout", 2, 150, 4, 32, about="batch 2, T=150 != H=4, T not a multiple of the 64-token chunk"),
         Case("grouped", 1, 128, 4, 32, key_heads=2, about="q, k repeat_interleave-d from 2 to 4 heads"),
         _varlen("varlen", (45, 85, 70), 4, 32),
+        Case("decode", 2, 24, 4, 32, key_heads=2, prefill=40, about="24 one-token steps after a 40-token prompt"),
     ),
     "full": (
         # the model's 48 heads of dim 128 throughout, so the suite also shares its compile with training
@@ -101,29 +83,19 @@ SUITES: dict[str, tuple[Case, ...]] = {
         Case("grouped", 1, 2048, 48, 128, key_heads=16, about="q, k repeat_interleave-d from 16 to 48 heads"),
         _varlen("varlen", (700, 1100, 1300, 996), 48, 128, key_heads=16),
         MODEL_CASE,
+        Case(
+            "decode",
+            1,
+            64,
+            48,
+            128,
+            key_heads=16,
+            prefill=512,
+            timing=True,
+            about="the 27B model's decoding call: 64 one-token steps after a 512-token prompt",
+        ),  # fmt: skip
     ),
 }
-
-
-@dataclass
-class CaseResult:
-    name: str
-    shape: list[int]
-    key_heads: int | None
-    status: str  # pass | fail | skip
-    errors: dict[str, float] = field(default_factory=dict)
-    finite: bool | None = None
-    cu_seqlens: list[int] | None = None
-    errors_vs_alone: dict[str, float] | None = None
-    peak_memory_gib: float | None = None
-    timing_ms: dict[str, float] | None = None
-    seconds: float = 0.0
-    note: str = ""
-
-    @property
-    def max_error(self) -> float | None:
-        values = list(self.errors.values()) + list((self.errors_vs_alone or {}).values())
-        return max(values) if values else None
 
 
 @dataclass
@@ -133,6 +105,7 @@ class Report:
     kernel: str
     threshold: float
     suite: str
+    decode_kernel: str = ""
     cases: list[CaseResult] = field(default_factory=list)
     error: str | None = None
     environment: dict[str, Any] = field(default_factory=dict)
@@ -147,23 +120,6 @@ class Report:
 
 
 # --- inputs, runs and errors ------------------------------------------------------------------------
-
-
-def make_inputs(torch, case: Case, seed: int = 0) -> dict[str, Any]:
-    """Model-like inputs on the CPU: bfloat16-rounded q, k, v, beta and output gradient; float32 g."""
-    gen = torch.Generator().manual_seed(seed)
-    b, t, h, d = case.shape
-    hk = case.key_heads or h
-    bf16 = torch.bfloat16
-    q = torch.randn(b, t, hk, d, generator=gen).to(bf16)
-    k = torch.randn(b, t, hk, d, generator=gen).to(bf16)
-    v = torch.randn(b, t, h, d, generator=gen).to(bf16)
-    a = torch.randn(b, t, h, generator=gen)
-    a_log = torch.linspace(math.log(1e-3), math.log(16.0), h)  # A per head, from long memory to fast decay
-    g = -a_log.exp() * torch.nn.functional.softplus(a + 1.0)  # dt_bias initialised to ones
-    beta = torch.randn(b, t, h, generator=gen).sigmoid().to(bf16)
-    grad_out = torch.randn(b, t, h, d, generator=gen).to(bf16)
-    return {"q": q, "k": k, "v": v, "g": g.float(), "beta": beta, "grad_out": grad_out}
 
 
 def run_kernel(torch, kernel: Callable, inputs: dict[str, Any], case: Case, *, device: str, dtype,
@@ -188,14 +144,6 @@ def run_kernel(torch, kernel: Callable, inputs: dict[str, Any], case: Case, *, d
     out = out[0] if isinstance(out, tuple) else out
     out.backward(inputs["grad_out"].to(device=device, dtype=out.dtype))
     return out.detach(), {name: leaves[name].grad for name in GRAD_NAMES}
-
-
-def rel_error(torch, got, ref) -> float:
-    """``|got - ref| / |ref|`` (L2, float64); infinite when ``got`` is missing or not finite."""
-    if got is None or not bool(torch.isfinite(got).all()):
-        return math.inf
-    got, ref = got.detach().double(), ref.detach().double().to(got.device)
-    return float(torch.linalg.vector_norm(got - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-30))
 
 
 def compare(torch, got: tuple[Any, dict[str, Any]], ref: tuple[Any, dict[str, Any]]) -> dict[str, float]:
@@ -227,30 +175,6 @@ def accepts_cu_seqlens(kernel: Callable) -> bool:
         return False
 
 
-class Device:
-    """Synchronisation and memory counters of one device type (cuda, npu) or the CPU (no counters)."""
-
-    def __init__(self, torch, device: str):
-        self.torch, self.name, self.type = torch, device, device.split(":")[0]
-        self.module = getattr(torch, self.type, None) if self.type != "cpu" else None
-
-    def sync(self) -> None:
-        if self.module is not None:
-            self.module.synchronize()
-
-    def reset_peak(self) -> None:
-        if self.module is not None:
-            self.sync()
-            self.module.empty_cache()
-            self.module.reset_peak_memory_stats()
-
-    def peak_gib(self) -> float | None:
-        if self.module is None:
-            return None
-        self.sync()
-        return round(self.module.max_memory_allocated() / 2**30, 3)
-
-
 def time_fwd_bwd(torch, kernel, inputs, case: Case, dev: Device, dtype) -> float:
     """Median milliseconds of one forward+backward (synchronised wall clock, after warm-up calls)."""
     times = []
@@ -262,20 +186,6 @@ def time_fwd_bwd(torch, kernel, inputs, case: Case, dev: Device, dtype) -> float
         if i >= TIMING_WARMUP:
             times.append((time.perf_counter() - start) * 1e3)
     return round(statistics.median(times), 3)
-
-
-class _FullPrecision:
-    """float32 matmuls at full precision (no TF32) while the reference runs."""
-
-    def __init__(self, torch):
-        self.torch = torch
-
-    def __enter__(self):
-        self.saved = self.torch.get_float32_matmul_precision()
-        self.torch.set_float32_matmul_precision("highest")
-
-    def __exit__(self, *exc):
-        self.torch.set_float32_matmul_precision(self.saved)
 
 
 def check_case(torch, case: Case, kernel: Callable, reference: Callable, dev: Device, threshold: float,
@@ -397,8 +307,11 @@ def environment(torch, dev: Device) -> dict[str, Any]:
 
 def validate(backend: str, *, kernel: str = "auto", suite: str = "quick", threshold: float = DEFAULT_THRESHOLD,
              cases: tuple[str, ...] | None = None, kernel_fn: Callable | None = None,
-             kernel_name: str | None = None) -> Report:  # fmt: skip
-    """Run a suite against the kernel routed for ``backend`` (or ``kernel_fn``, for tests).
+             kernel_name: str | None = None, decode_fn: Callable | None = None) -> Report:  # fmt: skip
+    """Run a suite against the kernels routed for ``backend`` (or ``kernel_fn``/``decode_fn``, for tests).
+
+    The ``decode`` case checks the recurrent kernel generation routes to (``launcher.checks.decode_kernels``);
+    it is skipped, with that reason, when ``kernel_fn`` is given without ``decode_fn``.
 
     Args:
         backend: npu, cuda or cpu.
@@ -423,6 +336,7 @@ def validate(backend: str, *, kernel: str = "auto", suite: str = "quick", thresh
         report.device = dev.name
         if kernel_fn is None:
             kernel_fn, report.kernel = select_kernel(backend, kernel)
+            decode_fn, report.decode_kernel = decode_kernels.select_decode_kernel(backend, kernel)
         reference = torch_reference()
         report.environment = environment(torch, dev)
     except Exception as err:  # a refused route (PatchError) carries its reason and the fix
@@ -430,5 +344,9 @@ def validate(backend: str, *, kernel: str = "auto", suite: str = "quick", thresh
         return report
     selected = [c for c in SUITES[suite] if cases is None or c.name in cases]
     for case in selected:
-        report.cases.append(check_case(torch, case, kernel_fn, reference, dev, threshold, fallback=reference))
+        if case.prefill is not None:
+            fallback = decode_kernels.torch_decode_reference()
+            report.cases.append(decode_kernels.check_decode_case(torch, case, decode_fn, dev, threshold, fallback))
+        else:
+            report.cases.append(check_case(torch, case, kernel_fn, reference, dev, threshold, fallback=reference))
     return report

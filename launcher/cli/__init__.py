@@ -23,7 +23,7 @@ from launcher.cli.registry import Verb
 from launcher.errors import LauncherError
 
 _ORDER = ("run", "start", "status", "logs", "stop", "list", "resume", "check", "preflight", "profile", "verify",
-          "report", "validate-kernels", "demo-assets", "data")  # fmt: skip
+          "report", "evaluate", "validate-kernels", "demo-assets", "data")  # fmt: skip
 _ALL = {v.name: v for v in (*run_verbs.VERBS, *view_verbs.VERBS, *tool_verbs.VERBS)}
 VERBS: tuple[Verb, ...] = tuple(_ALL[n] for n in _ORDER) + tuple(v for v in _ALL.values() if v.hidden)
 

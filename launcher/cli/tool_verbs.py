@@ -65,6 +65,8 @@ def _render_kernels(report, file=None) -> None:
         table.add_row(c.name, shape, f"[{style[c.status]}]{c.status.upper()}[/]", *errs,
                       _pct(c.peak_memory_gib, pct=False), timing, c.note)  # fmt: skip
     console.print(table)
+    if report.decode_kernel:
+        console.print(f"decode case: {report.decode_kernel} (outputs and final state vs the fp32 recurrence)")
     if any(c.errors_vs_alone for c in report.cases):
         console.print("varlen errors: vs the fp32 reference per sequence / vs the routed kernel per sequence")
     console.print(f"validate-kernels {'[green]PASSED[/]' if report.ok else '[bold red]FAILED[/]'}")

@@ -1,5 +1,5 @@
-"""Verbs that read runs from their files, on the host, without the lock or torch: status, logs, list,
-verify and report."""
+"""Verbs that read runs from their files, without the lock: status, logs, list, verify and report (host side, no
+torch), and evaluate (which runs the model in a child process)."""
 
 from __future__ import annotations
 
@@ -102,6 +102,46 @@ def _cmd_report(ns: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _args_evaluate(p: argparse.ArgumentParser) -> None:
+    from launcher.run.evaluate import DEFAULT_CHECKPOINTS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_PROMPTS
+
+    add_run_arg(p)
+    p.add_argument("--checkpoints", default=DEFAULT_CHECKPOINTS, metavar="LIST",
+                   help="comma-separated: best (lowest validation loss), last, final (output/), or step numbers "
+                        f"(default {DEFAULT_CHECKPOINTS})")  # fmt: skip
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        metavar="FILE",
+        help='extra prompts: a JSON list of strings or {"prompt", "reference", "crisis"} objects',
+    )
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
+                   help=f"greedy answer length limit (default {DEFAULT_MAX_NEW_TOKENS})")  # fmt: skip
+    p.add_argument("--max-prompts", type=int, default=DEFAULT_MAX_PROMPTS, metavar="N",
+                   help=f"test conversations to answer (default {DEFAULT_MAX_PROMPTS}; 0: all); the test loss always "
+                        "uses the whole split")  # fmt: skip
+    p.add_argument("--show", action="store_true", help="also print the answers (they are counselling text)")
+
+
+def _cmd_evaluate(ns: argparse.Namespace) -> int:
+    """0 when evaluate.json was written, 1 when the evaluation failed, 2 for bad input."""
+    from launcher.results.evaluation import EVALUATE_JSON, EVALUATE_MD, signal_rows
+    from launcher.run.evaluate import build_request, evaluate_run
+
+    folder = run_dir(ns)
+    request = build_request(folder, checkpoints=ns.checkpoints, prompts_file=ns.prompts,
+                            max_new_tokens=ns.max_new_tokens, max_prompts=ns.max_prompts)  # fmt: skip
+    names = ", ".join(c["name"] for c in request["checkpoints"])
+    print(f"evaluate {request['run_id']}: {names} on {request['backend']}; test split "
+          f"{request['test_split']['file']} ({request['test_split']['samples']} samples)", flush=True)  # fmt: skip
+    doc = evaluate_run(folder, request, show=ns.show)
+    for label, cells in signal_rows(doc):
+        print(f"  {label:34} " + "  ".join(f"{c:>16}" for c in cells))
+    print("  (screening signals, not a clinical judgement; the answers are in evaluate.md)")
+    print(f"written: {folder / EVALUATE_JSON}, {folder / EVALUATE_MD}")
+    return ExitCode.OK
+
+
 VERBS: tuple[Verb, ...] = (
     Verb("status", "show a run's state, progress, losses, ETA and last checkpoint (no lock, no torch needed)",
          "launcher status\n  launcher status demo-cpu-20261130-101500 --json\n  launcher status --watch 10",
@@ -120,4 +160,10 @@ VERBS: tuple[Verb, ...] = (
          "table and the recommended checkpoint; writes report.md (no torch needed)",
          "launcher report demo-cpu-20261130-101500\n  launcher report RUN --patience 5 --no-plot",
          _args_report, _cmd_report),
+    Verb("evaluate",
+         "per checkpoint (adapter on the read-only base): test-split loss, greedy answers to the test split's first "
+         "client turns and shipped crisis prompts, screening signals; writes evaluate.json and evaluate.md",
+         "launcher evaluate demo-cpu-20261130-101500\n  launcher evaluate RUN --checkpoints best,last,500 "
+         "--max-new-tokens 256\n  launcher evaluate RUN --prompts my_prompts.json --max-prompts 0",
+         _args_evaluate, _cmd_evaluate),
 )  # fmt: skip

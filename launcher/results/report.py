@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.files import read_json_object, write_bytes_atomic, write_json_atomic, write_text_atomic
+from launcher.results import evaluation
 from launcher.results.curves import (
     DEFAULT_OVERFIT_PATIENCE,
     Curves,
@@ -69,6 +70,7 @@ class RunReport:
     notes: list[str] = field(default_factory=list)
     plot: Path | None = None
     created: str = field(default_factory=now_iso)
+    evaluation: dict[str, Any] | None = None  # evaluate.json, when `launcher evaluate` has run
 
     def value_at(self, metric: str | None, step: int) -> float | None:
         for p in self.curves.evals.get(metric or "", []):
@@ -107,7 +109,9 @@ class RunReport:
             "test": {m: {"best": _point(best_point(self.curves.evals.get(m, [])))} for m in self.test_metrics},
             "ignored": self.ignored,
             "notes": self.notes,
-        }
+            "evaluation": None if self.evaluation is None else evaluation.report_summary(
+                self.evaluation, self.best_checkpoint, self.selection_metric),
+        }  # fmt: skip
 
 
 def _choose_selection_metric(lf_args: dict[str, Any], curves: Curves) -> tuple[str | None, list[str]]:
@@ -159,6 +163,7 @@ def build_report(run_dir: Path, patience: int | None = None, plot: bool = True, 
     )
     final = files.output / ADAPTER_FILE
     report.final_adapter_bytes = final.stat().st_size if final.is_file() else None
+    report.evaluation = evaluation.read_evaluation(run_dir)
     _recommend(report, lf, files.output)
     if not curves.train and not evals:
         report.notes.append(f"no loss was logged: {files.output}/trainer_log.jsonl and trainer_state.json are missing")
@@ -277,6 +282,8 @@ def render_markdown(report: RunReport) -> str:
             lines.append("")
             lines.append(f"At the recommended checkpoint (step {step}): {values}.")
         lines.append("")
+    if report.evaluation is not None:
+        lines += evaluation.report_markdown(report.evaluation, report.best_checkpoint, report.selection_metric)
     if report.ignored or report.notes:
         lines += ["## Notes", ""]
         lines += [f"- {note}" for note in report.notes]
@@ -319,6 +326,10 @@ def plot_curves(report: RunReport, path: Path) -> Path:
         points = report.curves.evals[test]
         ax.plot([p.step for p in points], [p.value for p in points], "s--", color=f"C{i + 2}", lw=1.2,
                 label=f"test {test} (not used for selection)")  # fmt: skip
+    tested = [c for c in (report.evaluation or {}).get("checkpoints", []) if c.get("test_loss") is not None]
+    if tested:  # `launcher evaluate`: the held-out test loss of each evaluated checkpoint, next to the curve
+        ax.plot([c["step"] for c in tested], [c["test_loss"] for c in tested], "D", color="tab:red", ms=7,
+                label="test loss (launcher evaluate, held out)")  # fmt: skip
     if report.best is not None:
         ax.axvline(report.best.step, color="tab:orange", ls=":", lw=1)
         last_step = max(p.step for points in (train, evals) for p in points)
@@ -364,5 +375,12 @@ def print_summary(report: RunReport) -> None:
                       human_size(c.adapter_bytes), marks.strip())  # fmt: skip
     if report.checkpoints:
         console.print(table)
+    if report.evaluation is not None:
+        summary = evaluation.report_summary(report.evaluation, report.best_checkpoint, report.selection_metric)
+        losses = ", ".join(f"{name} {_fmt(c['test_loss'])}" for name, c in summary["checkpoints"].items())
+        console.print(f"evaluate:    test loss {escape(losses)} (screening signals in report.md)")
+        if summary["criteria_disagree"]:
+            prefs = "; ".join(f"{about}: {name}" for about, name in summary["preferred"].items() if name)
+            console.print(f"             the criteria disagree: {escape(prefs)}")
     for note in report.notes:
         console.print(f"note: {escape(note)}")

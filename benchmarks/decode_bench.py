@@ -1,0 +1,180 @@
+"""Greedy decoding speed of the routed DeltaNet kernels against the torch fallback, on one device.
+
+    python -m benchmarks.decode_bench --out DIR [--shape 27b|tiny] [--backend cuda|cpu] [--new-tokens N]
+                                      [--prompt-tokens P] [--repeats R]
+
+What ``launcher evaluate`` does per answer, measured: batch 1, a prompt of ``P`` random token ids (prefill: the
+chunk kernel), then ``N`` new tokens by greedy ``generate`` (each one a recurrent-kernel step per DeltaNet layer,
+with the KV/state cache). The model is ``Qwen3_5ForConditionalGeneration`` built from the config of
+``benchmarks.bench_assets`` (the 27B shape, or the tiny demo shape) with random weights directly on the device,
+in bf16 for 27B (float32 for tiny); no weights are read or written.
+
+Two routes, on the same model and inputs:
+
+- ``routed``: ``patches.deltanet_routing`` with ``kernel: auto`` (FLA's chunk and ``fused_recurrent`` kernels on
+  CUDA, FLA's fused gated norm and the upstream conv choice), applied before the model is built, as a run does;
+- ``torch``: the same patch with ``kernel: torch``, after which every DeltaNet layer is rebound to what a model
+  built under that route binds (transformers' torch chunk and recurrent kernels, the torch conv fallback, the
+  torch gated norm with the same weight), so the one model serves both routes.
+
+Per route: one warm-up generation (Triton compiles and autotunes there, untimed), then ``R`` timed repeats of
+a 1-token generation (prefill) and an ``N``-token one (``min_new_tokens=N``, so a random model's early EOS does
+not shorten it); decode tokens/s = (N - 1) / (time of N tokens - time of 1 token), the difference's median over
+the repeats.
+Which kernels ran comes from the routing patch's own proof records (``first_call``, ``first_decode_call``).
+Results go to ``DIR/decode.json``. On CUDA this process lifts FLA's Hopper guard (``benchmarks.fla_guard``;
+measurement only: the forward kernels used here never reach the guarded backward, but the routing probe reads the
+flag).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROUTES = ("routed", "torch")
+
+
+def build_model(torch, model_dir: Path, device: str, dtype):
+    from transformers import AutoConfig, Qwen3_5ForConditionalGeneration
+
+    config = AutoConfig.from_pretrained(model_dir)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3_5ForConditionalGeneration._from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def apply_route(route: str, backend: str, proof_dir: Path) -> dict[str, Any]:
+    """Install the routing patch for ``route`` (only that patch; nothing of LLaMA-Factory is needed here)."""
+    from patches import deltanet_routing
+    from patches.proof import ProofFile
+
+    options = deltanet_routing.Options(kernel="auto" if route == "routed" else "torch").model_dump()
+    proof = ProofFile(proof_dir, deltanet_routing.NAME, 0)
+    proof.start({"patch": deltanet_routing.NAME, "route_name": route, "backend": backend})
+    deltanet_routing.check_symbols()
+    found = deltanet_routing.apply(options, backend=backend, proof=proof, facts={})
+    proof.update(status="applied", **found)
+    return found
+
+
+def rebind_layers(torch, model) -> int:
+    """Bind every DeltaNet layer to what the module globals give now (as the constructor would)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    layers = [x for x in model.modules() if isinstance(x, m.Qwen3_5GatedDeltaNet)]
+    for layer in layers:
+        layer.chunk_gated_delta_rule = m.chunk_gated_delta_rule or m.torch_chunk_gated_delta_rule
+        layer.recurrent_gated_delta_rule = m.fused_recurrent_gated_delta_rule or m.torch_recurrent_gated_delta_rule
+        layer.causal_conv1d_fn = m.causal_conv1d_fn
+        layer.causal_conv1d_update = m.causal_conv1d_update or m.torch_causal_conv1d_update
+        if m.FusedRMSNormGated is None and not isinstance(layer.norm, m.Qwen3_5RMSNormGated):
+            weight = layer.norm.weight
+            norm = m.Qwen3_5RMSNormGated(layer.head_v_dim, eps=layer.layer_norm_epsilon)
+            layer.norm = norm.to(device=weight.device, dtype=weight.dtype)
+            with torch.no_grad():
+                layer.norm.weight.copy_(weight)
+    return len(layers)
+
+
+def _timed(torch, dev, fn) -> float:
+    dev.sync()
+    started = time.perf_counter()
+    fn()
+    dev.sync()
+    return time.perf_counter() - started
+
+
+def measure(torch, model, dev, prompt, new_tokens: int, repeats: int) -> dict[str, Any]:
+    def generate(n: int):
+        with torch.no_grad():
+            return model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
+                                  min_new_tokens=n, do_sample=False, pad_token_id=0)  # fmt: skip
+
+    warm = _timed(torch, dev, lambda: (generate(1), generate(min(4, new_tokens))))
+    prefill, total = [], []
+    for _ in range(repeats):
+        prefill.append(_timed(torch, dev, lambda: generate(1)))
+        total.append(_timed(torch, dev, lambda: generate(new_tokens)))
+    decode_s = statistics.median(t - p for t, p in zip(total, prefill, strict=True))
+    return {
+        "warmup_s": round(warm, 3),
+        "prefill_s": round(statistics.median(prefill), 4),
+        "generate_s": round(statistics.median(total), 4),
+        "decode_tokens_per_s": round((new_tokens - 1) / decode_s, 2) if decode_s > 0 else None,
+        "end_to_end_tokens_per_s": round(new_tokens / statistics.median(total), 2),
+        "repeats": repeats,
+    }
+
+
+def run(out: Path, shape: str, backend: str, new_tokens: int, prompt_tokens: int, repeats: int) -> dict[str, Any]:
+    import torch
+
+    from benchmarks.bench_assets import write_model_dir
+    from launcher.checks.kernels import Device, device_name, environment
+
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"shape": shape, "backend": backend, "new_tokens": new_tokens,
+                              "prompt_tokens": prompt_tokens, "batch": 1, "routes": {}}  # fmt: skip
+    if backend == "cuda":
+        from benchmarks.fla_guard import lift_hopper_guard
+
+        result["fla_guard"] = lift_hopper_guard()
+    dev = Device(torch, device_name(backend))
+    result["environment"] = environment(torch, dev)
+    model_dir = write_model_dir(out / "model", shape)
+    dtype = torch.bfloat16 if shape == "27b" else torch.float32
+    proof_root = out / "proof"
+    routing = apply_route("routed", backend, proof_root / "routed")  # before the build, as in a run
+    started = time.perf_counter()
+    model = build_model(torch, model_dir, dev.name, dtype)
+    dev.sync()
+    result["model_build_s"] = round(time.perf_counter() - started, 1)
+    result["parameters"] = sum(p.numel() for p in model.parameters())
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(10, 500, (1, prompt_tokens), generator=gen).to(dev.name)
+    for route in ROUTES:
+        if route != "routed":
+            routing = apply_route(route, backend, proof_root / route)
+            rebind_layers(torch, model)
+        found = measure(torch, model, dev, prompt, new_tokens, repeats)
+        proof = json.loads((proof_root / route / "rank0" / "deltanet_routing.json").read_text())
+        found["route"] = {k: routing["route"][k] for k in ("kernel", "recurrent", "norm", "conv", "reason")}
+        found["chunk_kernel"] = (proof.get("first_call") or {}).get("kernel")
+        found["recurrent_kernel"] = (proof.get("first_decode_call") or {}).get("kernel")
+        found["first_decode_call"] = proof.get("first_decode_call")
+        result["routes"][route] = found
+        print(f"decode_bench: {route}: {found['decode_tokens_per_s']} tokens/s decoding "
+              f"({found['recurrent_kernel']}), prefill {found['prefill_s']} s", flush=True)  # fmt: skip
+    if dev.module is not None:
+        result["peak_allocated_gib"] = round(dev.module.max_memory_allocated() / 2**30, 2)
+    routed, fallback = (result["routes"][r]["decode_tokens_per_s"] for r in ROUTES)
+    result["speedup_decode"] = round(routed / fallback, 2) if routed and fallback else None
+    (out / "decode.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for decode.json (and the config-only model)")
+    parser.add_argument("--shape", choices=("27b", "tiny"), default="27b")
+    parser.add_argument("--backend", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--new-tokens", type=int, default=128, metavar="N")
+    parser.add_argument("--prompt-tokens", type=int, default=512, metavar="P")
+    parser.add_argument("--repeats", type=int, default=3, metavar="R")
+    ns = parser.parse_args(argv)
+    if ns.new_tokens < 2 or ns.prompt_tokens < 1 or ns.repeats < 1:
+        parser.error("--new-tokens must be at least 2, --prompt-tokens and --repeats at least 1")
+    run(ns.out, ns.shape, ns.backend, ns.new_tokens, ns.prompt_tokens, ns.repeats)
+    print(f"decode_bench: written {ns.out / 'decode.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""What a kernel case is and the pieces every case shares: shapes, model-like inputs, errors, the device.
+
+``launcher.checks.kernels`` (the chunk kernel, forward and backward) and ``launcher.checks.decode_kernels``
+(the recurrent kernel, step by step) build their checks from these; ``kernels`` re-exports them.
+
+
+Import torch lazily: callers pass the ``torch`` module in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Case:
+    """One kernel call shape. ``heads`` are value heads; ``key_heads`` the q/k heads before interleaving."""
+
+    name: str
+    batch: int
+    seq_len: int
+    heads: int
+    dim: int
+    key_heads: int | None = None
+    seq_lens: tuple[int, ...] | None = None  # varlen: the packed sequences (batch must be 1)
+    timing: bool = False
+    memory: bool = False
+    about: str = ""
+    prefill: int | None = None  # decode: prompt tokens before the seq_len one-token steps (decode_kernels)
+
+    @property
+    def shape(self) -> list[int]:
+        return [self.batch, self.seq_len, self.heads, self.dim]
+
+    @property
+    def cu_seqlens(self) -> list[int] | None:
+        if self.seq_lens is None:
+            return None
+        return [0, *(sum(self.seq_lens[: i + 1]) for i in range(len(self.seq_lens)))]
+
+
+@dataclass
+class CaseResult:
+    name: str
+    shape: list[int]
+    key_heads: int | None
+    status: str  # pass | fail | skip
+    errors: dict[str, float] = field(default_factory=dict)
+    finite: bool | None = None
+    cu_seqlens: list[int] | None = None
+    errors_vs_alone: dict[str, float] | None = None
+    peak_memory_gib: float | None = None
+    timing_ms: dict[str, float] | None = None
+    seconds: float = 0.0
+    note: str = ""
+
+    @property
+    def max_error(self) -> float | None:
+        values = list(self.errors.values()) + list((self.errors_vs_alone or {}).values())
+        return max(values) if values else None
+
+
+def make_inputs(torch, case: Case, seed: int = 0) -> dict[str, Any]:
+    """Model-like inputs on the CPU: bfloat16-rounded q, k, v, beta and output gradient; float32 g."""
+    gen = torch.Generator().manual_seed(seed)
+    b, t, h, d = case.shape
+    hk = case.key_heads or h
+    bf16 = torch.bfloat16
+    q = torch.randn(b, t, hk, d, generator=gen).to(bf16)
+    k = torch.randn(b, t, hk, d, generator=gen).to(bf16)
+    v = torch.randn(b, t, h, d, generator=gen).to(bf16)
+    a = torch.randn(b, t, h, generator=gen)
+    a_log = torch.linspace(math.log(1e-3), math.log(16.0), h)  # A per head, from long memory to fast decay
+    g = -a_log.exp() * torch.nn.functional.softplus(a + 1.0)  # dt_bias initialised to ones
+    beta = torch.randn(b, t, h, generator=gen).sigmoid().to(bf16)
+    grad_out = torch.randn(b, t, h, d, generator=gen).to(bf16)
+    return {"q": q, "k": k, "v": v, "g": g.float(), "beta": beta, "grad_out": grad_out}
+
+
+def rel_error(torch, got, ref) -> float:
+    """``|got - ref| / |ref|`` (L2, float64); infinite when ``got`` is missing or not finite."""
+    if got is None or not bool(torch.isfinite(got).all()):
+        return math.inf
+    got, ref = got.detach().double(), ref.detach().double().to(got.device)
+    return float(torch.linalg.vector_norm(got - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-30))
+
+
+class Device:
+    """Synchronisation and memory counters of one device type (cuda, npu) or the CPU (no counters)."""
+
+    def __init__(self, torch, device: str):
+        self.torch, self.name, self.type = torch, device, device.split(":")[0]
+        self.module = getattr(torch, self.type, None) if self.type != "cpu" else None
+
+    def sync(self) -> None:
+        if self.module is not None:
+            self.module.synchronize()
+
+    def reset_peak(self) -> None:
+        if self.module is not None:
+            self.sync()
+            self.module.empty_cache()
+            self.module.reset_peak_memory_stats()
+
+    def peak_gib(self) -> float | None:
+        if self.module is None:
+            return None
+        self.sync()
+        return round(self.module.max_memory_allocated() / 2**30, 3)
+
+
+class _FullPrecision:
+    """float32 matmuls at full precision (no TF32) while the reference runs."""
+
+    def __init__(self, torch):
+        self.torch = torch
+
+    def __enter__(self):
+        self.saved = self.torch.get_float32_matmul_precision()
+        self.torch.set_float32_matmul_precision("highest")
+
+    def __exit__(self, *exc):
+        self.torch.set_float32_matmul_precision(self.saved)

@@ -1,0 +1,223 @@
+"""``launcher evaluate RUN``: test loss, greedy answers and screening signals per chosen checkpoint.
+
+Everything a user can get wrong is checked here, before any model is loaded, and answered with one message
+(what, which value, the fix) and exit code 2: an unknown run, an unknown checkpoint name or step, a run whose
+training data has no held-out test split (``launcher data prepare --test-size``), a test split that changed
+since it was prepared, an unreadable ``--prompts`` file. Then one child process
+(``python -m launcher.evaluate_entry``, on the run's backend) does the model work in a scratch folder inside
+the run directory; only when it succeeds are ``evaluate.json`` and ``evaluate.md`` replaced (atomically), so a
+failed evaluation leaves an earlier one as it was. The scratch folder is removed either way.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from launcher.backend import BACKENDS, child_env
+from launcher.data.privacy import log_examples_wanted
+from launcher.errors import ExitCode, LauncherError
+from launcher.files import read_json_object, sha256_file, write_json_atomic, write_text_atomic
+from launcher.results.curves import read_trainer_state
+from launcher.results.evaluation import (
+    EVALUATE_JSON,
+    EVALUATE_MD,
+    build_document,
+    load_crisis_prompts,
+    read_prompts_file,
+    render_markdown,
+)
+from launcher.results.report import build_report
+from launcher.state.checkpoints import scan_checkpoints
+from launcher.state.runs import LAUNCH_FILE, eval_dataset_names, load_run_files
+
+DEFAULT_CHECKPOINTS = "best,last"
+DEFAULT_MAX_NEW_TOKENS = 128
+DEFAULT_MAX_PROMPTS = 32
+EVALUATE_LOG = "evaluate.log"  # the child's whole output: library logs and counts, no generated text
+LOG_TAIL = 40
+
+
+def _usage(message: str) -> LauncherError:
+    return LauncherError(message, ExitCode.USAGE)
+
+
+def choose_checkpoints(run_dir: Path, spec: str) -> list[dict[str, Any]]:
+    """``best,last,STEP,...`` -> the complete checkpoints they name, in order, each once.
+
+    ``best``: the lowest validation loss (as ``launcher report`` selects); ``last``: the highest step; a number:
+    ``checkpoint-STEP``; ``final``: the adapter in ``output/``.
+
+    Raises:
+        LauncherError: a name or step that names no complete checkpoint (the message lists those there are).
+    """
+    files = load_run_files(run_dir)
+    found, _ignored = scan_checkpoints(files.output)
+    by_step = {c.step: c for c in found}
+    have = ", ".join(f"checkpoint-{s}" for s in by_step) or "none"
+    fix = f"complete checkpoints in {files.output}: {have}; use best, last, final or one of their steps"
+    chosen: dict[str, dict[str, Any]] = {}
+    for item in [s.strip() for s in spec.split(",") if s.strip()] or [DEFAULT_CHECKPOINTS]:
+        if item == "final":
+            if not (files.output / "adapter_model.safetensors").is_file():
+                raise _usage(f"--checkpoints final: {files.output} holds no final adapter yet; {fix}")
+            chosen.setdefault("final", {"name": "final", "step": _final_step(files.output, found),
+                                        "path": str(files.output)})  # fmt: skip
+            continue
+        if item in ("best", "last"):
+            if not found:
+                raise _usage(f"--checkpoints {item}: the run has no complete checkpoint; {fix}")
+            ckpt = found[-1] if item == "last" else _best(run_dir, by_step)
+            if ckpt is None:
+                raise _usage(f"--checkpoints best: no saved checkpoint has a validation loss; {fix}")
+        else:
+            step = item.removeprefix("checkpoint-")
+            if not step.isdigit():
+                raise _usage(f"--checkpoints {item!r}: not best, last, final or a step number; {fix}")
+            ckpt = by_step.get(int(step))
+            if ckpt is None:
+                raise _usage(f"--checkpoints {item}: there is no complete checkpoint-{int(step)}; {fix}")
+        name = ckpt.path.name
+        chosen.setdefault(name, {"name": name, "step": ckpt.step, "path": str(ckpt.path)})
+    return list(chosen.values())
+
+
+def _final_step(output: Path, found) -> int:
+    """The step of the final adapter: the Trainer's last ``global_step``, else the last checkpoint's."""
+    state, _ = read_trainer_state(output)
+    step = (state or {}).get("global_step")
+    return int(step) if isinstance(step, int) else (found[-1].step if found else 0)
+
+
+def _best(run_dir: Path, by_step):
+    report = build_report(run_dir, write=False, plot=False)
+    name = report.recommended if report.recommended and report.recommended != "output" else None
+    return next((c for c in by_step.values() if name and Path(name).name == c.path.name), None)
+
+
+def find_test_split(lf: dict[str, Any], manifest: dict[str, Any] | None) -> dict[str, Any]:
+    """The held-out test split of the run's training data: its ``NAME.prepare.json`` record, checked.
+
+    Raises:
+        LauncherError: the training data has no test split, or the file is missing or changed since prepare.
+    """
+    recorded = ((manifest or {}).get("data") or {}).get("dataset_dir")
+    dataset_dir = Path(str(recorded or lf.get("dataset_dir", "data")))
+    names = [n.strip() for n in str(lf.get("dataset") or "").split(",") if n.strip()]
+    info = read_json_object(dataset_dir / "dataset_info.json")
+    info = info if isinstance(info, dict) else {}
+    for name in names:
+        record = read_json_object(dataset_dir / f"{name}.prepare.json")
+        test = record.get("test") if isinstance(record, dict) else None
+        if not isinstance(test, dict) or name not in info:
+            continue
+        path = dataset_dir / str(test.get("file"))
+        if not path.is_file():
+            raise _usage(
+                f"the test split {path} recorded in {name}.prepare.json is missing; run `launcher data prepare` "
+                "again with the same --seed and --test-size (and --force), or restore the file"
+            )
+        if sha256_file(path) != test.get("sha256"):
+            raise _usage(f"the test split {path} changed since `launcher data prepare` wrote it (sha256 differs from "
+                         f"{name}.prepare.json); restore it or prepare the data again")  # fmt: skip
+        evals = set(eval_dataset_names(lf))
+        entry = {k: v for k, v in info[name].items() if k != "file_name"}  # the test file is read as its train set
+        return {"dataset": name, "path": str(path), "file": path.name, "sha256": test["sha256"],
+                "samples": test.get("samples"), "dataset_info": entry, "eval_datasets": sorted(evals)}  # fmt: skip
+    raise _usage(
+        f"no held-out test split for this run: its training dataset(s) {', '.join(names) or '(none)'} in "
+        f"{dataset_dir} have no test split recorded in NAME.prepare.json; prepare the data with a test split "
+        "(launcher data prepare SRC --out DIR --test-size 0.05) and train on it, so the test split stays "
+        "independent of training and of checkpoint selection"
+    )
+
+
+def build_request(run_dir: Path, *, checkpoints: str, prompts_file: Path | None, max_new_tokens: int,
+                  max_prompts: int) -> dict[str, Any]:  # fmt: skip
+    """Everything the child needs, checked (see the module docstring for what is refused)."""
+    if max_new_tokens < 1:
+        raise _usage(f"--max-new-tokens {max_new_tokens}: generate at least 1 token, e.g. --max-new-tokens 128")
+    if max_prompts < 0:
+        raise _usage(f"--max-prompts {max_prompts}: use 0 (all test conversations) or more")
+    files = load_run_files(run_dir)
+    launch = read_json_object(run_dir / LAUNCH_FILE)
+    if isinstance(launch, str) or not files.lf_args:
+        problem = launch if isinstance(launch, str) else "; ".join(files.problems) or "no LLaMA-Factory arguments"
+        raise _usage(f"{run_dir} cannot be evaluated: {problem} (evaluate a run that `launcher run` started)")
+    backend = str(launch.get("backend", "cpu"))
+    if backend not in BACKENDS:
+        raise _usage(f"{run_dir / LAUNCH_FILE}: backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    extra = read_prompts_file(prompts_file) if prompts_file is not None else []
+    extra += [{"id": p["id"], "kind": "crisis", "prompt": p["text"], "reference": None} for p in load_crisis_prompts()]
+    return {
+        "run_id": files.run_id,
+        "run_dir": str(run_dir),
+        "backend": backend,
+        "patches": launch.get("patches") or {},
+        "facts": launch.get("facts") or {},
+        "log_examples": log_examples_wanted(run_dir),
+        "lf_args": files.lf_args,
+        "checkpoints": choose_checkpoints(run_dir, checkpoints),
+        "test_split": find_test_split(files.lf_args, files.manifest),
+        "extra_prompts": extra,
+        "max_new_tokens": max_new_tokens,
+        "max_test_prompts": max_prompts,
+    }
+
+
+def _run_child(cmd: list[str], backend, log: Path, scratch_log: Path) -> int:
+    """Run the child with its whole output in ``log``; only its ``evaluate:`` progress lines (counts) are
+    printed, plus the log's last lines when it fails. The log replaces the previous one when the child ends."""
+    tail: list[str] = []
+    # the user's working folder, as for the job: relative paths in the run's YAML mean the same here
+    with scratch_log.open("w", encoding="utf-8") as out:
+        proc = subprocess.Popen(cmd, env=child_env(backend), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, errors="replace")  # fmt: skip
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.write(line)
+            tail = [*tail[-(LOG_TAIL - 1) :], line]
+            if line.startswith("evaluate: "):
+                print(line, end="", flush=True)
+        code = proc.wait()
+    scratch_log.replace(log)
+    if code != 0:
+        print("".join(tail), end="", file=sys.stderr, flush=True)
+    return code
+
+
+def evaluate_run(run_dir: Path, request: dict[str, Any], *, show: bool = False) -> dict[str, Any]:
+    """Run the child on ``request`` and write evaluate.json/md; returns the document.
+
+    Raises:
+        LauncherError: the child failed (exit code 1); evaluate.json and evaluate.md are left as they were.
+    """
+    work = Path(tempfile.mkdtemp(prefix=".evaluate-", dir=run_dir))
+    try:
+        request = {**request, "work_dir": str(work), "result_file": str(work / "result.json")}
+        write_json_atomic(work / "request.json", request)
+        cmd = [sys.executable, "-m", "launcher.evaluate_entry", str(work / "request.json")]
+        code = _run_child(cmd, BACKENDS[request["backend"]], run_dir / EVALUATE_LOG, work / EVALUATE_LOG)
+        result = work / "result.json"
+        if code != 0 or not result.is_file():
+            raise LauncherError(f"evaluation of {run_dir.name} failed (the evaluation process exited with {code}; "
+                                f"its output: {run_dir / EVALUATE_LOG}); {EVALUATE_JSON} and {EVALUATE_MD} were left "
+                                "as they were", ExitCode.FAILED)  # fmt: skip
+        doc = build_document(request, json.loads(result.read_text(encoding="utf-8")))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    # counselling text: never more open than the test split it came from
+    mode = Path(request["test_split"]["path"]).stat().st_mode & 0o666
+    write_text_atomic(run_dir / EVALUATE_JSON, json.dumps(doc, indent=2, ensure_ascii=False) + "\n", mode)
+    write_text_atomic(run_dir / EVALUATE_MD, render_markdown(doc), mode)
+    if show:
+        for p in doc["prompts"]:
+            print(f"--- {p['id']} ({p['kind']}): {p['prompt']}")
+            for name, answer in p["answers"].items():
+                print(f"  [{name}] {answer['text']}")
+    return doc

@@ -1,0 +1,34 @@
+"""The decode benchmark end to end on the CPU with the tiny shape (the H200 run uses the same code, 27B shape)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from benchmarks import decode_bench  # noqa: E402
+
+pytest_plugins = ["patch_fixtures"]
+
+
+@pytest.mark.usefixtures("restore_patches")
+def test_decode_bench_times_both_routes_and_names_the_recurrent_kernel_that_ran(tmp_path):
+    assert decode_bench.main(["--out", str(tmp_path), "--shape", "tiny", "--backend", "cpu", "--new-tokens", "4",
+                              "--prompt-tokens", "16", "--repeats", "1"]) == 0  # fmt: skip
+    result = json.loads((tmp_path / "decode.json").read_text())
+    assert (result["shape"], result["new_tokens"], result["prompt_tokens"], result["batch"]) == ("tiny", 4, 16, 1)
+    assert set(result["routes"]) == {"routed", "torch"}
+    for name, route in result["routes"].items():
+        assert route["generate_s"] > 0 and route["prefill_s"] > 0, name
+        assert route["recurrent_kernel"].endswith("torch_recurrent_gated_delta_rule")  # CPU: torch on both routes
+        assert route["first_decode_call"]["shape"][1] == 1 and route["first_decode_call"]["device"] == "cpu"
+    assert result["routes"]["torch"]["route"]["reason"].startswith("the config chose kernel: torch")
+
+
+def test_decode_bench_refuses_too_few_tokens(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        decode_bench.main(["--out", str(tmp_path), "--new-tokens", "1"])
+    assert "--new-tokens must be at least 2" in capsys.readouterr().err
