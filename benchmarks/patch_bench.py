@@ -10,7 +10,8 @@ LLaMA-Factory 0.9.5's own behaviour), ``budget120`` (``checkpoint_all_layers.mem
 cache the earlier variants filled: ``TRITON_CACHE_DIR`` is ``DIR/triton-cache`` for every variant), ``profile``
 (``on``'s config through ``launcher profile`` instead of ``launcher run``: 5 steps, the last ``5 - --warmup``
 of them profiled), ``spread-packed`` (the spread's samples with ``packing: true``: rows of 4,096 tokens holding
-several samples each; the packing issue's target is 1.5x the supervised tokens/s of ``spread``).
+several samples each; the packing issue's target is 1.5x the supervised tokens/s of ``spread``),
+``spread-packed-profile`` (``spread-packed`` through ``launcher profile``, like ``profile``).
 
 1. ``DIR/model``: a config-only folder of the Qwen3.5-27B shape (``--shape 27b``; ``tiny`` for a CPU run of
    the plumbing) with the demo tokenizer and a matching processor (``benchmarks.bench_assets``); the rank
@@ -67,6 +68,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # "on" through `launcher profile`: 5 steps in all (max_steps), --warmup of them before the profiled ones
     "profile": {"steps": 5, "profile": True},
     "spread-packed": {"data": "spread", "steps": 24, "lf": {"packing": True}},
+    "spread-packed-profile": {"data": "spread", "steps": 5, "profile": True, "lf": {"packing": True}},
 }
 VARIANT_PATCHES = {name: v.get("patches", {}) for name, v in VARIANTS.items()}
 CUTOFF = {"27b": 4096, "tiny": 256}
@@ -87,7 +89,9 @@ CASE_KEYS = ("name", "shape", "key_heads", "status", "errors", "finite", "peak_m
 
 def run_name_of(variant: str, shape: str) -> str:
     """The config's run name; `launcher profile` appends ``-profile`` itself."""
-    return f"bench-{shape}" if VARIANTS[variant].get("profile") else f"bench-{shape}-{variant}"
+    if VARIANTS[variant].get("profile"):
+        return f"bench-{shape}" if variant == "profile" else f"bench-{shape}-{variant.removesuffix('-profile')}"
+    return f"bench-{shape}-{variant}"
 
 
 def launcher_args(variant: str, config_path: Path, steps: int, warmup: int) -> list[str]:
