@@ -32,6 +32,7 @@ Layer 3, like ``stopsave.py``: torch, transformers and triton are imported in th
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import os
@@ -47,8 +48,23 @@ DELTANET_KERNELS = ("chunk_gated_delta", "gated_delta", "chunk_fwd", "chunk_bwd"
                     "recompute_w_u", "solve_tril", "chunk_local_cumsum", "fused_recurrent", "causal_conv1d",
                     "merge_16x16", "chunk_dplr", "l2norm")  # fmt: skip
 ATTENTION = ("flash", "fmha", "attention", "sdpa", "softmax")
-MATMUL = ("gemm", "matmul", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "sm90_xmma", "cutlass",
-          "cublas", "ampere_", "hopper_")  # fmt: skip
+MATMUL = (
+    "gemm",
+    "matmul",
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::linear",
+    "sm90_xmma",
+    "cutlass",
+    "cublas",
+    "ampere_",
+    "hopper_",
+    "nvjet",
+    "xmma",
+    "gemv",
+)  # fmt: skip  (nvjet: cuBLASLt on Hopper)
+RANGES = ("ProfilerStep", "enumerate(DataLoader)", "launcher::", "deltanet::", "Optimizer.", "## ")
 COMMUNICATION = ("nccl", "hccl", "gloo", "allreduce", "all_reduce", "allgather", "all_gather", "reduce_scatter",
                  "reducescatter", "broadcast", "c10d::")  # fmt: skip
 OPTIMIZER_KERNELS = ("multi_tensor_apply", "foreach", "adam", "sgd")
@@ -313,31 +329,54 @@ def _wrap_triton() -> None:
 
 
 def summarize_profiler(profiler, backend: str, warmup: int, steps: int) -> dict[str, Any]:
-    """Per profiled step, the seconds of each part (``split_step``), from the profiler's events."""
+    """Per profiled step, the seconds of each part (``split_step``), from the profiler's events.
+
+    The step windows and host ranges are the CPU-side events. On a device the profiler also mirrors every
+    ``record_function`` range onto the device timeline (user annotations: ``ProfilerStep#N``, ``deltanet::``,
+    ...); those are not kernels: only the ``deltanet::`` ones are kept, to count the kernels inside them as
+    DeltaNet whatever their names."""
     events = list(profiler.events())
+    on_device = backend != "cpu"
     windows = sorted((e.time_range.start / 1e6, e.time_range.end / 1e6, e.name) for e in events
-                     if e.name.startswith("ProfilerStep"))  # fmt: skip
+                     if e.name.startswith("ProfilerStep") and not _is_device_event(e))  # fmt: skip
     host: dict[str, list[tuple[float, float]]] = {"data_loading": [], "optimizer_host": [], "compile_autotune": []}
-    work: list[tuple[str, float, float]] = []
+    kernels: list[tuple[str, float, float]] = []
+    deltanet: list[tuple[float, float]] = []
     for e in events:
         start, end = e.time_range.start / 1e6, e.time_range.end / 1e6
         name = e.name
+        if on_device and _is_device_event(e):
+            if name.startswith("deltanet::"):
+                deltanet.append((start, end))
+            elif not (getattr(e, "is_user_annotation", False) or name.startswith(RANGES)):
+                kernels.append((kernel_part(name), start, end))
+            continue
         if name.startswith("enumerate(DataLoader)"):
             host["data_loading"].append((start, end))
         elif name.startswith("Optimizer.step"):
             host["optimizer_host"].append((start, end))
         elif name.startswith("launcher::"):
             host["compile_autotune"].append((start, end))
-        device = str(getattr(e, "device_type", "")).split(".")[-1]
-        if backend != "cpu" and device in ("CUDA", "PrivateUse1"):
-            work.append((kernel_part(name), start, end))
-    if backend == "cpu":
+    if on_device:
+        ranges = _merge(deltanet)
+        work = [("deltanet" if _inside(start, ranges) else part, start, end) for part, start, end in kernels]
+    else:
         work = _cpu_work(events)
     per_step = []
     for start, end, name in windows:
         parts = split_step((start, end), work, host)
         per_step.append({"name": name, "seconds": end - start, **{k: round(v, 6) for k, v in parts.items()}})
     return {"profiled_steps": per_step}
+
+
+def _is_device_event(event) -> bool:
+    return str(getattr(event, "device_type", "")).split(".")[-1] in ("CUDA", "PrivateUse1")
+
+
+def _inside(point: float, ranges: list[tuple[float, float]]) -> bool:
+    """Whether ``point`` lies in one of the sorted, merged ``ranges``."""
+    index = bisect.bisect_right(ranges, (point, float("inf"))) - 1
+    return index >= 0 and ranges[index][0] <= point < ranges[index][1]
 
 
 def _cpu_part(event) -> str | None:
@@ -362,8 +401,7 @@ def _cpu_work(events) -> list[tuple[str, float, float]]:
     whatever its name; others go by name (``_cpu_part``). The ranges themselves are not work."""
     work = []
     for e in events:
-        if e.name.startswith(("ProfilerStep", "enumerate(DataLoader)", "launcher::", "deltanet::",
-                              "Optimizer.")) or e.name.startswith("## "):  # fmt: skip
+        if e.name.startswith(RANGES):
             continue
         own = [(e.time_range.start / 1e6, e.time_range.end / 1e6)]
         own = _subtract(own, _merge([(c.time_range.start / 1e6, c.time_range.end / 1e6) for c in e.cpu_children]))

@@ -65,6 +65,33 @@ def test_the_triton_clock_counts_nested_calls_once():
     assert 0 < totals["compile_autotune_s"] < 1
 
 
+def test_a_device_profile_counts_kernels_not_the_ranges_mirrored_onto_the_device():
+    """The torch profiler's events on CUDA, stood in by plain objects (no GPU here): the step and ``deltanet::``
+    ranges exist on the CPU and again as device user annotations; only kernels count as device work, a kernel
+    inside a device ``deltanet::`` range is DeltaNet, and cuBLASLt's Hopper kernels (``nvjet``) are matmul."""
+    from types import SimpleNamespace
+
+    from launcher.profiling import summarize_profiler
+
+    def event(name, start, end, device="CPU", annotation=False):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start * 1e6, end=end * 1e6),
+                               device_type=f"DeviceType.{device}", is_user_annotation=annotation)  # fmt: skip
+
+    events = [
+        event("ProfilerStep#3", 0.0, 1.0), event("ProfilerStep#3", 0.0, 1.0, "CUDA", True),
+        event("deltanet::fla", 0.1, 0.3), event("deltanet::fla", 0.1, 0.3, "CUDA", True),
+        event("chunk_fwd_kernel_o", 0.1, 0.2, "CUDA"), event("elementwise_kernel", 0.2, 0.3, "CUDA"),
+        event("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", 0.3, 0.8, "CUDA"),
+        event("elementwise_kernel", 0.8, 0.9, "CUDA"),
+    ]  # fmt: skip
+    steps = summarize_profiler(SimpleNamespace(events=lambda: events), "cuda", 2, 1)["profiled_steps"]
+    assert len(steps) == 1
+    parts = steps[0]
+    assert parts["deltanet"] == pytest.approx(0.2) and parts["matmul"] == pytest.approx(0.5)
+    assert parts["other_compute"] == pytest.approx(0.1) and parts["host_gaps"] == pytest.approx(0.2)
+    assert parts["overlap"] == pytest.approx(0.0, abs=1e-9)
+
+
 def test_kernel_names_go_to_their_parts():
     assert kernel_part("chunk_gated_delta_rule_fwd_kernel_h") == "deltanet"
     assert kernel_part("ncclDevKernel_AllGather_RING_LL") == "communication"
