@@ -22,13 +22,14 @@ What this patch does:
 1. wraps ``Qwen3_5GatedDeltaNet.forward`` (and the MoE twin): when the layer's mask is 4D (a packed row),
    it reads the samples off the mask's diagonal and sub-diagonal (``segments``), checks once per process
    that the mask is exactly block-diagonal causal, and runs the layer with the convolution reset at every
-   sample start (``segment_causal_conv``) and the routed chunk kernel per sample: FLA's kernel once, with
+   sample start (``segment_causal_conv``: the row's convolution, then the first ``K - 1`` tokens of every
+   sample computed again from that sample alone) and the routed chunk kernel per sample: FLA's kernel once, with
    the row's ``cu_seqlens`` (the rows flattened to batch 1, as FLA requires); the torch reference once per
    sample. Other masks go to the upstream forward unchanged (unpacked training, generation). A cache passed
    with a packed row (training sets ``use_cache: false``; a fresh cache may still come) is left unfilled:
    nothing decodes from a packed row.
 2. wraps ``SFTDataCollatorWith4DAttentionMask.__call__``: on every packed batch it checks that the text
-   position ids restart at 0 at every sample start and count up inside it, and stops the run otherwise.
+   position ids restart at 0 at every sample start and never go back inside it, and stops the run otherwise.
 
 Nothing is shared between samples, which ``tests/test_packing.py`` shows on the tiny model: each sample's
 loss and the LoRA gradients of a packed row equal those of the samples run alone (fp32, 1e-4), and a
@@ -46,7 +47,7 @@ from __future__ import annotations
 
 import importlib
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from packaging.specifiers import SpecifierSet
@@ -89,6 +90,31 @@ class Segments:
     length: int
     spans: tuple[tuple[int, int, int, bool], ...]
     position: Any
+    _on_device: dict = field(default_factory=dict, compare=False, repr=False)  # index tensors, built once
+
+    def heads(self, taps: int, device) -> tuple[Any, Any, Any]:
+        """``(row, position, offset)`` of the first ``taps - 1`` tokens of every segment, as index tensors on
+        ``device``: the only tokens whose causal window of ``taps`` would reach into the segment before."""
+        key = ("heads", taps, str(device))
+        if key not in self._on_device:
+            import torch
+
+            found = [(row, start + offset, offset) for row, start, end, _ in self.spans
+                     for offset in range(min(taps - 1, end - start))]  # fmt: skip
+            self._on_device[key] = tuple(torch.tensor(list(column), dtype=torch.long, device=device)
+                                         for column in zip(*found, strict=True))  # fmt: skip
+        return self._on_device[key]
+
+    def cu_seqlens_tensors(self, device) -> tuple[Any, Any]:
+        """``cu_seqlens`` on ``device`` and on the CPU (FLA takes both, so it never reads them back)."""
+        key = ("cu_seqlens", str(device))
+        if key not in self._on_device:
+            import torch
+
+            bounds = self.cu_seqlens()
+            self._on_device[key] = (torch.tensor(bounds, dtype=torch.long, device=device),
+                                    torch.tensor(bounds, dtype=torch.long))  # fmt: skip
+        return self._on_device[key]
 
     def samples_per_row(self) -> list[int]:
         return [sum(1 for r, _, _, real in self.spans if r == row and real) for row in range(self.rows)]
@@ -147,24 +173,29 @@ def block_causal_mismatch(mask, found: Segments) -> int:
     return int((expected != allowed).sum())
 
 
-def segment_causal_conv(x, weight, bias, position):
+def segment_causal_conv(x, weight, bias, found: Segments):
     """Depthwise causal convolution ``[B, C, T]`` that never reads across a sample start, then SiLU.
 
-    ``weight`` is ``nn.Conv1d``'s ``[C, 1, K]``; tap ``j`` (``j`` tokens back) counts only where the token
-    is at least ``j`` tokens into its segment (``position``), which is transformers' zero-padded causal
-    convolution applied to each sample alone.
+    The whole row goes through the convolution transformers' torch path runs (``weight`` is ``nn.Conv1d``'s
+    ``[C, 1, K]``, zero padding of ``K - 1`` in front); then the first ``K - 1`` tokens of every segment, the only
+    ones whose window reaches back into the segment before, are computed again from their own segment's
+    tokens alone and put in place. That is each sample's convolution as if it ran alone.
     """
     import torch.nn.functional as F
 
-    taps = weight.shape[-1]
-    length = x.shape[-1]
-    out = x * weight[:, 0, taps - 1, None]
-    for back in range(1, taps):
-        shifted = F.pad(x, (back, 0))[..., :length]
-        reach = (position >= back).to(x.dtype)[:, None, :]
-        out = out + shifted * reach * weight[:, 0, taps - 1 - back, None]
+    taps, length = weight.shape[-1], x.shape[-1]
+    out = F.conv1d(x, weight, bias, padding=taps - 1, groups=x.shape[1])[..., :length]
+    rows, cols, offsets = found.heads(taps, x.device)
+    if not rows.numel():
+        return F.silu(out)
+    tokens = x.transpose(1, 2)  # [B, T, C]
+    own = 0
+    for back in range(taps - 1):  # tap `back` tokens back counts where the token is at least that far in
+        reach = (offsets >= back).to(x.dtype)[:, None]
+        own = own + tokens[rows, (cols - back).clamp(min=0)] * weight[:, 0, taps - 1 - back] * reach
     if bias is not None:
-        out = out + bias[:, None]
+        own = own + bias
+    out = out.transpose(1, 2).index_put((rows, cols), own).transpose(1, 2)
     return F.silu(out)
 
 
@@ -180,10 +211,8 @@ def chunk_per_segment(kernel, query, key, value, g, beta, found: Segments):
     if kernel.label == "fla":
         rows, length = query.shape[:2]
         flat = [t.reshape(1, rows * length, *t.shape[2:]) for t in (query, key, value, g, beta)]
-        bounds = found.cu_seqlens()
-        cu = torch.tensor(bounds, dtype=torch.long, device=query.device)
-        out, _ = kernel(*flat[:3], g=flat[3], beta=flat[4], cu_seqlens=cu,
-                        cu_seqlens_cpu=torch.tensor(bounds, dtype=torch.long), **options)  # fmt: skip
+        cu, cu_cpu = found.cu_seqlens_tensors(query.device)
+        out, _ = kernel(*flat[:3], g=flat[3], beta=flat[4], cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, **options)
         return out.reshape(rows, length, *out.shape[2:])
     rows = [
         torch.cat([kernel(query[r : r + 1, s:e], key[r : r + 1, s:e], value[r : r + 1, s:e],
@@ -202,7 +231,7 @@ def packed_forward(layer, hidden_states, found: Segments):
 
     batch, length, _ = hidden_states.shape
     mixed = segment_causal_conv(layer.in_proj_qkv(hidden_states).transpose(1, 2), layer.conv1d.weight,
-                                layer.conv1d.bias, found.position.to(hidden_states.device)).transpose(1, 2)  # fmt: skip
+                                layer.conv1d.bias, found).transpose(1, 2)  # fmt: skip
     query, key, value = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
     query = query.reshape(batch, length, -1, layer.head_k_dim)
     key = key.reshape(batch, length, -1, layer.head_k_dim)

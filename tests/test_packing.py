@@ -121,30 +121,21 @@ def test_upstream_deltanet_leaks_state_across_packed_samples(tmp_path, demo_asse
 @pytest.mark.usefixtures("restore_patches")
 @pytest.mark.parametrize("leak", ["conv_not_reset", "no_cu_seqlens"])
 def test_a_planted_leak_fails_the_comparison(tmp_path, demo_assets, monkeypatch, leak):
-    import torch
-
     patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)  # before the model is built, as a run does
     model = lora_model(demo_assets["model"], lora_b_std=0.05)
     parts = samples(model.config.text_config.vocab_size)
-    if leak == "conv_not_reset":
-        conv = packed_rows.segment_causal_conv
 
-        def never_reset(x, weight, bias, position):
-            return conv(x, weight, bias, torch.arange(x.shape[-1]).expand_as(position))
+    def one_segment(found):
+        rows = tuple((row, 0, found.length, True) for row in range(found.rows))
+        return packed_rows.Segments(found.rows, found.length, rows, found.position)
 
-        monkeypatch.setattr(packed_rows, "segment_causal_conv", never_reset)
-    else:
+    name = "segment_causal_conv" if leak == "conv_not_reset" else "chunk_per_segment"
+    real = getattr(packed_rows, name)
 
-        def one_segment(found):
-            rows = tuple((row, 0, found.length, True) for row in range(found.rows))
-            return packed_rows.Segments(found.rows, found.length, rows, found.position)
+    def leaking(*args):  # the same function, told that each row is one sequence
+        return real(*args[:-1], one_segment(args[-1]))
 
-        whole = packed_rows.chunk_per_segment
-
-        def whole_rows(kernel, *tensors):
-            return whole(kernel, *tensors[:-1], one_segment(tensors[-1]))
-
-        monkeypatch.setattr(packed_rows, "chunk_per_segment", whole_rows)
+    monkeypatch.setattr(packed_rows, name, leaking)
     loss_gap, grad_gap = compare(model, parts)
     assert not (loss_gap < 1e-4 and grad_gap < 1e-4) and grad_gap > 5e-4, (leak, loss_gap, grad_gap)
 
@@ -206,15 +197,22 @@ def test_the_varlen_call_equals_the_kernel_run_per_sample():
 
 def test_the_segment_convolution_equals_the_convolution_of_each_sample_alone():
     import torch
+    from llamafactory.data.collator import prepare_4d_attention_mask
 
     torch.manual_seed(0)
-    conv = torch.nn.Conv1d(6, 6, kernel_size=4, groups=6, padding=3, bias=False)
-    x = torch.randn(1, 6, 12)
-    position = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 0, 1, 2, 3, 4]])
-    ours = packed_rows.segment_causal_conv(x, conv.weight, None, position)
+    conv = torch.nn.Conv1d(6, 6, kernel_size=4, groups=6, padding=3, bias=True)
+    x = torch.randn(2, 6, 12)
+    numbered = torch.tensor([[1] * 5 + [2] * 2 + [3] * 5, [1] * 1 + [2] * 8 + [0] * 3])
+    found = packed_rows.segments(prepare_4d_attention_mask(numbered, torch.float32))
+    ours = packed_rows.segment_causal_conv(x, conv.weight, conv.bias, found)
     with torch.no_grad():
-        pieces = [torch.nn.functional.silu(conv(x[..., s:e])[..., : e - s]) for s, e in ((0, 5), (5, 7), (7, 12))]
-    torch.testing.assert_close(ours, torch.cat(pieces, dim=-1), rtol=1e-6, atol=1e-6)
+        alone = torch.zeros_like(ours)
+        for row, start, end, _ in found.spans:
+            sample = conv(x[row : row + 1, :, start:end])[0, :, : end - start]
+            alone[row, :, start:end] = torch.nn.functional.silu(sample)
+    torch.testing.assert_close(ours, alone, rtol=1e-6, atol=1e-6)
+    rows, cols, offsets = found.heads(4, "cpu")
+    assert cols.tolist() == [0, 1, 2, 5, 6, 7, 8, 9, 0, 1, 2, 3, 9, 10, 11] and offsets.max().item() == 2
 
 
 @pytest.mark.slow
