@@ -295,9 +295,11 @@ def restarts(positions) -> bool:
 
 def _make_collate(original):
     def __call__(self, features):
+        import torch
+
         batch = original(self, features)
         mask = batch.get("attention_mask")
-        if not _state or mask is None or getattr(mask, "dim", lambda: 0)() != 4:
+        if not _state or not torch.is_tensor(mask) or mask.dim() != 4:
             return batch
         found = segments(mask)
         position = batch.get("position_ids")
