@@ -103,27 +103,31 @@ def _device(backend: str):
 def test_loss(torch, model, dataset, collator, batch_size: int, device) -> dict[str, Any]:
     from torch.utils.data import DataLoader
 
-    total, samples, tokens = 0.0, 0, 0
+    """The mean of the batches' mean losses: what the Trainer reports as ``eval_loss`` (transformers 5.6.0's
+    evaluation loop repeats each batch's loss by the loader's batch size, a short last batch too, and averages),
+    so the test loss sits on the same scale as the validation curve."""
+    losses, samples, tokens = [], 0, 0
     loader = DataLoader(dataset, batch_size=batch_size, collate_fn=collator, shuffle=False)
     with torch.no_grad():
         for batch in loader:
             batch = {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
-            size = int(batch["input_ids"].shape[0])
-            loss = model(**batch).loss
-            total += float(loss) * size
-            samples += size
+            losses.append(float(model(**batch).loss))
+            samples += int(batch["input_ids"].shape[0])
             tokens += int((batch["labels"][:, 1:] != -100).sum())
-    return {"test_loss": round(total / samples, 6) if samples else None, "test_samples": samples,
+    return {"test_loss": round(sum(losses) / len(losses), 6) if losses else None, "test_samples": samples,
             "test_tokens": tokens}  # fmt: skip
 
 
-def generate(torch, model, template, tokenizer, prompts, max_new_tokens: int, cutoff: int, device) -> list[str]:
+def generate(torch, model, template, tokenizer, prompts, max_new_tokens: int, cutoff: int, device):
+    """Greedy answers, and how many prompts were longer than ``cutoff`` (the longest the model trained on) and
+    were cut to their last ``cutoff`` tokens (the question's end)."""
     stop = template.get_stop_token_ids(tokenizer)
-    answers = []
+    answers, cut = [], 0
     for i, p in enumerate(prompts):
         messages = [{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": ""}]
         prompt_ids, _ = template.encode_oneturn(tokenizer, messages, p.get("system"))
-        prompt_ids = prompt_ids[-max(cutoff - max_new_tokens, 1) :]  # the prompt's end: the question itself
+        if len(prompt_ids) > cutoff:
+            prompt_ids, cut = prompt_ids[-cutoff:], cut + 1
         ids = torch.tensor([prompt_ids], device=device)
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
@@ -131,12 +135,13 @@ def generate(torch, model, template, tokenizer, prompts, max_new_tokens: int, cu
         answers.append(tokenizer.decode(out[0, len(prompt_ids) :], skip_special_tokens=True).strip())
         if (i + 1) % 10 == 0 or i + 1 == len(prompts):
             _say(f"  {i + 1}/{len(prompts)} answers")
-    return answers
+    return answers, cut
 
 
 def evaluate(request: dict[str, Any]) -> dict[str, Any]:
     """Run the whole evaluation of ``request`` (see ``launcher.run.evaluate``) and return the raw results."""
     import patches
+    from patches.proof import RankInfo, read_proof
 
     backend = request["backend"]
     work = Path(request["work_dir"])
@@ -190,15 +195,19 @@ def evaluate(request: dict[str, Any]) -> dict[str, Any]:
         _say(f"{ckpt['name']}: test loss over {len(test_set)} samples")
         found = test_loss(torch, model, test_set, collator, training_args.per_device_eval_batch_size, device)
         _say(f"{ckpt['name']}: test loss {found['test_loss']}; {len(prompts)} greedy answers")
-        answers = generate(torch, model, template, tokenizer, prompts, request["max_new_tokens"],
-                           data_args.cutoff_len, device)  # fmt: skip
+        answers, cut = generate(torch, model, template, tokenizer, prompts, request["max_new_tokens"],
+                                data_args.cutoff_len, device)  # fmt: skip
+        if cut:
+            _say(f"{ckpt['name']}: {cut} prompt(s) longer than cutoff_len {data_args.cutoff_len} kept their last "
+                 f"{data_args.cutoff_len} tokens")  # fmt: skip
+        seconds = round(time.monotonic() - started, 1)
         results.append({"name": ckpt["name"], "step": ckpt["step"], "path": ckpt["path"], **found,
-                        "answers": answers, "seconds": round(time.monotonic() - started, 1)})  # fmt: skip
+                        "answers": answers, "prompts_cut": cut, "seconds": seconds})  # fmt: skip
     rows = [{**{k: v for k, v in p.items() if k != "system"},
              "answers": {r["name"]: r["answers"][i] for r in results}} for i, p in enumerate(prompts)]  # fmt: skip
     for r in results:
         r.pop("answers")
-    proof = json.loads((work / "proof" / "rank0" / "deltanet_routing.json").read_text())
+    proof = read_proof(work / "proof", "deltanet_routing", RankInfo.from_env().rank)
     kernels = {**{k: proof.get(k) for k in ("status", "route", "first_call", "first_decode_call")}, **bindings}
     return {"checkpoints": results, "prompts": rows, "kernels": kernels}
 

@@ -88,11 +88,31 @@ def test_two_checkpoints_evaluated_on_the_held_out_split_and_shown_in_the_report
 @pytest.fixture
 def crafted(tmp_path) -> Path:
     """A crafted run (checkpoints 3 and 6, no real model) trained on prepared data with a test split."""
+    from launcher.run.rundir import data_fingerprint
     from tests.run_fixtures import make_run
 
     src = sf.write_json(tmp_path / "src" / "catch_mdpcot.json", sf.mdpcot_records(dialogues=10))
     prepare(src, tmp_path / "data", Options(), val_size=0.2, test_size=0.2, seed=3, name="counsel")
-    return make_run(tmp_path, lf_extra={"dataset": "counsel", "dataset_dir": str(tmp_path / "data")})
+    lf = {"dataset": "counsel", "dataset_dir": str(tmp_path / "data")}
+    run = make_run(tmp_path, lf_extra=lf)
+    manifest = json.loads((run / "manifest.json").read_text())
+    (run / "manifest.json").write_text(json.dumps({**manifest, "data": data_fingerprint(lf)}))  # as a run records it
+    return run
+
+
+def test_a_test_split_of_data_prepared_again_after_the_run_is_refused(crafted, tmp_path):
+    """Prepared again with another seed, the test split on disk may hold what the run trained on."""
+    src = tmp_path / "src" / "catch_mdpcot.json"
+    prepare(src, tmp_path / "data", Options(), val_size=0.2, test_size=0.2, seed=7, name="counsel", force=True)
+    message = _refused(crafted)
+    assert "changed since the run (the data was prepared again)" in message and "may overlap it" in message
+
+
+def test_a_run_still_going_is_refused(crafted):
+    status = json.loads((crafted / "status.json").read_text())
+    (crafted / "status.json").write_text(json.dumps({**status, "state": "RUNNING"}))
+    message = _refused(crafted)
+    assert "is RUNNING: evaluating it would load a second model" in message and "launcher stop" in message
 
 
 def _refused(*args, code: int = 2) -> str:
@@ -131,6 +151,13 @@ def test_a_changed_test_split_and_an_unreadable_prompts_file_are_refused(crafted
     assert "--prompts" in message and "missing.json" in message and "JSON list" in message
     (tmp_path / "bad.json").write_text('[{"reference": "no prompt"}]')
     assert 'entry 0 has no non-empty "prompt"' in _refused(crafted, "--prompts", tmp_path / "bad.json")
+    for entries, fragment in (
+        ('[{"prompt": "p", "crisis": "no"}]', '"crisis" is not true or false'),
+        ('[{"prompt": "p", "refrence": "r"}]', "unknown key(s) refrence"),
+        ('[{"prompt": "p", "id": "a"}, {"prompt": "q", "id": "a"}]', "id 'a' is used twice"),
+    ):
+        (tmp_path / "bad.json").write_text(entries)
+        assert fragment in _refused(crafted, "--prompts", tmp_path / "bad.json")
     test_file = tmp_path / "data" / "counsel_test.json"
     test_file.write_text(test_file.read_text() + "\n")  # any change to the held-out file
     assert "changed since `launcher data prepare`" in _refused(crafted)
@@ -170,9 +197,14 @@ def test_report_names_the_checkpoint_each_criterion_prefers_when_they_disagree(c
     request = {"run_id": "crafted-run", "backend": "cpu", "max_new_tokens": 8,
                "test_split": {"file": "counsel_test.json", "sha256": "0" * 64, "samples": 2}}  # fmt: skip
     doc = build_document(request, raw)
-    assert doc["preferred"] == {"test_loss": "checkpoint-3", "repetition": "checkpoint-3", "distinct_2": "checkpoint-3",
-                                "stock_opening": "checkpoint-3", "reference_overlap": "checkpoint-3",
-                                "crisis_help": "checkpoint-3"}  # fmt: skip
+    assert doc["preferred"] == {
+        "test_loss": "checkpoint-3",
+        "repetition": "checkpoint-3",
+        "distinct_2": "checkpoint-3",
+        "stock_opening": None,
+        "reference_overlap": "checkpoint-3",
+        "crisis_help": "checkpoint-3",
+    }  # fmt: skip  (both open the same way: a tie)
     assert doc["prompts"][0]["answers"]["checkpoint-6"]["repetition"] > 0.5  # the looping answer scores as repeated
     (crafted / EVALUATE_JSON).write_text(json.dumps(doc))
     report = build_report(crafted, plot=True)

@@ -56,22 +56,28 @@ def read_prompts_file(path: Path) -> list[dict[str, Any]]:
         raise LauncherError(f"--prompts {path}: cannot read it ({err}); {fix}", ExitCode.USAGE) from None
     if not isinstance(data, list) or not data:
         raise LauncherError(f"--prompts {path}: expected a non-empty JSON list of prompts; {fix}", ExitCode.USAGE)
-    prompts = []
+    prompts: list[dict[str, Any]] = []
+    seen: set[str] = set()
     for i, item in enumerate(data):
         entry = {"prompt": item} if isinstance(item, str) else item
         text = entry.get("prompt") if isinstance(entry, dict) else None
         if not isinstance(text, str) or not text.strip():
             raise LauncherError(f"--prompts {path}: entry {i} has no non-empty \"prompt\" string; {fix}",
                                 ExitCode.USAGE)  # fmt: skip
-        reference = entry.get("reference")
-        prompts.append(
-            {
-                "id": str(entry.get("id") or f"file-{i + 1}"),
-                "kind": "crisis" if entry.get("crisis") else "file",
-                "prompt": text,
-                "reference": reference if isinstance(reference, str) else None,
-            }
-        )
+        unknown = sorted(set(entry) - {"prompt", "reference", "crisis", "id"})
+        reference, crisis = entry.get("reference"), entry.get("crisis", False)
+        problem = (f"unknown key(s) {', '.join(unknown)}" if unknown
+                   else "\"reference\" is not a string" if reference is not None and not isinstance(reference, str)
+                   else "\"crisis\" is not true or false" if not isinstance(crisis, bool) else None)  # fmt: skip
+        if problem:
+            raise LauncherError(f"--prompts {path}: entry {i}: {problem}; {fix}", ExitCode.USAGE)
+        pid = str(entry.get("id") or f"file-{i + 1}")
+        if pid in seen or pid.startswith(("test-", "crisis-")):
+            raise LauncherError(f"--prompts {path}: entry {i}: id {pid!r} is used twice or clashes with the test "
+                                "and crisis prompts' ids (test-N, crisis-*); give it another id",
+                                ExitCode.USAGE)  # fmt: skip
+        seen.add(pid)
+        prompts.append({"id": pid, "kind": "crisis" if crisis else "file", "prompt": text, "reference": reference})
     return prompts
 
 
@@ -83,16 +89,15 @@ def _get(signals: dict[str, Any], dotted: str) -> float | None:
 
 
 def preferences(checkpoints: list[dict[str, Any]]) -> dict[str, str | None]:
-    """Which checkpoint each criterion prefers (ties: the earlier step); None when no checkpoint has the signal."""
+    """Which checkpoint each criterion prefers; None when no checkpoint has the signal or the best value is shared
+    (a tie prefers nothing, so it never counts as a disagreement)."""
     chosen: dict[str, str | None] = {}
     for name, (key, direction, _about) in CRITERIA.items():
         scored = [(_get({**c["signals"], "test_loss": c.get("test_loss")}, key), c) for c in checkpoints]
         scored = [(v, c) for v, c in scored if v is not None]
-        if not scored:
-            chosen[name] = None
-            continue
-        sign = 1 if direction == "min" else -1
-        chosen[name] = min(scored, key=lambda vc: (sign * vc[0], vc[1]["step"]))[1]["name"]
+        best = (min if direction == "min" else max)((v for v, _ in scored), default=None)
+        leaders = [c for v, c in scored if v == best]
+        chosen[name] = leaders[0]["name"] if len(leaders) == 1 else None
     return chosen
 
 

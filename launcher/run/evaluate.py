@@ -3,7 +3,10 @@
 Everything a user can get wrong is checked here, before any model is loaded, and answered with one message
 (what, which value, the fix) and exit code 2: an unknown run, an unknown checkpoint name or step, a run whose
 training data has no held-out test split (``launcher data prepare --test-size``), a test split that changed
-since it was prepared, an unreadable ``--prompts`` file. Then one child process
+since it was prepared or that belongs to other training data than the run's (the data was prepared again since
+the run: its training file no longer has the sha256 the run's manifest recorded), a run that is still going
+(its evaluation would load a second model beside the training one, on checkpoints that still change), an
+unreadable ``--prompts`` file. Then one child process
 (``python -m launcher.evaluate_entry``, on the run's backend) does the model work in a scratch folder inside
 the run directory; only when it succeeds are ``evaluate.json`` and ``evaluate.md`` replaced (atomically), so a
 failed evaluation leaves an earlier one as it was. The scratch folder is removed either way.
@@ -62,7 +65,7 @@ def choose_checkpoints(run_dir: Path, spec: str) -> list[dict[str, Any]]:
     have = ", ".join(f"checkpoint-{s}" for s in by_step) or "none"
     fix = f"complete checkpoints in {files.output}: {have}; use best, last, final or one of their steps"
     chosen: dict[str, dict[str, Any]] = {}
-    for item in [s.strip() for s in spec.split(",") if s.strip()] or [DEFAULT_CHECKPOINTS]:
+    for item in [s.strip() for s in spec.split(",") if s.strip()] or DEFAULT_CHECKPOINTS.split(","):
         if item == "final":
             if not (files.output / "adapter_model.safetensors").is_file():
                 raise _usage(f"--checkpoints final: {files.output} holds no final adapter yet; {fix}")
@@ -125,6 +128,7 @@ def find_test_split(lf: dict[str, Any], manifest: dict[str, Any] | None) -> dict
         if sha256_file(path) != test.get("sha256"):
             raise _usage(f"the test split {path} changed since `launcher data prepare` wrote it (sha256 differs from "
                          f"{name}.prepare.json); restore it or prepare the data again")  # fmt: skip
+        _require_trained_on(name, dataset_dir / str(info[name].get("file_name")), manifest, path)
         evals = set(eval_dataset_names(lf))
         entry = {k: v for k, v in info[name].items() if k != "file_name"}  # the test file is read as its train set
         return {"dataset": name, "path": str(path), "file": path.name, "sha256": test["sha256"],
@@ -137,6 +141,37 @@ def find_test_split(lf: dict[str, Any], manifest: dict[str, Any] | None) -> dict
     )
 
 
+def _require_trained_on(name: str, train_file: Path, manifest: dict[str, Any] | None, test: Path) -> None:
+    """The test split on disk was held out of the very file the run trained on: that file is unchanged since
+    the run (its sha256 in the run's manifest), so the prepare that wrote both is the run's."""
+    trained = (((manifest or {}).get("data") or {}).get("files") or {}).get(name) or {}
+    if not trained.get("sha256"):
+        raise _usage(f"the run's manifest.json records no sha256 of its training file for {name}, so {test} "
+                     "cannot be shown to be held out of what it trained on; evaluate a run this launcher "
+                     "started")  # fmt: skip
+    now = sha256_file(train_file) if train_file.is_file() else None
+    if now != trained["sha256"]:
+        state = "is missing" if now is None else "changed since the run (the data was prepared again)"
+        raise _usage(f"{train_file} {state}, so the test split {test} beside it is not the one held out of this "
+                     "run's training data and may overlap it; prepare the data again with the run's --seed and "
+                     "--test-size (the run's config and the prepare record name them), or evaluate a run trained "
+                     "on the current data")  # fmt: skip
+
+
+def require_ended(run_dir: Path) -> None:
+    """Refuse a run that has not ended: a pending, running, finishing or stalled one."""
+    from launcher.state.record import RecordUnreadable, read_record
+
+    try:
+        record = read_record(run_dir)
+    except RecordUnreadable as exc:
+        raise _usage(f"{run_dir.name}: its status cannot be read ({exc}); evaluate a run that has ended") from exc
+    if not record.terminal:
+        raise _usage(f"{run_dir.name} is {record.state.value}: evaluating it would load a second model beside the "
+                     "training one and read checkpoints that still change; wait until it ends (launcher status), "
+                     f"or stop it first (launcher stop {run_dir.name})")  # fmt: skip
+
+
 def build_request(run_dir: Path, *, checkpoints: str, prompts_file: Path | None, max_new_tokens: int,
                   max_prompts: int) -> dict[str, Any]:  # fmt: skip
     """Everything the child needs, checked (see the module docstring for what is refused)."""
@@ -145,6 +180,7 @@ def build_request(run_dir: Path, *, checkpoints: str, prompts_file: Path | None,
     if max_prompts < 0:
         raise _usage(f"--max-prompts {max_prompts}: use 0 (all test conversations) or more")
     files = load_run_files(run_dir)
+    require_ended(run_dir)
     launch = read_json_object(run_dir / LAUNCH_FILE)
     if isinstance(launch, str) or not files.lf_args:
         problem = launch if isinstance(launch, str) else "; ".join(files.problems) or "no LLaMA-Factory arguments"
