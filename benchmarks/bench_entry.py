@@ -11,7 +11,8 @@ LLaMA-Factory exactly as a real run does):
    together with this evidence;
 3. makes ``PreTrainedModel.from_pretrained`` build a model folder marked ``random_init.json``
    (``benchmarks.bench_assets``) from its config with random weights directly on this rank's device, in the
-   dtype LLaMA-Factory asks for (other folders load normally);
+   dtype LLaMA-Factory asks for (other folders load normally); under FSDP2 (``accelerate launch``) it builds
+   on the meta device instead and each rank materializes only its own shards (``benchmarks.fsdp_init``);
 4. times every ``Trainer.training_step`` (forward + backward, device synchronised before and after), the
    period from its start to the next step's start (the whole optimizer step: forward, backward, optimizer,
    logging, the next batch; the last step has none) and
@@ -19,8 +20,9 @@ LLaMA-Factory exactly as a real run does):
    LLaMA-Factory's ``vram_allocated`` reads too; reset after the kernel check, so it holds the weights and
    the training, not the check).
 
-Everything lands in ``RUN_DIR/bench/rank<RANK>.json``, rewritten after every step so a crash keeps the steps
-done. ``launcher.entry.main`` ends it, as the ``launcher.entry`` config key requires.
+It also records the rank's place in the job and the variables named in ``$BENCH_RECORD_ENV`` as the rank saw
+them (``environment``). Everything lands in ``RUN_DIR/bench/rank<RANK>.json``, rewritten after every step so a
+crash keeps the steps done. ``launcher.entry.main`` ends it, as the ``launcher.entry`` config key requires.
 """
 
 from __future__ import annotations
@@ -33,10 +35,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import fsdp_init
 from launcher import entry
 from patches.proof import utc_now, write_json_atomic
 
 KERNEL_CASES_ENV = "BENCH_KERNEL_CASES"
+RECORD_ENV = "BENCH_RECORD_ENV"
+RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "ACCELERATE_USE_FSDP", "FSDP_VERSION")
 
 
 class Recorder:
@@ -53,6 +58,13 @@ class Recorder:
     def add_step(self, step: dict[str, Any]) -> None:
         self.data["steps"].append(step)
         self.update()
+
+
+def recorded_environment() -> dict[str, str | None]:
+    """The rank's values of the variables named in ``$BENCH_RECORD_ENV`` (comma-separated) and its place in the job:
+    what the rank itself saw, not what the caller meant to pass."""
+    names = [n for n in os.environ.get(RECORD_ENV, "").split(",") if n]
+    return {name: os.environ.get(name) for name in (*RANK_ENV, *names)}
 
 
 def rank_device(backend: str) -> str:
@@ -83,6 +95,8 @@ def install_random_init(device: str, recorder: Recorder) -> None:
     from benchmarks.bench_assets import MARKER
 
     original = PreTrainedModel.from_pretrained.__func__
+    # a CPU job would otherwise run as DDP and never shard (benchmarks.fsdp_init.shard_on_cpu)
+    cpu_fsdp = fsdp_init.shard_on_cpu() if fsdp_init.fsdp2_rank() and device == "cpu" else None
 
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         marker = Path(str(pretrained_model_name_or_path)) / MARKER
@@ -93,7 +107,16 @@ def install_random_init(device: str, recorder: Recorder) -> None:
         if dtype in (None, "auto"):
             dtype = config.dtype or torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        torch.manual_seed(json.loads(marker.read_text()).get("seed", 0))
+        seed = json.loads(marker.read_text()).get("seed", 0)
+        torch.manual_seed(seed)
+        if fsdp_init.fsdp2_rank():  # FSDP2: no rank builds the whole model (benchmarks.fsdp_init)
+            model = fsdp_init.build_on_meta(cls, config, dtype)
+            model.eval()
+            install_shard_materialization(device, seed, recorder)
+            recorder.update(model_build={"how": "built on the meta device; shards not materialized yet",
+                                         "parameters": sum(p.numel() for p in model.parameters()),
+                                         "dtype": str(dtype)}, cpu_fsdp=cpu_fsdp)  # fmt: skip
+            return model
         started = time.perf_counter()
         with torch.device(device):
             model = cls._from_config(config, dtype=dtype)
@@ -110,6 +133,35 @@ def install_random_init(device: str, recorder: Recorder) -> None:
         return model
 
     PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+
+
+def install_shard_materialization(device: str, seed: int, recorder: Recorder) -> None:
+    """Under FSDP2: real storage for the trainable parameters before the Trainer builds its optimizer, and each
+    rank's shards allocated and filled once accelerate's ``fsdp2_prepare_model`` sharded the meta model."""
+    import accelerate.accelerator
+    from transformers import Trainer
+
+    original_create = Trainer.create_optimizer
+    original_prepare = accelerate.accelerator.fsdp2_prepare_model
+
+    @functools.wraps(original_create)
+    def create_optimizer(self, *args, **kwargs):
+        if fsdp_init.flagged_model(self.model) is not None:
+            recorder.data["model_build"]["trainable_bytes_before_sharding"] = fsdp_init.materialize_trainable(
+                self.model, device
+            )
+        return original_create(self, *args, **kwargs)
+
+    @functools.wraps(original_prepare)
+    def fsdp2_prepare_model(accelerator, model):
+        model = original_prepare(accelerator, model)
+        if fsdp_init.flagged_model(model) is not None and any(p.is_meta for p in model.parameters()):
+            built = fsdp_init.materialize_shards(model, device, seed)
+            recorder.update(model_build={**recorder.data.get("model_build", {}), **built})
+        return model
+
+    Trainer.create_optimizer = create_optimizer
+    accelerate.accelerator.fsdp2_prepare_model = fsdp2_prepare_model  # Accelerator._prepare_fsdp2 calls this name
 
 
 def real_tokens(mask, ids) -> int | None:
@@ -181,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             from benchmarks.fla_guard import lift_hopper_guard
 
             guard = lift_hopper_guard()
-        recorder.update(backend=backend, device=dev.name, fla_guard=guard)
+        recorder.update(backend=backend, device=dev.name, fla_guard=guard, environment=recorded_environment())
         check = run_kernel_check(backend, launch["patches"], os.environ.get(KERNEL_CASES_ENV, ""))
         recorder.update(kernel_check=check)
         dev.reset_peak()  # the kernel check's memory is not the training's

@@ -379,6 +379,23 @@ def prepare_assets(out: Path, shape: str, samples: int, variants: list[str]) -> 
     (out / "model_parameters.json").write_text(json.dumps(count_parameters(model), indent=2) + "\n")
 
 
+def bench_env(out: Path, shape: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment ``launcher`` runs with (the launcher passes it through to every rank): this one's plus the
+    measuring settings, the preflight rows a measuring host skips, and ``extra``."""
+    env = {
+        **os.environ,
+        "RECORD_VRAM": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "LAUNCHER_PREFLIGHT_SKIP": PREFLIGHT_SKIP,
+        "BENCH_KERNEL_CASES": KERNEL_CASES[shape],
+        "TRITON_CACHE_DIR": str(out / "triton-cache"),  # kept across variants: on-warm reads it
+        **(extra or {}),
+    }
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.patch_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for assets, configs, runs and results.json")
@@ -406,16 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "logs").mkdir(exist_ok=True)
     prepare_assets(out, ns.shape, ns.samples, variants)
 
-    env = {
-        **os.environ,
-        "RECORD_VRAM": "1",
-        "PYTHONUNBUFFERED": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "LAUNCHER_PREFLIGHT_SKIP": PREFLIGHT_SKIP,
-        "BENCH_KERNEL_CASES": KERNEL_CASES[ns.shape],
-        "TRITON_CACHE_DIR": str(out / "triton-cache"),
-    }  # fmt: skip  (kept across variants: on-warm reads it)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env = bench_env(out, ns.shape)
     results: dict[str, Any] = {
         "command": " ".join(["python -m benchmarks.patch_bench", *(argv if argv is not None else sys.argv[1:])]),
         "shape": ns.shape, "backend": backend, "steps": ns.steps, "warmup": ns.warmup,
