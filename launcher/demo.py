@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.files import share_readable
+from launcher.files import sha256_file, share_readable
 
 DATASET_TRAIN = "demo_counsel_train"
 DATASET_EVAL = "demo_counsel_eval"
@@ -227,8 +227,10 @@ def build_model_dir(out: Path, seed: int = 0, shard_size: str = "300KB") -> Path
     return out
 
 
-def write_dataset(out: Path, train: int = 48, eval: int = 8, seed: int = 0) -> Path:
-    """Write train/validation files and their ``dataset_info.json`` into ``out``."""
+def write_dataset(out: Path, train: int = 48, eval: int = 8, seed: int = 0, test: int = 6) -> Path:
+    """Write train/validation files and their ``dataset_info.json`` into ``out``, and a held-out test split
+    (``demo_counsel_train_test.json``, not registered) recorded as ``launcher data prepare --test-size`` records
+    one, so that ``launcher evaluate`` runs on the demo (its records are synthetic, as the rest)."""
     out.mkdir(parents=True, exist_ok=True)
     columns = {
         "prompt": "instruction",
@@ -243,6 +245,11 @@ def write_dataset(out: Path, train: int = 48, eval: int = 8, seed: int = 0) -> P
         (out / file).write_text(json.dumps(demo_records(count, seed + offset), ensure_ascii=False, indent=1))
         info[name] = {"file_name": file, "formatting": "alpaca", "columns": columns}
     (out / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    test_file = out / f"{DATASET_TRAIN}_test.json"
+    test_file.write_text(json.dumps(demo_records(test, seed + 2), ensure_ascii=False, indent=1))
+    record = {"format": "demo", "name": DATASET_TRAIN, "counts": {"train": train, "val": eval, "test": test},
+              "test": {"file": test_file.name, "sha256": sha256_file(test_file), "samples": test}}  # fmt: skip
+    (out / f"{DATASET_TRAIN}.prepare.json").write_text(json.dumps(record, indent=2) + "\n")
     return out
 
 
