@@ -170,9 +170,9 @@ def real_tokens(mask, ids) -> int | None:
     if mask is None:
         return int(ids.numel()) if ids is not None else None
     if mask.dim() == 4:
-        from patches.packed_rows import allowed_of
+        from patches.packed_rows import diagonal_of
 
-        return int(allowed_of(mask).diagonal(0, -2, -1).sum())
+        return int(diagonal_of(mask).sum())
     return int(mask.sum())
 
 

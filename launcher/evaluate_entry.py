@@ -52,10 +52,25 @@ def _lf_args(request: dict[str, Any], work: Path) -> dict[str, Any]:
         "eval_on_each_dataset",
     ):
         args.pop(key, None)  # fmt: skip
-    args.update(dataset=None, eval_dataset=TEST_DATASET, dataset_dir=str(work), do_train=False, do_eval=True,
-                do_predict=False, predict_with_generate=False, output_dir=str(work / "output"), eval_strategy="no",
-                save_strategy="no", report_to="none", overwrite_output_dir=True, packing=False, streaming=False,
-                preprocessing_num_workers=None, ddp_timeout=None)  # fmt: skip
+    args.update(
+        dataset=None,
+        eval_dataset=TEST_DATASET,
+        dataset_dir=str(work),
+        do_train=False,
+        do_eval=True,
+        do_predict=False,
+        predict_with_generate=False,
+        output_dir=str(work / "output"),
+        eval_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        overwrite_output_dir=True,
+        packing=False,
+        neat_packing=False,
+        streaming=False,
+        preprocessing_num_workers=None,
+        ddp_timeout=None,
+    )  # fmt: skip  (never packed)
     return {k: v for k, v in args.items() if v is not None}
 
 

@@ -3,8 +3,10 @@
 Upstream behaviour:
 
 - LLaMA-Factory 0.9.5 (``data/processor/supervised.py``, ``PackedSupervisedDatasetProcessor``) packs whole
-  samples into rows of ``cutoff_len + 1`` tokens. Under ``neat_packing`` the row's 2D attention mask numbers
-  the samples (1, 1, 2, 2, 2, 0 for padding), the Qwen3.5 collator computes the position ids of each sample
+  samples into rows of the config's ``cutoff_len`` tokens (it lowers its own copy by one and pads each row to
+  that plus one), at least one of them padding; a sample longer than ``cutoff_len - 1`` is dropped. Under
+  ``neat_packing`` the row's 2D attention mask numbers the samples (1, 1, 2, 2, 2, 0 for padding), the Qwen3.5
+  collator computes the position ids of each sample
   on its own (``_compute_rope_position_ids_with_packing``: they restart at 0), and
   ``SFTDataCollatorWith4DAttentionMask`` turns the mask into a 4D block-diagonal causal mask
   (``prepare_4d_attention_mask``) unless attention is ``flash_attention_2``. With plain ``packing`` the mask
@@ -25,9 +27,9 @@ What this patch does:
    sample start (``segment_causal_conv``: the row's convolution, then the first ``K - 1`` tokens of every
    sample computed again from that sample alone) and the routed chunk kernel per sample: FLA's kernel once, with
    the row's ``cu_seqlens`` (the rows flattened to batch 1, as FLA requires); the torch reference once per
-   sample. Other masks go to the upstream forward unchanged (unpacked training, generation). A cache passed
-   with a packed row (training sets ``use_cache: false``; a fresh cache may still come) is left unfilled:
-   nothing decodes from a packed row.
+   sample. Other masks go to the upstream forward unchanged (unpacked training, generation). A packed row
+   with a cache (generation) or whose mask is not as long as the row (LLaMA-Factory's dummy image appended
+   to a packed batch) stops the run.
 2. wraps ``SFTDataCollatorWith4DAttentionMask.__call__``: on every packed batch it checks that the text
    position ids restart at 0 at every sample start and never go back inside it, and stops the run otherwise.
 
@@ -36,8 +38,9 @@ loss and the LoRA gradients of a packed row equal those of the samples run alone
 planted leak (no convolution reset, or no ``cu_seqlens``) fails that comparison.
 
 Proof per rank: the first packed batch (rows, samples per row, position ids checked), the first packed
-DeltaNet call (kernel, ``cu_seqlens``, mask checked) and, at the first training step, the packed calls in it.
-When the launcher's facts say the run packs and the first step saw no packed row, the run stops there.
+DeltaNet call (kernel, ``cu_seqlens``, mask checked) and, at the first training step, the packed calls in it
+(recomputes included). When the launcher's facts say the run packs, a first batch that is not packed stops the
+run before the first step, and a first step whose DeltaNet layers met no packed row stops it before the second.
 
 Versions: written and tested against transformers 5.6.0 and llamafactory 0.9.5 (``SUPPORTED``). Delete this
 patch when transformers' Qwen3.5 DeltaNet takes ``cu_seqlens`` from packed inputs by itself.
@@ -125,10 +128,16 @@ class Segments:
 
 
 def allowed_of(mask) -> Any:
-    """``[B, T, T]`` booleans from a 4D mask: additive (0 = attend) or boolean (True = attend)."""
+    """Booleans (True = attend) of a 4D mask or of a view into one: additive (0 = attend) or boolean."""
     import torch
 
-    return mask[:, 0] == 0 if torch.is_floating_point(mask) else mask[:, 0].bool()
+    return mask == 0 if torch.is_floating_point(mask) else mask.bool()
+
+
+def diagonal_of(mask, offset: int = 0) -> Any:
+    """``[B, T - |offset|]``: whether each token attends to itself (0) or to the one before it (-1); reads
+    only that diagonal of the ``[B, 1, T, T]`` mask."""
+    return allowed_of(mask[:, 0].diagonal(offset, -2, -1))
 
 
 def segments(mask) -> Segments:
@@ -139,11 +148,10 @@ def segments(mask) -> Segments:
     """
     import torch
 
-    allowed = allowed_of(mask)
-    rows, length = allowed.shape[0], allowed.shape[-1]
-    itself = allowed.diagonal(0, -2, -1)  # [B, T]
+    rows, length = mask.shape[0], mask.shape[-1]
+    itself = diagonal_of(mask)  # [B, T]
     previous = torch.zeros_like(itself)
-    previous[:, 1:] = allowed.diagonal(-1, -2, -1)
+    previous[:, 1:] = diagonal_of(mask, -1)
     was_real = torch.zeros_like(itself)
     was_real[:, 1:] = itself[:, :-1]
     start = (itself & ~previous) | (~itself & was_real)
@@ -159,18 +167,23 @@ def segments(mask) -> Segments:
     return Segments(rows=rows, length=length, spans=tuple(spans), position=index - first)
 
 
-def block_causal_mismatch(mask, found: Segments) -> int:
-    """How many entries of the mask differ from the block-diagonal causal mask of ``found`` (0 when exact)."""
+def block_causal_mismatch(mask, found: Segments, block: int = 1024) -> int:
+    """How many entries of the mask differ from the block-diagonal causal mask of ``found`` (0 when exact);
+    compared ``block`` query rows at a time, so the check holds at most ``B x block x T`` booleans."""
     import torch
 
-    allowed = allowed_of(mask)
     length = found.length
-    index = torch.arange(length, device=allowed.device)
-    first = index[None, :] - found.position.to(allowed.device)  # [B, T]: the start of each token's segment
-    expected = (index[None, None, :] <= index[None, :, None]) & (index[None, None, :] >= first[:, :, None])
-    real = allowed.diagonal(0, -2, -1)
-    expected &= real[:, :, None] & real[:, None, :]
-    return int((expected != allowed).sum())
+    index = torch.arange(length, device=mask.device)
+    first = index[None, :] - found.position.to(mask.device)  # [B, T]: the start of each token's segment
+    real = diagonal_of(mask)
+    wrong = 0
+    for top in range(0, length, block):
+        rows = index[top : top + block]
+        starts = first[:, top : top + block, None]
+        expected = (index[None, None, :] <= rows[None, :, None]) & (index[None, None, :] >= starts)
+        expected &= real[:, top : top + block, None] & real[:, None, :]
+        wrong += int((expected != allowed_of(mask[:, 0, top : top + block])).sum())
+    return wrong
 
 
 def segment_causal_conv(x, weight, bias, found: Segments):
@@ -195,7 +208,7 @@ def segment_causal_conv(x, weight, bias, found: Segments):
         own = own + tokens[rows, (cols - back).clamp(min=0)] * weight[:, 0, taps - 1 - back] * reach
     if bias is not None:
         own = own + bias
-    out = out.transpose(1, 2).index_put((rows, cols), own).transpose(1, 2)
+    out = out.transpose(1, 2).index_put((rows, cols), own.to(out.dtype)).transpose(1, 2)  # autocast: conv in bf16
     return F.silu(out)
 
 
@@ -261,11 +274,20 @@ def _segments_of(mask) -> Segments:
 
 def _make_forward(original):
     def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
-        decoding = cache_params is not None and cache_params.has_previous_state(self.layer_idx)
-        if attention_mask is None or attention_mask.dim() != 4 or decoding or not _state:
+        if attention_mask is None or attention_mask.dim() != 4 or not _state:
             return original(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+        if cache_params is not None:
+            raise PatchError(NAME, "a packed row came with a cache (generation or use_cache); its DeltaNet "
+                             "state would not be filled per sample",
+                             "generate from unpacked prompts (packing: false)")  # fmt: skip
+        if attention_mask.shape[-1] != hidden_states.shape[1]:
+            raise PatchError(NAME, (
+                f"a packed row's mask covers {attention_mask.shape[-1]} positions but the row has "
+                f"{hidden_states.shape[1]} tokens (LLaMA-Factory appended a dummy image to a packed batch), so "
+                "its samples cannot be told apart"), "keep launcher.patches.text_only_batches on with text-only data, "
+                "or turn packing off")  # fmt: skip
         found = _segments_of(attention_mask)
-        _state["calls"] += 1
+        _state["calls"] += 1  # recomputes of checkpointed layers included
         if not _state.get("first_call"):
             wrong = block_causal_mismatch(attention_mask, found)
             if wrong:
@@ -301,6 +323,11 @@ def _make_collate(original):
         mask = batch.get("attention_mask")
         if not _state or not torch.is_tensor(mask) or mask.dim() != 4:
             return batch
+        if mask.shape[-1] != batch["input_ids"].shape[-1]:
+            raise PatchError(NAME, (
+                f"a packed batch's mask covers {mask.shape[-1]} positions but its rows hold "
+                f"{batch['input_ids'].shape[-1]} tokens (LLaMA-Factory appended its dummy image to a packed batch)"),
+                "keep launcher.patches.text_only_batches on with text-only data, or turn packing off")  # fmt: skip
         found = segments(mask)
         position = batch.get("position_ids")
         text = position[0] if position is not None and position.dim() == 3 else position
@@ -358,6 +385,14 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
 
 
 def _before_first_step(trainer, model) -> None:
+    """A run that packs has collated its first batch by now (the loader runs ahead of the step): it must be
+    packed, or the run stops before any sample could see another."""
+    if _state["packing"] and not _state["batches"]:
+        error = PatchError(NAME, (
+            "the run packs samples, but the first batch reached the model without a 4D block mask (not packed by "
+            "LLaMA-Factory's neat packing), so state would flow between samples"), FIX)  # fmt: skip
+        _state["proof"].update(status="failed", error=str(error))
+        raise error
     _state["calls_before_step"] = _state["calls"]
 
 
@@ -365,7 +400,8 @@ def _after_first_step(trainer, model) -> None:
     calls = _state["calls"] - _state.pop("calls_before_step", 0)
     _state["first_step_calls"] = calls
     _state["proof"].update(first_training_step={
-        "packed_deltanet_calls": calls, "packed_batches_so_far": _state["batches"],
+        "packed_deltanet_calls": calls,  # checkpointed layers count again when the backward recomputes them
+        "packed_batches_so_far": _state["batches"],
         "samples_per_row_mean": round(_state["samples"] / max(_state["rows"], 1), 2), "recorded_at": utc_now(),
     })  # fmt: skip
 

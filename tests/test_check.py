@@ -350,6 +350,13 @@ def test_packing_that_would_let_samples_see_each_other_is_refused(tmp_path, demo
     assert any(
         "packing: true with stage pt: LLaMA-Factory packs stage pt rows as one token stream" in e for e in pretraining
     ), pretraining
+    by_default = errors_of(make_config(tmp_path, demo_assets, name="pt-default.yaml", stage="pt"))
+    assert any("packing (LLaMA-Factory's default for stage pt) with stage pt" in e for e in by_default), by_default
+    dummy = errors_of(make_config(tmp_path, demo_assets, {"patches": {"text_only_batches": False}}, name="dummy.yaml",
+                                  packing=True))  # fmt: skip
+    assert any(
+        "needs batches without LLaMA-Factory's dummy image" in e and "text_only_batches is off" in e for e in dummy
+    ), dummy
     assert errors_of(make_config(tmp_path, demo_assets, name="ok.yaml", packing=True)) == []
 
 

@@ -25,6 +25,13 @@ ON = {"deltanet_routing": True, "packed_rows": True, "checkpoint_all_layers": Fa
       "text_only_batches": False, "final_eval_once": False}  # fmt: skip
 
 
+def packing_model(model_dir):
+    """The LoRA model as LLaMA-Factory trains it: ``use_cache`` off (``model_utils/kv_cache.py``)."""
+    model = lora_model(model_dir, lora_b_std=0.05)
+    model.config.use_cache = model.config.text_config.use_cache = False
+    return model
+
+
 def samples(vocab: int):
     """Three samples: ids, and labels with the first third masked as the prompt."""
     import torch
@@ -97,7 +104,7 @@ def compare(model, parts) -> tuple[float, float]:
 @pytest.mark.usefixtures("restore_patches")
 def test_each_packed_sample_equals_the_sample_alone_and_so_do_the_lora_gradients(tmp_path, demo_assets):
     patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)  # before the model is built, as a run does
-    model = lora_model(demo_assets["model"], lora_b_std=0.05)
+    model = packing_model(demo_assets["model"])
     parts = samples(model.config.text_config.vocab_size)
     loss_gap, grad_gap = compare(model, parts)
     assert loss_gap < 1e-4 and grad_gap < 1e-4, (loss_gap, grad_gap)
@@ -112,7 +119,7 @@ def test_each_packed_sample_equals_the_sample_alone_and_so_do_the_lora_gradients
 def test_upstream_deltanet_leaks_state_across_packed_samples(tmp_path, demo_assets):
     """Without the patch the same comparison fails: the test above can fail."""
     patches.apply_enabled({**ON, "packed_rows": False}, backend="cpu", proof_dir=tmp_path)
-    model = lora_model(demo_assets["model"], lora_b_std=0.05)
+    model = packing_model(demo_assets["model"])
     parts = samples(model.config.text_config.vocab_size)
     loss_gap, grad_gap = compare(model, parts)
     assert not (loss_gap < 1e-4 and grad_gap < 1e-4) and grad_gap > 5e-4, (loss_gap, grad_gap)
@@ -122,7 +129,7 @@ def test_upstream_deltanet_leaks_state_across_packed_samples(tmp_path, demo_asse
 @pytest.mark.parametrize("leak", ["conv_not_reset", "no_cu_seqlens"])
 def test_a_planted_leak_fails_the_comparison(tmp_path, demo_assets, monkeypatch, leak):
     patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)  # before the model is built, as a run does
-    model = lora_model(demo_assets["model"], lora_b_std=0.05)
+    model = packing_model(demo_assets["model"])
     parts = samples(model.config.text_config.vocab_size)
 
     def one_segment(found):
@@ -138,6 +145,27 @@ def test_a_planted_leak_fails_the_comparison(tmp_path, demo_assets, monkeypatch,
     monkeypatch.setattr(packed_rows, name, leaking)
     loss_gap, grad_gap = compare(model, parts)
     assert not (loss_gap < 1e-4 and grad_gap < 1e-4) and grad_gap > 5e-4, (leak, loss_gap, grad_gap)
+
+
+@pytest.mark.usefixtures("restore_patches")
+def test_a_packed_row_that_cannot_be_split_stops_the_run(tmp_path, demo_assets):
+    """A mask shorter than the row (LLaMA-Factory's dummy image appended to a packed batch), a packed row with a
+    cache, and a packing run whose first batch is not packed: each stops with the reason."""
+    import torch
+    from transformers import DynamicCache
+
+    from patches.errors import PatchError
+
+    patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path, facts={"packing": True})
+    with pytest.raises(PatchError, match="no packed batch|without a 4D block mask"):
+        packed_rows._before_first_step(None, None)
+    model = packing_model(demo_assets["model"])
+    row = packed_row(samples(model.config.text_config.vocab_size))
+    with torch.no_grad(), pytest.raises(PatchError, match="mask covers 64 positions but the row has 72 tokens"):
+        model(**{**row, "input_ids": torch.nn.functional.pad(row["input_ids"], (0, 8)), "labels": None,
+                 "position_ids": torch.nn.functional.pad(row["position_ids"], (0, 8))})  # fmt: skip
+    with torch.no_grad(), pytest.raises(PatchError, match="came with a cache"):
+        model(**{**row, "labels": None}, past_key_values=DynamicCache(config=model.config.text_config), use_cache=True)
 
 
 def test_segments_are_read_off_the_mask_with_padding_as_its_own_segment():

@@ -44,17 +44,19 @@ def patch_problems(patches: dict[str, dict[str, Any]], lf: dict[str, Any], *, ba
 
 
 def packing_problems(patches: dict[str, dict[str, Any]], lf: dict[str, Any]) -> list[tuple[str, str]]:
-    """Why a packing config would let the samples of a row see each other, if it would."""
-    key = "neat_packing" if lf.get("neat_packing") else "packing"
-    if not lf.get(key):
-        return []
-    problems = []
+    """Why a packing config would let the samples of a row see each other, or break, if it would."""
     stage = lf.get("stage", "sft")
+    key = "neat_packing" if lf.get("neat_packing") else "packing"
+    packs = bool(lf.get("neat_packing")) or (lf["packing"] if lf.get("packing") is not None else stage == "pt")
+    if not packs:
+        return []
+    shown = f"{key}: true" if lf.get(key) else "packing (LLaMA-Factory's default for stage pt)"
+    problems = []
     if stage != "sft":
         problems.append((key, (
-            f"{key}: true with stage {stage}: LLaMA-Factory packs stage {stage} rows as one token stream, so the "
+            f"{shown} with stage {stage}: LLaMA-Factory packs stage {stage} rows as one token stream, so the "
             "samples of a row would see each other and share DeltaNet state; samples are kept apart only for "
-            "stage sft. Remove packing, or train with stage: sft")))  # fmt: skip
+            "stage sft. Set packing: false, or train with stage: sft")))  # fmt: skip
     if lf.get("flash_attn") == "fa2":
         problems.append(("flash_attn", (
             f"flash_attn: fa2 with {key}: LLaMA-Factory 0.9.5 then replaces the Qwen3.5 decoder and DeltaNet "
@@ -63,7 +65,28 @@ def packing_problems(patches: dict[str, dict[str, Any]], lf: dict[str, Any]) -> 
     for name in ("deltanet_routing", "packed_rows"):
         if not patches.get(name, {}).get("enabled"):
             problems.append((f"launcher.patches.{name}", (
-                f"{key}: true needs launcher.patches.{name}: without it transformers' DeltaNet layers run a packed "
+                f"{shown} needs launcher.patches.{name}: without it transformers' DeltaNet layers run a packed "
                 "row as one sequence (the convolution and the recurrent state flow from one sample into the "
                 f"next); enable {name}, or turn packing off")))  # fmt: skip
+    if stage == "sft":
+        problems += _dummy_image_problems(patches, lf, shown)
     return problems
+
+
+def _dummy_image_problems(patches: dict[str, dict[str, Any]], lf: dict[str, Any], shown: str) -> list[tuple[str, str]]:
+    """LLaMA-Factory 0.9.5 appends its dummy image to a packed batch's first row without widening the packed
+    mask to match, so packing trains only when ``text_only_batches`` keeps the dummy out."""
+    from launcher.checks.data import dataset_media
+    from patches.text_only_batches import media_verdict
+
+    why = None if patches.get("text_only_batches", {}).get("enabled") else "launcher.patches.text_only_batches is off"
+    if why is None:
+        vision = not lf.get("freeze_vision_tower", True) or not lf.get("freeze_multi_modal_projector", True)
+        text_only, verdict = media_verdict({"dataset_media": dataset_media(lf), "vision_trainable": vision})
+        why = None if text_only else verdict
+    if why is None:
+        return []
+    return [("launcher.patches.text_only_batches", (
+        f"{shown} needs batches without LLaMA-Factory's dummy image (0.9.5 appends it to a packed batch's first "
+        f"row but not to its packed mask, and the first step fails), and here {why}; pack text-only data with "
+        "text_only_batches on and the vision tower frozen, or turn packing off"))]  # fmt: skip

@@ -149,8 +149,10 @@ def signal_rows(doc: dict[str, Any]) -> list[tuple[str, list[str]]]:
     crisis = [c["signals"]["crisis"] for c in cks]
     return [
         ("test loss", [_fmt(c.get("test_loss")) for c in cks]),
-        ("answer length (units, mean)", ["-" if c["signals"]["length"] is None else f"{c['signals']['length']:.1f}"
-                                         for c in cks]),  # fmt: skip
+        (
+            "answer length (units, mean)",
+            ["-" if c["signals"]["length"] is None else f"{c['signals']['length']:.1f}" for c in cks],
+        ),  # fmt: skip
         (
             "distinct-1 / distinct-2",
             [f"{_fmt(c['signals']['distinct_1'])} / {_fmt(c['signals']['distinct_2'])}" for c in cks],
