@@ -13,7 +13,8 @@ LLaMA-Factory exactly as a real run does):
    (``benchmarks.bench_assets``) from its config with random weights directly on this rank's device, in the
    dtype LLaMA-Factory asks for (other folders load normally); under FSDP2 (``accelerate launch``) it builds
    on the meta device instead and each rank materializes only its own shards (``benchmarks.fsdp_init``);
-4. times every ``Trainer.training_step`` (forward + backward, device synchronised before and after), the
+4. times every ``Trainer.training_step`` (forward + backward, device synchronised before and after) and the
+   host seconds Triton compiled and autotuned in it (``launcher.profiling.TRITON_CLOCK``), the
    period from its start to the next step's start (the whole optimizer step: forward, backward, optimizer,
    logging, the next batch; the last step has none) and
    reads the peak allocated memory after each step (``torch.cuda.max_memory_allocated``, the counter
@@ -177,8 +178,11 @@ def real_tokens(mask, ids) -> int | None:
 
 
 def install_step_timer(torch, dev, recorder: Recorder) -> None:
-    """Time each ``Trainer.training_step`` and the period between step starts; read peak memory after it."""
+    """Time each ``Trainer.training_step`` and the period between step starts, and the host seconds Triton spent
+    compiling and autotuning inside it; read peak memory after it."""
     from transformers import Trainer
+
+    from launcher.profiling import TRITON_CLOCK
 
     original = Trainer.training_step
     state: dict[str, Any] = {"last_start": None}
@@ -191,8 +195,10 @@ def install_step_timer(torch, dev, recorder: Recorder) -> None:
             recorder.data["steps"][-1]["period_s"] = round(start - state["last_start"], 4)
         state["last_start"] = start
         allocated = dev.module.memory_allocated() / 2**30 if dev.module is not None else None
+        clock = TRITON_CLOCK.read()
         result = original(self, model, inputs, *args, **kwargs)
         dev.sync()
+        compiled = {key: value - clock[key] for key, value in TRITON_CLOCK.read().items()}
         ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
         mask = inputs.get("attention_mask") if hasattr(inputs, "get") else None
         labels = inputs.get("labels") if hasattr(inputs, "get") else None
@@ -205,6 +211,8 @@ def install_step_timer(torch, dev, recorder: Recorder) -> None:
             "tokens": real_tokens(mask, ids),
             "seq_len": int(ids.shape[-1]) if ids is not None else None,
             "supervised_tokens": int((labels[..., 1:] != -100).sum()) if labels is not None else None,
+            "compile_autotune_s": round(compiled["compile_autotune_s"], 3),
+            "compiles": compiled["compiles"] + compiled["autotunes"],
             "allocated_at_start_gib": None if allocated is None else round(allocated, 3),
             "peak_allocated_gib": dev.peak_gib(),
         })  # fmt: skip
@@ -234,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
 
             guard = lift_hopper_guard()
         recorder.update(backend=backend, device=dev.name, fla_guard=guard, environment=recorded_environment())
+        from launcher.profiling import time_triton
+
+        time_triton()  # before any kernel runs: a JITFunction binds Triton's compile at its first call
         check = run_kernel_check(backend, launch["patches"], os.environ.get(KERNEL_CASES_ENV, ""))
         recorder.update(kernel_check=check)
         dev.reset_peak()  # the kernel check's memory is not the training's

@@ -296,8 +296,9 @@ def profile_summary(run_dir: Path, out: Path) -> dict[str, Any]:
 
 
 def lengths_summary(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
-    """Supervised tokens/s after the warm-up, the distinct padded lengths, and the seconds lost to steps that
-    met a length not seen before (each such step against a line fitted through the steps of seen lengths)."""
+    """Supervised tokens/s after the warm-up (all those steps; those in which Triton compiled and autotuned
+    nothing), the distinct padded lengths, and the seconds lost to steps that met a length not seen before (each
+    such step against a line fitted through the steps of seen lengths)."""
     measured = steps[warmup:] or steps
     seconds = sum(s["seconds"] for s in measured)
     supervised = sum(s.get("supervised_tokens") or 0 for s in measured)
@@ -314,12 +315,22 @@ def lengths_summary(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         lost = round(sum(max(0.0, s["seconds"] - (my + slope * (s["seq_len"] - mx))) for s in new), 2)
     repeat_seconds = sum(s["seconds"] for s in repeat)
     repeat_supervised = sum(s.get("supervised_tokens") or 0 for s in repeat)
+    quiet = [s for s in measured if s.get("compiles") == 0]  # bench_entry counts Triton's work in every step
+    quiet_seconds = sum(s["seconds"] for s in quiet)
+    quiet_supervised = sum(s.get("supervised_tokens") or 0 for s in quiet)
+    timed = [s["compile_autotune_s"] for s in steps if s.get("compile_autotune_s") is not None]
     return {
         "supervised_tokens_per_s": round(supervised / seconds, 1) if seconds and supervised else None,
         # the same over the steps of a length seen before: no compile for a new length in them
         "supervised_tokens_per_s_seen_lengths": round(repeat_supervised / repeat_seconds, 1)
         if repeat_seconds and repeat_supervised
         else None,
+        # the steady state: the steps after the warm-up in which nothing compiled
+        "supervised_tokens_per_s_no_compile": round(quiet_supervised / quiet_seconds, 1)
+        if quiet_seconds and quiet_supervised
+        else None,
+        "steps_without_compile": len(quiet),
+        "compile_autotune_s": round(sum(timed), 2) if timed else None,  # every step, the first included
         "distinct_seq_lens": len({s.get("seq_len") for s in steps}),
         "new_length_steps": len(new),
         "seconds_lost_to_new_lengths": lost,
@@ -352,7 +363,7 @@ def targets(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
         found[name] = row
     packed, unpacked = variants.get("spread-packed"), variants.get("spread")
     if packed and unpacked:
-        keys = ("supervised_tokens_per_s", "supervised_tokens_per_s_seen_lengths")
+        keys = ("supervised_tokens_per_s", "supervised_tokens_per_s_no_compile")
         found["spread-packed"] = {key: _gain(packed.get(key), unpacked.get(key), PACKING_GAIN_MIN) for key in keys}
     return found
 

@@ -184,7 +184,7 @@ class ProfileCallback:
                 self.summary: dict[str, Any] = {"profiled_steps": []}
                 self.profiler = _start_profiler(self.backend, self.warmup, self.steps, self.folder, self.rank,
                                                 self._summarize)  # fmt: skip
-                _wrap_triton()
+                time_triton()
                 if model is not None:
                     model.register_forward_pre_hook(self._length, with_kwargs=True)
                 self._sync()
@@ -293,7 +293,7 @@ class TritonClock:
 TRITON_CLOCK = TritonClock()
 
 
-def _wrap_triton() -> None:
+def time_triton() -> None:
     """Name Triton's compile and autotune work as profiler ranges and time it on ``TRITON_CLOCK`` (nothing to do
     where Triton is absent)."""
     try:

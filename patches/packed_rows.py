@@ -30,7 +30,15 @@ What this patch does:
    sample. Other masks go to the upstream forward unchanged (unpacked training, generation). A packed row
    with a cache (generation) or whose mask is not as long as the row (LLaMA-Factory's dummy image appended
    to a packed batch) stops the run.
-2. wraps ``SFTDataCollatorWith4DAttentionMask.__call__``: on every packed batch it checks that the text
+2. routes the full-attention layers of a packed row (``Qwen3_5Attention``, the MoE twin; through the ``sdpa``
+   entry of transformers' attention functions, which the layers look up at every call) to a varlen kernel
+   where the device has one: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention with ``cu_seqlens``)
+   on CUDA, ``torch_npu.npu_fusion_attention`` (layout ``TND`` with the samples' cumulative lengths, causal
+   ``sparse_mode`` 3) on NPU, bf16/fp16 only; elsewhere (CPU, fp32) the block mask stays with SDPA. Its first
+   call is checked against SDPA with the mask on the row's real tokens; a disagreement stops the run (the
+   option ``varlen_attention: false`` keeps the mask). Only the mask the DeltaNet layers read as packed rows
+   (the same tensor object) takes this path; every other call goes to SDPA unchanged.
+3. wraps ``SFTDataCollatorWith4DAttentionMask.__call__``: on every packed batch it checks that the text
    position ids restart at 0 at every sample start and never go back inside it, and stops the run otherwise.
 
 Nothing is shared between samples, which ``tests/test_packing.py`` shows on the tiny model: each sample's
@@ -38,9 +46,10 @@ loss and the LoRA gradients of a packed row equal those of the samples run alone
 planted leak (no convolution reset, or no ``cu_seqlens``) fails that comparison.
 
 Proof per rank: the first packed batch (rows, samples per row, position ids checked), the first packed
-DeltaNet call (kernel, ``cu_seqlens``, mask checked) and, at the first training step, the packed calls in it
-(recomputes included). When the launcher's facts say the run packs, a first batch that is not packed stops the
-run before the first step, and a first step whose DeltaNet layers met no packed row stops it before the second.
+DeltaNet call (kernel, ``cu_seqlens``, mask checked), the first packed attention call (kernel, its check) and,
+at the first training step, the packed calls in it (recomputes included). When the launcher's facts say the
+run packs, a first batch that is not packed stops the run before the first step, and a first step whose
+DeltaNet layers met no packed row stops it before the second.
 
 Versions: written and tested against transformers 5.6.0 and llamafactory 0.9.5 (``SUPPORTED``). Delete this
 patch when transformers' Qwen3.5 DeltaNet takes ``cu_seqlens`` from packed inputs by itself.
@@ -48,7 +57,10 @@ patch when transformers' Qwen3.5 DeltaNet takes ``cu_seqlens`` from packed input
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,7 +73,7 @@ from .errors import PatchError
 from .kernel_recorder import KernelRecorder
 from .proof import ProofFile, utc_now
 from .versions import require_symbols
-from .wrapping import unwrap, wrap_once
+from .wrapping import MARKER, ORIGINAL, unwrap, wrap_once
 
 NAME = "packed_rows"
 SUPPORTED = {"transformers": SpecifierSet(">=5.6.0,<5.7"), "llamafactory": SpecifierSet(">=0.9.5,<0.9.6")}
@@ -69,7 +81,15 @@ DELTANET = (
     ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet"),
     ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet"),
 )
+ATTENTION = (
+    ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5Attention"),
+    ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeAttention"),
+)
 COLLATOR = ("llamafactory.data.collator", "SFTDataCollatorWith4DAttentionMask")
+TORCH_VARLEN = "torch.nn.attention.varlen.varlen_attn"
+NPU_VARLEN = "torch_npu.npu_fusion_attention"
+MASKED = "sdpa with the block mask"
+VARLEN_AGREEMENT = 2e-2  # relative L2 difference to SDPA with the mask on real tokens (bf16 rounding is ~4e-3)
 FIX = "turn packing off (packing: false, neat_packing: false), or report the LLaMA-Factory/transformers versions"
 
 
@@ -78,6 +98,8 @@ class Options(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     enabled: bool = True
+    # attention of packed rows through a varlen kernel where the device has one (CUDA, NPU); false: the block mask
+    varlen_attention: bool = True
 
 
 @dataclass(frozen=True)
@@ -108,15 +130,32 @@ class Segments:
                                          for column in zip(*found, strict=True))  # fmt: skip
         return self._on_device[key]
 
-    def cu_seqlens_tensors(self, device) -> tuple[Any, Any]:
-        """``cu_seqlens`` on ``device`` and on the CPU (FLA takes both, so it never reads them back)."""
-        key = ("cu_seqlens", str(device))
+    def cu_seqlens_tensors(self, device, dtype=None) -> tuple[Any, Any]:
+        """``cu_seqlens`` on ``device`` and on the CPU (FLA takes both, so it never reads them back); int64
+        unless ``dtype`` (FlashAttention takes int32)."""
+        key = ("cu_seqlens", str(device), str(dtype))
         if key not in self._on_device:
             import torch
 
             bounds = self.cu_seqlens()
-            self._on_device[key] = (torch.tensor(bounds, dtype=torch.long, device=device),
-                                    torch.tensor(bounds, dtype=torch.long))  # fmt: skip
+            dtype = dtype or torch.long
+            self._on_device[key] = (torch.tensor(bounds, dtype=dtype, device=device),
+                                    torch.tensor(bounds, dtype=dtype))  # fmt: skip
+        return self._on_device[key]
+
+    def longest(self) -> int:
+        return max(end - start for _, start, end, _ in self.spans)
+
+    def real_tokens(self, device) -> Any:
+        """``[B * T]`` booleans: the tokens of samples (not padding), rows laid end to end."""
+        key = ("real", str(device))
+        if key not in self._on_device:
+            import torch
+
+            real = torch.zeros(self.rows * self.length, dtype=torch.bool)
+            for row, start, end, is_real in self.spans:
+                real[row * self.length + start : row * self.length + end] = is_real
+            self._on_device[key] = real.to(device)
         return self._on_device[key]
 
     def samples_per_row(self) -> list[int]:
@@ -260,8 +299,130 @@ def packed_forward(layer, hidden_states, found: Segments):
     return layer.out_proj(core)
 
 
+@functools.cache
+def torch_varlen_options() -> dict[str, Any] | None:
+    """How this torch's ``varlen_attn`` is told to be causal and to share key heads (its arguments changed
+    between releases: ``is_causal`` in 2.10, ``window_size`` and ``enable_gqa`` later); None where it is absent
+    or cannot be made causal."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:
+        causal: dict[str, Any] = {"window_size": (-1, 0)}
+    elif "is_causal" in params:
+        causal = {"is_causal": True}
+    else:
+        return None
+    return {"causal": causal, "scale": "scale" in params, "gqa": "enable_gqa" in params}
+
+
+def varlen_kernel(query, scaling: float | None, dropout: float) -> str | None:
+    """The varlen attention kernel for ``query``'s device and dtype, or None where the block mask is used."""
+    import torch
+
+    if dropout or query.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if query.device.type == "npu":
+        return NPU_VARLEN
+    if query.device.type != "cuda" or torch.cuda.get_device_capability(query.device)[0] < 8:
+        return None
+    options = torch_varlen_options()
+    if options is None or (not options["scale"] and scaling not in (None, query.shape[-1] ** -0.5)):
+        return None
+    return TORCH_VARLEN
+
+
+def varlen_attention(kernel: str, query, key, value, found: Segments, scaling: float | None):
+    """Causal attention inside every segment of packed rows: ``query`` ``[B, H, T, D]``, ``key``/``value``
+    ``[B, Hkv, T, D]`` (the layout transformers' attention functions take) to ``[B, T, H, D]`` (the one they
+    return), the rows laid end to end as the varlen kernels take them."""
+    import torch
+
+    rows, heads, length, _ = query.shape
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    q, k, v = (t.transpose(1, 2).reshape(rows * length, t.shape[1], t.shape[-1]) for t in (query, key, value))
+    if kernel == NPU_VARLEN:
+        import torch_npu
+
+        ends = found.cu_seqlens()[1:]  # cumulative lengths without the leading 0
+        tile = found._on_device.get(("npu_tile", str(q.device)))
+        if tile is None:  # sparse_mode 3 takes a compressed 2048 x 2048 causal tile (True: masked)
+            tile = torch.ones(2048, 2048, dtype=torch.bool, device=q.device).triu(1)
+            found._on_device[("npu_tile", str(q.device))] = tile
+        out = torch_npu.npu_fusion_attention(q, k, v, heads, "TND", atten_mask=tile, scale=scaling, sparse_mode=3,
+                                             actual_seq_qlen=ends, actual_seq_kvlen=ends)[0]  # fmt: skip
+    else:
+        from torch.nn.attention.varlen import varlen_attn
+
+        options = torch_varlen_options()
+        extra = dict(options["causal"])
+        if options["scale"]:
+            extra["scale"] = scaling
+        if k.shape[1] != heads:
+            if options["gqa"]:
+                extra["enable_gqa"] = True
+            else:
+                k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+        cu, _ = found.cu_seqlens_tensors(q.device, torch.int32)
+        longest = found.longest()
+        out = varlen_attn(q, k, v, cu, cu, longest, longest, **extra)
+    return out.reshape(rows, length, heads, out.shape[-1])
+
+
+def agreement(out, reference, found: Segments) -> float:
+    """Relative L2 difference of two ``[B, T, H, D]`` attention outputs on the real tokens (padding rows
+    attend to nothing under the mask, so their outputs are arbitrary)."""
+    real = found.real_tokens(out.device)
+    a, b = (t.reshape(found.rows * found.length, -1)[real].float() for t in (out, reference))
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
 _state: dict[str, Any] = {}
 _cache: dict[str, Any] = {}  # the last mask's segments: every DeltaNet layer of a forward gets the same mask
+
+
+def _packed_segments(mask) -> Segments | None:
+    """The segments of ``mask`` when it is the mask the DeltaNet layers read as packed rows, else None."""
+    held = _cache.get("mask")
+    return _cache["segments"] if mask is not None and held is not None and held() is mask else None
+
+
+def _make_attention(original):
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        found = _packed_segments(attention_mask) if _state and isinstance(module, _state["attention"]) else None
+        if found is None:
+            return original(module, query, key, value, attention_mask, *args, **kwargs)
+        scaling, dropout = kwargs.get("scaling"), kwargs.get("dropout", 0.0)
+        kernel = varlen_kernel(query, scaling, dropout) if _state["varlen_attention"] else None
+        if kernel is None:
+            out = original(module, query, key, value, attention_mask, *args, **kwargs)
+        else:
+            out = (varlen_attention(kernel, query, key, value, found, scaling), None)
+        if not _state.get("first_attention"):
+            _state["first_attention"] = True
+            record = {"kernel": kernel or MASKED, "device": str(query.device), "dtype": str(query.dtype),
+                      "heads": query.shape[1], "key_heads": key.shape[1], "head_dim": query.shape[-1]}  # fmt: skip
+            if kernel is not None:
+                import torch
+
+                with torch.no_grad():
+                    reference = original(module, query, key, value, attention_mask, *args, **kwargs)[0]
+                difference = agreement(out[0].detach(), reference, found)
+                record.update(checked_against=MASKED, relative_l2_difference=round(difference, 6),
+                              limit=VARLEN_AGREEMENT)  # fmt: skip
+                if not difference <= VARLEN_AGREEMENT:
+                    _state["proof"].update(first_packed_attention=record, status="failed")
+                    raise PatchError(NAME, (
+                        f"the varlen attention kernel {kernel} disagrees with SDPA under the block mask on the first "
+                        f"packed row (relative difference {difference:.3g}, limit {VARLEN_AGREEMENT})"),
+                        "set launcher.patches.packed_rows.varlen_attention: false to keep the block mask, and report "
+                        "the torch/torch_npu versions")  # fmt: skip
+            _state["proof"].update(first_packed_attention={**record, "recorded_at": utc_now()})
+        return out
+
+    return attention
 
 
 def _segments_of(mask) -> Segments:
@@ -365,23 +526,61 @@ def check_symbols() -> None:
         if missing:
             raise PatchError(NAME, f"{class_name}.__init__ no longer sets {', '.join(missing)}",
                              "install transformers>=5.6.0,<5.7, or turn packing off")  # fmt: skip
+    for module_name, class_name in ATTENTION:
+        require_symbols(NAME, module_name, (class_name,), "transformers")
+    utils = require_symbols(NAME, "transformers.modeling_utils", ("ALL_ATTENTION_FUNCTIONS",), "transformers")
+    if "sdpa" not in utils.ALL_ATTENTION_FUNCTIONS:
+        raise PatchError(NAME, "transformers' attention functions have no 'sdpa' entry",
+                         "install transformers>=5.6.0,<5.7, or turn packing off")  # fmt: skip
     require_symbols(NAME, COLLATOR[0], (COLLATOR[1],), "llamafactory")
 
 
 def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dict[str, Any]) -> dict[str, Any]:
-    """Wrap the DeltaNet forwards and the 4D collator once (idempotent)."""
+    """Wrap the DeltaNet forwards, the ``sdpa`` attention function and the 4D collator once (idempotent)."""
+    varlen = bool(options.get("varlen_attention", True))
     for module_name, class_name in DELTANET:
         wrap_once(getattr(importlib.import_module(module_name), class_name), "forward", NAME, _make_forward)
     wrap_once(getattr(importlib.import_module(COLLATOR[0]), COLLATOR[1]), "__call__", NAME, _make_collate)
+    _install_attention()
     _state.clear()
     _cache.clear()
-    _state.update(proof=proof, packing=bool(facts.get("packing")), calls=0, batches=0, samples=0, rows=0)
+    _state.update(proof=proof, packing=bool(facts.get("packing")), calls=0, batches=0, samples=0, rows=0,
+                  varlen_attention=varlen,
+                  attention=tuple(getattr(importlib.import_module(m), c) for m, c in ATTENTION))  # fmt: skip
     trainer_hook.on_first_training_step(NAME, before=_before_first_step, after=_after_first_step)
     trainer_hook.on_training_step(NAME, 2, before=_before_second_step)
     return {
-        "replaced": [f"{m}.{c}.forward" for m, c in DELTANET] + [".".join(COLLATOR) + ".__call__"],
+        "replaced": [f"{m}.{c}.forward" for m, c in DELTANET] + [".".join(COLLATOR) + ".__call__",
+                                                                   "ALL_ATTENTION_FUNCTIONS['sdpa']"],
         "packing": _state["packing"],
-    }
+        "varlen_attention": varlen,
+    }  # fmt: skip
+
+
+def _install_attention() -> None:
+    """Put the packed-row attention in front of the ``sdpa`` entry of transformers' attention functions (the
+    entry's own override, once; ``restore`` puts back what was there)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    current = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if getattr(current, MARKER, None) == NAME:
+        return
+    wrapper = functools.update_wrapper(_make_attention(current), current)
+    setattr(wrapper, MARKER, NAME)
+    setattr(wrapper, ORIGINAL, current)
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = wrapper
+
+
+def _remove_attention() -> None:
+    module = sys.modules.get("transformers.modeling_utils")
+    functions = getattr(module, "ALL_ATTENTION_FUNCTIONS", None)
+    current = functions._local_mapping.get("sdpa") if functions is not None else None
+    if current is not None and getattr(current, MARKER, None) == NAME:
+        previous = getattr(current, ORIGINAL)
+        if previous is functions._global_mapping.get("sdpa"):
+            del functions["sdpa"]
+        else:
+            functions["sdpa"] = previous
 
 
 def _before_first_step(trainer, model) -> None:
@@ -426,5 +625,6 @@ def restore() -> None:
     for module_name, class_name in DELTANET:
         unwrap(module_name, class_name, "forward", NAME)
     unwrap(*COLLATOR, "__call__", NAME)
+    _remove_attention()
     _state.clear()
     _cache.clear()

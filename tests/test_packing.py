@@ -112,6 +112,8 @@ def test_each_packed_sample_equals_the_sample_alone_and_so_do_the_lora_gradients
     first = read_proof(tmp_path, "packed_rows")["first_packed_call"]
     assert first["samples_per_row"] == [3] and first["row_length"] == ROW
     assert first["kernel_label"] == "torch" and first["mask"].endswith("(checked)")
+    attention = read_proof(tmp_path, "packed_rows")["first_packed_attention"]
+    assert attention["kernel"] == packed_rows.MASKED and attention["device"] == "cpu"  # fp32 on CPU: no varlen
     assert any("lora_A" in n for n, p in model.named_parameters() if p.requires_grad)
 
 
@@ -166,6 +168,136 @@ def test_a_packed_row_that_cannot_be_split_stops_the_run(tmp_path, demo_assets):
                  "position_ids": torch.nn.functional.pad(row["position_ids"], (0, 8))})  # fmt: skip
     with torch.no_grad(), pytest.raises(PatchError, match="came with a cache"):
         model(**{**row, "labels": None}, past_key_values=DynamicCache(config=model.config.text_config), use_cache=True)
+
+
+def attention_per_segment(query, key, value, found, scaling=None):
+    """``[B, H, T, D]`` to ``[B, T, H, D]``: causal SDPA over every segment alone, which is what a varlen kernel
+    computes; key heads shared by groups of query heads."""
+    import torch
+    import torch.nn.functional as F
+
+    rows, heads, length, _ = query.shape
+    out = torch.zeros(rows, length, heads, value.shape[-1], dtype=query.dtype, device=query.device)
+    for row, start, end, _ in found.spans:
+        part = F.scaled_dot_product_attention(query[row : row + 1, :, start:end], key[row : row + 1, :, start:end],
+                                              value[row : row + 1, :, start:end], is_causal=True, scale=scaling,
+                                              enable_gqa=True)  # fmt: skip
+        out[row, start:end] = part[0].transpose(0, 1)
+    return out
+
+
+@pytest.mark.usefixtures("restore_patches")
+def test_packed_attention_through_a_varlen_kernel_keeps_samples_apart_and_its_check_catches_a_leak(
+    tmp_path, demo_assets, monkeypatch
+):
+    """The attention layers' varlen route, end to end on the tiny model: with a stand-in kernel (FlashAttention
+    and ``npu_fusion_attention`` do not run on CPU; the stand-in is causal SDPA per segment, their definition)
+    the packed row still equals its samples alone, and the first call's check against the block mask is
+    recorded. A kernel that lets samples see each other (causal over the whole row) stops the run at that check."""
+    from patches.errors import PatchError
+
+    calls = []
+
+    def stand_in(kernel, query, key, value, found, scaling):
+        calls.append(kernel)
+        return attention_per_segment(query, key, value, found, scaling)
+
+    monkeypatch.setattr(packed_rows, "varlen_kernel", lambda query, scaling, dropout: "stand-in varlen")
+    monkeypatch.setattr(packed_rows, "varlen_attention", stand_in)
+    patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)
+    model = packing_model(demo_assets["model"])
+    parts = samples(model.config.text_config.vocab_size)
+    loss_gap, grad_gap = compare(model, parts)
+    assert loss_gap < 1e-4 and grad_gap < 1e-4, (loss_gap, grad_gap)
+    attention = read_proof(tmp_path, "packed_rows")["first_packed_attention"]
+    assert attention["kernel"] == "stand-in varlen" and attention["checked_against"] == packed_rows.MASKED
+    assert attention["relative_l2_difference"] < 1e-5 and calls
+
+    def leaking(kernel, query, key, value, found, scaling):
+        whole = packed_rows.Segments(found.rows, found.length, tuple((r, 0, found.length, True)
+                                     for r in range(found.rows)), found.position)  # fmt: skip
+        return attention_per_segment(query, key, value, whole, scaling)
+
+    packed_rows.restore()
+    monkeypatch.setattr(packed_rows, "varlen_attention", leaking)
+    patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path / "leak")
+    import torch
+
+    with torch.no_grad(), pytest.raises(PatchError, match="disagrees with SDPA under the block mask"):
+        model(**packed_row(parts))
+    assert read_proof(tmp_path / "leak", "packed_rows")["status"] == "failed"
+
+
+def test_the_npu_varlen_call_passes_tnd_layout_cumulative_lengths_and_the_causal_tile(monkeypatch):
+    """``npu_fusion_attention`` cannot run here (no NPU, no CANN): a stand-in ``torch_npu`` checks the call as
+    Ascend documents it (layout ``TND``, ``actual_seq_qlen``/``actual_seq_kvlen`` the cumulative sample lengths
+    without the leading 0, ``sparse_mode`` 3 with the compressed 2048 x 2048 causal tile, ``head_num`` the query
+    heads, key heads shared) and computes attention by that definition."""
+    import sys
+    import types
+
+    import torch
+    from llamafactory.data.collator import prepare_4d_attention_mask
+
+    seen = {}
+
+    def npu_fusion_attention(query, key, value, head_num, input_layout, *, atten_mask, scale, sparse_mode,
+                             actual_seq_qlen, actual_seq_kvlen):  # fmt: skip
+        seen.update(layout=input_layout, sparse_mode=sparse_mode, ends=list(actual_seq_qlen), heads=head_num)
+        assert actual_seq_kvlen == actual_seq_qlen and actual_seq_qlen[-1] == query.shape[0]
+        assert atten_mask.dtype == torch.bool and atten_mask.shape == (2048, 2048)
+        assert torch.equal(atten_mask, torch.ones(2048, 2048, dtype=torch.bool).triu(1))
+        out = torch.empty(query.shape[0], head_num, value.shape[-1], dtype=query.dtype)
+        for start, end in zip([0, *actual_seq_qlen[:-1]], actual_seq_qlen, strict=True):
+            part = torch.nn.functional.scaled_dot_product_attention(
+                *(t[start:end].transpose(0, 1)[None] for t in (query, key, value)), is_causal=True, scale=scale,
+                enable_gqa=True)  # fmt: skip
+            out[start:end] = part[0].transpose(0, 1)
+        return out, None, None, None, 0, 0, 0
+
+    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu_fusion_attention=npu_fusion_attention))
+    torch.manual_seed(0)
+    numbered = torch.tensor([[1] * 9 + [2] * 20 + [0] * 3, [1] * 16 + [2] * 16])
+    found = packed_rows.segments(prepare_4d_attention_mask(numbered, torch.float32))
+    query, key, value = torch.randn(2, 6, 32, 8), torch.randn(2, 2, 32, 8), torch.randn(2, 2, 32, 8)
+    ours = packed_rows.varlen_attention(packed_rows.NPU_VARLEN, query, key, value, found, 0.3)
+    assert seen == {"layout": "TND", "sparse_mode": 3, "ends": [9, 29, 32, 48, 64], "heads": 6}
+    torch.testing.assert_close(ours, attention_per_segment(query, key, value, found, 0.3), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="FlashAttention's varlen kernel needs CUDA")
+def test_the_cuda_varlen_kernel_equals_the_block_mask_forward_and_backward():
+    """The real ``varlen_attn`` on the 27B attention shape (24 query heads, 4 key heads, head dim 256, bf16)
+    against SDPA under LLaMA-Factory's block mask: outputs and the gradients of q, k, v on real tokens."""
+    import torch
+    from llamafactory.data.collator import prepare_4d_attention_mask
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    numbered = torch.tensor([[1] * 700 + [2] * 1200 + [3] * 100 + [0] * 48, [1] * 2000 + [2] * 48])
+    mask = prepare_4d_attention_mask(numbered, torch.bfloat16).cuda()
+    found = packed_rows.segments(mask)
+    module = types_module = __import__("types").SimpleNamespace(is_causal=True, num_key_value_groups=6, training=True)
+    del types_module
+    query = torch.randn(2, 24, 2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    key = torch.randn(2, 4, 2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    value = torch.randn(2, 4, 2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kernel = packed_rows.varlen_kernel(query, 256**-0.5, 0.0)
+    assert kernel == packed_rows.TORCH_VARLEN, packed_rows.torch_varlen_options()
+    results = []
+    for run in ("varlen", "mask"):
+        if run == "varlen":
+            out = packed_rows.varlen_attention(kernel, query, key, value, found, 256**-0.5)
+        else:
+            out = sdpa_attention_forward(module, query, key, value, mask, scaling=256**-0.5)[0]
+        real = found.real_tokens("cuda").reshape(2, 2048)
+        (out[real].float() ** 2).sum().backward()
+        results.append((out.detach(), [t.grad.clone() for t in (query, key, value)]))
+        for t in (query, key, value):
+            t.grad = None
+    assert packed_rows.agreement(results[0][0], results[1][0], found) < packed_rows.VARLEN_AGREEMENT
+    for ours, reference in zip(results[0][1], results[1][1], strict=True):
+        assert float((ours.float() - reference.float()).norm() / reference.float().norm()) < 5e-2
 
 
 def test_segments_are_read_off_the_mask_with_padding_as_its_own_segment():

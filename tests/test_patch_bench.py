@@ -109,6 +109,18 @@ def test_lengths_summary_counts_new_lengths_and_the_time_they_lost():
     assert summary["distinct_seq_lens"] == 3 and summary["new_length_steps"] == 2
     assert summary["seconds_lost_to_new_lengths"] == pytest.approx(9.0)
     assert summary["supervised_tokens_per_s"] == pytest.approx((500 + 1000 + 500 + 1000 + 1500) / 18.0, rel=1e-3)
+    assert summary["supervised_tokens_per_s_no_compile"] is None  # steps that carry no compile count: none
+
+
+def test_the_steady_state_leaves_out_the_steps_in_which_triton_compiled():
+    steps = [{"seq_len": 1000, "seconds": 30.0, "supervised_tokens": 500, "compiles": 40, "compile_autotune_s": 28.0}]
+    steps += [{"seq_len": n, "seconds": n / 1000, "supervised_tokens": n // 2, "compiles": 0,
+               "compile_autotune_s": 0.0} for n in (1000, 2000, 1500)]  # fmt: skip
+    steps += [{"seq_len": 3000, "seconds": 12.0, "supervised_tokens": 1500, "compiles": 3, "compile_autotune_s": 9.0}]
+    summary = patch_bench.lengths_summary(steps, warmup=1)
+    assert summary["supervised_tokens_per_s_no_compile"] == pytest.approx(500.0)  # (500+1000+750) / 4.5 s
+    assert summary["steps_without_compile"] == 3 and summary["compile_autotune_s"] == pytest.approx(37.0)
+    assert summary["supervised_tokens_per_s"] == pytest.approx(3750 / 16.5, rel=1e-3)
 
 
 def test_random_init_builds_a_marked_folder_without_weights(tmp_path, monkeypatch):
