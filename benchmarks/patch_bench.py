@@ -11,13 +11,15 @@ cache the earlier variants filled: ``TRITON_CACHE_DIR`` is ``DIR/triton-cache`` 
 (``on``'s config through ``launcher profile`` instead of ``launcher run``: 5 steps, the last ``5 - --warmup``
 of them profiled), ``spread-packed`` (the spread's samples with ``packing: true``: rows of 4,096 tokens holding
 several samples each; the packing issue's target is 1.5x the supervised tokens/s of ``spread``),
-``spread-packed-profile`` (``spread-packed`` through ``launcher profile``, like ``profile``).
+``spread-packed-profile`` (``spread-packed`` through ``launcher profile``, like ``profile``), ``short`` and
+``short-packed`` (the same pair with samples of about 500 to 2,048 tokens).
 
 1. ``DIR/model``: a config-only folder of the Qwen3.5-27B shape (``--shape 27b``; ``tiny`` for a CPU run of
    the plumbing) with the demo tokenizer and a matching processor (``benchmarks.bench_assets``); the rank
    entry builds the model from it with random weights on the device.
 2. ``DIR/data-<cutoff>``: samples longer than ``cutoff_len`` on both sides, so every step sees exactly the
-   cutoff (4096 for ``27b``, 256 for ``tiny``, times the variant's factor); ``DIR/data-spread`` for the spread.
+   cutoff (4096 for ``27b``, 256 for ``tiny``, times the variant's factor); ``DIR/data-spread`` and
+   ``DIR/data-short`` for the spreads.
 3. ``DIR/configs/<variant>.yaml``: the seed's LoRA settings (r8 on q/k/v/o, batch 1, bf16 on CUDA, gradient
    checkpointing on) for ``--steps`` steps (or the variant's own), ``launcher.entry: benchmarks.bench_entry``.
 4. ``python -m launcher run CONFIG --quiet`` for each variant (``profile``: ``python -m launcher profile CONFIG
@@ -28,9 +30,11 @@ several samples each; the packing issue's target is 1.5x the supervised tokens/s
    is not lifted (kernel; the rank entry runs the kernel check instead), the folder has no weights (model), and
    the samples are longer than the cutoff on purpose, which a formal run's data check refuses (data_stats).
 5. ``DIR/results.json``: per variant the run's end state, step times (median after ``--warmup`` steps),
-   tokens/s = tokens per step / median forward+backward time, the step period and LLaMA-Factory's own
-   throughput, peak allocated memory, which kernel ran (proof records), how layers were checkpointed in the
-   first step, and the kernel check of the rank process; then the targets (docs/benchmarks.md) are compared.
+   tokens/s = tokens per step / median forward+backward time, supervised tokens/s after the warm-up (all
+   steps, and the steady state: only the steps in which Triton compiled nothing), the step period and
+   LLaMA-Factory's own throughput, peak allocated memory, which kernel ran (proof records), how layers were
+   checkpointed in the first step, and the kernel check of the rank process; then the targets
+   (docs/benchmarks.md) are compared.
    ``profile`` adds the run's ``profile.json`` (``launcher/results/profile_report.py``) and ``profile.md``, which
    is also copied to ``DIR/profile.md``; the traces stay in the run directory (their paths are in the results).
 """
@@ -69,10 +73,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "profile": {"steps": 5, "profile": True},
     "spread-packed": {"data": "spread", "steps": 24, "lf": {"packing": True}},
     "spread-packed-profile": {"data": "spread", "steps": 5, "profile": True, "lf": {"packing": True}},
+    # shorter samples (about 500 to 2,048 tokens): where several share a row
+    "short": {"data": "short", "steps": 32},
+    "short-packed": {"data": "short", "steps": 24, "lf": {"packing": True}},
 }
 VARIANT_PATCHES = {name: v.get("patches", {}) for name, v in VARIANTS.items()}
 CUTOFF = {"27b": 4096, "tiny": 256}
-SPREAD = {"27b": (1000, 4096), "tiny": (64, 256)}
+# data name -> (fewest, most tokens) per shape, and how many samples (enough for the packed variant's steps)
+SPREAD = {
+    "spread": ({"27b": (1000, 4096), "tiny": (64, 256)}, 40),
+    "short": ({"27b": (500, 2048), "tiny": (32, 128)}, 80),
+}
 # through `launcher run` on one H200, 27B shape (the performance issue's targets)
 TARGETS: dict[str, dict[str, float]] = {
     "on": {"peak_max": 56.0, "tokens_per_s_min": 2790.0},
@@ -112,10 +123,11 @@ def cutoff_of(variant: str, shape: str) -> int:
 
 def data_dir(out: Path, variant: str, shape: str) -> tuple[Path, str]:
     """The dataset folder and name of a variant (one folder per cutoff, one for the spread)."""
-    from benchmarks.bench_assets import DATASET, SPREAD
+    from benchmarks.bench_assets import DATASET
+    from benchmarks.bench_assets import SPREAD as SPREAD_NAME
 
-    if VARIANTS[variant].get("data") == "spread":
-        return out / "data-spread", SPREAD
+    if VARIANTS[variant].get("data") in SPREAD:
+        return out / f"data-{VARIANTS[variant]['data']}", SPREAD_NAME
     return out / f"data-{cutoff_of(variant, shape)}", DATASET
 
 
@@ -224,8 +236,8 @@ def _proof_summary(run_dir: Path) -> dict[str, Any]:
                   if k in ("status", "first_call", "first_batch", "dummy_image", "why", "evaluations", "multiple")}
            for name in ("chunked_loss", "text_only_batches", "final_eval_once", "pad_lengths")},
         "packed_rows": {k: v for k, v in _read_json(run_dir / "proof" / "rank0" / "packed_rows.json").items()
-                        if k in ("status", "packing", "first_packed_batch", "first_packed_call", "first_training_step",
-                                 "error")},
+                        if k in ("status", "packing", "first_packed_batch", "first_packed_call",
+                                 "first_packed_attention", "first_training_step", "error")},
     }  # fmt: skip
 
 
@@ -361,10 +373,11 @@ def targets(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
             row["tokens_per_s"] = {"value": tps, "minimum": least, "met": tps is not None and tps >= least,
                                    "shortfall": None if tps is None else round(1 - tps / least, 4)}  # fmt: skip
         found[name] = row
-    packed, unpacked = variants.get("spread-packed"), variants.get("spread")
-    if packed and unpacked:
-        keys = ("supervised_tokens_per_s", "supervised_tokens_per_s_no_compile")
-        found["spread-packed"] = {key: _gain(packed.get(key), unpacked.get(key), PACKING_GAIN_MIN) for key in keys}
+    for name in ("spread", "short"):
+        packed, unpacked = variants.get(f"{name}-packed"), variants.get(name)
+        if packed and unpacked:
+            keys = ("supervised_tokens_per_s", "supervised_tokens_per_s_no_compile")
+            found[f"{name}-packed"] = {key: _gain(packed.get(key), unpacked.get(key), PACKING_GAIN_MIN) for key in keys}
     return found
 
 
@@ -383,8 +396,9 @@ def prepare_assets(out: Path, shape: str, samples: int, variants: list[str]) -> 
         folder, _ = data_dir(out, variant, shape)
         if folder.exists():
             continue
-        if VARIANTS[variant].get("data") == "spread":
-            write_spread_dataset(folder, model, *SPREAD[shape], samples=max(samples, 40))
+        if VARIANTS[variant].get("data") in SPREAD:
+            bounds, least = SPREAD[VARIANTS[variant]["data"]]
+            write_spread_dataset(folder, model, *bounds[shape], samples=max(samples, least))
         else:
             write_dataset(folder, model, cutoff_of(variant, shape), samples=samples)
     (out / "model_parameters.json").write_text(json.dumps(count_parameters(model), indent=2) + "\n")

@@ -21,7 +21,7 @@ DEFAULTS = {
     "text_only_batches": {"enabled": True},
     "final_eval_once": {"enabled": True},
     "pad_lengths": {"enabled": False, "multiple": 256},  # the one patch that is off unless named
-    "packed_rows": {"enabled": True},
+    "packed_rows": {"enabled": True, "varlen_attention": True},
 }
 
 
