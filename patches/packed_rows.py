@@ -334,6 +334,15 @@ def varlen_kernel(query, scaling: float | None, dropout: float) -> str | None:
     return TORCH_VARLEN
 
 
+@functools.cache
+def npu_causal_tile(device: str):
+    """The compressed causal tile ``npu_fusion_attention`` takes with ``sparse_mode`` 3: 2048 x 2048, True above
+    the diagonal (masked)."""
+    import torch
+
+    return torch.ones(2048, 2048, dtype=torch.bool, device=device).triu(1)
+
+
 def varlen_attention(kernel: str, query, key, value, found: Segments, scaling: float | None):
     """Causal attention inside every segment of packed rows: ``query`` ``[B, H, T, D]``, ``key``/``value``
     ``[B, Hkv, T, D]`` (the layout transformers' attention functions take) to ``[B, T, H, D]`` (the one they
@@ -347,12 +356,9 @@ def varlen_attention(kernel: str, query, key, value, found: Segments, scaling: f
         import torch_npu
 
         ends = found.cu_seqlens()[1:]  # cumulative lengths without the leading 0
-        tile = found._on_device.get(("npu_tile", str(q.device)))
-        if tile is None:  # sparse_mode 3 takes a compressed 2048 x 2048 causal tile (True: masked)
-            tile = torch.ones(2048, 2048, dtype=torch.bool, device=q.device).triu(1)
-            found._on_device[("npu_tile", str(q.device))] = tile
-        out = torch_npu.npu_fusion_attention(q, k, v, heads, "TND", atten_mask=tile, scale=scaling, sparse_mode=3,
-                                             actual_seq_qlen=ends, actual_seq_kvlen=ends)[0]  # fmt: skip
+        out = torch_npu.npu_fusion_attention(q, k, v, heads, "TND", atten_mask=npu_causal_tile(str(q.device)),
+                                             scale=scaling, sparse_mode=3, actual_seq_qlen=ends,
+                                             actual_seq_kvlen=ends)[0]  # fmt: skip
     else:
         from torch.nn.attention.varlen import varlen_attn
 
