@@ -65,7 +65,9 @@ DEFAULT_ON = {"deltanet_routing": True, "checkpoint_all_layers": True, "chunked_
               "final_eval_once": True, "pad_lengths": False, "packed_rows": True}  # fmt: skip
 
 
-@pytest.mark.parametrize("variant", ["on", "off", "budget120", "spread-pad256", "ctx64k", "spread-packed"])
+@pytest.mark.parametrize(
+    "variant", ["on", "off", "budget120", "spread-pad256", "ctx64k", "spread-packed", "short-packed"]
+)
 def test_variant_configs_pass_the_launchers_validation(tmp_path, variant):
     bench_assets.write_model_dir(tmp_path / "model", "tiny")
     config = patch_bench.run_config(tmp_path, variant, "27b", "cuda", steps=6)
@@ -79,7 +81,8 @@ def test_variant_configs_pass_the_launchers_validation(tmp_path, variant):
     cutoff = 65536 if variant == "ctx64k" else 4096
     assert (lf["cutoff_len"], lf["per_device_train_batch_size"], lf["lora_rank"], lf["bf16"]) == (cutoff, 1, 8, True)
     assert lf["lora_target"] == "q_proj,k_proj,v_proj,o_proj" and lf["gradient_checkpointing"] is True
-    assert lf["dataset"] == ("bench_spread" if variant.startswith("spread") else "bench_long")
+    assert lf["dataset"] == ("bench_spread" if variant.startswith(("spread", "short")) else "bench_long")
+    assert lf["dataset_dir"].endswith("data-short" if variant.startswith("short") else "")
     enabled = {name: options["enabled"] for name, options in loaded.patches.items()}
     if variant == "off":
         assert not any(enabled.values())
@@ -87,7 +90,7 @@ def test_variant_configs_pass_the_launchers_validation(tmp_path, variant):
         assert enabled == {**DEFAULT_ON, "pad_lengths": variant == "spread-pad256"}
     if variant == "budget120":
         assert loaded.patches["checkpoint_all_layers"]["memory_budget_gib"] == 120.0
-    assert lf.get("packing", False) is (variant == "spread-packed")
+    assert lf.get("packing", False) is variant.endswith("-packed")
 
 
 def test_spread_samples_span_the_asked_lengths(tmp_path):
