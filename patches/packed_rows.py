@@ -73,7 +73,7 @@ from .errors import PatchError
 from .kernel_recorder import KernelRecorder
 from .proof import ProofFile, utc_now
 from .versions import require_symbols
-from .wrapping import MARKER, ORIGINAL, unwrap, wrap_once
+from .wrapping import unwrap, wrap_once
 
 NAME = "packed_rows"
 SUPPORTED = {"transformers": SpecifierSet(">=5.6.0,<5.7"), "llamafactory": SpecifierSet(">=0.9.5,<0.9.6")}
@@ -386,13 +386,40 @@ def agreement(out, reference, found: Segments) -> float:
 
 
 _state: dict[str, Any] = {}
-_cache: dict[str, Any] = {}  # the last mask's segments: every DeltaNet layer of a forward gets the same mask
+_cache: dict[str, Any] = {}  # "held": (weakref to the last packed mask, its segments); one mask per forward
 
 
 def _packed_segments(mask) -> Segments | None:
     """The segments of ``mask`` when it is the mask the DeltaNet layers read as packed rows, else None."""
-    held = _cache.get("mask")
-    return _cache["segments"] if mask is not None and held is not None and held() is mask else None
+    held = _cache.get("held")
+    return held[1] if mask is not None and held is not None and held[0]() is mask else None
+
+
+def _segments_of(mask) -> Segments:
+    """Segments of ``mask``, read once per mask object (recompute in the backward passes the same object)."""
+    found = _packed_segments(mask)
+    if found is None:
+        found = segments(mask)
+        _cache["held"] = (weakref.ref(mask), found)
+    return found
+
+
+def _check_attention(kernel, out, reference, found: Segments, record: dict[str, Any]) -> None:
+    """Compare the varlen kernel's output with SDPA under the mask on the real tokens; stop the run when they
+    disagree. Recorded as ``first_packed_attention`` and, on the first row holding several samples (only there
+    would a kernel that ignores the sample boundaries show), ``first_multi_sample_attention``."""
+    difference = agreement(out.detach(), reference, found)
+    record.update(samples_per_row=found.samples_per_row(), checked_against=MASKED, limit=VARLEN_AGREEMENT,
+                  relative_l2_difference=round(difference, 6), recorded_at=utc_now())  # fmt: skip
+    key = "first_packed_attention" if not _state.get("first_attention") else "first_multi_sample_attention"
+    if not difference <= VARLEN_AGREEMENT:
+        _state["proof"].update(**{key: record, "status": "failed"})
+        raise PatchError(NAME, (
+            f"the varlen attention kernel {kernel} disagrees with SDPA under the block mask on a packed row "
+            f"(relative difference {difference:.3g}, limit {VARLEN_AGREEMENT})"),
+            "set launcher.patches.packed_rows.varlen_attention: false to keep the block mask, and report the "
+            "torch/torch_npu versions")  # fmt: skip
+    _state["proof"].update(**{key: record})
 
 
 def _make_attention(original):
@@ -405,38 +432,30 @@ def _make_attention(original):
         if kernel is None:
             out = original(module, query, key, value, attention_mask, *args, **kwargs)
         else:
-            out = (varlen_attention(kernel, query, key, value, found, scaling), None)
-        if not _state.get("first_attention"):
-            _state["first_attention"] = True
-            record = {"kernel": kernel or MASKED, "device": str(query.device), "dtype": str(query.dtype),
-                      "heads": query.shape[1], "key_heads": key.shape[1], "head_dim": query.shape[-1]}  # fmt: skip
-            if kernel is not None:
-                import torch
-
-                with torch.no_grad():
-                    reference = original(module, query, key, value, attention_mask, *args, **kwargs)[0]
-                difference = agreement(out[0].detach(), reference, found)
-                record.update(checked_against=MASKED, relative_l2_difference=round(difference, 6),
-                              limit=VARLEN_AGREEMENT)  # fmt: skip
-                if not difference <= VARLEN_AGREEMENT:
-                    _state["proof"].update(first_packed_attention=record, status="failed")
-                    raise PatchError(NAME, (
-                        f"the varlen attention kernel {kernel} disagrees with SDPA under the block mask on the first "
-                        f"packed row (relative difference {difference:.3g}, limit {VARLEN_AGREEMENT})"),
-                        "set launcher.patches.packed_rows.varlen_attention: false to keep the block mask, and report "
-                        "the torch/torch_npu versions")  # fmt: skip
+            try:
+                out = (varlen_attention(kernel, query, key, value, found, scaling), None)
+            except RuntimeError as error:
+                raise PatchError(NAME, f"the varlen attention kernel {kernel} failed on a packed row: {error}",
+                                 "set launcher.patches.packed_rows.varlen_attention: false to keep the block "
+                                 "mask") from error  # fmt: skip
+        several = max(found.samples_per_row()) >= 2
+        if _state.get("first_attention") and (kernel is None or not several or _state.get("multi_sample_checked")):
+            return out
+        record = {"kernel": kernel or MASKED, "device": str(query.device), "dtype": str(query.dtype),
+                  "heads": query.shape[1], "key_heads": key.shape[1], "head_dim": query.shape[-1]}  # fmt: skip
+        if kernel is None:
             _state["proof"].update(first_packed_attention={**record, "recorded_at": utc_now()})
+        else:
+            import torch
+
+            with torch.no_grad():
+                reference = original(module, query, key, value, attention_mask, *args, **kwargs)[0]
+            _check_attention(kernel, out[0], reference, found, record)
+            _state["multi_sample_checked"] = several
+        _state["first_attention"] = True
         return out
 
     return attention
-
-
-def _segments_of(mask) -> Segments:
-    """Segments of ``mask``, read once per mask object (recompute in the backward passes the same object)."""
-    held = _cache.get("mask")
-    if held is None or held() is not mask:
-        _cache.update(mask=weakref.ref(mask), segments=segments(mask))
-    return _cache["segments"]
 
 
 def _make_forward(original):
@@ -563,30 +582,38 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
     }  # fmt: skip
 
 
+_installed: dict[str, Any] = {}  # "wrapper": the sdpa entry this patch put in place, "previous": what it wrapped
+
+
 def _install_attention() -> None:
     """Put the packed-row attention in front of the ``sdpa`` entry of transformers' attention functions (the
-    entry's own override, once; ``restore`` puts back what was there)."""
+    entry's own override, once: nothing to do while the entry, or anything wrapping it, is ours)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     current = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    if getattr(current, MARKER, None) == NAME:
+    chain = []
+    while current is not None and len(chain) < 16:
+        chain.append(current)
+        current = getattr(current, "__wrapped__", None)
+    if _installed.get("wrapper") is not None and any(f is _installed["wrapper"] for f in chain):
         return
-    wrapper = functools.update_wrapper(_make_attention(current), current)
-    setattr(wrapper, MARKER, NAME)
-    setattr(wrapper, ORIGINAL, current)
+    previous = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    wrapper = functools.update_wrapper(_make_attention(previous), previous)
+    _installed.update(wrapper=wrapper, previous=previous, was_local="sdpa" in ALL_ATTENTION_FUNCTIONS._local_mapping)
     ALL_ATTENTION_FUNCTIONS["sdpa"] = wrapper
 
 
 def _remove_attention() -> None:
+    """Put back the ``sdpa`` entry this patch replaced, where its wrapper is still the entry."""
     module = sys.modules.get("transformers.modeling_utils")
     functions = getattr(module, "ALL_ATTENTION_FUNCTIONS", None)
-    current = functions._local_mapping.get("sdpa") if functions is not None else None
-    if current is not None and getattr(current, MARKER, None) == NAME:
-        previous = getattr(current, ORIGINAL)
-        if previous is functions._global_mapping.get("sdpa"):
-            del functions["sdpa"]
+    wrapper = _installed.get("wrapper")
+    if functions is not None and wrapper is not None and functions._local_mapping.get("sdpa") is wrapper:
+        if _installed["was_local"]:
+            functions["sdpa"] = _installed["previous"]
         else:
-            functions["sdpa"] = previous
+            del functions["sdpa"]
+    _installed.clear()
 
 
 def _before_first_step(trainer, model) -> None:

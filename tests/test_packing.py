@@ -223,9 +223,65 @@ def test_packed_attention_through_a_varlen_kernel_keeps_samples_apart_and_its_ch
     patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path / "leak")
     import torch
 
+    with torch.no_grad():  # one sample and padding: a leak cannot show, and the check says which row it saw
+        model(**packed_row(parts[:1]))
+    single = read_proof(tmp_path / "leak", "packed_rows")["first_packed_attention"]
+    assert single["samples_per_row"] == [1] and single["relative_l2_difference"] < 1e-5
     with torch.no_grad(), pytest.raises(PatchError, match="disagrees with SDPA under the block mask"):
-        model(**packed_row(parts))
-    assert read_proof(tmp_path / "leak", "packed_rows")["status"] == "failed"
+        model(**packed_row(parts))  # the first row of several samples is checked too
+    record = read_proof(tmp_path / "leak", "packed_rows")
+    assert record["status"] == "failed" and record["first_multi_sample_attention"]["samples_per_row"] == [3]
+
+
+@pytest.mark.parametrize("release", ["2.10", "2.11"])
+def test_the_torch_varlen_call_fits_each_releases_arguments(monkeypatch, release):
+    """torch's ``varlen_attn`` runs only on CUDA: a stand-in with the signature of torch 2.10 (``is_causal``) or
+    2.11 (``window_size``, ``scale``; neither has ``enable_gqa``) checks how it is called and computes causal
+    attention per ``cu_seq_q`` segment, which is its definition; key heads arrive repeated for the query heads."""
+    import torch
+    import torch.nn.attention.varlen as varlen
+    from llamafactory.data.collator import prepare_4d_attention_mask
+
+    seen = {}
+
+    def per_segment(query, key, value, cu, longest, causal, scale):
+        assert causal and cu.dtype == torch.int32 and key.shape[1] == query.shape[1] == 6
+        bounds = cu.tolist()
+        assert longest == max(e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True))
+        out = torch.empty_like(query)
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            part = torch.nn.functional.scaled_dot_product_attention(
+                *(t[start:end].transpose(0, 1)[None] for t in (query, key, value)), is_causal=True, scale=scale
+            )
+            out[start:end] = part[0].transpose(0, 1)
+        seen.update(bounds=bounds, scale=scale)
+        return out
+
+    if release == "2.10":
+
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+            return per_segment(query, key, value, cu_seq_q, max_q, is_causal, None)
+    else:
+
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                        window_size=(-1, -1)):  # fmt: skip
+            return per_segment(query, key, value, cu_seq_q, max_q, window_size == (-1, 0), scale)
+
+    monkeypatch.setattr(varlen, "varlen_attn", varlen_attn)
+    packed_rows.torch_varlen_options.cache_clear()
+    try:
+        options = packed_rows.torch_varlen_options()
+        assert options["gqa"] is False and options["scale"] is (release == "2.11")
+        torch.manual_seed(0)
+        numbered = torch.tensor([[1] * 9 + [2] * 20 + [0] * 3, [1] * 16 + [2] * 16])
+        found = packed_rows.segments(prepare_4d_attention_mask(numbered, torch.float32))
+        query, key, value = torch.randn(2, 6, 32, 8), torch.randn(2, 2, 32, 8), torch.randn(2, 2, 32, 8)
+        ours = packed_rows.varlen_attention(packed_rows.TORCH_VARLEN, query, key, value, found, 8**-0.5)
+        assert seen["bounds"] == [0, 9, 29, 32, 48, 64]
+        expected = attention_per_segment(query, key, value, found, 8**-0.5)
+        torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+    finally:
+        packed_rows.torch_varlen_options.cache_clear()
 
 
 def test_the_npu_varlen_call_passes_tnd_layout_cumulative_lengths_and_the_causal_tile(monkeypatch):

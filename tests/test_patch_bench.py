@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -82,7 +83,13 @@ def test_variant_configs_pass_the_launchers_validation(tmp_path, variant):
     assert (lf["cutoff_len"], lf["per_device_train_batch_size"], lf["lora_rank"], lf["bf16"]) == (cutoff, 1, 8, True)
     assert lf["lora_target"] == "q_proj,k_proj,v_proj,o_proj" and lf["gradient_checkpointing"] is True
     assert lf["dataset"] == ("bench_spread" if variant.startswith(("spread", "short")) else "bench_long")
-    assert lf["dataset_dir"].endswith("data-short" if variant.startswith("short") else "")
+    assert Path(lf["dataset_dir"]).name == (
+        "data-short"
+        if variant.startswith("short")
+        else "data-spread"
+        if variant.startswith("spread")
+        else f"data-{cutoff}"
+    )
     enabled = {name: options["enabled"] for name, options in loaded.patches.items()}
     if variant == "off":
         assert not any(enabled.values())
@@ -112,18 +119,20 @@ def test_lengths_summary_counts_new_lengths_and_the_time_they_lost():
     assert summary["distinct_seq_lens"] == 3 and summary["new_length_steps"] == 2
     assert summary["seconds_lost_to_new_lengths"] == pytest.approx(9.0)
     assert summary["supervised_tokens_per_s"] == pytest.approx((500 + 1000 + 500 + 1000 + 1500) / 18.0, rel=1e-3)
-    assert summary["supervised_tokens_per_s_no_compile"] is None  # steps that carry no compile count: none
+    assert summary["supervised_tokens_per_s_minus_compile"] is None  # these steps carry no compile time
 
 
-def test_the_steady_state_leaves_out_the_steps_in_which_triton_compiled():
+def test_the_steady_state_takes_triton_compile_time_out_of_the_steps():
     steps = [{"seq_len": 1000, "seconds": 30.0, "supervised_tokens": 500, "compiles": 40, "compile_autotune_s": 28.0}]
     steps += [{"seq_len": n, "seconds": n / 1000, "supervised_tokens": n // 2, "compiles": 0,
                "compile_autotune_s": 0.0} for n in (1000, 2000, 1500)]  # fmt: skip
+    steps += [{"seq_len": 1500, "seconds": 1.51, "supervised_tokens": 750, "compiles": 2, "compile_autotune_s": 0.01}]
     steps += [{"seq_len": 3000, "seconds": 12.0, "supervised_tokens": 1500, "compiles": 3, "compile_autotune_s": 9.0}]
     summary = patch_bench.lengths_summary(steps, warmup=1)
-    assert summary["supervised_tokens_per_s_no_compile"] == pytest.approx(500.0)  # (500+1000+750) / 4.5 s
-    assert summary["steps_without_compile"] == 3 and summary["compile_autotune_s"] == pytest.approx(37.0)
-    assert summary["supervised_tokens_per_s"] == pytest.approx(3750 / 16.5, rel=1e-3)
+    assert summary["supervised_tokens_per_s_minus_compile"] == pytest.approx(4500 / 9.0)  # 18.01 s less 9.01 s
+    assert summary["compile_autotune_s_after_warmup"] == pytest.approx(9.01)
+    assert summary["compile_autotune_s"] == pytest.approx(37.01)
+    assert summary["supervised_tokens_per_s"] == pytest.approx(4500 / 18.01, rel=1e-3)
 
 
 def test_random_init_builds_a_marked_folder_without_weights(tmp_path, monkeypatch):
