@@ -269,10 +269,15 @@ def test_the_host_watches_a_detached_run_through_the_engine(live_run, engine) ->
     """`up -d`, then on the host: status shows RUNNING with step progress and the container's state (its pids
     live in the container's namespace; the engine vouches for them), and `logs -f` follows it."""
     c, run = live_run["compose"], live_run["run"]
-    info = json.loads(launcher_on_host("status", run, "--json").stdout)
+
+    def paced() -> dict[str, Any] | None:  # the ETA needs a logged step past the first second of the attempt
+        info = json.loads(launcher_on_host("status", run, "--json").stdout)
+        return info if info["step"] is not None and info["eta_s"] is not None else None
+
+    info = wait_for("a status with step progress and an ETA", paced, timeout=300, interval=1.0)
     assert info["state"] == "RUNNING" and info["liveness"] == "live", info
     assert info["container_state"] == "running" and info["container"]["name"] == CONTAINER
-    assert info["step"] is not None and info["total_steps"] == 400 and info["eta_s"] is not None
+    assert info["total_steps"] == 400, info
     listed = launcher_on_host("list", "--root", c.outputs / "runs")
     assert run.name in listed.stdout and "RUNNING" in listed.stdout
     env_root = subprocess.run([sys.executable, "-m", "launcher", "status"], cwd=ROOT, capture_output=True, text=True,
