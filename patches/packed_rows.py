@@ -438,8 +438,10 @@ def _make_attention(original):
                 raise PatchError(NAME, f"the varlen attention kernel {kernel} failed on a packed row: {error}",
                                  "set launcher.patches.packed_rows.varlen_attention: false to keep the block "
                                  "mask") from error  # fmt: skip
+        if _state.get("first_attention") and (kernel is None or _state.get("multi_sample_checked")):
+            return out  # every later call once both checks are done: nothing counted per call
         several = max(found.samples_per_row()) >= 2
-        if _state.get("first_attention") and (kernel is None or not several or _state.get("multi_sample_checked")):
+        if _state.get("first_attention") and not several:
             return out
         record = {"kernel": kernel or MASKED, "device": str(query.device), "dtype": str(query.dtype),
                   "heads": query.shape[1], "key_heads": key.shape[1], "head_dim": query.shape[-1]}  # fmt: skip
