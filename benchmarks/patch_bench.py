@@ -1,7 +1,7 @@
 """Benchmark: the patches and performance options through the real launcher path.
 
-    python -m benchmarks.patch_bench --out DIR [--steps 6] [--variants on,off,...] [--shape 27b|tiny]
-                                     [--backend cuda|cpu]
+    python -m benchmarks.patch_bench --out DIR [--steps 6] [--all-steps N] [--variants on,off,...]
+                                     [--shape 27b|tiny] [--backend cuda|cpu]
 
 Variants (``VARIANTS``, run in the order given): ``on`` (the product's defaults), ``off`` (every patch off:
 LLaMA-Factory 0.9.5's own behaviour), ``budget120`` (``checkpoint_all_layers.memory_budget_gib: 120``),
@@ -21,7 +21,8 @@ several samples each; the packing issue's target is 1.5x the supervised tokens/s
    cutoff (4096 for ``27b``, 256 for ``tiny``, times the variant's factor); ``DIR/data-spread`` and
    ``DIR/data-short`` for the spreads.
 3. ``DIR/configs/<variant>.yaml``: the seed's LoRA settings (r8 on q/k/v/o, batch 1, bf16 on CUDA, gradient
-   checkpointing on) for ``--steps`` steps (or the variant's own), ``launcher.entry: benchmarks.bench_entry``.
+   checkpointing on) for ``--all-steps`` steps if given, else the variant's own count, else ``--steps``;
+   ``launcher.entry: benchmarks.bench_entry``.
 4. ``python -m launcher run CONFIG --quiet`` for each variant (``profile``: ``python -m launcher profile CONFIG
    --steps S-W --warmup W --quiet``), with ``RECORD_VRAM=1`` (LLaMA-Factory logs
    ``vram_allocated``) and ``LAUNCHER_PREFLIGHT_SKIP=packages,kernel,model,data_stats``: a measuring host is
@@ -113,8 +114,9 @@ def launcher_args(variant: str, config_path: Path, steps: int, warmup: int) -> l
     return ["run", str(config_path), "--quiet"]
 
 
-def steps_of(variant: str, steps: int) -> int:
-    return VARIANTS[variant].get("steps") or steps
+def steps_of(variant: str, steps: int, every: int | None = None) -> int:
+    """``every`` (``--all-steps``) if given, else the variant's own count, else ``steps`` (``--steps``)."""
+    return every or VARIANTS[variant].get("steps") or steps
 
 
 def cutoff_of(variant: str, shape: str) -> int:
@@ -132,7 +134,7 @@ def data_dir(out: Path, variant: str, shape: str) -> tuple[Path, str]:
 
 
 def run_config(out: Path, variant: str, shape: str, backend: str, steps: int) -> dict[str, Any]:
-    """The run config of one variant: LLaMA-Factory keys plus the launcher section."""
+    """The run config of one variant for ``steps`` optimizer steps: LLaMA-Factory keys plus the launcher section."""
     folder, dataset = data_dir(out, variant, shape)
     config: dict[str, Any] = {
         "launcher": {
@@ -166,7 +168,7 @@ def run_config(out: Path, variant: str, shape: str, backend: str, steps: int) ->
         "gradient_accumulation_steps": 1,
         "learning_rate": 5.0e-5,
         "lr_scheduler_type": "cosine",
-        "max_steps": steps_of(variant, steps),
+        "max_steps": steps,
         "max_grad_norm": 1.0,
         "logging_steps": 1,
         "save_strategy": "no",
@@ -335,7 +337,8 @@ def lengths_summary(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     steady_seconds = seconds - compiling if len(timed) == len(steps) else 0.0
     return {
         "supervised_tokens_per_s": round(supervised / seconds, 1) if seconds and supervised else None,
-        # the same over the steps of a length seen before: no compile for a new length in them
+        # the same over the steps of a length seen before: neither Triton's compiles nor the other first-time
+        # costs of a new length (likely cuBLAS and the allocator) are in them: a long run's reading
         "supervised_tokens_per_s_seen_lengths": round(repeat_supervised / repeat_seconds, 1)
         if repeat_seconds and repeat_supervised
         else None,
@@ -426,6 +429,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.patch_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for assets, configs, runs and results.json")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per variant (default 6)")
+    parser.add_argument("--all-steps", type=int, default=None, metavar="N",
+                        help="optimizer steps for every variant, overriding a variant's own count (spread: 32); "
+                             "for example 170 runs the 80 short samples twice, so the second pass meets lengths "
+                             "seen before")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians (default 2)")
     parser.add_argument("--variants", default="on,off",
                         help=f"comma-separated, run in this order (default on,off): {', '.join(VARIANTS)}")  # fmt: skip
@@ -440,10 +447,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
-    short = [v for v in variants if VARIANTS[v].get("profile") and steps_of(v, ns.steps) - ns.warmup < 1]
+    if ns.all_steps is not None and ns.all_steps < 1:
+        parser.error(f"--all-steps is {ns.all_steps}; give at least 1, or leave it out for each variant's own count")
+    steps = {v: steps_of(v, ns.steps, ns.all_steps) for v in variants}
+    short = [v for v in variants if VARIANTS[v].get("profile") and steps[v] - ns.warmup < 1]
     if short:
         parser.error(f"--warmup {ns.warmup} leaves no step to profile in {', '.join(short)} "
-                     f"({steps_of(short[0], ns.steps)} steps in all); for example --warmup 2")  # fmt: skip
+                     f"({steps[short[0]]} steps in all); for example --warmup 2")  # fmt: skip
     out = ns.out.resolve()
     (out / "configs").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
@@ -452,12 +462,12 @@ def main(argv: list[str] | None = None) -> int:
     env = bench_env(out, ns.shape)
     results: dict[str, Any] = {
         "command": " ".join(["python -m benchmarks.patch_bench", *(argv if argv is not None else sys.argv[1:])]),
-        "shape": ns.shape, "backend": backend, "steps": ns.steps, "warmup": ns.warmup,
+        "shape": ns.shape, "backend": backend, "steps": steps, "warmup": ns.warmup,
         "preflight_skipped": PREFLIGHT_SKIP, "model_parameters": _read_json(out / "model_parameters.json"),
         "variants": {},
     }  # fmt: skip
     for variant in variants:
-        config = run_config(out, variant, ns.shape, backend, ns.steps)
+        config = run_config(out, variant, ns.shape, backend, steps[variant])
         path = out / "configs" / f"{variant}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         args = launcher_args(variant, path, config["max_steps"], ns.warmup)

@@ -208,17 +208,21 @@ def test_tiny_benchmark_runs_both_variants_through_launcher_run(tmp_path):
 
 def test_profile_variant_runs_launcher_profile_on_the_on_config(tmp_path):
     bench_assets.write_model_dir(tmp_path / "model", "tiny")
-    config, on = (patch_bench.run_config(tmp_path, v, "27b", "cuda", steps=6) for v in ("profile", "on"))
+    config, on = (patch_bench.run_config(tmp_path, v, "27b", "cuda", patch_bench.steps_of(v, 6))
+                  for v in ("profile", "on"))  # fmt: skip
     same = {k: v for k, v in on.items() if k not in ("launcher", "max_steps")}
     assert {k: v for k, v in config.items() if k not in ("launcher", "max_steps")} == same
     assert config["launcher"] == {**on["launcher"], "run_name": "bench-27b"}  # `launcher profile` adds -profile
-    assert config["max_steps"] == 5  # the variant's own, whatever --steps says; launcher profile sets the same
+    assert (config["max_steps"], on["max_steps"]) == (5, 6)  # the variant's own, whatever --steps says
+    assert patch_bench.steps_of("profile", 6, every=9) == patch_bench.steps_of("on", 6, every=9) == 9  # --all-steps
     path = tmp_path / "profile.yaml"
     assert patch_bench.launcher_args("profile", path, 5, 2) == ["profile", str(path), "--steps", "3", "--warmup", "2",
                                                                 "--quiet"]  # fmt: skip
     assert patch_bench.launcher_args("on", path, 6, 2) == ["run", str(path), "--quiet"]
-    with pytest.raises(SystemExit):  # no step left to profile
-        patch_bench.main(["--out", str(tmp_path / "b"), "--shape", "tiny", "--variants", "profile", "--warmup", "5"])
+    for args in (["--warmup", "5"], ["--all-steps", "2"], ["--all-steps", "0"]):  # no step left to profile; bad N
+        with pytest.raises(SystemExit):
+            patch_bench.main(["--out", str(tmp_path / "b"), "--shape", "tiny", "--variants", "profile", *args])
+        assert not (tmp_path / "b").exists()  # refused before anything is written
 
 
 @pytest.mark.slow
