@@ -23,13 +23,15 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 import yaml
+
+from tests.fake_runs import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 ENABLE = "LAUNCHER_DOCKER_TESTS"
@@ -69,18 +71,6 @@ def project_context(dest: Path) -> Path:
             shutil.copy2(ROOT / name, dest / name)
     (dest / "wheelhouse").mkdir(exist_ok=True)
     return dest
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float, interval: float = 0.5) -> Any:
-    """Poll ``check`` until it returns something truthy; fail naming ``what`` after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
 
 
 # --- session: engine, base image, wheelhouse, image ---------------------------------------------------
@@ -274,7 +264,7 @@ def test_the_host_watches_a_detached_run_through_the_engine(live_run, engine) ->
         info = json.loads(launcher_on_host("status", run, "--json").stdout)
         return info if info["step"] is not None and info["eta_s"] is not None else None
 
-    info = wait_for("a status with step progress and an ETA", paced, timeout=300, interval=1.0)
+    info = wait_for("a status with step progress and an ETA", paced, timeout=300, every=1.0)
     assert info["state"] == "RUNNING" and info["liveness"] == "live", info
     assert info["container_state"] == "running" and info["container"]["name"] == CONTAINER
     assert info["total_steps"] == 400, info
