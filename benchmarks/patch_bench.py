@@ -30,9 +30,10 @@ several samples each; the packing issue's target is 1.5x the supervised tokens/s
    CUDA image (packages), its Triton trips FLA's Hopper guard in the preflight child process, where the guard
    is not lifted (kernel; the rank entry runs the kernel check instead), the folder has no weights (model), and
    the samples are longer than the cutoff on purpose, which a formal run's data check refuses (data_stats).
-5. ``DIR/results.json``: per variant the run's end state, step times (median after ``--warmup`` steps),
-   tokens/s = tokens per step / median forward+backward time, supervised tokens/s after the warm-up (and the
-   steady state: less the host's seconds inside Triton's compile and autotune calls), the step period and
+5. ``DIR/results.json``: the steps each variant ran (``steps``, by variant), then per variant the run's end
+   state, step times (median after ``--warmup`` steps), tokens/s = tokens per step / median forward+backward
+   time, supervised tokens/s after the warm-up (less the host's seconds inside Triton's compile and autotune
+   calls, and over the steps of lengths seen before), the step period and
    LLaMA-Factory's own throughput, peak allocated memory, which kernel ran (proof records), how layers were
    checkpointed in the first step, and the kernel check of the rank process; then the targets
    (docs/benchmarks.md) are compared.
@@ -431,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per variant (default 6)")
     parser.add_argument("--all-steps", type=int, default=None, metavar="N",
                         help="optimizer steps for every variant, overriding a variant's own count (spread: 32); "
-                             "for example 170 runs the 80 short samples twice, so the second pass meets lengths "
+                             "for example 160 runs the 80 short samples twice, so the second pass meets lengths "
                              "seen before")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians (default 2)")
     parser.add_argument("--variants", default="on,off",
