@@ -67,14 +67,20 @@ def launcher_bg(*args: Any, env: dict[str, str] | None = None, log: Path | None 
                             start_new_session=True)  # fmt: skip
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 120, every: float = 0.2) -> Any:
-    """Poll ``check`` until it returns something truthy; fail naming ``what`` after ``timeout`` seconds."""
+# what a check may raise while files are being written and processes end: polled again
+TRANSIENT: tuple[type[Exception], ...] = (OSError, ValueError, KeyError)
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 120, every: float = 0.2,
+             tolerate: tuple[type[Exception], ...] = TRANSIENT) -> Any:  # fmt: skip
+    """Poll ``check`` until it returns something truthy; fail naming ``what`` after ``timeout`` seconds. An
+    exception in ``tolerate`` counts as not yet; any other fails at once (``tolerate=()``: every one does)."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
         try:
             last = check()
-        except (OSError, ValueError, KeyError) as err:  # files being written, processes ending
+        except tolerate as err:
             last = err
         else:
             if last:

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,12 @@ import psutil
 import pytest
 import yaml
 
-from tests.fake_runs import wait_for
+from tests import fake_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 ENABLE = "LAUNCHER_DOCKER_TESTS"
+# nothing tolerated: an engine error, or a status answer that is not JSON, is what these tests look at
+wait_for = partial(fake_runs.wait_for, tolerate=())
 BASE_IMAGE = "local/debian-python:bookworm"
 IMAGE = "deltanet-launcher:cpu"
 CONTAINER = "deltanet-train-cpu"
