@@ -145,7 +145,7 @@ def run(out: Path, shape: str, backend: str, new_tokens: int, prompt_tokens: int
             rebind_layers(torch, model)
         found = measure(torch, model, dev, prompt, new_tokens, repeats)
         proof = json.loads((proof_root / route / "rank0" / "deltanet_routing.json").read_text())
-        found["route"] = {k: routing["route"][k] for k in ("kernel", "recurrent", "norm", "conv", "reason")}
+        found["route"] = {k: routing["route"][k] for k in ("kernel", "recurrent", "conv", "reason")}
         found["chunk_kernel"] = (proof.get("first_call") or {}).get("kernel")
         found["recurrent_kernel"] = (proof.get("first_decode_call") or {}).get("kernel")
         found["first_decode_call"] = proof.get("first_decode_call")

@@ -11,10 +11,12 @@ torch, transformers and LLaMA-Factory only inside functions):
   built, apply every enabled patch in order and write proof records into ``proof_dir``
   (``proof_dir/rank<RANK>/<patch>.json``); raises ``PatchError`` when an enabled patch cannot apply.
 
-Patches: ``deltanet_routing`` (DeltaNet kernel per backend), ``checkpoint_all_layers`` (non-reentrant
+Patches: ``deltanet_routing`` (DeltaNet kernel per backend), ``fused_ops`` (fused convolution, norms and SwiGLU
+on CUDA and NPU), ``checkpoint_all_layers`` (non-reentrant
 checkpointing of every layer, optionally a measured layer plan), ``chunked_loss`` (the loss without the whole
 logits), ``text_only_batches`` (no dummy image for text-only data), ``final_eval_once`` (no second evaluation
-of the final model) and ``pad_lengths`` (off unless named: padding to a multiple of N tokens). Each module's
+of the final model) ``pad_lengths`` (off unless named: padding to a multiple of N tokens), ``lora_input_cast`` (no fp32 copy of LoRA
+inputs under autocast) and ``packed_rows`` (samples of a packed row kept apart). Each module's
 docstring says which upstream behaviour it changes, for which versions, and when it can be deleted.
 """
 

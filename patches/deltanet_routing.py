@@ -16,13 +16,16 @@ What this patch does, before the model is built (``select_route`` decides, ``app
 backend  kernel        chunk kernel                     conv1d / gated RMSNorm / recurrent (decode)
 =======  ============  ===============================  =========================================
 npu      auto or fla   FLA (triton-ascend); required    torch nn.Conv1d / torch norm / FLA
-cuda     auto          FLA if it imports, else torch    upstream choice / FLA norm / FLA
-cuda     fla           FLA; required                    upstream choice / FLA norm / FLA
+cuda     auto          FLA if it imports, else torch    upstream choice / torch norm / FLA
+cuda     fla           FLA; required                    upstream choice / torch norm / FLA
 cpu      auto          transformers' torch reference    torch / torch / torch
 any      torch         transformers' torch reference    torch / torch / torch
 =======  ============  ===============================  =========================================
 
-On NPU the FLA fused norm stays off because it calls ``torch.cuda.current_device()``. The recurrent kernel
+The gated RMSNorm module is always transformers' own ``Qwen3_5RMSNormGated``: FLA's ``FusedRMSNormGated`` module
+is never built, because transformers' constructor passes it ``torch.cuda.current_device()`` (fails on NPU) and
+it would change the parameter layout per backend. The ``fused_ops`` patch fuses that module's forward (and the
+convolution, the other norms and SwiGLU) on CUDA and NPU. The recurrent kernel
 runs only in generation (``launcher evaluate``): once the prompt went through the chunk kernel, each new token
 calls ``recurrent_gated_delta_rule`` with the cached state; it follows the chunk kernel (FLA's
 ``fused_recurrent_gated_delta_rule`` wherever the chunk kernel is FLA, on NPU too; the torch loop otherwise),
@@ -104,14 +107,13 @@ class Route:
     """Which implementation each DeltaNet piece gets; ``upstream`` keeps transformers' import-time choice."""
 
     kernel: Literal["fla", "torch"]
-    norm: Literal["fla", "torch"]
     recurrent: Literal["fla", "torch"]
     conv: Literal["upstream", "torch"]
     reason: str
 
 
 def _torch_route(reason: str) -> Route:
-    return Route(kernel="torch", norm="torch", recurrent="torch", conv="torch", reason=reason)
+    return Route(kernel="torch", recurrent="torch", conv="torch", reason=reason)
 
 
 def select_route(backend: str, kernel: str, fla: FlaFacts) -> Route:
@@ -166,8 +168,8 @@ def select_route(backend: str, kernel: str, fla: FlaFacts) -> Route:
     if fla.refusal:
         reason += f"; FLA's Hopper guard is avoided by its {fla.workaround} backend"
     if backend == "npu":
-        return Route(kernel="fla", norm="torch", recurrent="fla", conv="torch", reason=reason)
-    return Route(kernel="fla", norm="fla", recurrent="fla", conv="upstream", reason=reason)
+        return Route(kernel="fla", recurrent="fla", conv="torch", reason=reason)
+    return Route(kernel="fla", recurrent="fla", conv="upstream", reason=reason)
 
 
 def _require_supported_fla(version: str | None) -> None:
@@ -205,14 +207,12 @@ def check_symbols() -> None:
 class FlaKernels:
     chunk: Any = None
     fused_recurrent: Any = None
-    fused_norm: Any = None
 
 
 def load_fla_kernels() -> FlaKernels:
-    from fla.modules import FusedRMSNormGated
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
-    return FlaKernels(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, FusedRMSNormGated)
+    return FlaKernels(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule)
 
 
 _ORIGINALS: dict[str, dict[str, Any]] = {}  # module name -> its globals before our first apply
@@ -240,7 +240,7 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
             "fused_recurrent_gated_delta_rule": KernelRecorder(
                 recurrent, label=route.recurrent, log=decode_log, role="recurrent_gated_delta_rule", **recorder
             ),
-            "FusedRMSNormGated": kernels.fused_norm if route.norm == "fla" else None,
+            "FusedRMSNormGated": None,  # transformers' module; fused_ops fuses its forward
             "causal_conv1d_fn": originals["causal_conv1d_fn"] if route.conv == "upstream" else None,
             "causal_conv1d_update": originals["causal_conv1d_update"] if route.conv == "upstream" else None,
             # Only drives the constructor's "falling back to torch" warning; true iff the chunk kernel is FLA.

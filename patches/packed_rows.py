@@ -25,7 +25,8 @@ What this patch does:
    it reads the samples off the mask's diagonal and sub-diagonal (``segments``), checks once per process
    that the mask is exactly block-diagonal causal, and runs the layer with the convolution reset at every
    sample start (``segment_causal_conv``: the row's convolution, then the first ``K - 1`` tokens of every
-   sample computed again from that sample alone) and the routed chunk kernel per sample: FLA's kernel once, with
+   sample computed again from that sample alone; where the layer is bound to FLA's convolution by the
+   ``fused_ops`` patch, that kernel takes the row's ``cu_seqlens`` instead) and the routed chunk kernel per sample: FLA's kernel once, with
    the row's ``cu_seqlens`` (the rows flattened to batch 1, as FLA requires); the torch reference once per
    sample. Other masks go to the upstream forward unchanged (unpacked training, generation). A packed row
    with a cache (generation) or whose mask is not as long as the row (LLaMA-Factory's dummy image appended
@@ -68,7 +69,7 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from pydantic import BaseModel, ConfigDict
 
-from . import trainer_hook
+from . import fused_ops, trainer_hook
 from .errors import PatchError
 from .kernel_recorder import KernelRecorder
 from .proof import ProofFile, utc_now
@@ -282,8 +283,15 @@ def packed_forward(layer, hidden_states, found: Segments):
     import torch.nn.functional as F
 
     batch, length, _ = hidden_states.shape
-    mixed = segment_causal_conv(layer.in_proj_qkv(hidden_states).transpose(1, 2), layer.conv1d.weight,
-                                layer.conv1d.bias, found).transpose(1, 2)  # fmt: skip
+    projected = layer.in_proj_qkv(hidden_states)
+    conv = fused_ops.conv_of(layer)
+    if conv is not None:  # FLA's convolution takes the samples' boundaries itself
+        cu, cu_cpu = found.cu_seqlens_tensors(hidden_states.device)
+        mixed = conv.varlen(projected.reshape(1, batch * length, -1), layer.conv1d.weight.squeeze(1),
+                            layer.conv1d.bias, layer.activation, cu, cu_cpu).reshape(batch, length, -1)  # fmt: skip
+    else:
+        mixed = segment_causal_conv(projected.transpose(1, 2), layer.conv1d.weight, layer.conv1d.bias,
+                                    found).transpose(1, 2)  # fmt: skip
     query, key, value = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
     query = query.reshape(batch, length, -1, layer.head_k_dim)
     key = key.reshape(batch, length, -1, layer.head_k_dim)
@@ -490,7 +498,8 @@ def _make_forward(original):
                 "kernel": getattr(kernel, "kernel_name", type(kernel).__name__),
                 "kernel_label": label,
                 "cu_seqlens": "one kernel call per batch" if label == "fla" else "one kernel call per sample",
-                "conv_reset": "at every sample start", "mask": "block-diagonal causal (checked)",
+                "conv_reset": ("cu_seqlens (FLA causal_conv1d)" if fused_ops.conv_of(self) is not None
+                               else "at every sample start"), "mask": "block-diagonal causal (checked)",
                 "device": str(hidden_states.device), "recorded_at": utc_now(),
             })  # fmt: skip
         return packed_forward(self, hidden_states, found)

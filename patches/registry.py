@@ -4,15 +4,18 @@ Order (fixed; ``PATCH_NAMES``):
 
 1. ``deltanet_routing`` - replaces module globals of transformers' qwen3_5 modeling code, which the
    DeltaNet constructor reads, so it must be in place before the model is built.
-2. ``checkpoint_all_layers`` - replaces a LLaMA-Factory model-preparation function and hooks the first
+2. ``fused_ops`` - replaces the DeltaNet convolution global after ``deltanet_routing`` wrote it (so it must
+   follow it and precede the model build) and wraps the forwards of the norms and the MLP (class level).
+3. ``checkpoint_all_layers`` - replaces a LLaMA-Factory model-preparation function and hooks the first
    ``Trainer.training_step``; it needs nothing from the first patch and must also precede the model build.
-3. ``chunked_loss`` - wraps the ``Qwen3_5ForConditionalGeneration`` forward (class level) for calls with
+4. ``chunked_loss`` - wraps the ``Qwen3_5ForConditionalGeneration`` forward (class level) for calls with
    labels; independent of the others.
-4. ``text_only_batches`` - wraps LLaMA-Factory's multimodal collator; acts only on data the launcher counted
+5. ``text_only_batches`` - wraps LLaMA-Factory's multimodal collator; acts only on data the launcher counted
    text-only (``facts``).
-5. ``final_eval_once`` - wraps ``transformers.Trainer.evaluate``.
-6. ``pad_lengths`` (off unless named) - wraps the same collator as 4, outside it, to set its padding multiple.
-7. ``packed_rows`` - wraps the DeltaNet forward (class level) and LLaMA-Factory's 4D-mask collator; acts only
+6. ``final_eval_once`` - wraps ``transformers.Trainer.evaluate``.
+7. ``pad_lengths`` (off unless named) - wraps the same collator as 5, outside it, to set its padding multiple.
+8. ``lora_input_cast`` - wraps PEFT's ``BaseTunerLayer._cast_input_dtype``; independent of the others.
+9. ``packed_rows`` - wraps the DeltaNet forward (class level) and LLaMA-Factory's 4D-mask collator; acts only
    on packed rows (``neat_packing``), whose DeltaNet layers it runs one sample at a time on the routed kernel,
    so it needs ``deltanet_routing``'s recorders (``launcher check`` refuses packing without them).
 
@@ -45,6 +48,8 @@ from . import (
     chunked_loss,
     deltanet_routing,
     final_eval_once,
+    fused_ops,
+    lora_input_cast,
     packed_rows,
     pad_lengths,
     settings,
@@ -59,11 +64,13 @@ logger = logging.getLogger(__name__)
 
 PATCHES: dict[str, ModuleType] = {
     deltanet_routing.NAME: deltanet_routing,
+    fused_ops.NAME: fused_ops,
     checkpoint_all_layers.NAME: checkpoint_all_layers,
     chunked_loss.NAME: chunked_loss,
     text_only_batches.NAME: text_only_batches,
     final_eval_once.NAME: final_eval_once,
     pad_lengths.NAME: pad_lengths,
+    lora_input_cast.NAME: lora_input_cast,
     packed_rows.NAME: packed_rows,
 }
 PATCH_NAMES: tuple[str, ...] = tuple(PATCHES)

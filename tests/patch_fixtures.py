@@ -133,6 +133,62 @@ _STUB_FILES = {
             def __init__(self, *args, **kwargs):
                 raise RuntimeError("the stub FusedRMSNormGated must not be built in these tests")
         """,
+    # fla-core 0.6.0's contracts for the fused glue (fused_ops), written here in plain torch: conv on [B, T, D]
+    # with weight [D, W] and optional cu_seqlens (batch 1), returning (y, final_state); the norms in fp32 with
+    # the output in x's dtype; swiglu(gate, up) = silu(gate) * up
+    "fla/modules/causal_conv1d/__init__.py": """
+        import torch
+        import torch.nn.functional as F
+
+        CALLS = {"n": 0, "varlen": 0}
+
+
+        def causal_conv1d(x, weight=None, bias=None, activation=None, cu_seqlens=None, cu_seqlens_cpu=None, **kw):
+            CALLS["n"] += 1
+            taps = weight.shape[-1]
+
+            def one(part):
+                out = F.conv1d(F.pad(part.transpose(1, 2), (taps - 1, 0)), weight.unsqueeze(1), bias,
+                               groups=weight.shape[0])
+                return out.transpose(1, 2)
+
+            if cu_seqlens is None:
+                y = one(x)
+            else:
+                CALLS["varlen"] += 1
+                bounds = cu_seqlens_cpu.tolist()
+                y = torch.cat([one(x[:, s:e]) for s, e in zip(bounds[:-1], bounds[1:])], dim=1)
+            return (F.silu(y) if activation in ("silu", "swish") else y), None
+        """,
+    "fla/modules/norm/__init__.py": "",
+    "fla/modules/norm/layernorm.py": """
+        import torch
+
+
+        def rms_norm(x, weight, bias, residual=None, eps=1e-5, prenorm=False, residual_in_fp32=False):
+            xf = x.float()
+            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+            return y.to(x.dtype)
+        """,
+    "fla/modules/norm/fused_norm_gate.py": """
+        import torch
+        import torch.nn.functional as F
+
+
+        def rms_norm_gated(x, g, weight, bias, activation="swish", residual=None, prenorm=False,
+                           residual_in_fp32=False, eps=1e-6):
+            assert activation in ("swish", "silu")
+            xf = x.float()
+            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float() * F.silu(g.float())
+            return y.to(x.dtype)
+        """,
+    "fla/modules/activations/__init__.py": """
+        import torch.nn.functional as F
+
+
+        def swiglu(x, y):
+            return (F.silu(x.float()) * y.float()).to(x.dtype)
+        """,
     "fla_core-0.6.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: fla-core\nVersion: 0.6.0\n",
 }
 

@@ -118,6 +118,29 @@ def test_each_packed_sample_equals_the_sample_alone_and_so_do_the_lora_gradients
 
 
 @pytest.mark.usefixtures("restore_patches")
+def test_with_the_fla_convolution_the_packed_row_hands_it_cu_seqlens(tmp_path, demo_assets, stub_fla):
+    """The ``fused_ops`` route (backend cuda or npu) binds FLA's convolution; a packed row then passes its samples'
+    bounds to that kernel instead of recomputing the first K-1 tokens. The stand-in FLA convolution (fla-core's
+    contract in plain torch, on CPU) convolves each ``cu_seqlens`` span alone."""
+    from patches.fused_kernels import FlaConv
+
+    stub_fla(platform="cuda")
+    from fla.modules.causal_conv1d import CALLS, causal_conv1d
+
+    patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)
+    model = packing_model(demo_assets["model"])
+    conv = FlaConv(causal_conv1d)
+    layers = [m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet"]
+    for layer in layers:
+        layer.causal_conv1d_fn = conv  # what fused_ops binds at construction on an accelerator
+    parts = samples(model.config.text_config.vocab_size)
+    loss_gap, grad_gap = compare(model, parts)
+    assert loss_gap < 1e-4 and grad_gap < 1e-4, (loss_gap, grad_gap)
+    assert CALLS["varlen"] >= len(layers)
+    assert read_proof(tmp_path, "packed_rows")["first_packed_call"]["conv_reset"] == "cu_seqlens (FLA causal_conv1d)"
+
+
+@pytest.mark.usefixtures("restore_patches")
 def test_upstream_deltanet_leaks_state_across_packed_samples(tmp_path, demo_assets):
     """Without the patch the same comparison fails: the test above can fail."""
     patches.apply_enabled({**ON, "packed_rows": False}, backend="cpu", proof_dir=tmp_path)

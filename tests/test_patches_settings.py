@@ -16,19 +16,21 @@ from patches.registry import PATCHES
 CHECKPOINT_DEFAULTS = {"enabled": True, "uncheckpointed_layers": None, "memory_budget_gib": None}
 DEFAULTS = {
     "deltanet_routing": {"enabled": True, "kernel": "auto"},
+    "fused_ops": {"enabled": True, "conv": True, "rms_norm": True, "gated_norm": True, "swiglu": True},
     "checkpoint_all_layers": CHECKPOINT_DEFAULTS,
     "chunked_loss": {"enabled": True, "chunk_tokens": 512},
     "text_only_batches": {"enabled": True},
     "final_eval_once": {"enabled": True},
     "pad_lengths": {"enabled": False, "multiple": 256},  # the one patch that is off unless named
+    "lora_input_cast": {"enabled": True},
     "packed_rows": {"enabled": True, "varlen_attention": True},
 }
 
 
 def test_registry_order_is_routing_then_checkpointing_then_the_rest():
     assert patches.PATCH_NAMES == (
-        "deltanet_routing", "checkpoint_all_layers", "chunked_loss", "text_only_batches", "final_eval_once",
-        "pad_lengths", "packed_rows",
+        "deltanet_routing", "fused_ops", "checkpoint_all_layers", "chunked_loss", "text_only_batches",
+        "final_eval_once", "pad_lengths", "lora_input_cast", "packed_rows",
     )  # fmt: skip
     assert tuple(PATCHES) == patches.PATCH_NAMES
 
@@ -78,7 +80,7 @@ def test_every_problem_is_reported_at_once_with_its_key_and_fix():
     assert lines[0] == "5 problem(s) in launcher.patches:"
     message = "\n".join(lines)
     assert "launcher.patches.deltanet_routng: unknown patch (did you mean deltanet_routing?)" in message
-    assert "known patches: deltanet_routing, checkpoint_all_layers, chunked_loss" in message
+    assert "known patches: deltanet_routing, fused_ops, checkpoint_all_layers, chunked_loss" in message
     assert "launcher.patches.deltanet_routing.kernal: unknown option" in message
     assert "its options are enabled, kernel" in message
     assert "launcher.patches.deltanet_routing.kernel is 'cuda'; expected one of 'auto', 'fla' or 'torch'" in message
