@@ -5,7 +5,8 @@
 
 Variants (``VARIANTS``, run in the order given): ``on`` (the product's defaults), ``off`` (every patch off:
 LLaMA-Factory 0.9.5's own behaviour), ``budget120`` (``checkpoint_all_layers.memory_budget_gib: 120``),
-``spread`` and ``spread-pad256`` (samples of about 1,000 to 4,096 tokens, the second padded to a multiple of
+``glue-off`` (``fused_ops`` and ``lora_input_cast`` off: the product before the fused glue), ``fused-nolora``
+(``lora_input_cast`` off), ``budget120-glue-off``, ``spread`` and ``spread-pad256`` (samples of about 1,000 to 4,096 tokens, the second padded to a multiple of
 256), ``ctx32k`` and ``ctx64k`` (cutoff 8x and 16x), ``on-warm`` (``on`` again, its first step with the Triton
 cache the earlier variants filled: ``TRITON_CACHE_DIR`` is ``DIR/triton-cache`` for every variant), ``profile``
 (``on``'s config through ``launcher profile`` instead of ``launcher run``: 5 steps, the last ``5 - --warmup``
@@ -58,14 +59,19 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-ALL_OFF = {"deltanet_routing": False, "checkpoint_all_layers": False, "chunked_loss": False,
-           "text_only_batches": False, "final_eval_once": False, "packed_rows": False}  # fmt: skip
+ALL_OFF = {"deltanet_routing": False, "fused_ops": False, "checkpoint_all_layers": False, "chunked_loss": False,
+           "text_only_batches": False, "final_eval_once": False, "lora_input_cast": False,
+           "packed_rows": False}  # fmt: skip
+GLUE_OFF = {"fused_ops": False, "lora_input_cast": False}  # the product before the fused-glue issue
 # name -> patches (on top of the product's defaults), cutoff factor, data ("full": every sample at the cutoff;
 # "spread": about 1,000 to 4,096 tokens), steps (None: --steps)
 VARIANTS: dict[str, dict[str, Any]] = {
     "on": {"patches": {}},
     "off": {"patches": ALL_OFF},
     "budget120": {"patches": {"checkpoint_all_layers": {"memory_budget_gib": 120.0}}},
+    "glue-off": {"patches": GLUE_OFF},
+    "fused-nolora": {"patches": {"lora_input_cast": False}},  # the fused ops alone, PEFT's fp32 copy kept
+    "budget120-glue-off": {"patches": {**GLUE_OFF, "checkpoint_all_layers": {"memory_budget_gib": 120.0}}},
     "spread": {"data": "spread", "steps": 32},
     "spread-pad256": {"data": "spread", "steps": 32, "patches": {"pad_lengths": {"multiple": 256}}},
     "ctx32k": {"cutoff_factor": 8, "steps": 3},
@@ -88,8 +94,9 @@ SPREAD = {
 }
 # through `launcher run` on one H200, 27B shape (the performance issue's targets)
 TARGETS: dict[str, dict[str, float]] = {
-    "on": {"peak_max": 56.0, "tokens_per_s_min": 2790.0},
-    "budget120": {"peak_max": 120.0, "tokens_per_s_min": 3500.0},
+    "on": {"peak_max": 56.0, "tokens_per_s_min": 3400.0},  # the fused-glue issue (before it: 2,790)
+    "budget120": {"peak_max": 120.0, "tokens_per_s_min": 4600.0},  # before it: 3,500
+    "profile": {"other_compute_max_s": 0.25},
     "ctx32k": {"peak_max": 90.0},
     "ctx64k": {"peak_max": 125.0},
 }
@@ -377,6 +384,11 @@ def targets(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
             least = target["tokens_per_s_min"]
             row["tokens_per_s"] = {"value": tps, "minimum": least, "met": tps is not None and tps >= least,
                                    "shortfall": None if tps is None else round(1 - tps / least, 4)}  # fmt: skip
+        if "other_compute_max_s" in target:
+            ranks = ((v.get("profile") or {}).get("report") or {}).get("ranks") or [{}]
+            other = ranks[0].get("parts_s", {}).get("other_compute")
+            row["other_compute_s"] = {"value": other, "limit": target["other_compute_max_s"],
+                                      "met": other is not None and other <= target["other_compute_max_s"]}  # fmt: skip
         found[name] = row
     for name in ("spread", "short"):
         packed, unpacked = variants.get(f"{name}-packed"), variants.get(name)

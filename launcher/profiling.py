@@ -9,8 +9,9 @@ on its own clock (device synchronised), which is what the profile's parts are he
 
 What each part is (``split_step``), per profiled step:
 
-- device work: on CUDA and NPU the device's kernels, by name: DeltaNet (FLA's gated-delta-rule kernels),
-  attention, matmul, communication (NCCL/HCCL all-gather, reduce-scatter, all-reduce, ...), optimizer (the
+- device work: on CUDA and NPU the device's kernels, by name: DeltaNet (FLA's gated-delta-rule kernels), glue
+  (the short convolution, the norms and SwiGLU where a named kernel runs them: FLA's, ``conv_depthwise2d``,
+  ``npu_rms_norm``; unfused elementwise ops stay other compute), attention, matmul, communication (NCCL/HCCL all-gather, reduce-scatter, all-reduce, ...), optimizer (the
   fused/foreach optimizer kernels), other compute; on CPU the operators' own time inside our
   ``deltanet::`` ranges (``patches/kernel_recorder.py``), attention, matmul and communication operators, the
   optimizer's ``Optimizer.step`` range, and the rest;
@@ -45,8 +46,10 @@ from launcher.files import write_json_atomic
 from launcher.state.runs import PROFILE_DIR
 
 DELTANET_KERNELS = ("chunk_gated_delta", "gated_delta", "chunk_fwd", "chunk_bwd", "chunk_scaled_dot_kkt",
-                    "recompute_w_u", "solve_tril", "chunk_local_cumsum", "fused_recurrent", "causal_conv1d",
-                    "merge_16x16", "chunk_dplr", "l2norm")  # fmt: skip
+                    "recompute_w_u", "solve_tril", "chunk_local_cumsum", "fused_recurrent", "merge_16x16",
+                    "chunk_dplr", "l2norm")  # fmt: skip
+# the layer glue that fused_ops serves: FLA's conv, norm and SwiGLU kernels, torch's depthwise conv, Ascend's norm
+GLUE = ("causal_conv1d", "conv_depthwise", "layer_norm", "rms_norm", "rmsnorm", "swiglu")
 ATTENTION = ("flash", "fmha", "attention", "sdpa", "softmax")
 MATMUL = (
     "gemm",
@@ -68,14 +71,14 @@ RANGES = ("ProfilerStep", "enumerate(DataLoader)", "launcher::", "deltanet::", "
 COMMUNICATION = ("nccl", "hccl", "gloo", "allreduce", "all_reduce", "allgather", "all_gather", "reduce_scatter",
                  "reducescatter", "broadcast", "c10d::")  # fmt: skip
 OPTIMIZER_KERNELS = ("multi_tensor_apply", "foreach", "adam", "sgd")
-DEVICE_PARTS = ("deltanet", "attention", "matmul", "communication", "optimizer", "other_compute")
+DEVICE_PARTS = ("deltanet", "glue", "attention", "matmul", "communication", "optimizer", "other_compute")
 IDLE_PARTS = ("data_loading", "optimizer_host", "compile_autotune", "host_gaps")
 
 
 def kernel_part(name: str) -> str:
     """The part a device kernel (or, on CPU, an operator) belongs to, from its name."""
     low = name.lower()
-    for part, needles in (("communication", COMMUNICATION), ("deltanet", DELTANET_KERNELS),
+    for part, needles in (("communication", COMMUNICATION), ("deltanet", DELTANET_KERNELS), ("glue", GLUE),
                           ("attention", ATTENTION), ("optimizer", OPTIMIZER_KERNELS), ("matmul", MATMUL)):  # fmt: skip
         if any(n in low for n in needles):
             return part
@@ -366,7 +369,24 @@ def summarize_profiler(profiler, backend: str, warmup: int, steps: int) -> dict[
     for start, end, name in windows:
         parts = split_step((start, end), work, host)
         per_step.append({"name": name, "seconds": end - start, **{k: round(v, 6) for k, v in parts.items()}})
-    return {"profiled_steps": per_step}
+    return {"profiled_steps": per_step, "other_compute_top": _top_other(events, windows) if on_device else []}
+
+
+def _top_other(events, windows, top: int = 8) -> list[dict[str, Any]]:
+    """The device kernels of ``other_compute`` that took most time, milliseconds per profiled step (by name): what
+    a fused kernel could still take away (copies and casts, elementwise ops)."""
+    if not windows:
+        return []
+    spans = _merge([(start, end) for start, end, _ in windows])
+    total: dict[str, float] = {}
+    for e in events:
+        if not _is_device_event(e) or getattr(e, "is_user_annotation", False) or e.name.startswith(RANGES):
+            continue
+        start = e.time_range.start / 1e6
+        if kernel_part(e.name) == "other_compute" and _inside(start, spans):
+            total[e.name] = total.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
+    ranked = sorted(total.items(), key=lambda kv: -kv[1])[:top]
+    return [{"kernel": name[:160], "ms_per_step": round(ms / len(windows), 3)} for name, ms in ranked]
 
 
 def _is_device_event(event) -> bool:

@@ -77,7 +77,7 @@ def check_symbols() -> None:
                              "transformers")  # fmt: skip
 
 
-def _fla_usable(backend: str) -> str | None:
+def fla_usable(backend: str) -> str | None:
     if backend == "cpu":
         return "backend cpu"
     fla = probe_fla(backend)
@@ -94,7 +94,7 @@ def _fla_usable(backend: str) -> str | None:
     return None  # FLA's Hopper guard concerns the delta-rule backward only, not these kernels
 
 
-def _npu_rms_norm() -> bool:
+def npu_rms_norm_available() -> bool:
     try:
         return hasattr(importlib.import_module("torch_npu"), "npu_rms_norm")
     except ImportError:
@@ -148,8 +148,8 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
     """Select a kernel per op and install the adapters; idempotent."""
     _unwrap_all()
     wanted = {op: options[op] for op in fused_kernels.OPS}
-    fla_usable = _fla_usable(backend) if any(wanted.values()) else "no op asked for"
-    choices = fused_kernels.select_kernels(backend, wanted, fla_usable, backend == "npu" and _npu_rms_norm())
+    fla_reason = fla_usable(backend) if any(wanted.values()) else "no op asked for"
+    choices = fused_kernels.select_kernels(backend, wanted, fla_reason, backend == "npu" and npu_rms_norm_available())
     kernels = {op: fused_kernels.load(op, c.kernel) for op, c in choices.items() if c.kernel != "torch"}
     conv = fused_kernels.FlaConv(kernels["conv"]) if "conv" in kernels else None
     makers = {

@@ -63,11 +63,12 @@ def test_dataset_samples_exceed_the_cutoff_on_both_sides(tmp_path):
 
 
 DEFAULT_ON = {"deltanet_routing": True, "checkpoint_all_layers": True, "chunked_loss": True, "text_only_batches": True,
-              "final_eval_once": True, "pad_lengths": False, "packed_rows": True}  # fmt: skip
+              "final_eval_once": True, "pad_lengths": False, "packed_rows": True, "fused_ops": True,
+              "lora_input_cast": True}  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "variant", ["on", "off", "budget120", "spread-pad256", "ctx64k", "spread-packed", "short-packed"]
+    "variant", ["on", "off", "budget120", "spread-pad256", "ctx64k", "spread-packed", "short-packed", "glue-off"]
 )
 def test_variant_configs_pass_the_launchers_validation(tmp_path, variant):
     bench_assets.write_model_dir(tmp_path / "model", "tiny")
@@ -93,6 +94,8 @@ def test_variant_configs_pass_the_launchers_validation(tmp_path, variant):
     enabled = {name: options["enabled"] for name, options in loaded.patches.items()}
     if variant == "off":
         assert not any(enabled.values())
+    elif variant == "glue-off":
+        assert enabled == {**DEFAULT_ON, "fused_ops": False, "lora_input_cast": False}
     else:
         assert enabled == {**DEFAULT_ON, "pad_lengths": variant == "spread-pad256"}
     if variant == "budget120":
@@ -168,12 +171,15 @@ def test_fla_guard_is_lifted_only_where_it_would_fire(monkeypatch):
 
 def test_targets_compare_with_the_documented_ones():
     ok = {"state": "SUCCEEDED"}
-    found = patch_bench.targets({"on": {**ok, "peak_allocated_gib": 55.1, "tokens_per_s": 2877.0},
-                                 "budget120": {**ok, "peak_allocated_gib": 121.0, "tokens_per_s": 3400.0},
-                                 "ctx64k": {"state": "FAILED", "peak_allocated_gib": 90.0}})  # fmt: skip
+    profile = {"report": {"ranks": [{"parts_s": {"other_compute": 0.31}}]}}
+    found = patch_bench.targets({"on": {**ok, "peak_allocated_gib": 55.1, "tokens_per_s": 3419.0},
+                                 "budget120": {**ok, "peak_allocated_gib": 121.0, "tokens_per_s": 4500.0},
+                                 "ctx64k": {"state": "FAILED", "peak_allocated_gib": 90.0},
+                                 "profile": {**ok, "profile": profile}})  # fmt: skip
     assert found["on"]["peak_allocated_gib"]["met"] and found["on"]["tokens_per_s"]["met"]
     assert not found["budget120"]["peak_allocated_gib"]["met"] and not found["budget120"]["tokens_per_s"]["met"]
-    assert found["budget120"]["tokens_per_s"]["shortfall"] == pytest.approx(1 - 3400 / 3500, abs=1e-4)
+    assert found["budget120"]["tokens_per_s"]["shortfall"] == pytest.approx(1 - 4500 / 4600, abs=1e-4)
+    assert found["profile"]["other_compute_s"] == {"value": 0.31, "limit": 0.25, "met": False}
     assert found["ctx64k"]["peak_allocated_gib"]["met"] and not found["ctx64k"]["succeeded"]
     assert "ctx32k" not in found
 

@@ -99,6 +99,8 @@ def test_kernel_names_go_to_their_parts():
     assert kernel_part("pytorch_flash::flash_fwd_kernel") == "attention"
     assert kernel_part("multi_tensor_apply_kernel") == "optimizer"
     assert kernel_part("elementwise_kernel") == "other_compute"
+    assert kernel_part("causal_conv1d_fwd_kernel") == kernel_part("swiglu_fwdbwd_kernel") == "glue"
+    assert kernel_part("layer_norm_gated_fwd_kernel") == kernel_part("conv_depthwise2d_forward_kernel") == "glue"
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from launcher.checks import decode_kernels, kernel_check, kernels  # noqa: E402
+from launcher.checks import decode_kernels, glue_kernels, kernel_check, kernels  # noqa: E402
 from launcher.cli import main  # noqa: E402
 
 SMALL = kernels.Case("small", 1, 100, 3, 16)  # T=100 != H=3, not a multiple of the 64-token chunk
@@ -174,7 +174,8 @@ def test_preflight_kernel_check_runs_the_quick_suite():
     result = kernel_check.check("cpu")
     assert result["ok"], result
     suite = result["validate_kernels"]
-    assert suite["ok"] and set(suite["cases"]) == {"layout", "grouped", "varlen", "decode"}
+    assert suite["ok"] and set(suite["cases"]) == {"layout", "grouped", "varlen", "decode", "conv", "rms_norm",
+                                                   "gated_norm", "swiglu"}
     assert suite["cases"]["varlen"] == "skip" and suite["cases"]["decode"] == "skip"  # preflight: training kernel
 
 
@@ -221,3 +222,46 @@ def test_decode_case_times_routed_vs_torch_per_token():
                                               kernels.Device(torch, "cpu"), 0.05, fallback=recurrent)  # fmt: skip
     assert result.status == "pass"
     assert set(result.timing_ms) == {"routed_per_token", "torch_per_token"}
+
+
+# --- the glue cases (fused_ops's kernels) ---------------------------------------------------------------------
+
+
+def check_glue(name: str, fn) -> kernels.CaseResult:
+    case = next(c for c in kernels.SUITES["quick"] if c.name == name)
+    return glue_kernels.check_glue_case(torch, case, fn, kernels.Device(torch, "cpu"), 0.05)
+
+
+def test_glue_cases_pass_the_torch_ops_in_bf16_with_every_gradient():
+    ops = glue_kernels.torch_ops()
+    expected = {"conv": {"out", "dx", "dweight"}, "rms_norm": {"out", "dx", "dweight"},
+                "gated_norm": {"out", "dx", "dgate", "dweight"}, "swiglu": {"out", "dgate", "dup"}}  # fmt: skip
+    for name, keys in expected.items():
+        result = check_glue(name, ops[name])
+        assert result.status == "pass", result
+        assert set(result.errors) == keys and 0 < result.max_error < 0.01  # bf16 rounding: small, never zero
+
+
+def test_glue_cases_catch_a_conv_read_the_wrong_way_round_and_a_norm_without_its_offset():
+    ops = glue_kernels.torch_ops()
+
+    def conv_btd(x, weight, bias=None, activation="silu", seq_idx=None):  # reads [B, D, T] as [B, T, D]
+        return ops["conv"](x.transpose(1, 2).reshape(x.shape), weight, bias, activation)
+
+    def norm_without_offset(x, weight, eps):  # w instead of 1 + w: the zero-centred weight forgotten
+        return ops["rms_norm"](x, weight - 1.0, eps)
+
+    def swiglu_swapped(gate, up):
+        return ops["swiglu"](up, gate)
+
+    for name, fn in (("conv", conv_btd), ("rms_norm", norm_without_offset), ("swiglu", swiglu_swapped)):
+        result = check_glue(name, fn)
+        assert result.status == "fail" and result.max_error > 0.05, (name, result)
+        assert "threshold 1%" in result.note or "Error" in result.note
+
+
+def test_the_full_suite_has_a_glue_case_per_op_at_the_27b_shapes():
+    full = {c.name: c for c in kernels.SUITES["full"] if c.op}
+    assert {c.op for c in full.values()} == {"conv", "rms_norm", "gated_norm", "swiglu"}
+    assert full["conv_27b"].shape == [1, 4096, 80, 128]  # 2 x 16 x 128 + 48 x 128 channels
+    assert full["swiglu_27b"].shape[-1] == 17408 and full["rms_norm_27b"].shape[-1] == 5120

@@ -29,6 +29,7 @@ class Case:
     memory: bool = False
     about: str = ""
     prefill: int | None = None  # decode: prompt tokens before the seq_len one-token steps (decode_kernels)
+    op: str | None = None  # a glue op (glue_kernels): conv, rms_norm, gated_norm or swiglu
 
     @property
     def shape(self) -> list[int]:

@@ -33,6 +33,10 @@ How each case is checked:
   reports peak device memory of the routed forward+backward and the median time of the routed kernel
   against the torch fallback (forward+backward, bfloat16, the same inputs).
 
+- the glue cases (``conv``, ``rms_norm``, ``gated_norm``, ``swiglu`` and their ``_27b`` shapes) check the fused
+  kernels the ``fused_ops`` patch binds, forward and every gradient, against fp32 (``launcher.checks.glue_kernels``;
+  threshold 1 %).
+
 - ``decode`` checks the recurrent kernel that generation calls once per new token (FLA's
   ``fused_recurrent_gated_delta_rule`` on NPU and CUDA, transformers' torch loop on CPU), step by step from a
   prompt's state, against the fp32 torch recurrence: outputs and final state (``launcher.checks.decode_kernels``).
@@ -53,7 +57,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from launcher.checks import decode_kernels
+from launcher.checks import decode_kernels, glue_kernels
 from launcher.checks.kernel_cases import Case, CaseResult, Device, _FullPrecision, make_inputs, rel_error
 
 __all__ = ["Case", "CaseResult", "Device", "Report", "check_case", "make_inputs", "rel_error", "validate"]
@@ -69,6 +73,22 @@ def _varlen(name: str, lens: tuple[int, ...], heads: int, dim: int, key_heads: i
 
 MODEL_CASE = Case("qwen3_5_27b", 1, 4096, 48, 128, key_heads=16, timing=True, memory=True,
                   about="the 27B model's DeltaNet call (16 key heads -> 48 value heads)")  # fmt: skip
+def glue_cases(quick: bool) -> tuple[Case, ...]:
+    """The fused glue ops (``glue_kernels``): small shapes with T != D and batch 2, or the 27B model's shapes
+    (conv over 2 x 16 x 128 + 48 x 128 channels, the hidden norm of 5120 and the 24-head q norm of 256, the
+    gated norm of the 48 value heads of 128, SwiGLU over the MLP's 17408)."""
+    if quick:
+        return (Case("conv", 2, 150, 3, 32, op="conv", about="batch 2, T=150 != D=96"),
+                Case("rms_norm", 2, 40, 3, 32, op="rms_norm", about="zero-centred weight, over the last dim"),
+                Case("gated_norm", 1, 40, 4, 32, op="gated_norm", about="x_hat * w * silu(gate)"),
+                Case("swiglu", 2, 40, 1, 96, op="swiglu", about="silu(gate) * up"))  # fmt: skip
+    return (Case("conv_27b", 1, 4096, 80, 128, op="conv", timing=True, about="the DeltaNet short convolution"),
+            Case("rms_norm_27b", 1, 4096, 1, 5120, op="rms_norm", timing=True, about="the decoder layers' norm"),
+            Case("q_norm_27b", 1, 4096, 24, 256, op="rms_norm", about="the attention's q norm per head"),
+            Case("gated_norm_27b", 1, 4096, 48, 128, op="gated_norm", timing=True, about="the DeltaNet output norm"),
+            Case("swiglu_27b", 1, 4096, 1, 17408, op="swiglu", timing=True, about="the MLP's silu(gate) * up"))  # fmt: skip
+
+
 SUITES: dict[str, tuple[Case, ...]] = {
     # one head count and dim per suite: FLA's Triton kernels compile per (heads, dim), which costs minutes
     "quick": (
@@ -76,6 +96,7 @@ SUITES: dict[str, tuple[Case, ...]] = {
         Case("grouped", 1, 128, 4, 32, key_heads=2, about="q, k repeat_interleave-d from 2 to 4 heads"),
         _varlen("varlen", (45, 85, 70), 4, 32),
         Case("decode", 2, 24, 4, 32, key_heads=2, prefill=40, about="24 one-token steps after a 40-token prompt"),
+        *glue_cases(quick=True),
     ),
     "full": (
         # the model's 48 heads of dim 128 throughout, so the suite also shares its compile with training
@@ -94,6 +115,7 @@ SUITES: dict[str, tuple[Case, ...]] = {
             timing=True,
             about="the 27B model's decoding call: 64 one-token steps after a 512-token prompt",
         ),  # fmt: skip
+        *glue_cases(quick=False),
     ),
 }
 
@@ -106,6 +128,7 @@ class Report:
     threshold: float
     suite: str
     decode_kernel: str = ""
+    glue_kernels: dict[str, str] = field(default_factory=dict)
     cases: list[CaseResult] = field(default_factory=list)
     error: str | None = None
     environment: dict[str, Any] = field(default_factory=dict)
@@ -307,7 +330,8 @@ def environment(torch, dev: Device) -> dict[str, Any]:
 
 def validate(backend: str, *, kernel: str = "auto", suite: str = "quick", threshold: float = DEFAULT_THRESHOLD,
              cases: tuple[str, ...] | None = None, kernel_fn: Callable | None = None,
-             kernel_name: str | None = None, decode_fn: Callable | None = None) -> Report:  # fmt: skip
+             kernel_name: str | None = None, decode_fn: Callable | None = None,
+             glue_fns: dict[str, Callable] | None = None) -> Report:  # fmt: skip
     """Run a suite against the kernels routed for ``backend`` (or ``kernel_fn``/``decode_fn``, for tests).
 
     The ``decode`` case checks the recurrent kernel generation routes to (``launcher.checks.decode_kernels``);
@@ -343,8 +367,16 @@ def validate(backend: str, *, kernel: str = "auto", suite: str = "quick", thresh
         report.error = f"{type(err).__name__}: {err}"
         return report
     selected = [c for c in SUITES[suite] if cases is None or c.name in cases]
+    if any(c.op for c in selected) and glue_fns is None:
+        try:
+            glue_fns, report.glue_kernels = glue_kernels.select_glue_kernels(backend)
+        except Exception as err:  # FLA that does not import on an accelerator: reported, not raised
+            report.error = f"{type(err).__name__}: {err}"
+            return report
     for case in selected:
-        if case.prefill is not None:
+        if case.op is not None:
+            report.cases.append(glue_kernels.check_glue_case(torch, case, glue_fns[case.op], dev, threshold))
+        elif case.prefill is not None:
             fallback = decode_kernels.torch_decode_reference()
             report.cases.append(decode_kernels.check_decode_case(torch, case, decode_fn, dev, threshold, fallback))
         else:

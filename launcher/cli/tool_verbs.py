@@ -59,6 +59,9 @@ def _render_kernels(report, file=None) -> None:
         if c.errors_vs_alone:
             errs = [f"{e} / {_pct(c.errors_vs_alone.get(k))}" for e, k in
                     zip(errs, ("out", *(f"d{n}" for n in GRAD_NAMES)), strict=True)]  # fmt: skip
+        glue = {k: v for k, v in c.errors.items() if k != "out" and k not in {f"d{n}" for n in GRAD_NAMES}}
+        if glue:  # a glue op's gradients are of its own inputs (dx, dweight, dgate, dup)
+            errs[1] = ", ".join(f"{k} {_pct(v)}" for k, v in glue.items())
         timing = "-"
         if c.timing_ms:
             timing = " vs ".join(f"{k} {v:g}" for k, v in c.timing_ms.items())
@@ -67,6 +70,8 @@ def _render_kernels(report, file=None) -> None:
     console.print(table)
     if report.decode_kernel:
         console.print(f"decode case: {report.decode_kernel} (outputs and final state vs the fp32 recurrence)")
+    for op, kernel in report.glue_kernels.items():
+        console.print(f"{op} cases: {kernel} (forward and the gradients of its inputs vs fp32, threshold 1%)")
     if any(c.errors_vs_alone for c in report.cases):
         console.print("varlen errors: vs the fp32 reference per sequence / vs the routed kernel per sequence")
     console.print(f"validate-kernels {'[green]PASSED[/]' if report.ok else '[bold red]FAILED[/]'}")

@@ -19,10 +19,10 @@ from typing import Any
 from launcher.files import write_json_atomic, write_text_atomic
 from launcher.state.runs import PROFILE_DIR
 
-PARTS = ("deltanet", "attention", "matmul", "other_compute", "communication", "optimizer",
+PARTS = ("deltanet", "glue", "attention", "matmul", "other_compute", "communication", "optimizer",
          "data_loading", "optimizer_host", "compile_autotune", "host_gaps")  # fmt: skip
 LABELS = {
-    "deltanet": "DeltaNet kernels", "attention": "attention", "matmul": "matmul", "other_compute": "other compute",
+    "deltanet": "DeltaNet kernels", "glue": "conv, norms, SwiGLU kernels", "attention": "attention", "matmul": "matmul", "other_compute": "other compute",
     "communication": "communication", "optimizer": "optimizer (device)", "data_loading": "data loading (device idle)",
     "optimizer_host": "optimizer (host, device idle)", "compile_autotune": "kernel compile / autotune",
     "host_gaps": "other host-side gaps (device idle)",
@@ -51,6 +51,7 @@ def rank_summary(record: dict[str, Any]) -> dict[str, Any]:
         "work_s": None if step_s is None else round(step_s - parts.get("communication", 0.0), 6),
         "seq_lens": record.get("seq_lens", []),
         "backend": record.get("backend"),
+        "other_compute_top": record.get("other_compute_top") or [],
     }
 
 
@@ -150,6 +151,11 @@ def render(report: dict[str, Any]) -> str:
             f"({spread['spread_share']:.1%} of the slowest) in each step's collectives for the slowest."
         )
     lines += _render_first_step(ranks)
+    top = ranks[0]["other_compute_top"]
+    if top:
+        lines += ["", f"Largest kernels in other compute, rank {ranks[0]['rank']} (ms per profiled step):", ""]
+        lines += [f"- {t['ms_per_step']:.1f} ms `{t['kernel']}`" for t in top]
+        lines.append("")
     if report.get("traces"):
         lines.append(f"- traces: {', '.join(report['traces'])} (Chrome trace: chrome://tracing or ui.perfetto.dev; "
                      "an `.ascend` folder: MindStudio Insight).")  # fmt: skip

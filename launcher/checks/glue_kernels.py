@@ -1,0 +1,163 @@
+"""The glue cases of ``launcher validate-kernels``: the fused convolution, norms and SwiGLU against fp32.
+
+Which kernel: the one training binds (``patches.fused_kernels.select_kernels``, as the ``fused_ops`` patch decides
+it before the model is built): FLA's Triton kernels on CUDA, FLA's triton-ascend kernels and
+``torch_npu.npu_rms_norm`` on NPU, transformers' torch ops on CPU (then the "routed" op is the torch op in bf16
+and the errors are bf16 rounding only, so the comparison is live). Each op is called through the same adapter
+the patch installs (``FlaConv``, ``fused_kernels.rms_norm``, ``fused_kernels.gated_norm``).
+
+How a case is checked: inputs drawn once and rounded to bf16 (the conv's input as the DeltaNet layer hands it:
+the transpose of a contiguous ``[B, T, D]`` projection; the zero-centred RMSNorm weight small around 0, the gated
+norm's around 1); the routed op runs in bf16 forward and backward against a fixed output gradient; the reference
+is transformers' arithmetic (``Qwen3_5GatedDeltaNet``'s ``nn.Conv1d`` + SiLU, ``Qwen3_5RMSNorm``,
+``Qwen3_5RMSNormGated``, ``silu(gate) * up``) in fp32 on the same values. Reported: the relative L2 error of the
+output and of every input's gradient; PASS under 1 % (``GLUE_THRESHOLD``) with everything finite. The conv cases
+have T != D and batch 2 in the quick suite, so a kernel reading the layout the wrong way round cannot pass.
+``timing`` cases add the median milliseconds of forward+backward, routed vs the torch op in bf16.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from launcher.checks.kernel_cases import Case, CaseResult, Device, _FullPrecision, rel_error
+
+GLUE_THRESHOLD = 0.01
+EPS = 1e-6
+TIMING_WARMUP, TIMING_REPEATS = 3, 10
+
+
+def torch_ops() -> dict[str, Callable]:
+    """transformers 5.6.0's arithmetic for each op, in the dtype of its inputs (the reference runs it in fp32)."""
+    import torch
+    import torch.nn.functional as F
+
+    def conv(x, weight, bias=None, activation="silu", seq_idx=None):  # x [B, D, T], weight [D, W]
+        taps, length = weight.shape[-1], x.shape[-1]
+        out = F.conv1d(x, weight.unsqueeze(1), bias, padding=taps - 1, groups=x.shape[1])[..., :length]
+        return F.silu(out)
+
+    def rms_norm(x, weight, eps):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).type_as(x)
+
+    def gated_norm(x, gate, weight, eps):
+        xf = x.float()
+        normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return (normed * F.silu(gate.float())).to(x.dtype)
+
+    def swiglu(gate, up):
+        return F.silu(gate) * up
+
+    return {"conv": conv, "rms_norm": rms_norm, "gated_norm": gated_norm, "swiglu": swiglu}
+
+
+def select_glue_kernels(backend: str) -> tuple[dict[str, Callable], dict[str, str]]:
+    """The callables training binds for each op on ``backend`` (adapters included), and their descriptions."""
+    from patches import fused_kernels, fused_ops
+
+    choices = fused_kernels.select_kernels(backend, dict.fromkeys(fused_kernels.OPS, True),
+                                           fused_ops.fla_usable(backend),
+                                           backend == "npu" and fused_ops.npu_rms_norm_available())  # fmt: skip
+    ops = torch_ops()
+    chosen: dict[str, Callable] = {}
+    for op, choice in choices.items():
+        if choice.kernel == "torch":
+            chosen[op] = ops[op]
+            continue
+        kernel = fused_kernels.load(op, choice.kernel)
+        if op == "conv":
+            chosen[op] = fused_kernels.FlaConv(kernel)
+        elif op == "rms_norm":
+            chosen[op] = lambda x, w, eps, _k=kernel, _n=choice.kernel: fused_kernels.rms_norm(_n, _k, x, w, eps)
+        elif op == "gated_norm":
+            chosen[op] = lambda x, g, w, eps, _k=kernel: fused_kernels.gated_norm(_k, x, g, w, eps)
+        else:
+            chosen[op] = kernel
+    return chosen, {op: f"{c.kernel} ({c.reason})" for op, c in choices.items()}
+
+
+def make_glue_inputs(torch, case: Case, seed: int = 0) -> dict[str, Any]:
+    """bf16-rounded inputs on the CPU for ``case.op``; ``grad_out`` has the output's shape."""
+    gen = torch.Generator().manual_seed(seed)
+    b, t, h, d = case.shape
+
+    def draw(*shape, scale=1.0, shift=0.0):
+        return (torch.randn(*shape, generator=gen) * scale + shift).to(torch.bfloat16)
+
+    if case.op == "conv":
+        width = h * d
+        x = draw(b, t, width)
+        return {"x": x, "weight": draw(width, 4, scale=0.5), "grad_out": draw(b, t, width)}
+    if case.op == "rms_norm":
+        return {"x": draw(b, t, h, d), "weight": draw(d, scale=0.1), "grad_out": draw(b, t, h, d)}
+    if case.op == "gated_norm":
+        rows = b * t * h
+        return {"x": draw(rows, d), "gate": draw(rows, d), "weight": draw(d, scale=0.1, shift=1.0),
+                "grad_out": draw(rows, d)}  # fmt: skip
+    return {"gate": draw(b, t, h * d), "up": draw(b, t, h * d), "grad_out": draw(b, t, h * d)}
+
+
+def run_glue(torch, op: str, fn: Callable, inputs: dict[str, Any], *, device: str, dtype):
+    """Forward and backward of one op as the model calls it; returns the output and every input's gradient."""
+    leaves = {n: x.to(device=device, dtype=dtype).detach().requires_grad_(True)
+              for n, x in inputs.items() if n != "grad_out"}  # fmt: skip
+    if op == "conv":  # the DeltaNet layer hands the conv the transpose of its [B, T, D] projection
+        out = fn(leaves["x"].transpose(1, 2), leaves["weight"], None, "silu").transpose(1, 2)
+    elif op == "rms_norm":
+        out = fn(leaves["x"], leaves["weight"], EPS)
+    elif op == "gated_norm":
+        out = fn(leaves["x"], leaves["gate"], leaves["weight"], EPS)
+    else:
+        out = fn(leaves["gate"], leaves["up"])
+    out.backward(inputs["grad_out"].to(device=device, dtype=out.dtype))
+    return out.detach(), {n: leaf.grad for n, leaf in leaves.items()}
+
+
+def _time(torch, op, fn, inputs, dev: Device) -> float:
+    times = []
+    for i in range(TIMING_WARMUP + TIMING_REPEATS):
+        dev.sync()
+        start = time.perf_counter()
+        run_glue(torch, op, fn, inputs, device=dev.name, dtype=torch.bfloat16)
+        dev.sync()
+        if i >= TIMING_WARMUP:
+            times.append((time.perf_counter() - start) * 1e3)
+    return round(statistics.median(times), 3)
+
+
+def check_glue_case(torch, case: Case, fn: Callable, dev: Device, threshold: float) -> CaseResult:
+    """Run one glue case; never raises (an exception is a failed case with the error as its note)."""
+    started = time.monotonic()
+    threshold = min(threshold, GLUE_THRESHOLD)
+    result = CaseResult(case.name, case.shape, None, "fail")
+    try:
+        reference = torch_ops()[case.op]
+        inputs = {n: x.to(dev.name) for n, x in make_glue_inputs(torch, case).items()}
+        got = run_glue(torch, case.op, fn, inputs, device=dev.name, dtype=torch.bfloat16)
+        with _FullPrecision(torch):
+            ref = run_glue(torch, case.op, reference, inputs, device=dev.name, dtype=torch.float32)
+        result.errors = {"out": rel_error(torch, got[0], ref[0])}
+        result.errors.update({f"d{n}": rel_error(torch, got[1][n], ref[1][n]) for n in ref[1]})
+        result.finite = all(x is not None and bool(torch.isfinite(x).all()) for x in (got[0], *got[1].values()))
+        if case.timing:
+            result.timing_ms = {"routed": _time(torch, case.op, fn, inputs, dev)}
+            if fn is not reference:
+                result.timing_ms["torch_ops"] = _time(torch, case.op, reference, inputs, dev)
+        worst = result.max_error
+        result.status = "pass" if result.finite and worst is not None and worst <= threshold else "fail"
+        if not result.finite:
+            result.note = "non-finite output or gradient"
+        elif result.status == "fail":
+            name, value = max(result.errors.items(), key=lambda kv: kv[1])
+            result.note = f"{name} differs by {value:.2%} (threshold {threshold * 100:g}%)"
+        else:
+            result.note = case.about
+    except Exception as err:  # a crashing kernel is a failed case, reported with the others
+        result.note = f"{type(err).__name__}: {err}"
+    finally:
+        result.seconds = round(time.monotonic() - started, 2)
+    return result
