@@ -96,8 +96,6 @@ def install_random_init(device: str, recorder: Recorder) -> None:
     from benchmarks.bench_assets import MARKER
 
     original = PreTrainedModel.from_pretrained.__func__
-    # a CPU job would otherwise run as DDP and never shard (benchmarks.fsdp_init.shard_on_cpu)
-    cpu_fsdp = fsdp_init.shard_on_cpu() if fsdp_init.fsdp2_rank() and device == "cpu" else None
 
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         marker = Path(str(pretrained_model_name_or_path)) / MARKER
@@ -116,7 +114,7 @@ def install_random_init(device: str, recorder: Recorder) -> None:
             install_shard_materialization(device, seed, recorder)
             recorder.update(model_build={"how": "built on the meta device; shards not materialized yet",
                                          "parameters": sum(p.numel() for p in model.parameters()),
-                                         "dtype": str(dtype)}, cpu_fsdp=cpu_fsdp)  # fmt: skip
+                                         "dtype": str(dtype)})  # fmt: skip
             return model
         started = time.perf_counter()
         with torch.device(device):

@@ -2,6 +2,14 @@
 
     python -m benchmarks.fsdp_bench --out DIR [--shape 27b|tiny] [--backend cuda|npu|cpu] [--devices 1,2]
                                     [--steps 6] [--warmup 2] [--single fsdp2|ddp] [--options on,full-loss]
+                                    [--variants single,fsdp2,fsdp2-budget120]
+
+``--devices 1`` (one count): the one-device comparison of issue 28 instead, ``ONE_DEVICE`` variants in one
+invocation: the single-device path (``ddp``, one process) and ``fsdp2`` with one process (``DEFAULT_VARIANTS``),
+and by name ``fsdp2-budget120``, ``fsdp2`` with ``checkpoint_all_layers: {memory_budget_gib: 120}`` (cuda, npu;
+refused by ``launcher check`` under fsdp2 until the layer measurement runs inside the model's forward);
+``targets`` holds FSDP2's peak against ``PEAK_MAX_GIB`` and its tokens/s against ``SPEED_MIN`` x the
+single-device path's.
 
 For each option set (``OPTIONS``: ``on``, the product's defaults with the chunked loss and every layer
 checkpointed; ``full-loss``, the same with ``chunked_loss: false``) and each device count, in one invocation:
@@ -44,6 +52,17 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 OPTIONS: dict[str, dict[str, Any]] = {"on": {}, "full-loss": {"chunked_loss": False}}
 SCALING_MIN = 0.95  # per device: 2 devices must reach 1.9x one device's tokens/s (issue 18)
 GIB = 2**30
+# one device (issue 28): FSDP2 with one process against the single-device path, and under a memory budget
+ONE_DEVICE: dict[str, tuple[str, dict[str, Any]]] = {
+    "single": ("ddp", {}),
+    "fsdp2": ("fsdp2", {}),
+    "fsdp2-budget120": ("fsdp2", {"checkpoint_all_layers": {"memory_budget_gib": 120}}),
+}
+# the budget variant is asked for by name: `launcher check` refuses the layer plan under fsdp2 until its
+# measurement runs inside the model's forward (issue 28, item 3)
+DEFAULT_VARIANTS = ("single", "fsdp2")
+PEAK_MAX_GIB = 58.0  # FSDP2's peak at 4,096 tokens: the single-device path's 55.14 GiB plus a little
+SPEED_MIN = 0.95  # FSDP2's tokens/s against the single-device path's
 
 
 def run_name(shape: str, devices: int, options: str) -> str:
@@ -51,16 +70,34 @@ def run_name(shape: str, devices: int, options: str) -> str:
 
 
 def bench_config(out: Path, shape: str, backend: str, steps: int, devices: int, options: str,
-                 single: str = "fsdp2") -> dict[str, Any]:  # fmt: skip
-    """``patch_bench``'s ``on`` config on ``devices`` processes under FSDP2 (one device: ``single``)."""
+                 single: str = "fsdp2", variant: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """``patch_bench``'s ``on`` config on ``devices`` processes under FSDP2 (one device: ``single``), or one of
+    the ``ONE_DEVICE`` variants."""
     config = patch_bench.run_config(out, "on", shape, backend, steps)
+    distribution, extra = ONE_DEVICE[variant] if variant else ("fsdp2" if devices > 1 else single, {})
     config["launcher"].update(
         nproc_per_node=devices,
-        distribution="fsdp2" if devices > 1 else single,
-        run_name=run_name(shape, devices, options),
-        patches=OPTIONS[options],
+        distribution=distribution,
+        run_name=run_name(shape, devices, options) + (f"-{variant}" if variant else ""),
+        patches={**OPTIONS[options], **extra},
     )
     return config
+
+
+def one_device_targets(runs: dict[str, Any]) -> dict[str, Any]:
+    """FSDP2 with one process against the single-device path: peak and tokens/s, each met or not."""
+    single, fsdp = runs.get("single", {}), runs.get("fsdp2", {})
+    peak, one, many = fsdp.get("peak_allocated_gib_max"), single.get("tokens_per_s_total"), fsdp.get("tokens_per_s_total")
+    ratio = round(many / one, 3) if one and many else None
+    budget = runs.get("fsdp2-budget120", {})
+    return {
+        "succeeded": {label: run.get("state") == "SUCCEEDED" for label, run in runs.items()},
+        "fsdp2_peak_gib": peak, "peak_max_gib": PEAK_MAX_GIB, "peak_met": None if peak is None else peak <= PEAK_MAX_GIB,
+        "single_tokens_per_s": one, "fsdp2_tokens_per_s": many, "speed_ratio": ratio, "speed_min": SPEED_MIN,
+        "speed_met": ratio is not None and ratio >= SPEED_MIN, "single_peak_gib": single.get("peak_allocated_gib_max"),
+        "budget120_peak_gib": budget.get("peak_allocated_gib_max"),
+        "budget120_tokens_per_s": budget.get("tokens_per_s_total"),
+    }  # fmt: skip
 
 
 def unit_sizes(model_dir: Path) -> dict[str, int]:
@@ -176,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--single", choices=("fsdp2", "ddp"), default="fsdp2",
                         help="distribution of the one-device run (default fsdp2: the same path)")  # fmt: skip
     parser.add_argument("--options", default="on", help=f"comma-separated option sets: {', '.join(OPTIONS)}")
+    parser.add_argument("--variants", default=None,
+                        help=f"with --devices 1: comma-separated, of {', '.join(ONE_DEVICE)} "
+                             f"(default: {','.join(DEFAULT_VARIANTS)})")  # fmt: skip
     parser.add_argument("--samples", type=int, default=8, help="dataset samples (default 8)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run before a graceful stop")
     ns = parser.parse_args(argv)
@@ -184,8 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     options = [o.strip() for o in ns.options.split(",") if o.strip()]
     if sorted(set(options) - set(OPTIONS)):
         parser.error(f"unknown option set(s) in {ns.options!r}; choose from {', '.join(OPTIONS)}")
-    if len(devices) < 2 or devices != sorted(set(devices)) or devices[0] < 1:
-        parser.error(f"--devices {ns.devices}: give at least two increasing counts, the baseline first (e.g. 1,2)")
+    if not devices or devices != sorted(set(devices)) or devices[0] < 1 or (len(devices) == 1 and devices[0] != 1):
+        parser.error(f"--devices {ns.devices}: give 1 (the one-device comparison) or increasing counts, the baseline "
+                     "first (e.g. 1,2)")  # fmt: skip
+    default_variants = [v for v in ONE_DEVICE if v in DEFAULT_VARIANTS]
+    variants = [v.strip() for v in ns.variants.split(",") if v.strip()] if ns.variants else default_variants
+    if sorted(set(variants) - set(ONE_DEVICE)) or (ns.variants and len(devices) > 1):
+        parser.error(f"--variants {ns.variants}: only with --devices 1, of {', '.join(ONE_DEVICE)}")
     out = ns.out.resolve()
     (out / "configs").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
@@ -199,23 +244,28 @@ def main(argv: list[str] | None = None) -> int:
         "model_parameters": patch_bench._read_json(out / "model_parameters.json"),
         "units": unit_sizes(out / "model"), "runs": {},
     }  # fmt: skip
+    plan = [(n, None) for n in devices] if len(devices) > 1 else [(1, v) for v in variants]
     for option in options:
-        for n in devices:
-            config = bench_config(out, ns.shape, backend, ns.steps, n, option, ns.single)
-            path = out / "configs" / f"{option}-{n}dev.yaml"
+        for n, variant in plan:
+            label = variant or str(n)
+            config = bench_config(out, ns.shape, backend, ns.steps, n, option, ns.single, variant)
+            path = out / "configs" / f"{option}-{label}.yaml"
             path.write_text(yaml.safe_dump(config, sort_keys=False))
-            print(f"[fsdp_bench] {option}, {n} device(s): python -m launcher run {path} --quiet", flush=True)
+            print(f"[fsdp_bench] {option}, {label}: python -m launcher run {path} --quiet", flush=True)
             run = patch_bench.run_variant(["run", str(path), "--quiet"], env, ns.timeout,
-                                          out / "logs" / f"{option}-{n}dev.supervisor.log")  # fmt: skip
+                                          out / "logs" / f"{option}-{label}.supervisor.log")  # fmt: skip
             run_dir = patch_bench._newest_run(out / "runs", config["launcher"]["run_name"])
             summary = {"state": None, "reason": "no run directory"}
             if run_dir:
                 summary = {**patch_bench.summarize(run_dir, ns.warmup), **world_summary(run_dir, ns.warmup)}
-            results["runs"].setdefault(option, {})[str(n)] = {**run, "distribution": config["launcher"]["distribution"],
-                                                              **summary}  # fmt: skip
-            print(f"[fsdp_bench] {option}, {n} device(s): {_one_line(results['runs'][option][str(n)])}", flush=True)
+            results["runs"].setdefault(option, {})[label] = {**run, "distribution": config["launcher"]["distribution"],
+                                                             **summary}  # fmt: skip
+            print(f"[fsdp_bench] {option}, {label}: {_one_line(results['runs'][option][label])}", flush=True)
             (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-    results["targets"] = compare(results, devices, options, param_bytes=4 if backend == "cpu" else 2)
+    if len(devices) > 1:
+        results["targets"] = compare(results, devices, options, param_bytes=4 if backend == "cpu" else 2)
+    else:
+        results["targets"] = {option: one_device_targets(results["runs"].get(option, {})) for option in options}
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     print(json.dumps({"targets": results["targets"]}, indent=2, default=str))
     return 0 if all(r.get("state") == "SUCCEEDED" for runs in results["runs"].values() for r in runs.values()) else 1

@@ -10,9 +10,9 @@ marked ``random_init.json``:
    get real storage on the rank's device. accelerate 1.11 ``Accelerator._prepare_fsdp2`` maps the optimizer's
    parameters to the sharded ones by ``data_ptr()``; every meta tensor has data_ptr 0, so with the adapters
    still on meta every optimizer entry would map to one and the same parameter.
-3. accelerate's own ``fsdp2_prepare_model`` shards the model (``fully_shard`` per wrapped class, then the root):
-   on the meta device this costs nothing, and with mixed precision it upcasts the (still meta) shards to
-   float32, as it does for a real checkpoint.
+3. accelerate's own ``fsdp2_prepare_model`` shards the model (``fully_shard`` per wrapped class, then the root),
+   with the product's ``fsdp2_frozen_dtype`` patch around it (float32 masters for the trainable parameters only,
+   and on a CPU job FSDP at all): on the meta device this costs nothing.
 4. ``materialize_shards`` (wrapped around ``fsdp2_prepare_model``): ``to_empty`` allocates each rank's local
    shards on its device (FSDP2's ``FSDPModule._apply`` re-registers the sharded parameters), then
    transformers' ``initialize_weights`` and PEFT's ``reset_lora_parameters`` fill them with random values
@@ -30,38 +30,9 @@ import os
 import time
 from typing import Any
 
+from patches.fsdp2_frozen_dtype import fsdp2_rank  # noqa: F401  (the benchmark's ranks ask what the patch asks)
+
 BENCH_FLAG = "_bench_random_init"  # set on the PreTrainedModel built here: only that model is materialized
-
-
-def fsdp2_rank() -> bool:
-    """This process is a rank of an accelerate FSDP2 job (accelerate launch sets both variables)."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and os.environ.get("FSDP_VERSION") == "2"
-
-
-def shard_on_cpu() -> dict[str, Any]:
-    """Let accelerate 1.11 run FSDP2 on a CPU job too, so the tiny CPU run exercises the sharding path.
-
-    ``AcceleratorState.__init__`` (accelerate/state.py) turns ``ACCELERATE_USE_FSDP`` into
-    ``DistributedType.FSDP`` only for GPU-like distributed types; a CPU job (``MULTI_CPU``) silently runs as
-    DDP over gloo and never shards. FSDP2 itself works on a CPU mesh over gloo, so here, in the benchmark's rank
-    only, the state is switched to FSDP with the plugin the Accelerator passed. Returns what was done.
-    """
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedType
-
-    original = AcceleratorState.__init__
-    if getattr(original, "_bench_cpu_fsdp", False):
-        return {"lifted": True, "already": True}
-
-    def __init__(self, *args, fsdp_plugin=None, **kwargs):
-        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
-            self.distributed_type = DistributedType.FSDP
-            self.fsdp_plugin = fsdp_plugin
-
-    __init__._bench_cpu_fsdp = True
-    AcceleratorState.__init__ = __init__
-    return {"lifted": True, "why": "accelerate 1.11 enables FSDP only on GPU-like devices; MULTI_CPU runs DDP"}
 
 
 def build_on_meta(cls, config, dtype):

@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 
 from launcher.files import write_json_atomic
+from launcher.results import best_adapter
 from launcher.state.runs import ERRORS_DIR, LAUNCH_FILE
 from launcher.stopsave import StoppedAfterSave, install_sigterm_handler, make_callback
 
@@ -98,6 +99,8 @@ def _train(run_dir: Path, callbacks: tuple = ()) -> int:
 
         callbacks = (*callbacks, ProfileCallback(run_dir, launch["backend"], profile["warmup"], profile["steps"]))
     run_exp(args=args, callbacks=[make_callback(run_dir), *callbacks])
+    if os.environ.get("RANK", "0") == "0" and best_adapter.wanted(args) and args.get("do_train", True):
+        best_adapter.keep_best_adapter(Path(args["output_dir"]))  # under FSDP2 the Trainer cannot (results/)
     return 0
 
 

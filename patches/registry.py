@@ -18,6 +18,8 @@ Order (fixed; ``PATCH_NAMES``):
 9. ``packed_rows`` - wraps the DeltaNet forward (class level) and LLaMA-Factory's 4D-mask collator; acts only
    on packed rows (``neat_packing``), whose DeltaNet layers it runs one sample at a time on the routed kernel,
    so it needs ``deltanet_routing``'s recorders (``launcher check`` refuses packing without them).
+10. ``fsdp2_frozen_dtype`` - wraps the ``fsdp2_prepare_model`` global of ``accelerate.accelerator`` (and, in a CPU
+   FSDP2 rank, ``AcceleratorState.__init__``); acts only when accelerate prepares a model for FSDP2.
 
 Each ``apply`` also gets ``facts``: what the launcher knew about the run before it started (``launch.json``:
 the datasets' media count, ``cutoff_len``, whether it packs), the same on every rank.
@@ -48,6 +50,7 @@ from . import (
     chunked_loss,
     deltanet_routing,
     final_eval_once,
+    fsdp2_frozen_dtype,
     fused_ops,
     lora_input_cast,
     packed_rows,
@@ -72,6 +75,7 @@ PATCHES: dict[str, ModuleType] = {
     pad_lengths.NAME: pad_lengths,
     lora_input_cast.NAME: lora_input_cast,
     packed_rows.NAME: packed_rows,
+    fsdp2_frozen_dtype.NAME: fsdp2_frozen_dtype,
 }
 PATCH_NAMES: tuple[str, ...] = tuple(PATCHES)
 BACKENDS = ("npu", "cuda", "cpu")

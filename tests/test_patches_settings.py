@@ -24,13 +24,14 @@ DEFAULTS = {
     "pad_lengths": {"enabled": False, "multiple": 256},  # the one patch that is off unless named
     "lora_input_cast": {"enabled": True},
     "packed_rows": {"enabled": True, "varlen_attention": True},
+    "fsdp2_frozen_dtype": {"enabled": True, "trainable_units": "own"},
 }
 
 
 def test_registry_order_is_routing_then_checkpointing_then_the_rest():
     assert patches.PATCH_NAMES == (
         "deltanet_routing", "fused_ops", "checkpoint_all_layers", "chunked_loss", "text_only_batches",
-        "final_eval_once", "pad_lengths", "lora_input_cast", "packed_rows",
+        "final_eval_once", "pad_lengths", "lora_input_cast", "packed_rows", "fsdp2_frozen_dtype",
     )  # fmt: skip
     assert tuple(PATCHES) == patches.PATCH_NAMES
 

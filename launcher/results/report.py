@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.files import read_json_object, write_bytes_atomic, write_json_atomic, write_text_atomic
-from launcher.results import evaluation
+from launcher.results import best_adapter, evaluation
 from launcher.results.curves import (
     DEFAULT_OVERFIT_PATIENCE,
     Curves,
@@ -182,7 +182,12 @@ def _recommend(report: RunReport, lf: dict[str, Any], output: Path) -> None:
         return
     state, _ = read_trainer_state(output)
     loaded_best = bool(lf.get("load_best_model_at_end")) and (state or {}).get("best_model_checkpoint")
-    if loaded_best:
+    kept = read_json_object(output / best_adapter.RECORD) if (output / best_adapter.RECORD).is_file() else None
+    if isinstance(kept, dict) and kept.get("checkpoint"):
+        report.final_note = f"= {kept['checkpoint']} (best adapter kept by the launcher)"
+        report.notes.append(f"the final adapter in output/ is {kept['checkpoint']}'s, copied by the launcher after "
+                            f"training (FSDP2; best {metric} {kept.get('metric')}); eval_results.json is the last step's")
+    elif loaded_best:
         name = Path(str(state["best_model_checkpoint"])).name
         report.final_note = f"= {name} (load_best_model_at_end)"
         report.notes.append(

@@ -349,7 +349,8 @@ def llamafactory_args(config: RunConfig, backend: str, output_dir: Path) -> dict
         # rotates it away; load_best_model_at_end then puts the best adapter at the top of output/ (HF checks
         # that save and eval strategies match and save_steps is a multiple of eval_steps). Under FSDP the
         # Trainer refuses load_best_model_at_end with save_only_model, and loading would need full-model
-        # checkpoints, so there the best adapter stays in its checkpoint folder (`launcher report` names it).
+        # checkpoints, so there world rank 0 copies the best checkpoint's adapter over the final one after
+        # training (launcher/results/best_adapter.py, called by launcher/entry.py) and names it in best_adapter.json.
         args["early_stopping_steps"] = early.patience
         args["metric_for_best_model"] = early.metric
         args["greater_is_better"] = False

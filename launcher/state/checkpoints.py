@@ -26,7 +26,7 @@ class Checkpoint:
     step: int
     path: Path
     weights_bytes: int
-    optimizer_state: bool  # optimizer.pt and scheduler.pt: an exact resume is possible
+    optimizer_state: bool  # optimizer.pt (optimizer.bin under FSDP) and scheduler.pt: an exact resume is possible
 
     def relative_to(self, base: Path) -> str:
         try:
@@ -68,7 +68,10 @@ def scan_checkpoints(output: Path) -> tuple[list[Checkpoint], list[str]]:
         if missing is not None:
             ignored.append(f"{path.name} (incomplete: no {missing})")
             continue
-        exact = (path / "optimizer.pt").is_file() and (path / "scheduler.pt").is_file()
+        # under FSDP the Trainer saves the optimizer through accelerate's save_fsdp_optimizer, as optimizer.bin
+        # (transformers 5.6.0 Trainer._save_optimizer_and_scheduler, accelerate 1.11 utils/fsdp_utils.py)
+        optimizer = any((path / name).is_file() for name in ("optimizer.pt", "optimizer.bin"))
+        exact = optimizer and (path / "scheduler.pt").is_file()
         found.append(Checkpoint(int(match.group(1)), path, size, exact))
     found.sort(key=lambda c: c.step)
     return found, ignored

@@ -1,0 +1,42 @@
+"""The best checkpoint's adapter at the top of ``output/``, when the Trainer cannot load it back itself.
+
+With ``launcher.early_stopping`` the HF Trainer tracks the best checkpoint (``metric_for_best_model``;
+``best_model_checkpoint`` in ``trainer_state.json``) and never rotates it away. Under ``distribution: ddp`` its
+``load_best_model_at_end`` puts that adapter back before LLaMA-Factory's final save. Under FSDP the Trainer refuses
+``load_best_model_at_end`` with ``save_only_model`` (transformers 5.6.0 ``Trainer.__init__``), and loading would
+need full-model FSDP checkpoints; so there the rank that wrote the adapter (world rank 0) copies the best
+checkpoint's adapter files over the final ones after training and writes ``best_adapter.json`` naming it. The
+final evaluation files (``eval_results.json``) still describe the last step's weights; the record says so.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from launcher.files import write_bytes_atomic, write_json_atomic
+
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+RECORD = "best_adapter.json"
+
+
+def wanted(lf: dict[str, Any]) -> bool:
+    """The run tracks a best checkpoint but the Trainer will not load it back (the launcher's FSDP2 mapping)."""
+    return bool(lf.get("metric_for_best_model")) and not lf.get("load_best_model_at_end")
+
+
+def keep_best_adapter(output: Path) -> dict[str, Any] | None:
+    """Copy the best checkpoint's adapter files over ``output``'s and record it; None when there is no best."""
+    state = json.loads((output / "trainer_state.json").read_text())
+    best = state.get("best_model_checkpoint")
+    if not best:
+        return None
+    folder = output / Path(str(best)).name  # the Trainer records an absolute path; the run folder may have moved
+    for name in ADAPTER_FILES:
+        write_bytes_atomic(output / name, (folder / name).read_bytes())
+    record = {"checkpoint": folder.name, "metric": state.get("best_metric"), "files": list(ADAPTER_FILES),
+              "last_step": state.get("global_step"),
+              "note": "the adapter in output/ is this checkpoint's; eval_results.json describes the last step"}  # fmt: skip
+    write_json_atomic(output / RECORD, record)
+    return record

@@ -1,0 +1,206 @@
+"""FSDP2 keeps the frozen base in its load dtype; only the trainable (LoRA) parameters get float32 masters.
+
+Upstream behaviour (accelerate 1.11.0, ``accelerate/utils/fsdp_utils.py``, ``fsdp2_prepare_model``): after
+``fully_shard`` it calls ``model.to(torch.float32)`` whenever mixed precision is on and the model is not float32,
+so the frozen bf16 base of a LoRA run is held as float32 shards (twice the bytes: 101.9 GiB on one H200 for the
+27B shape, 12.7 GiB per card on 8 x 910B instead of 6.4) and every all-gather casts it back to bf16.
+accelerate PR #3848 limits the upcast to ``requires_grad`` parameters, before sharding; its first working release
+is 1.14.0, outside LLaMA-Factory 0.9.5's pin (docs/upstream.md says why we patch rather than move).
+
+What this patch does (a wrapper of the ``fsdp2_prepare_model`` global that ``Accelerator._prepare_fsdp2`` calls,
+in ``accelerate.accelerator``):
+
+1. with mixed precision, casts every trainable parameter that is not float32 to float32 before sharding
+   (what 1.14 does), and turns accelerate's later whole-model ``model.to(torch.float32)`` into a no-op for this
+   one call (an instance attribute ``to`` on the model, removed again when the preparation returns; any other
+   ``to`` call passes through);
+2. ``trainable_units: own`` (the default): before accelerate wraps a layer, the submodules of that layer that own
+   trainable parameters (the LoRA ``lora_A``/``lora_B`` of it) become one FSDP2 unit of their own
+   (``fully_shard`` of the list, accelerate's own ``mesh``/``mp_policy``/``reshard_after_forward``/offload), so a
+   group never mixes bf16 frozen and float32 trainable parameters: torch before 2.8 asserts "FSDP expects uniform
+   original parameter dtype" for any group that mixes them (pytorch PR #154103 relaxed it to trainable parameters
+   only, first in 2.8); the NPU and CUDA images pin torch 2.7.1. ``shared`` leaves them in the layer's unit
+   (torch >= 2.8 only);
+3. on the ``cpu`` backend, lets accelerate take FSDP at all: ``AcceleratorState.__init__`` (accelerate/state.py)
+   turns ``ACCELERATE_USE_FSDP`` into ``DistributedType.FSDP`` only for accelerator device types, so a CPU job with
+   ``distribution: fsdp2`` silently ran DDP over gloo. torch's ``fully_shard`` works on a CPU mesh over gloo, so
+   in an FSDP2 rank on ``cpu`` only the state is switched to FSDP with the plugin the Accelerator built; NPU and
+   CUDA ranks never take this branch;
+4. records per rank (``fsdp2_census``): the dtype and local bytes of the frozen and the trainable shards, and for
+   each FSDP2 unit its local bytes against the whole unit's.
+
+Under ``distribution: ddp`` nothing calls the wrapped function and the record says so.
+
+Versions: accelerate >=1.11.0,<1.14 (``SUPPORTED``; 1.14 does step 1 itself). Delete this patch when the lock
+moves to accelerate >= 1.14 and torch >= 2.8, and a run without it shows bf16 frozen shards in this record.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any, Literal
+
+from packaging.specifiers import SpecifierSet
+from pydantic import BaseModel, ConfigDict
+
+from .fsdp2_census import shard_census
+from .proof import ProofFile, utc_now
+from .versions import require_global_loads, require_symbols
+from .wrapping import MARKER, ORIGINAL, unwrap, wrap_once
+
+NAME = "fsdp2_frozen_dtype"
+SUPPORTED = {"accelerate": SpecifierSet(">=1.11.0,<1.14"), "torch": SpecifierSet(">=2.7")}
+MODULE = "accelerate.accelerator"
+STATE_MODULE = "accelerate.state"
+FUNCTION = "fsdp2_prepare_model"
+
+
+class Options(BaseModel):
+    """``launcher.patches.fsdp2_frozen_dtype``: ``trainable_units`` own (a unit per layer's LoRA) or shared."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    enabled: bool = True
+    trainable_units: Literal["own", "shared"] = "own"
+
+
+_state: dict[str, Any] = {}
+
+
+def fsdp2_rank() -> bool:
+    """This process is a rank of an accelerate FSDP2 job (``accelerate launch`` sets both variables)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and os.environ.get("FSDP_VERSION") == "2"
+
+
+def check_symbols() -> None:
+    """``Accelerator._prepare_fsdp2`` still reads ``fsdp2_prepare_model`` from its module globals."""
+    accelerator = require_symbols(NAME, MODULE, ("Accelerator", FUNCTION), "accelerate")
+    require_global_loads(NAME, accelerator.Accelerator._prepare_fsdp2, (FUNCTION,), "accelerate")
+    require_symbols(NAME, STATE_MODULE, ("AcceleratorState",), "accelerate")
+    require_symbols(NAME, "accelerate.utils", ("DistributedType",), "accelerate")
+
+
+def _upcast_trainable(model) -> list[str]:
+    import torch
+
+    names = []
+    for name, param in model.named_parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.to(torch.float32)
+            names.append(name)
+    return names
+
+
+def _own_units(accelerator, model) -> int:
+    """One FSDP2 unit per wrapped layer for the submodules that own its trainable parameters."""
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    plugin = accelerator.state.fsdp_plugin
+    plugin.set_auto_wrap_policy(model)
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    kwargs = {"reshard_after_forward": plugin.reshard_after_forward, "offload_policy": plugin.cpu_offload,
+              "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+              "mesh": mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None}
+    layers = [m for m in model.modules() if policy is not None and m is not model and policy(m)]
+    units = 0
+    for layer in layers:
+        owners = [m for m in layer.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+        frozen = any(not p.requires_grad for p in layer.parameters())
+        if owners and frozen and not isinstance(layer, FSDPModule):
+            fully_shard(owners, **kwargs)
+            units += 1
+    return units
+
+
+def _guard_upcast(model) -> dict[str, Any]:
+    """Make the next ``model.to(torch.float32)`` a no-op (the trainable parameters are float32 already)."""
+    import torch
+
+    seen: dict[str, Any] = {"intercepted": 0}
+    original = type(model).to
+
+    def to(*args, **kwargs):
+        if (args == (torch.float32,) and not kwargs) or (not args and kwargs == {"dtype": torch.float32}):
+            seen["intercepted"] += 1
+            return model
+        return original(model, *args, **kwargs)
+
+    object.__setattr__(model, "to", to)
+    return seen
+
+
+def _make_prepare(original):
+    def fsdp2_prepare_model(accelerator, model):
+        if not _state.get("active"):
+            return original(accelerator, model)
+        mixed = accelerator.mixed_precision != "no"
+        upcast = _upcast_trainable(model) if mixed else []
+        units = _own_units(accelerator, model) if _state["trainable_units"] == "own" else 0
+        seen = _guard_upcast(model)
+        try:
+            prepared = original(accelerator, model)
+        finally:
+            model.__dict__.pop("to", None)
+        _state["proof"].update(preparation={
+            "mixed_precision": accelerator.mixed_precision, "upcast_to_float32": len(upcast),
+            "upcast_examples": upcast[:4], "whole_model_upcast_skipped": seen["intercepted"],
+            "trainable_units": units, "distributed_type": accelerator.distributed_type.value,
+            **shard_census(prepared), "recorded_at": utc_now()})  # fmt: skip
+        return prepared
+
+    return fsdp2_prepare_model
+
+
+def _lift_cpu_gate() -> None:
+    """In a CPU FSDP2 rank: let ``AcceleratorState`` take ``DistributedType.FSDP`` (accelerate gates it to
+    accelerators), with the plugin and mixed precision it would set on an accelerator."""
+    state_module = importlib.import_module(STATE_MODULE)
+    from accelerate.utils import DistributedType
+
+    cls = state_module.AcceleratorState
+
+    def make(init):
+        def __init__(self, *args, fsdp_plugin=None, **kwargs):
+            init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+            if fsdp_plugin is not None and _state.get("cpu") and self.distributed_type == DistributedType.MULTI_CPU:
+                self.distributed_type = DistributedType.FSDP
+                if self._mixed_precision != "no":
+                    fsdp_plugin.set_mixed_precision(self._mixed_precision)
+                self.fsdp_plugin = fsdp_plugin
+                # every later AcceleratorState() copies PartialState's shared state over its own, as on an accelerator
+                state_module.PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+                _state["proof"].update(cpu_fsdp={"distributed_type": "FSDP", "was": "MULTI_CPU"})
+
+        return __init__
+
+    wrap_once(cls, "__init__", NAME, make)
+
+
+def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dict[str, Any]) -> dict[str, Any]:
+    """Wrap accelerate's ``fsdp2_prepare_model`` (and on ``cpu`` the state's FSDP gate); idempotent."""
+    wrap_once(importlib.import_module(MODULE), FUNCTION, NAME, _make_prepare)  # a module global, not a method
+    cpu = backend == "cpu" and fsdp2_rank()
+    _state.update(active=True, proof=proof, trainable_units=options["trainable_units"], cpu=cpu)
+    if cpu:
+        _lift_cpu_gate()
+    return {"replaced": [f"{MODULE}.{FUNCTION}", *([f"{STATE_MODULE}.AcceleratorState.__init__"] if cpu else [])],
+            "fsdp2_rank": fsdp2_rank(), "cpu_fsdp_lifted": cpu}  # fmt: skip
+
+
+def observe(*, backend: str, proof: ProofFile) -> None:
+    """Disabled: accelerate 1.11 upcasts the whole model and a CPU job runs DDP; nothing is recorded."""
+    restore()
+    _state.update(active=False, proof=proof)
+
+
+def restore() -> None:
+    """Put accelerate's function and the state's ``__init__`` back if ours are outermost; forget the state."""
+    module = sys.modules.get(MODULE)
+    current = getattr(module, FUNCTION, None) if module is not None else None
+    if getattr(current, MARKER, None) == NAME:
+        setattr(module, FUNCTION, getattr(current, ORIGINAL))
+    unwrap(STATE_MODULE, "AcceleratorState", "__init__", NAME)
+    _state.clear()

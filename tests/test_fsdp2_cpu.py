@@ -1,0 +1,117 @@
+"""FSDP2 sharding for real on the CPU: two gloo ranks train the tiny model through ``launcher run``.
+
+accelerate 1.11 enables FSDP only on accelerators; the ``fsdp2_frozen_dtype`` patch lets a CPU FSDP2 rank take
+it (``patches/fsdp2_frozen_dtype.py``), so this run shards every wrapped layer over the two ranks, is stopped with
+a save, resumed exactly, verified, keeps its best adapter, and matches one process trained on the same global
+batches (one rank with two accumulated micro-batches: the same samples per step and the same mean of two
+micro-batch means).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import make_config, read_jsonl
+from tests.fake_runs import PREFLIGHT_SKIP, launcher, read_status, the_run_dir, wait_for
+
+pytestmark = pytest.mark.slow
+
+STEPS = 10
+# Both runs are float32 on the CPU; they differ only in summation order (an all-reduce of two gradients against
+# an accumulation of two micro-batches, and where the shards are gathered), about 1e-7 relative per step. Adam
+# divides each gradient by its running RMS, so such differences do not shrink, and lr 1e-3 over 10 steps moves a
+# LoRA weight by at most about 1e-2: 1e-5 of the adapter's largest value is far above float32 noise and far below
+# what a different batch or one skipped step changes (the test checks that too).
+RELATIVE_TOLERANCE = 1e-5
+
+
+def _config(folder: Path, demo_assets, launcher_settings: dict, **lf) -> Path:
+    settings = {"max_steps": STEPS, "save_steps": 2, "eval_steps": 2, "save_only_model": False, "lora_dropout": 0.0,
+                "per_device_train_batch_size": 1, "logging_steps": 1, **lf}  # fmt: skip
+    folder.mkdir()
+    return make_config(folder, demo_assets, launcher={"stop_grace_s": 300, "early_stopping": {"patience": 100},
+                                                      **launcher_settings}, **settings)  # fmt: skip
+
+
+def _logged_steps(run_dir: Path) -> list[int]:
+    return [r["current_steps"] for r in read_jsonl(run_dir / "output" / "trainer_log.jsonl") if "loss" in r]
+
+
+def _lora(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def _largest_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    scale = max(float(t.abs().max()) for t in b.values())
+    return max(float((a[k] - b[k]).abs().max()) for k in a) / scale
+
+
+def test_two_gloo_ranks_shard_stop_resume_keep_the_best_and_match_one_process(tmp_path, demo_assets):
+    env = {**os.environ, "LAUNCHER_PREFLIGHT_SKIP": PREFLIGHT_SKIP}
+    sharded_cfg = _config(tmp_path / "fsdp", demo_assets, {"nproc_per_node": 2, "distribution": "fsdp2"})
+    started = launcher("start", sharded_cfg, env=env, timeout=300)
+    assert started.returncode == 0, started.stdout + started.stderr
+    run_dir = the_run_dir(tmp_path / "fsdp" / "runs")
+    wait_for("two logged optimizer steps", lambda: len(_logged_steps(run_dir)) >= 2, timeout=600, every=0.1)
+    stopped = launcher("stop", run_dir, env=env, timeout=600)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    status = read_status(run_dir)
+    saved = status["saved_checkpoint"]
+    assert status["state"] == "CANCELLED" and saved is not None and saved["step"] < STEPS, status["reason"]
+    assert status["exit_code"] == 0 and saved["optimizer_state"] is True
+
+    resumed = launcher("resume", run_dir, "--foreground", env=env, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    status = read_status(run_dir)
+    assert status["state"] == "SUCCEEDED" and status["attempt"] == 2 and status["resume_mode"] == "exact"
+    assert _logged_steps(run_dir)[-1] == STEPS
+
+    # sharded for real: every rank holds half of every FSDP2 unit, the frozen base in its load dtype
+    import json
+
+    records = [json.loads((run_dir / "proof" / f"rank{r}" / "fsdp2_frozen_dtype.json").read_text()) for r in (0, 1)]
+    preparations = [r["preparation"] for r in records]
+    assert all(p["distributed_type"] == "FSDP" for p in preparations)
+    assert records[0]["cpu_fsdp"] == {"distributed_type": "FSDP", "was": "MULTI_CPU"}
+    units = preparations[0]["units"]
+    assert sum(".layers." in name and name.split(".")[-1].isdigit() for name in units) == 4  # the decoder layers
+    for name, unit in units.items():
+        local = [p["units"][name]["local_bytes"] for p in preparations]
+        assert sum(local) == unit["full_bytes"] and max(local) <= 0.55 * unit["full_bytes"] + 64, (name, local)
+    for side in ("frozen", "trainable"):
+        held = [p[side]["local_bytes"] for p in preparations]
+        assert preparations[0][side]["dtypes"] == ["float32"] and sum(held) == preparations[0][side]["full_bytes"]
+
+    # the best checkpoint's adapter is the run's adapter, and the record names it
+    output = run_dir / "output"
+    state = json.loads((output / "trainer_state.json").read_text())
+    evals = {h["step"]: h["eval_loss"] for h in state["log_history"] if "eval_loss" in h}
+    best_step = min(evals, key=evals.get)
+    kept = json.loads((output / "best_adapter.json").read_text())
+    assert kept["checkpoint"] == f"checkpoint-{best_step}"
+    best = output / kept["checkpoint"]
+    assert (output / "adapter_model.safetensors").read_bytes() == (best / "adapter_model.safetensors").read_bytes()
+
+    # one process, two accumulated micro-batches per step: the same global batches
+    single_cfg = _config(tmp_path / "one", demo_assets, {"nproc_per_node": 1}, gradient_accumulation_steps=2)
+    single = launcher("run", single_cfg, "--quiet", env=env, timeout=900)
+    assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
+    single_output = the_run_dir(tmp_path / "one" / "runs") / "output"
+    before_stop = 2  # a checkpoint both runs wrote before the stop (save_steps 2; the stop came later)
+    assert saved["step"] > before_stop
+    sharded_losses = {r["current_steps"]: r["loss"] for r in read_jsonl(output / "trainer_log.jsonl") if "loss" in r}
+    single_losses = {r["current_steps"]: r["loss"] for r in read_jsonl(single_output / "trainer_log.jsonl") if "loss" in r}
+    for step in range(1, saved["step"] + 1):  # the same global batches, the same losses up to the stop
+        assert abs(sharded_losses[step] - single_losses[step]) <= RELATIVE_TOLERANCE * abs(single_losses[step])
+    reference = _lora(single_output / f"checkpoint-{before_stop}")
+    difference = _largest_difference(_lora(output / f"checkpoint-{before_stop}"), reference)
+    assert difference <= RELATIVE_TOLERANCE, difference
+    # the comparison can fail: two steps apart, the adapters differ by far more than the tolerance
+    assert _largest_difference(_lora(single_output / f"checkpoint-{before_stop + 2}"), reference) > 100 * RELATIVE_TOLERANCE
+    print(f"\nFSDP2 over 2 gloo ranks vs one process: largest difference {difference:.2e} of the largest value")
