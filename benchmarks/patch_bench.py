@@ -249,6 +249,9 @@ def _proof_summary(run_dir: Path) -> dict[str, Any]:
         "packed_rows": {k: v for k, v in _read_json(run_dir / "proof" / "rank0" / "packed_rows.json").items()
                         if k in ("status", "packing", "first_packed_batch", "first_packed_call",
                                  "first_packed_attention", "first_training_step", "error")},
+        **{name: {k: v for k, v in _read_json(run_dir / "proof" / "rank0" / f"{name}.json").items()
+                  if k in ("status", "ops", "first_training_step", "error")}
+           for name in ("fused_ops", "lora_input_cast")},
     }  # fmt: skip
 
 
@@ -297,7 +300,7 @@ def summarize(run_dir: Path, warmup: int) -> dict[str, Any]:
     result["kernel_check"] = None
     if check:
         cases = [{k: c.get(k) for k in CASE_KEYS} for c in check.get("cases", [])]
-        result["kernel_check"] = {k: check.get(k) for k in ("ok", "kernel", "error")} | {"cases": cases}
+        result["kernel_check"] = {k: check.get(k) for k in ("ok", "kernel", "glue_kernels", "error")} | {"cases": cases}
     result["proof"] = _proof_summary(run_dir)
     return result
 

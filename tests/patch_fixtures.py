@@ -193,6 +193,23 @@ _STUB_FILES = {
 }
 
 
+def write_stub_fla(root: Path, platform: str = "cuda", hopper: bool = False, above_3_4_0: bool = True,
+                   above_3_7_1: bool = True) -> Path:  # fmt: skip
+    """Write the stand-in ``fla`` package into ``root`` (put it on ``sys.path`` to use it); returns ``root``."""
+    files = {
+        **_STUB_FILES,
+        "fla/utils/__init__.py": f"device_platform = {platform!r}\n",
+        "fla/ops/common/chunk_o.py": (
+            f"IS_NVIDIA_HOPPER = {hopper}\nTRITON_ABOVE_3_4_0 = {above_3_4_0}\nTRITON_ABOVE_3_7_1 = {above_3_7_1}\n"
+        ),
+    }
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text).lstrip())
+    return root
+
+
 @pytest.fixture
 def stub_fla(tmp_path, monkeypatch):
     """Return ``make(platform="cuda", hopper=False, above_3_4_0=True, above_3_7_1=True) -> Path``.
@@ -204,18 +221,7 @@ def stub_fla(tmp_path, monkeypatch):
         pytest.skip("a real FLA is imported in this process; the stub would not be used")
 
     def make(platform: str = "cuda", hopper: bool = False, above_3_4_0: bool = True, above_3_7_1: bool = True):
-        root = tmp_path / "stub_fla"
-        files = {
-            **_STUB_FILES,
-            "fla/utils/__init__.py": f"device_platform = {platform!r}\n",
-            "fla/ops/common/chunk_o.py": (
-                f"IS_NVIDIA_HOPPER = {hopper}\nTRITON_ABOVE_3_4_0 = {above_3_4_0}\nTRITON_ABOVE_3_7_1 = {above_3_7_1}\n"
-            ),
-        }
-        for rel, text in files.items():
-            path = root / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(textwrap.dedent(text).lstrip())
+        root = write_stub_fla(tmp_path / "stub_fla", platform, hopper, above_3_4_0, above_3_7_1)
         monkeypatch.syspath_prepend(str(root))
         return root
 
