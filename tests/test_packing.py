@@ -344,6 +344,34 @@ def test_the_npu_varlen_call_passes_tnd_layout_cumulative_lengths_and_the_causal
     torch.testing.assert_close(ours, attention_per_segment(query, key, value, found, 0.3), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="FLA's Triton convolution needs CUDA")
+def test_the_fla_convolution_with_cu_seqlens_equals_the_segment_reset_convolution():
+    """The ``fused_ops`` route on a GPU: FLA's ``causal_conv1d`` given the row's ``cu_seqlens`` against the
+    segment-reset torch convolution, at the 27B model's 10,240 channels, bf16, forward and backward."""
+    import torch
+    from fla.modules.causal_conv1d import causal_conv1d
+    from llamafactory.data.collator import prepare_4d_attention_mask
+
+    from patches.fused_kernels import FlaConv
+
+    torch.manual_seed(0)
+    channels, lens = 10240, (700, 1100, 1300, 900)
+    numbered = torch.cat([torch.full((n,), i + 1) for i, n in enumerate(lens)] + [torch.zeros(96, dtype=torch.long)])
+    found = packed_rows.segments(prepare_4d_attention_mask(numbered[None], torch.float32))
+    x = torch.randn(1, numbered.numel(), channels, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(channels, 4, device="cuda") * 0.5).to(torch.bfloat16).requires_grad_(True)
+    grad = torch.randn_like(x)
+    cu, cu_cpu = found.cu_seqlens_tensors("cuda")
+    ours = FlaConv(causal_conv1d).varlen(x, weight, None, "silu", cu, cu_cpu)
+    ours.backward(grad)
+    got = (ours.detach(), x.grad.clone(), weight.grad.clone())
+    x.grad, weight.grad = None, None
+    ref = packed_rows.segment_causal_conv(x.float().transpose(1, 2), weight.float()[:, None], None, found)
+    ref.transpose(1, 2).backward(grad.float())
+    for a, b in zip(got, (ref.transpose(1, 2), x.grad, weight.grad), strict=True):
+        assert float((a.float() - b.float()).norm() / b.float().norm()) < 0.01
+
+
 @pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="FlashAttention's varlen kernel needs CUDA")
 def test_the_cuda_varlen_kernel_equals_the_block_mask_forward_and_backward():
     """The real ``varlen_attn`` on the 27B attention shape (24 query heads, 4 key heads, head dim 256, bf16)
