@@ -168,10 +168,11 @@ def _memory(backend: str):
 
 def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dict[str, Any]) -> dict[str, Any]:
     """Install the replacement and the first-step hook; idempotent (the original is saved once)."""
-    if options.get("memory_budget_gib") is not None and backend == "cpu":
+    if options.get("memory_budget_gib") is not None and _memory(backend) is None:
         raise PatchError(
             NAME,
-            "memory_budget_gib needs a device that reports its peak allocated memory (cuda, npu); the backend is cpu",
+            f"memory_budget_gib needs a device that reports its peak allocated memory (cuda, npu); the backend is "
+            f"{backend}",
             "use uncheckpointed_layers: N on cpu, or leave both unset to checkpoint every layer",
         )
     lf = importlib.import_module(LF_MODULE)

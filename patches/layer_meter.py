@@ -40,12 +40,13 @@ def _tensors(value: Any) -> list:
 
 
 def _storage(tensor) -> tuple[int, int] | None:
-    """``(data_ptr, nbytes)`` of a tensor's storage; None for a tensor without one (a subclass wrapper)."""
+    """``(data_ptr, nbytes)`` of a tensor's storage; None for a tensor without one: a wrapper subclass such as
+    the DTensor of an FSDP2 parameter (its python storage is invalid)."""
     try:
         storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
-    return storage.data_ptr(), storage.nbytes()
 
 
 def _sync(device) -> None:
@@ -66,6 +67,7 @@ class SavedBytes:
         self.params: set[int] = set()
         self.seen: dict[int, int] = {}
         self.unknown = 0  # tensors without a storage, counted by their own size
+        self.error: str | None = None
 
     def _is_parameter(self, ptr: int) -> bool:
         if ptr not in self.params:  # parameters may have been gathered since the last look (FSDP2)
@@ -73,11 +75,14 @@ class SavedBytes:
         return ptr in self.params
 
     def pack(self, tensor):
-        found = _storage(tensor)
-        if found is None:
-            self.unknown += tensor.nelement() * tensor.element_size()
-        elif found[1] and found[0] not in self.inputs and not self._is_parameter(found[0]):
-            self.seen[found[0]] = max(self.seen.get(found[0], 0), found[1])
+        try:
+            found = _storage(tensor)
+            if found is None:
+                self.unknown += tensor.nelement() * tensor.element_size()
+            elif found[1] and found[0] not in self.inputs and not self._is_parameter(found[0]):
+                self.seen[found[0]] = max(self.seen.get(found[0], 0), found[1])
+        except Exception as exc:  # counting must never stop the step; the plan says what went wrong
+            self.error = f"{type(exc).__name__}: {exc}"
         return tensor
 
     @staticmethod
@@ -150,6 +155,9 @@ class InForwardMeter:
             hooks.__exit__(None, None, None)  # also after an error in the forward (always_call)
             _sync(device)
             seconds = time.perf_counter() - started
+            if counter.error is not None:
+                self.errors[kind] = counter.error
+                return None
             self.costs[kind] = LayerCost(kind, self.layers_by_kind[kind], counter.total(), round(seconds, 6), seq_len)
             self.seq_len = max(self.seq_len or 0, seq_len)
             return None
