@@ -5,9 +5,9 @@
                                     [--variants single,fsdp2,fsdp2-budget120]
 
 ``--devices 1`` (one count): the one-device comparison of issue 28 instead, ``ONE_DEVICE`` variants in one
-invocation: the single-device path (``ddp``, one process) and ``fsdp2`` with one process (``DEFAULT_VARIANTS``),
-and by name ``fsdp2-budget120``, ``fsdp2`` with ``checkpoint_all_layers: {memory_budget_gib: 120}`` (cuda, npu;
-refused by ``launcher check`` under fsdp2 until the layer measurement runs inside the model's forward);
+invocation: the single-device path (``ddp``, one process), ``fsdp2`` with one process and ``fsdp2-budget120``,
+``fsdp2`` with ``checkpoint_all_layers: {memory_budget_gib: 120}`` (``DEFAULT_VARIANTS``; the budget variant only on
+cuda and npu, whose allocators report a peak: on the CPU it is left out unless asked for by name);
 ``targets`` holds FSDP2's peak against ``PEAK_MAX_GIB`` and its tokens/s against ``SPEED_MIN`` x the
 single-device path's.
 
@@ -16,8 +16,8 @@ checkpointed; ``full-loss``, the same with ``chunked_loss: false``) and each dev
 the config of ``benchmarks.patch_bench``'s ``on`` variant (27B shape, random weights, the seed's LoRA r8,
 cutoff 4096, batch 1 per device, bf16 off the CPU) with ``nproc_per_node: N`` and ``distribution: fsdp2``
 (decoder layers and vision blocks wrapped, reshard after forward, no offload: the launcher's defaults). The
-layer plan of the performance issue (``memory_budget_gib``, ``uncheckpointed_layers``) is refused under fsdp2
-by ``launcher check``, so it is not a variant here.
+layer plan (``memory_budget_gib``, ``uncheckpointed_layers``) is measured inside the model's forward, so it runs
+under fsdp2 too: the ``fsdp2-budget120`` variant of ``--devices 1``.
 
 The one-device run is FSDP2 with one process too (``--single fsdp2``, the default): the same accelerate path
 (float32 upcast of the shards under mixed precision, bf16 casts at all-gather, LLaMA-Factory's non-reentrant
@@ -58,9 +58,8 @@ ONE_DEVICE: dict[str, tuple[str, dict[str, Any]]] = {
     "fsdp2": ("fsdp2", {}),
     "fsdp2-budget120": ("fsdp2", {"checkpoint_all_layers": {"memory_budget_gib": 120}}),
 }
-# the budget variant is asked for by name: `launcher check` refuses the layer plan under fsdp2 until its
-# measurement runs inside the model's forward (issue 28, item 3)
-DEFAULT_VARIANTS = ("single", "fsdp2")
+DEFAULT_VARIANTS = ("single", "fsdp2", "fsdp2-budget120")
+NEEDS_PEAK = ("fsdp2-budget120",)  # a memory budget needs an allocator that reports its peak: not the CPU's
 PEAK_MAX_GIB = 58.0  # FSDP2's peak at 4,096 tokens: the single-device path's 55.14 GiB plus a little
 SPEED_MIN = 0.95  # FSDP2's tokens/s against the single-device path's
 
@@ -227,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if not devices or devices != sorted(set(devices)) or devices[0] < 1 or (len(devices) == 1 and devices[0] != 1):
         parser.error(f"--devices {ns.devices}: give 1 (the one-device comparison) or increasing counts, the baseline "
                      "first (e.g. 1,2)")  # fmt: skip
-    default_variants = [v for v in ONE_DEVICE if v in DEFAULT_VARIANTS]
+    default_variants = [v for v in ONE_DEVICE if v in DEFAULT_VARIANTS and not (backend == "cpu" and v in NEEDS_PEAK)]
     variants = [v.strip() for v in ns.variants.split(",") if v.strip()] if ns.variants else default_variants
     if sorted(set(variants) - set(ONE_DEVICE)) or (ns.variants and len(devices) > 1):
         parser.error(f"--variants {ns.variants}: only with --devices 1, of {', '.join(ONE_DEVICE)}")

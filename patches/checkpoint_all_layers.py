@@ -27,9 +27,11 @@ What this patch does:
 
 3. optionally leaves some layers un-checkpointed, chosen from costs measured on this model at this run's
    sequence length (``checkpoint_budget``): ``uncheckpointed_layers: N``, or ``memory_budget_gib: G`` for the
-   step's peak allocated memory (CUDA and NPU, which report it). The plan is made at the end of the first
-   step and holds from the second, whose census is recorded as ``second_training_step``; the default leaves
-   every layer checkpointed.
+   step's peak allocated memory (CUDA and NPU, which report it). The first layer of each kind is measured
+   inside the model's own forward in the first step (``layer_meter``), so the same mechanism serves one
+   process, DDP and FSDP2; the ranks agree on one plan (``plan_ranks``). The plan is made at the end of the
+   first step and holds from the second, whose census is recorded as ``second_training_step``; the default
+   leaves every layer checkpointed.
 
 When the patch is turned off, the first-step observation still runs (it only reads), so the record shows
 what LLaMA-Factory did by itself.
@@ -53,19 +55,11 @@ from packaging.specifiers import SpecifierSet
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from . import trainer_hook
-from .checkpoint_budget import (
-    GIB,
-    PRIOR_FACTOR,
-    LayerMeter,
-    apply_plan,
-    correction,
-    layer_kind,
-    plan,
-    scaled,
-    shrink_plan,
-)
+from .checkpoint_budget import GIB, PRIOR_FACTOR, apply_plan, correction, plan, scaled, shrink_plan
 from .checkpoint_census import StepObserver, checkpoint_layers, describe_checkpoint_func
 from .errors import PatchError
+from .layer_meter import InForwardMeter
+from .plan_ranks import agree_costs, agree_counts
 from .proof import ProofFile, utc_now
 from .versions import require_global_loads, require_symbols
 
@@ -174,10 +168,11 @@ def _memory(backend: str):
 
 def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dict[str, Any]) -> dict[str, Any]:
     """Install the replacement and the first-step hook; idempotent (the original is saved once)."""
-    if options.get("memory_budget_gib") is not None and backend == "cpu":
+    if options.get("memory_budget_gib") is not None and _memory(backend) is None:
         raise PatchError(
             NAME,
-            "memory_budget_gib needs a device that reports its peak allocated memory (cuda, npu); the backend is cpu",
+            f"memory_budget_gib needs a device that reports its peak allocated memory (cuda, npu); the backend is "
+            f"{backend}",
             "use uncheckpointed_layers: N on cpu, or leave both unset to checkpoint every layer",
         )
     lf = importlib.import_module(LF_MODULE)
@@ -245,43 +240,56 @@ def _after_first_step(trainer, model) -> None:
 
 
 def _start_measuring(model, info: dict[str, Any]) -> None:
-    """Measure one layer of each kind during the first step, and the step's peak where the device tells it."""
-    kinds: dict[str, int] = {}
-    for _, layer in checkpoint_layers(model):
-        if getattr(layer, "layer_type", None):  # decoder layers only: the frozen vision blocks keep nothing
-            kinds[layer_kind(layer)] = kinds.get(layer_kind(layer), 0) + 1
-    meter = LayerMeter(_state["func"], kinds)
-    checkpoint_every_layer(model, meter)
+    """Leave the first layer of each kind un-checkpointed in the first step and measure it inside the model's
+    forward (``layer_meter``), and the step's peak where the device tells it."""
+    meter = InForwardMeter(checkpoint_layers(model))
     _state["meter"] = meter
     memory = _memory(_state["backend"])
     if memory is not None:
         memory.reset_peak_memory_stats()
         _state["held_gib"] = memory.memory_allocated() / GIB
-    info["measuring"] = sorted(kinds)
+    info.update(measuring=sorted(meter.measured), measured_layers=meter.measured)
 
 
 def _finish_measuring(model) -> None:
-    """Make the plan from what the first step measured, apply it, and watch the second step."""
+    """Make the plan from what the first step measured, agree on it with every rank, apply it, and watch the
+    second step. Every rank reaches both agreements whatever it measured (``plan_ranks``)."""
     meter = _state.pop("meter")
-    checkpoint_every_layer(model, _state["func"])  # the meter's job is done
-    record: dict[str, Any] = {"errors": meter.errors, "recorded_at": utc_now()}
-    memory = _memory(_state["backend"])
-    if not meter.costs:
-        record["note"] = "no layer could be measured; every layer stays checkpointed"
+    meter.close()
+    checkpoint_every_layer(model, _state["func"])  # the measured layers too; the plan picks again
+    kinds, backend = meter.layers_by_kind, _state["backend"]
+    costs, seq_len = agree_costs(meter.costs, kinds, meter.seq_len, backend)
+    record: dict[str, Any] = {"errors": meter.errors, "measured_layers": meter.measured,
+                              "measured_here": {k: asdict(c) for k, c in meter.costs.items()},
+                              "ranks": _world_size(), "recorded_at": utc_now()}  # fmt: skip
+    if not costs:
+        record["note"] = "no layer could be measured on any rank; every layer stays checkpointed"
     elif _state["count"] is not None:
-        chosen = plan(meter.costs, count=_state["count"])
-        record.update(asdict(chosen), uncheckpointed_names=apply_plan(model, chosen.uncheckpointed))
+        chosen = plan(costs, count=_state["count"])
+        agreed = agree_counts(chosen.uncheckpointed, kinds, backend)
+        record.update(asdict(chosen), uncheckpointed=agreed, this_rank_chose=chosen.uncheckpointed,
+                      uncheckpointed_names=apply_plan(model, agreed))  # fmt: skip
     else:
-        seq_len = max(c.seq_len for c in meter.costs.values())
-        first_peak = memory.max_memory_allocated() / GIB
-        chosen = plan(scaled(meter.costs, PRIOR_FACTOR), budget_gib=_state["budget"], peak_gib=first_peak,
+        # the first step kept the measured layers' activations: without them it is the all-checkpointed peak
+        # (their count is below what they really took, so this errs high: fewer layers, never more)
+        raw_peak = _memory(backend).max_memory_allocated() / GIB
+        first_peak = raw_peak - meter.measured_bytes / GIB
+        chosen = plan(scaled(costs, PRIOR_FACTOR), budget_gib=_state["budget"], peak_gib=first_peak,
                       held_gib=_state["held_gib"], seq_len=seq_len, cutoff_len=_state.get("cutoff_len"))  # fmt: skip
-        record.update(asdict(chosen), uncheckpointed_names=apply_plan(model, chosen.uncheckpointed))
-        _state["budget_plan"] = {"costs": meter.costs, "chosen": chosen.uncheckpointed, "first_peak": first_peak,
+        agreed = agree_counts(chosen.uncheckpointed, kinds, backend)
+        record.update(asdict(chosen), uncheckpointed=agreed, this_rank_chose=chosen.uncheckpointed,
+                      uncheckpointed_names=apply_plan(model, agreed), first_step_raw_peak_gib=round(raw_peak, 3))  # fmt: skip
+        _state["budget_plan"] = {"costs": costs, "chosen": agreed, "first_peak": first_peak, "kinds": kinds,
                                  "seq_len": seq_len, "names": record["uncheckpointed_names"]}  # fmt: skip
     record["uncheckpointed_total"] = len(record.get("uncheckpointed_names", []))
     _state["proof"].update(layer_plan=record)
     trainer_hook.on_training_step(NAME, 2, before=_before_second_step, after=_after_second_step)
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _before_second_step(trainer, model) -> None:
@@ -317,12 +325,15 @@ def _correct_plan(model) -> None:
                         first_seq_len=done["seq_len"])  # fmt: skip
     record: dict[str, Any] = {"second_step_peak_gib": round(peak, 3), "factor": round(factor, 4),
                               "second_step_seq_len": done.get("second_seq_len"), "rechecked": []}  # fmt: skip
+    keep = done["chosen"]
     if factor > PRIOR_FACTOR:  # dearer than the first plan assumed: take back what the budget does not afford
         again = plan(scaled(done["costs"], factor), budget_gib=_state["budget"], peak_gib=done["first_peak"],
                      held_gib=_state["held_gib"], seq_len=done["seq_len"],
                      cutoff_len=_state.get("cutoff_len"))  # fmt: skip
-        record.update(projected_peak_gib=again.projected_peak_gib,
-                      rechecked=shrink_plan(model, done["names"], again.uncheckpointed))  # fmt: skip
+        keep = {k: min(n, again.uncheckpointed.get(k, 0)) for k, n in keep.items()}
+        record["projected_peak_gib"] = again.projected_peak_gib
+    keep = agree_counts(keep, done["kinds"], _state["backend"])  # every rank, whatever its own factor
+    record.update(keep=keep, rechecked=shrink_plan(model, done["names"], keep))
     kept = [n for n in done["names"] if n not in record["rechecked"]]
     record.update(uncheckpointed_names=kept, uncheckpointed_total=len(kept))
     _state["proof"].update(plan_correction={**record, "recorded_at": utc_now()})

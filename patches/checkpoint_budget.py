@@ -5,12 +5,12 @@ un-checkpointed saves its recompute (about 1.5 % of a 27B step per layer on one 
 activations (about 1 GiB per layer at 4,096 tokens there; docs/benchmarks.md). The right number depends on
 the device, the model and the sequence length, so it is measured, not tabled:
 
-1. ``LayerMeter`` wraps the checkpoint function during the first training step. At the first call of each
-   kind of layer (class and ``layer_type``: a DeltaNet and a full-attention decoder layer differ), it runs that
-   layer's forward once more, outside the checkpoint, under ``torch.autograd.graph.saved_tensors_hooks`` that
-   count the bytes autograd would keep (parameters and the layer's own inputs left out: a checkpointed layer
-   keeps its inputs too) and keep nothing, and times it. That is the cost of leaving one such layer
-   un-checkpointed at this step's sequence length, and the recompute it would save.
+1. ``layer_meter.InForwardMeter`` leaves the first decoder layer of each kind (class and ``layer_type``: a
+   DeltaNet and a full-attention decoder layer differ) un-checkpointed in the first training step and counts,
+   inside the model's own forward, the bytes autograd keeps for its backward (parameters and the layer's own
+   inputs left out: a checkpointed layer keeps its inputs too), and times its forward. That is the cost of
+   leaving one such layer un-checkpointed at this step's sequence length, and the recompute it would save.
+   The ranks agree on the costs and on the plan (``plan_ranks``).
 2. ``plan`` turns the costs into the layers to leave un-checkpointed: by a count, or by a budget for the
    step's peak allocated memory, projected to the run's longest sequence (``cutoff_len``): activations grow
    linearly with length (the chunked loss and the attention kernels keep nothing quadratic), so the step's
@@ -30,15 +30,15 @@ the device, the model and the sequence length, so it is measured, not tabled:
 "Step" here is one ``Trainer.training_step`` call, one micro-batch: with gradient accumulation the plan holds
 from the second micro-batch of the first optimizer step.
 
-The side forward keeps nothing (the hooks drop what they count), so it adds one layer's transient memory,
-not its activations. It is not run under FSDP, where calling one wrapped layer outside the model's forward
-would all-gather out of order; ``launcher check`` refuses the options there.
+The measured layers keep their activations through the first step, so that step's peak is above the
+all-checkpointed one by (at least) what they counted; the budget plan takes that count off (``_finish_measuring``
+in ``checkpoint_all_layers``). The measurement runs inside the model's forward, so it holds under FSDP2 too,
+where running one wrapped layer outside the model's forward would all-gather out of order.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -67,73 +67,6 @@ def layer_kind(layer) -> str:
     return f"{kind}:{layer_type}" if layer_type else kind
 
 
-def _saved_bytes(function, args) -> tuple[int, float]:
-    """Bytes autograd saves running ``function(*args)`` (parameters and ``args`` excluded), and its seconds."""
-    import torch
-
-    layer = getattr(getattr(function, "func", None), "__self__", None)
-    excluded = {p.data_ptr() for p in (layer.parameters() if layer is not None else ())}
-    excluded |= {a.data_ptr() for a in args if isinstance(a, torch.Tensor)}
-    seen: dict[int, int] = {}
-
-    def pack(tensor):
-        if tensor.data_ptr() not in excluded:
-            storage = tensor.untyped_storage()
-            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
-        return None
-
-    def unpack(_):
-        raise RuntimeError("the measuring forward keeps nothing for backward")
-
-    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-    sync = getattr(getattr(torch, device.type, None), "synchronize", None) if device is not None else None
-    on_device = device is not None and device.type != "cpu"
-    devices, kind = ([device.index or 0], device.type) if on_device else ([], "cuda")
-    rng = torch.random.fork_rng(devices=devices, device_type=kind)  # dropout draws: leave training's RNG as is
-    with rng, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        if sync is not None and on_device:
-            sync()
-        started = time.perf_counter()
-        out = function(*args)
-        if sync is not None and on_device:
-            sync()
-        seconds = time.perf_counter() - started
-    del out
-    return sum(seen.values()), seconds
-
-
-class LayerMeter:
-    """A checkpoint function that measures one layer of each kind at its first call, then checkpoints."""
-
-    def __init__(self, checkpoint_func, layers_by_kind: dict[str, int]) -> None:
-        self.checkpoint_func = checkpoint_func
-        self.layers_by_kind = layers_by_kind
-        self.costs: dict[str, LayerCost] = {}
-        self.errors: dict[str, str] = {}
-        self.__wrapped__ = checkpoint_func  # describe_checkpoint_func follows it
-
-    def __call__(self, function, *args, **kwargs):
-        import torch
-
-        out = self.checkpoint_func(function, *args, **kwargs)  # first, so the step's census sees the real call
-        layer = getattr(getattr(function, "func", None), "__self__", None)
-        kind = layer_kind(layer) if layer is not None else None
-        if (
-            kind in self.layers_by_kind
-            and kind not in self.costs
-            and kind not in self.errors
-            and torch.is_grad_enabled()
-        ):
-            try:
-                saved, seconds = _saved_bytes(function, args)
-                hidden = next(a for a in args if isinstance(a, torch.Tensor))
-                self.costs[kind] = LayerCost(kind, self.layers_by_kind.get(kind, 0), saved, round(seconds, 6),
-                                             int(hidden.shape[-2]))  # fmt: skip
-            except Exception as exc:  # measuring must never stop a step; the plan then says why
-                self.errors[kind] = f"{type(exc).__name__}: {exc}"
-        return out
-
-
 @dataclass(frozen=True)
 class Plan:
     """The layers left un-checkpointed, and the arithmetic behind the choice."""
@@ -149,7 +82,7 @@ def plan(costs: dict[str, LayerCost], *, count: int | None = None, budget_gib: f
     """Choose how many layers of each measured kind to leave un-checkpointed.
 
     Args:
-        costs: per kind, from ``LayerMeter``.
+        costs: per kind, from ``layer_meter.InForwardMeter`` (agreed by ``plan_ranks``).
         count: leave this many layers un-checkpointed (ignores the budget arguments).
         budget_gib: keep the projected peak allocated memory of a step at or under this.
         peak_gib, held_gib: the first step's peak, and what was allocated before it (weights, optimizer).

@@ -320,14 +320,11 @@ def test_logs_show_the_supervisors_own_output_when_the_job_never_started(tmp_pat
         ({}, {"label_smoothing_factor": 0.1}, "label_smoothing_factor: 0.1 reads the training logits"),
         ({"patches": {"checkpoint_all_layers": {"memory_budget_gib": 60}}}, {},
          "memory_budget_gib needs a device that reports its peak memory (cuda, npu); the backend is cpu"),
-        ({"distribution": "fsdp2", "nproc_per_node": 2,
-          "patches": {"checkpoint_all_layers": {"uncheckpointed_layers": 4}}},
-         {}, "uncheckpointed_layers is not supported with distribution: fsdp2"),
         ({"patches": {"packed_rows": False}}, {"packing": True}, "neat_packing: true needs "
          "launcher.patches.packed_rows: without it transformers' DeltaNet layers run a packed row as one sequence"),
         ({"patches": {"deltanet_routing": False}}, {"packing": True}, "needs launcher.patches.deltanet_routing"),
     ],
-    ids=["accuracy-needs-logits", "label-smoothing", "budget-on-cpu", "plan-under-fsdp2",
+    ids=["accuracy-needs-logits", "label-smoothing", "budget-on-cpu",
          "packing-without-the-patch", "packing-without-routing"],
 )  # fmt: skip
 def test_patch_options_that_cannot_work_are_refused_naming_the_key(tmp_path, demo_assets, launcher, lf, expected):
@@ -335,6 +332,12 @@ def test_patch_options_that_cannot_work_are_refused_naming_the_key(tmp_path, dem
     errors = errors_of(cfg)
     assert any(expected in e for e in errors), errors
     assert len(errors) == 1, errors
+
+
+def test_the_layer_plan_is_accepted_under_fsdp2(tmp_path, demo_assets):
+    """The plan is measured inside the model's own forward (patches/layer_meter.py), so FSDP2 takes it too."""
+    plan = {"distribution": "fsdp2", "nproc_per_node": 2, "patches": {"checkpoint_all_layers": {"uncheckpointed_layers": 4}}}
+    assert errors_of(make_config(tmp_path, demo_assets, launcher={"backend": "cpu", **plan})) == []
 
 
 def test_packing_that_would_let_samples_see_each_other_is_refused(tmp_path, demo_assets):

@@ -2,9 +2,10 @@
 
 accelerate 1.11 enables FSDP only on accelerators; the ``fsdp2_frozen_dtype`` patch lets a CPU FSDP2 rank take
 it (``patches/fsdp2_frozen_dtype.py``), so this run shards every wrapped layer over the two ranks, is stopped with
-a save, resumed exactly, verified, keeps its best adapter, and matches one process trained on the same global
-batches (one rank with two accumulated micro-batches: the same samples per step and the same mean of two
-micro-batch means).
+a save, resumed (``resume_mode: exact``), verified, keeps its best adapter, and matches one process trained on the
+same global batches up to the stop (one rank with two accumulated micro-batches: the same samples per step and the
+same mean of two micro-batch means). After the resume it cannot match: accelerate 1.11 restores only rank 0's
+LoRA shard (docs/upstream.md), which the end of the test shows in the checkpoint file.
 """
 
 from __future__ import annotations
@@ -115,3 +116,19 @@ def test_two_gloo_ranks_shard_stop_resume_keep_the_best_and_match_one_process(tm
     # the comparison can fail: two steps apart, the adapters differ by far more than the tolerance
     assert _largest_difference(_lora(single_output / f"checkpoint-{before_stop + 2}"), reference) > 100 * RELATIVE_TOLERANCE
     print(f"\nFSDP2 over 2 gloo ranks vs one process: largest difference {difference:.2e} of the largest value")
+
+    # Why the losses after the resume drift from the one-process run and the final adapters are not compared:
+    # accelerate 1.11's save_fsdp_model(adapter_only=True), which transformers' Trainer always asks for, writes
+    # rank 0's FSDP2 shard of each LoRA tensor only, and load_fsdp_model gives the other ranks an empty state
+    # dict (docs/upstream.md; accelerate PR 4206). The checkpoint's adapter_model.safetensors is whole.
+    import torch
+
+    checkpoint = output / f"checkpoint-{saved['step']}"
+    whole = _lora(checkpoint)
+    written = torch.load(checkpoint / "pytorch_model_fsdp.bin", weights_only=False)
+    assert len(written) == len(whole) > 0
+    for name, tensor in written.items():
+        full = whole[name.replace(".default.", ".")]
+        local = tensor.to_local()
+        assert tuple(tensor.shape) == tuple(full.shape) and local.shape[0] == full.shape[0] // 2, name
+        assert torch.equal(local, full[: local.shape[0]]), name  # rank 0's half, and nothing of rank 1's

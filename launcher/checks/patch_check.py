@@ -4,8 +4,6 @@
   ASFT losses (which read ``outputs.logits``) cannot run with it, nor the Trainer's ``label_smoothing_factor``
   (it takes the labels from the model and smooths the logits itself, so the patch would silently not run);
 - ``checkpoint_all_layers.memory_budget_gib`` needs a device that reports its peak memory (not ``cpu``);
-- the layer plan (``uncheckpointed_layers``, ``memory_budget_gib``) measures one layer outside the model's
-  forward, which FSDP would all-gather out of order: not under ``distribution: fsdp2``;
 - packing (``packing``/``neat_packing``) keeps the samples of a row apart only for stage ``sft`` (LLaMA-Factory's
   neat packing), with attention through the 4D block mask (not ``flash_attn: fa2``, where LLaMA-Factory 0.9.5
   swaps in its own Qwen3.5 forwards calling FLA directly), and with ``deltanet_routing`` and ``packed_rows`` on
@@ -19,8 +17,7 @@ from typing import Any
 LOGIT_READERS = ("compute_accuracy", "use_dft_loss", "use_eaft_loss", "use_asft_loss", "label_smoothing_factor")
 
 
-def patch_problems(patches: dict[str, dict[str, Any]], lf: dict[str, Any], *, backend: str,
-                   distribution: str) -> list[tuple[str, str]]:  # fmt: skip
+def patch_problems(patches: dict[str, dict[str, Any]], lf: dict[str, Any], *, backend: str) -> list[tuple[str, str]]:
     """``(key, message)`` for every combination that cannot work; each message says how to fix it."""
     problems = []
     chunked = patches.get("chunked_loss", {})
@@ -35,11 +32,6 @@ def patch_problems(patches: dict[str, dict[str, Any]], lf: dict[str, Any], *, ba
         problems.append((f"{where}.memory_budget_gib", (
             f"{where}.memory_budget_gib needs a device that reports its peak memory (cuda, npu); the backend is cpu: "
             "use uncheckpointed_layers: N instead")))  # fmt: skip
-    planned = [k for k in ("uncheckpointed_layers", "memory_budget_gib") if ckpt.get(k) is not None]
-    if ckpt.get("enabled") and planned and distribution == "fsdp2":
-        problems.append((f"{where}.{planned[0]}", (
-            f"{where}.{planned[0]} is not supported with distribution: fsdp2 (the layer measurement would run one "
-            f"FSDP unit outside the model's forward); remove it to checkpoint every layer")))  # fmt: skip
     return problems + packing_problems(patches, lf)
 
 

@@ -64,7 +64,7 @@ def check_run_config(config: RunConfig, *, problems: list[str] | None = None, mo
                 f"backend's devices where the run will train")  # fmt: skip
     placeholder = Path(launcher.output_root).resolve() / "validate" / "output"
     args = llamafactory_args(config, name, placeholder)
-    for key, problem in patch_problems(config.patches, args, backend=name, distribution=launcher.distribution):
+    for key, problem in patch_problems(config.patches, args, backend=name):
         out.add(key, ERROR, problem)
     out.items.extend(check_llamafactory(args, model=model, devices=devices).items)
     if not output:
