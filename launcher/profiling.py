@@ -369,12 +369,14 @@ def summarize_profiler(profiler, backend: str, warmup: int, steps: int) -> dict[
     for start, end, name in windows:
         parts = split_step((start, end), work, host)
         per_step.append({"name": name, "seconds": end - start, **{k: round(v, 6) for k, v in parts.items()}})
-    return {"profiled_steps": per_step, "other_compute_top": _top_other(events, windows) if on_device else []}
+    top = _top_other(events, windows, _merge(deltanet)) if on_device else []
+    return {"profiled_steps": per_step, "other_compute_top": top}
 
 
-def _top_other(events, windows, top: int = 8) -> list[dict[str, Any]]:
+def _top_other(events, windows, deltanet: list[tuple[float, float]], top: int = 8) -> list[dict[str, Any]]:
     """The device kernels of ``other_compute`` that took most time, milliseconds per profiled step (by name): what
-    a fused kernel could still take away (copies and casts, elementwise ops)."""
+    a fused kernel could still take away (copies and casts, elementwise ops). Kernels inside a ``deltanet::`` range
+    are DeltaNet's, as in ``split_step``."""
     if not windows:
         return []
     spans = _merge([(start, end) for start, end, _ in windows])
@@ -383,7 +385,7 @@ def _top_other(events, windows, top: int = 8) -> list[dict[str, Any]]:
         if not _is_device_event(e) or getattr(e, "is_user_annotation", False) or e.name.startswith(RANGES):
             continue
         start = e.time_range.start / 1e6
-        if kernel_part(e.name) == "other_compute" and _inside(start, spans):
+        if kernel_part(e.name) == "other_compute" and _inside(start, spans) and not _inside(start, deltanet):
             total[e.name] = total.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
     ranked = sorted(total.items(), key=lambda kv: -kv[1])[:top]
     return [{"kernel": name[:160], "ms_per_step": round(ms / len(windows), 3)} for name, ms in ranked]

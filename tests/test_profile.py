@@ -84,8 +84,11 @@ def test_a_device_profile_counts_kernels_not_the_ranges_mirrored_onto_the_device
         event("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", 0.3, 0.8, "CUDA"),
         event("elementwise_kernel", 0.8, 0.9, "CUDA"),
     ]  # fmt: skip
-    steps = summarize_profiler(SimpleNamespace(events=lambda: events), "cuda", 2, 1)["profiled_steps"]
+    summary = summarize_profiler(SimpleNamespace(events=lambda: events), "cuda", 2, 1)
+    steps = summary["profiled_steps"]
     assert len(steps) == 1
+    # the kernel inside the deltanet:: range is DeltaNet, not other compute; the other one is listed
+    assert summary["other_compute_top"] == [{"kernel": "elementwise_kernel", "ms_per_step": 100.0}]
     parts = steps[0]
     assert parts["deltanet"] == pytest.approx(0.2) and parts["matmul"] == pytest.approx(0.5)
     assert parts["other_compute"] == pytest.approx(0.1) and parts["host_gaps"] == pytest.approx(0.2)
@@ -146,3 +149,13 @@ def test_bad_profile_arguments_are_refused(tmp_path, demo_assets):
     proc = launcher_cmd("profile", cfg, "--steps", "0")
     assert proc.returncode == 2 and "profile at least 1 step" in proc.stderr
     assert not (tmp_path / "runs").exists() or not [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
+
+
+def test_the_largest_other_compute_kernels_are_listed_under_the_table():
+    from launcher.results.profile_report import render
+
+    rank = {"rank": 0, "profiled_steps": 3, "parts_s": {"other_compute": 0.3}, "accounted_s": 1.0, "step_s": 1.0,
+            "accounted_share": 1.0, "adds_up": True, "seq_lens": [4096], "first_step": None,
+            "other_compute_top": [{"kernel": "direct_copy_kernel_cuda", "ms_per_step": 57.25}]}  # fmt: skip
+    text = render({"ranks": [rank]})
+    assert "Largest kernels in other compute, rank 0" in text and "- 57.2 ms `direct_copy_kernel_cuda`" in text

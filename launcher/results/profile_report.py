@@ -151,7 +151,7 @@ def render(report: dict[str, Any]) -> str:
             f"({spread['spread_share']:.1%} of the slowest) in each step's collectives for the slowest."
         )
     lines += _render_first_step(ranks)
-    top = ranks[0]["other_compute_top"]
+    top = ranks[0].get("other_compute_top")
     if top:
         lines += ["", f"Largest kernels in other compute, rank {ranks[0]['rank']} (ms per profiled step):", ""]
         lines += [f"- {t['ms_per_step']:.1f} ms `{t['kernel']}`" for t in top]
