@@ -179,6 +179,27 @@ def test_preflight_kernel_check_runs_the_quick_suite():
     assert suite["cases"]["varlen"] == "skip" and suite["cases"]["decode"] == "skip"  # preflight: training kernel
 
 
+def test_preflight_checks_only_the_glue_ops_the_run_binds():
+    """An op turned off in launcher.patches.fused_ops is not checked, so a broken kernel can be worked around."""
+    suite = kernel_check.check("cpu", glue_ops=("conv",))["validate_kernels"]
+    assert suite["ok"] and set(suite["cases"]) == {"layout", "grouped", "varlen", "decode", "conv"}
+    assert set(kernel_check.check("cpu", glue_ops=())["validate_kernels"]["cases"]).isdisjoint(
+        {"conv", "rms_norm", "gated_norm", "swiglu"})
+
+
+def test_preflight_reads_the_glue_ops_from_the_config():
+    from types import SimpleNamespace
+
+    from launcher.checks import preflight
+
+    def prepared(patches):
+        return SimpleNamespace(config=SimpleNamespace(patches=patches))
+
+    assert preflight._glue_ops(prepared({})) == "conv,rms_norm,gated_norm,swiglu"
+    assert preflight._glue_ops(prepared({"fused_ops": {"enabled": True, "swiglu": False}})) == "conv,rms_norm,gated_norm"
+    assert preflight._glue_ops(prepared({"fused_ops": {"enabled": False}})) == "none"
+
+
 def test_preflight_kernel_check_fails_when_the_quick_suite_fails(monkeypatch):
     def failing(backend, **kw):
         report = kernels.Report(backend, backend, "k", 0.05, "quick")

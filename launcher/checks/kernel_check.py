@@ -81,13 +81,15 @@ def _rel_err(torch, got, ref) -> float:
     return float(torch.linalg.vector_norm(got - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-12))
 
 
-def _quick_suite(backend: str, kernel_fn, name: str) -> dict[str, Any]:
+def _quick_suite(backend: str, kernel_fn, name: str, glue_ops: tuple[str, ...] = ()) -> dict[str, Any]:
     """``launcher validate-kernels --suite quick`` on the same kernel (``launcher.kernels``): bf16 against the
     fp32 torch reference with T != H, grouped heads and packed sequences (skipped for kernels without
-    ``cu_seqlens``)."""
-    from launcher.checks.kernels import validate
+    ``cu_seqlens``), and the glue cases of the ops in ``glue_ops`` (those the run's ``fused_ops`` binds: an op
+    the config turned off is not checked, so a broken kernel can be worked around)."""
+    from launcher.checks.kernels import SUITES, validate
 
-    report = validate(backend, suite="quick", kernel_fn=kernel_fn, kernel_name=name)
+    cases = tuple(c.name for c in SUITES["quick"] if c.op is None or c.op in glue_ops)
+    report = validate(backend, suite="quick", kernel_fn=kernel_fn, kernel_name=name, cases=cases)
     cases = {c.name: c.status if c.max_error is None else f"{c.status} {c.max_error:.1e}" for c in report.cases}
     found: dict[str, Any] = {"validate_kernels": {"ok": report.ok, "cases": cases, "error": report.error}}
     if not report.ok:
@@ -96,7 +98,8 @@ def _quick_suite(backend: str, kernel_fn, name: str) -> dict[str, Any]:
     return found
 
 
-def check(backend: str, kernel: str = "auto", suite: bool = True) -> dict[str, Any]:
+def check(backend: str, kernel: str = "auto", suite: bool = True,
+          glue_ops: tuple[str, ...] = ("conv", "rms_norm", "gated_norm", "swiglu")) -> dict[str, Any]:  # fmt: skip
     """Run the kernel once, then (``suite``) the quick validation suite; return a JSON-able result with
     ``ok`` and the measured errors."""
     started = time.monotonic()
@@ -122,7 +125,7 @@ def check(backend: str, kernel: str = "auto", suite: bool = True) -> dict[str, A
         if not result["ok"]:
             result["error"] = "non-finite values" if not finite else "result differs from the torch reference"
         elif suite:
-            result.update(_quick_suite(backend, kernel_fn, name))
+            result.update(_quick_suite(backend, kernel_fn, name, glue_ops))
     except Exception as err:  # any failure is the answer; the parent prints it in the table
         result["error"] = f"{type(err).__name__}: {err}"
     result["seconds"] = round(time.monotonic() - started, 2)

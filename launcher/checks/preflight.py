@@ -146,7 +146,7 @@ def run_preflight(
         ("driver", lambda: [check_driver(driver_dir)] if backend == "npu" else []),
         ("packages", lambda: [check_packages(backend)]),
         ("triton", lambda: [check_triton(backend)] if backend != "cpu" else []),
-        ("kernel", lambda: [check_kernel(backend, _routing_kernel(prepared))]),
+        ("kernel", lambda: [check_kernel(backend, _routing_kernel(prepared), glue=_glue_ops(prepared))]),
         ("model", lambda: check_model(model_dir, skip)),
         ("dataset", lambda: [check_dataset(lf)]),
         ("output", lambda: [check_output(Path(config.launcher.output_root), config.launcher.smoke)]),
@@ -376,10 +376,20 @@ def _routing_kernel(prepared: Prepared) -> str:
     return str(settings.get("kernel", "auto"))
 
 
-def check_kernel(backend: str, kernel: str = "auto", timeout_s: float = KERNEL_TIMEOUT_S) -> Row:
+def _glue_ops(prepared: Prepared) -> str:
+    """The fused glue ops the run binds (``launcher.patches.fused_ops``), for the kernel check's glue cases."""
+    settings = prepared.config.patches.get("fused_ops") or {}
+    if not settings.get("enabled", True):
+        return "none"
+    return ",".join(op for op in ("conv", "rms_norm", "gated_norm", "swiglu") if settings.get(op, True)) or "none"
+
+
+def check_kernel(backend: str, kernel: str = "auto", timeout_s: float = KERNEL_TIMEOUT_S,
+                 glue: str = "conv,rms_norm,gated_norm,swiglu") -> Row:  # fmt: skip
     """Run ``launcher.checks.kernel_check`` in a child process (see its docstring for why)."""
     env = backends.child_env(backends.BACKENDS[backend])
-    cmd = [sys.executable, "-m", "launcher", "_kernel-check", "--backend", backend, "--kernel", kernel]
+    cmd = [sys.executable, "-m", "launcher", "_kernel-check", "--backend", backend, "--kernel", kernel,
+           "--glue", glue]  # fmt: skip
     try:
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:

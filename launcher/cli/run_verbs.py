@@ -128,13 +128,17 @@ def _args_kernel_check(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel", choices=("auto", "fla", "torch"), default="auto",
                    help="launcher.patches.deltanet_routing.kernel of the config (default auto)")  # fmt: skip
     p.add_argument("--no-suite", action="store_true", help="skip the quick validate-kernels suite")
+    p.add_argument("--glue", default="conv,rms_norm,gated_norm,swiglu", metavar="OPS",
+                   help="the fused glue ops the run binds (launcher.patches.fused_ops), checked in the quick suite; "
+                        "'none' for none")  # fmt: skip
 
 
 def _cmd_kernel_check(ns: argparse.Namespace) -> int:
     """One JSON line on stdout (preflight reads it); 0 when the kernel passed."""
     from launcher.checks.kernel_check import check
 
-    result = check(ns.backend, ns.kernel, suite=not ns.no_suite)
+    glue = tuple(op for op in ns.glue.split(",") if op and op != "none")
+    result = check(ns.backend, ns.kernel, suite=not ns.no_suite, glue_ops=glue)
     print(json.dumps(result), flush=True)
     return ExitCode.OK if result["ok"] else ExitCode.FAILED
 
