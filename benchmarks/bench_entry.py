@@ -38,7 +38,8 @@ from typing import Any
 
 from benchmarks import fsdp_init
 from launcher import entry
-from patches.proof import utc_now, write_json_atomic
+from launcher.files import write_json_atomic
+from patches.proof import utc_now
 
 KERNEL_CASES_ENV = "BENCH_KERNEL_CASES"
 RECORD_ENV = "BENCH_RECORD_ENV"
@@ -54,6 +55,7 @@ class Recorder:
 
     def update(self, **fields: Any) -> None:
         self.data.update(fields)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.path, self.data)
 
     def add_step(self, step: dict[str, Any]) -> None:

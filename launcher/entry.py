@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from launcher.files import write_json_atomic
+from launcher.files import disk_error, write_json_or_warn
 from launcher.results import best_adapter
 from launcher.state.runs import ERRORS_DIR, LAUNCH_FILE
 from launcher.stopsave import StoppedAfterSave, install_sigterm_handler, make_callback
@@ -31,9 +31,7 @@ from launcher.stopsave import StoppedAfterSave, install_sigterm_handler, make_ca
 def write_error_file(run_dir: Path, exc: BaseException) -> Path:
     """Record this rank's failure as ``errors/rank<N>.json`` (the root cause the supervisor reports)."""
     rank = os.environ.get("RANK", "0")
-    folder = run_dir / ERRORS_DIR
-    folder.mkdir(exist_ok=True)
-    path = folder / f"rank{rank}.json"
+    path = run_dir / ERRORS_DIR / f"rank{rank}.json"
     record = {
         "rank": int(rank),
         "time": time.time(),
@@ -41,8 +39,9 @@ def write_error_file(run_dir: Path, exc: BaseException) -> Path:
         "type": type(exc).__name__,
         "message": str(exc),
         "traceback": "".join(traceback.format_exception(exc)),
+        "disk": disk_error(exc),  # the disk refused a write (errno, path, free bytes): the cause to name
     }
-    write_json_atomic(path, record)
+    write_json_or_warn(path, record, "this rank's error record")  # never mask the error itself
     return path
 
 

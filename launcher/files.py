@@ -4,6 +4,8 @@ Nothing here knows about runs; every other module writes and reads its files thr
 
 - ``write_bytes_atomic``/``write_text_atomic``/``write_json_atomic``: readers see the old file or the
   new one, never half.
+- ``write_json_or_warn``: the same from inside a training process, where a disk's refusal (``DISK_ERRNOS``) is
+  a warning, never an exception (``disk_error`` describes it).
 - ``append_line``: one line appended and fsynced (``events.jsonl``).
 - ``read_json_object``/``read_yaml_mapping``: a mapping, or a one-line description of why not.
 - ``read_tail``: the last bytes of a growing file without reading the rest.
@@ -16,8 +18,10 @@ container wrote.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
 import os
 import stat
 import tempfile
@@ -25,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from launcher.errors import ExitCode, LauncherError
+
+logger = logging.getLogger(__name__)
 
 
 def _umask() -> int:
@@ -74,6 +80,46 @@ def write_text_atomic(path: Path, text: str, mode: int | None = None) -> None:
 def write_json_atomic(path: Path, data: Any) -> None:
     """Replace ``path`` with ``data`` as indented JSON so that readers never see a partial file."""
     write_text_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+# What a sick disk answers a write with: full, read-only (also the kernel's emergency remount), failing, over quota.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EIO, errno.EDQUOT})
+
+
+def disk_error(exc: BaseException, path: Path | None = None) -> dict[str, Any] | None:
+    """``errno`` (its name), the path and the free bytes under it when ``exc`` is a disk's refusal of a write;
+    ``path`` is what was being written when the error does not name a file (a failed ``write``)."""
+    if not isinstance(exc, OSError) or exc.errno not in DISK_ERRNOS:
+        return None
+    path = exc.filename or exc.filename2 or path
+    free = None
+    for folder in ([Path(str(path)), *Path(str(path)).parents] if path else []):
+        try:
+            usage = os.statvfs(folder)
+            free = usage.f_bavail * usage.f_frsize
+            break
+        except OSError:
+            continue
+    return {"errno": errno.errorcode.get(exc.errno, str(exc.errno)), "path": None if path is None else str(path),
+            "free_bytes": free, "message": exc.strerror}  # fmt: skip
+
+
+def write_json_or_warn(path: Path, data: Any, what: str) -> dict[str, Any] | None:
+    """Write a record from inside a training process, where the launcher's own bookkeeping must never end the
+    run: a disk's refusal (``DISK_ERRNOS``) is logged as one warning line and returned (``disk_error``), not
+    raised; the caller writes the whole record again at its next update. Any other error raises.
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, data)
+    except OSError as exc:
+        found = disk_error(exc, path)
+        if found is None:
+            raise
+        logger.warning("could not write %s %s (%s: %s, %s bytes free); training goes on and the record is written "
+                       "again at its next update", what, path, found["errno"], found["message"], found["free_bytes"])
+        return found
+    return None
 
 
 def share_readable(folder: Path) -> int:

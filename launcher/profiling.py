@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launcher.files import write_json_atomic
+from launcher.files import write_json_or_warn
 from launcher.state.runs import PROFILE_DIR
 
 DELTANET_KERNELS = ("chunk_gated_delta", "gated_delta", "chunk_fwd", "chunk_bwd", "chunk_scaled_dot_kkt",
@@ -221,7 +221,7 @@ class ProfileCallback:
                 record = dict(self.summary)
                 record.update(rank=self.rank, backend=self.backend, warmup=self.warmup, steps=self.steps,
                               periods=self.periods, seq_lens=sorted(set(self.lengths)))  # fmt: skip
-                write_json_atomic(self.folder / f"rank{self.rank}.json", record)
+                write_json_or_warn(self.folder / f"rank{self.rank}.json", record, "the profile")
                 self.profiler = None
                 return control
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launcher.files import write_json_atomic
+from launcher.files import write_json_or_warn
 from launcher.state.runs import OUTPUT_SUBDIR, SAVE_DONE, SAVE_READY, SAVE_REQUEST
 
 
@@ -74,8 +74,9 @@ def make_callback(run_dir: Path) -> Any:
             global _TRAINING
             _TRAINING = True
             if self.local_zero:
-                write_json_atomic(self.run_dir / SAVE_READY, {"pid": os.getpid(), "time": time.time(),
-                                                              "step": state.global_step})  # fmt: skip
+                write_json_or_warn(self.run_dir / SAVE_READY, {"pid": os.getpid(), "time": time.time(),
+                                                               "step": state.global_step}, "the save-on-stop "
+                                   "announcement")  # fmt: skip
 
         def on_step_end(self, args, state, control, **kwargs):
             if self.stopping_at is not None:
@@ -92,7 +93,7 @@ def make_callback(run_dir: Path) -> Any:
                 folder = Path(OUTPUT_SUBDIR) / f"checkpoint-{state.global_step}"
                 done = {"step": state.global_step, "path": str(folder), "time": time.time(),
                         "signalled": bool(_SIGNALLED)}  # fmt: skip
-                write_json_atomic(self.run_dir / SAVE_DONE, done)
+                write_json_or_warn(self.run_dir / SAVE_DONE, done, "the saved checkpoint's record")
             return control
 
         def on_train_end(self, args, state, control, **kwargs):

@@ -1,7 +1,8 @@
 """Proof records: one JSON file per rank and patch, ``PROOF_DIR/rank<RANK>/<patch>.json``.
 
 Every write goes to a temporary file in the same folder, is fsynced, and replaces the record with
-``os.replace``, so a reader (``launcher status`` on the host) never sees half a file. A record starts when
+``os.replace``, so a reader (``launcher status`` on the host) never sees half a file; a write the disk refuses
+is a warning (``launcher.files.write_json_or_warn``), and the next one writes the whole record again. A record starts when
 the patch is applied (or found disabled) and later facts, such as the first kernel call or the first training
 step, are merged into it by the same process. Each rank writes only its own folder, so ranks never race.
 """
@@ -53,22 +54,27 @@ class RankInfo:
         }
 
 
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` as JSON to ``path`` (its folder made first) so that readers see the old or the new file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    files.write_json_atomic(path, data)
-
-
 class ProofFile:
-    """The proof record of one patch on one rank."""
+    """The proof record of one patch on one rank, held in memory and written whole at every change.
+
+    A write the disk refuses (full, read-only, failing) is a warning, never an error: the run must not die of its
+    own proof. Because the whole record is written each time, the next update after the disk recovers writes what
+    the refused one held.
+    """
 
     def __init__(self, proof_dir: Path, patch: str, rank: int) -> None:
         self.patch = patch
         self.path = Path(proof_dir) / f"rank{rank}" / f"{patch}.json"
+        self.record: dict[str, Any] | None = None
+        self.refused: dict[str, Any] | None = None  # the last write the disk refused (files.disk_error)
+
+    def _write(self) -> None:
+        self.refused = files.write_json_or_warn(self.path, self.record, f"the proof of patch {self.patch}")
 
     def start(self, record: dict[str, Any]) -> None:
         """Begin a fresh record for this process (a stale file from an earlier process is replaced)."""
-        write_json_atomic(self.path, {**record, "recorded_at": utc_now()})
+        self.record = {**record, "recorded_at": utc_now()}
+        self._write()
 
     def read(self) -> dict[str, Any]:
         """The record as it is on disk, or ``{}`` when none was written yet."""
@@ -79,7 +85,8 @@ class ProofFile:
 
     def update(self, **fields: Any) -> None:
         """Merge ``fields`` into the top level of the record."""
-        write_json_atomic(self.path, {**self.read(), **fields, "updated_at": utc_now()})
+        self.record = {**(self.record if self.record is not None else self.read()), **fields, "updated_at": utc_now()}
+        self._write()
 
 
 def proof_path(proof_dir: Path, patch: str, rank: int) -> Path:

@@ -120,6 +120,73 @@ def test_a_record_write_on_a_full_disk_keeps_the_last_good_record_and_the_end_la
     assert not seen["reserve_left"]
 
 
+RANK_PROBE = r"""
+import json, sys
+from pathlib import Path
+from launcher import entry
+from launcher.stopsave import SAVE_DONE
+from patches.proof import ProofFile
+from tests.fake_runs import fill_disk
+
+root = Path(sys.argv[1])
+(root / "run").mkdir()
+proof = ProofFile(root / "run" / "proof", "demo_patch", 0)
+proof.start({"patch": "demo_patch", "status": "checking"})
+fill_disk(root / "filler")
+seen = {}
+proof.update(status="applied", first_call={"device": "cpu"})  # refused: a warning, not an exception
+seen["refused"] = proof.refused
+seen["on_disk_while_full"] = proof.read()
+try:
+    raise OSError(28, "No space left on device", str(root / "run" / "output" / "checkpoint-7"))
+except OSError as exc:
+    entry.write_error_file(root / "run", exc)  # on the full disk: must not mask the error
+seen["error_file_written"] = (root / "run" / "errors" / "rank0.json").exists()
+(root / "filler").unlink()
+proof.update(first_training_step={"layers": 4})  # the disk is back: the whole record lands
+seen["on_disk_after"] = proof.read()
+print(json.dumps(seen))
+"""
+
+
+@needs_tmpfs
+def test_a_rank_side_record_on_a_full_disk_is_a_warning_and_lands_whole_once_space_returns(tmp_path):
+    """A rank must never die of the launcher's own writes (proof records, the error record): on a real full tmpfs
+    they warn with the errno, the path and the free bytes, and the next write after space returns holds all."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    cmd = tmpfs_command(mount, 1, [sys.executable, "-c", RANK_PROBE, str(mount)])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen = json.loads(proc.stdout)
+    assert seen["refused"]["errno"] == "ENOSPC" and seen["refused"]["free_bytes"] == 0
+    assert seen["refused"]["path"].endswith("demo_patch.json")
+    assert seen["on_disk_while_full"]["status"] == "checking"  # the last good record, whole
+    assert not seen["error_file_written"]
+    assert "could not write the proof of patch demo_patch" in proc.stderr and "training goes on" in proc.stderr
+    assert "could not write this rank's error record" in proc.stderr
+    after = seen["on_disk_after"]
+    assert after["status"] == "applied" and after["first_call"] == {"device": "cpu"}
+    assert after["first_training_step"] == {"layers": 4}
+
+
+def test_a_rank_killed_by_a_disk_error_has_the_disk_named_first_in_its_root_cause(tmp_path):
+    from launcher import entry
+    from launcher.run.rootcause import disk_state, root_cause
+    from launcher.run.rundir import RunDir
+
+    try:
+        raise OSError(30, "Read-only file system", str(tmp_path / "output" / "checkpoint-7" / "adapter.bin"))
+    except OSError as exc:
+        entry.write_error_file(tmp_path, exc)
+    cause = root_cause(RunDir("run", tmp_path))
+    assert cause.startswith("rank 0: the disk refused a write: EROFS (Read-only file system) writing ")
+    assert "checkpoint-7" in cause.splitlines()[0] and "bytes free" in cause.splitlines()[0]
+    assert disk_state(tmp_path) is None  # this test's own disk is fine
+    assert disk_state(tmp_path, least_free=1 << 62).startswith("the run folder's disk is full (")
+
+
 # --- a failing disk under the filesystem: EIO, and the kernel's emergency read-only remount ----------------------
 
 DEAD_DISK_PROBE = r"""

@@ -7,6 +7,7 @@ only in the summary torch elastic prints, and the useful traceback is the rank's
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 from pathlib import Path
@@ -67,8 +68,28 @@ def root_cause(run_dir: RunDir, max_lines: int = 30, since: float = 0.0, log_sta
     if records:
         first = min(records, key=lambda r: r.get("time", 0))
         lines = str(first.get("traceback", "")).rstrip().splitlines()
-        return f"rank {first.get('rank')}: " + "\n".join(lines[-max_lines:])
+        disk = first.get("disk") if isinstance(first.get("disk"), dict) else None
+        head = (f"the disk refused a write: {disk.get('errno')} ({disk.get('message')}) writing {disk.get('path')}, "
+                f"{disk.get('free_bytes')} bytes free\n" if disk else "")  # fmt: skip
+        return f"rank {first.get('rank')}: {head}" + "\n".join(lines[-max_lines:])
     return last_traceback(run_dir.log, max_lines=max_lines, start=log_start)
+
+
+def disk_state(folder: Path, least_free: int = 1 << 20) -> str | None:
+    """Why the disk under ``folder`` refuses writes now (read-only, or under ``least_free`` bytes free), or None.
+
+    A job that dies of a full or read-only disk often cannot write its own error record, so the supervisor asks
+    the disk itself when it records the end."""
+    try:
+        usage = os.statvfs(folder)
+    except OSError as exc:
+        return f"the run folder's disk cannot be read ({exc.strerror})"
+    if usage.f_flag & os.ST_RDONLY:
+        return f"the run folder's disk is read-only ({folder})"
+    free = usage.f_bavail * usage.f_frsize
+    if free < least_free:
+        return f"the run folder's disk is full ({free} bytes free under {folder})"
+    return None
 
 
 def last_traceback(log_path: Path, max_bytes: int = 256 << 10, max_lines: int = 30, start: int = 0) -> str | None:

@@ -39,7 +39,7 @@ from launcher.run.config import RunConfig, llamafactory_args
 from launcher.run.job import Job, NodeSpec, job_command
 from launcher.run.lock import RunLock
 from launcher.run.restart import not_retried_why, retry_cause
-from launcher.run.rootcause import describe_rank_failure, looks_like_oom, rank_failure, root_cause
+from launcher.run.rootcause import describe_rank_failure, disk_state, looks_like_oom, rank_failure, root_cause
 from launcher.run.rundir import RunDir, make_run_dir, write_run_files
 from launcher.run.setup import Prepared, check_earlier_runs, prepare
 from launcher.run.signals import Received, StopSignals
@@ -348,6 +348,8 @@ class Supervisor:
                 what += f"; first failure: {describe_rank_failure(failed)}"
             if leftover_pids:
                 what += f"; {len(leftover_pids)} leftover process(es) {leftover_pids} were stopped"
+            if (disk := disk_state(self.run_dir.path)) is not None:
+                what = f"{disk}; {what}"
             if ending.why == "stall":
                 what = (f"hang watchdog: no progress for {self._launcher.stall_minutes:g} min with live processes "
                         f"(stall_action: {self._launcher.stall_action}); the job was stopped: {what}")  # fmt: skip
