@@ -24,7 +24,7 @@ from launcher.state.reconcile import reconcile
 from launcher.state.record import RecordUnreadable, RunRecord, read_record
 from launcher.state.runs import JOB_LOG, SUPERVISOR_LOG, list_runs
 from launcher.state.states import RunState
-from launcher.state.trainer_log import read_trainer_log_tail
+from launcher.state.trainer_log import MAX_LINE_BYTES, read_tail
 
 
 def _parse_hms(text: Any) -> float | None:
@@ -68,7 +68,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
     record = read_record(run_dir)
     seen = reconcile(record, run_dir)
     trainer_log = record.resolve(run_dir, record.trainer_log) or run_dir / "output" / "trainer_log.jsonl"
-    tail = read_trainer_log_tail(trainer_log, count=16)
+    read = read_tail(trainer_log, count=16)
+    tail = read.records
     summary = dict(record.progress)
     progress = next((r for r in reversed(tail) if "current_steps" in r), {})
     last_loss = next((r for r in reversed(tail) if "loss" in r), {})
@@ -123,6 +124,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "reason": record.reason,
         "run_dir": str(run_dir),
         "trainer_log": str(trainer_log),
+        "trainer_log_long_lines_skipped": read.long_lines_skipped,
         "container": record.container,
         "container_state": seen.container_state,
     }  # fmt: skip
@@ -239,7 +241,10 @@ def render(info: dict[str, Any]) -> str:
     if info["container"]:
         engine = info["container_state"] or "state unknown"
         rows.append(("container", f"{info['container'].get('name') or info['container'].get('id')} ({engine})"))
-    rows += [("run dir", info["run_dir"]), ("trainer log", info["trainer_log"])]
+    log = info["trainer_log"]
+    if skipped := info.get("trainer_log_long_lines_skipped"):
+        log += f" ({skipped} line(s) over {MAX_LINE_BYTES:,} bytes skipped: damaged)"
+    rows += [("run dir", info["run_dir"]), ("trainer log", log)]
     # every value may hold text from outside (a sender's command line, an exception, a path): one row each
     return "\n".join(f"{k:<12}{shown(v)}" for k, v in rows)
 
