@@ -7,7 +7,9 @@ Nothing here knows about runs; every other module writes and reads its files thr
 - ``write_json_or_warn``: the same from inside a training process, where a disk's refusal (``DISK_ERRNOS``) is
   a warning, never an exception (``disk_error`` describes it).
 - ``append_line``: one line appended and fsynced (``events.jsonl``).
-- ``read_json_object``/``read_yaml_mapping``: a mapping, or a one-line description of why not.
+- ``read_json_bounded``: JSON from a file of at most so many bytes and so deep, or ``Unreadable`` saying why;
+  ``read_json_object``/``read_yaml_mapping``: a mapping, or a one-line description of why not.
+- ``shown``: text from outside (a command line, an exception, a path) with its control characters escaped.
 - ``read_tail``: the last bytes of a growing file without reading the rest.
 - ``FileFollower``: the bytes appended to a file since the last call; a file that is deleted and
   recreated, or truncated, is read again from its start.
@@ -23,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import stat
 import tempfile
 from pathlib import Path
@@ -193,26 +196,102 @@ def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
     return digest.hexdigest()
 
 
+# Bounds on a JSON file the launcher reads (its own records, the Trainer's trainer_state.json): what it writes
+# is far below them; a file past them is damaged or planted, and is refused before it is parsed.
+MAX_JSON_BYTES = 16 << 20
+MAX_JSON_DEPTH = 64
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_JSON_BRACKET = re.compile(rb"[\[\]{}]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+class Unreadable(ValueError):
+    """A file that cannot be read as what it should hold; the message says why (one line)."""
+
+
+def json_depth(data: bytes, limit: int) -> int:
+    """How deeply ``data`` nests (arrays and objects), counted up to ``limit + 1``.
+
+    A scan of brackets outside strings, without recursion: ``json.loads`` recurses once per level, so
+    a file of 200,000 nested objects must be refused before it is parsed, and what a parse returns is
+    walked by code (``asdict``, ``json.dumps``, the record check) that recurses too.
+    """
+    depth = deepest = 0
+    for match in _JSON_BRACKET.finditer(_JSON_STRING.sub(b'""', data)):
+        if match.group() in (b"[", b"{"):
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    break
+        else:
+            depth -= 1
+    return deepest
+
+
+def read_json_bounded(path: Path, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """The JSON value in ``path``, read only if it is at most ``max_bytes`` and ``max_depth`` deep.
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        Unreadable: too large, too deep, not UTF-8, not JSON, or not a regular file (the message says which).
+    """
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise Unreadable("not a regular file")
+            if st.st_size > max_bytes:  # stat first: a huge file is refused without reading it
+                raise Unreadable(f"{st.st_size:,} bytes, more than the {max_bytes:,} a record may have")
+            data = f.read(max_bytes + 1)
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        raise Unreadable(shown(err.strerror or str(err))) from None
+    if len(data) > max_bytes:  # grew since the stat
+        raise Unreadable(f"more than the {max_bytes:,} bytes a record may have")
+    if json_depth(data, max_depth) > max_depth:
+        raise Unreadable(f"nested more than {max_depth} levels deep")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise Unreadable("not UTF-8 text") from None
+    except (json.JSONDecodeError, RecursionError) as err:
+        raise Unreadable(f"not JSON: {shown(str(err))}") from None
+
+
+def shown(text: Any) -> str:
+    """``text`` as one line that is safe to print: control characters (newlines, escape sequences) are
+    written as ``\\n``, ``\\x1b``..., so that text from outside cannot add rows or move the cursor; printable
+    characters of any script stay as they are."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], str(text))
+
+
 def _read_mapping(path: Path, load: Any, errors: tuple[type[Exception], ...], what: str) -> dict[str, Any] | str:
     try:
-        data = load(path.read_text())
+        data = load(path)
     except FileNotFoundError:
-        return f"{path} is missing"
-    except (OSError, UnicodeDecodeError, *errors) as err:
-        return f"{path} is unreadable ({err})"
-    return data if isinstance(data, dict) else f"{path} does not hold {what}"
+        return f"{shown(path)} is missing"
+    except (OSError, UnicodeDecodeError, RecursionError, *errors) as err:
+        return f"{shown(path)} is unreadable ({shown(err)})"
+    return data if isinstance(data, dict) else f"{shown(path)} does not hold {what}"
 
 
-def read_json_object(path: Path) -> dict[str, Any] | str:
-    """The JSON object in ``path``, or a one-line problem description."""
-    return _read_mapping(path, json.loads, (json.JSONDecodeError,), "a JSON object")
+def read_json_object(path: Path, max_bytes: int = MAX_JSON_BYTES) -> dict[str, Any] | str:
+    """The JSON object in ``path`` (bounded as ``read_json_bounded``), or a one-line problem description."""
+    return _read_mapping(path, lambda p: read_json_bounded(p, max_bytes), (Unreadable,), "a JSON object")
 
 
 def read_yaml_mapping(path: Path) -> dict[str, Any] | str:
     """The YAML mapping in ``path``, or a one-line problem description."""
     import yaml  # here: `launcher status` reads no YAML and should not pay for importing it
 
-    return _read_mapping(path, yaml.safe_load, (yaml.YAMLError,), "a mapping")
+    def load(p: Path) -> Any:
+        if p.stat().st_size > MAX_JSON_BYTES:
+            raise Unreadable(f"more than {MAX_JSON_BYTES:,} bytes")
+        return yaml.safe_load(p.read_text())
+
+    return _read_mapping(path, load, (yaml.YAMLError, Unreadable), "a mapping")
 
 
 def read_tail(path: Path, max_bytes: int, start: int = 0) -> bytes:

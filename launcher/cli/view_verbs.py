@@ -54,6 +54,14 @@ def _cmd_list(ns: argparse.Namespace) -> int:
     return show_list(runs_root(ns))
 
 
+def _readable_record(folder: Path):
+    """The run's record, None when it has none (a bare output folder is still verified); a record that is
+    there but unreadable refuses the verb (``RecordUnreadable``) before anything is written."""
+    from launcher.state.record import STATUS_FILE, read_record
+
+    return read_record(folder) if (folder / STATUS_FILE).exists() else None
+
+
 def _args_verify(p: argparse.ArgumentParser) -> None:
     add_run_arg(p)
     p.add_argument("--model", type=Path, metavar="DIR",
@@ -66,6 +74,16 @@ def _cmd_verify(ns: argparse.Namespace) -> int:
     from launcher.results.verify import VERIFY_FILE, print_report, verify_run
 
     folder = run_dir(ns)
+    record = _readable_record(folder)
+    if record is not None:
+        from launcher.state.reconcile import reconcile
+
+        seen = reconcile(record, folder)
+        if not seen.state.terminal:  # a live run's missing final adapter is not a failure: nothing to judge yet
+            raise LauncherError(
+                f"run {record.run_id} is {seen.state.value}, not ended: verify judges a run that has ended "
+                f"and wrote nothing. Wait for it (`launcher status {record.run_id} --watch`) or stop it "
+                f"(`launcher stop {record.run_id}`), then verify", ExitCode.REFUSED)
     report = verify_run(folder, model_dir=ns.model)
     if ns.json:
         print(json.dumps(report.to_dict(), indent=2))
@@ -92,6 +110,7 @@ def _cmd_report(ns: argparse.Namespace) -> int:
     folder = run_dir(ns)
     if ns.patience is not None and ns.patience < 1:
         raise LauncherError(f"--patience {ns.patience}: use 1 or more evaluations")
+    _readable_record(folder)
     report = build_report(folder, patience=ns.patience, plot=not ns.no_plot)
     if ns.json:
         print(json.dumps(report.to_dict(), indent=2))

@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from launcher.errors import ExitCode
-from launcher.files import FileFollower, read_json_object, tail_lines
+from launcher.files import FileFollower, read_json_object, shown, tail_lines
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.reconcile import reconcile
 from launcher.state.record import RecordUnreadable, RunRecord, read_record
 from launcher.state.runs import JOB_LOG, SUPERVISOR_LOG, list_runs
 from launcher.state.states import RunState
-from launcher.state.trainer_log import read_trainer_log_tail
+from launcher.state.trainer_log import MAX_LINE_BYTES, read_tail
 
 
 def _parse_hms(text: Any) -> float | None:
@@ -68,7 +68,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
     record = read_record(run_dir)
     seen = reconcile(record, run_dir)
     trainer_log = record.resolve(run_dir, record.trainer_log) or run_dir / "output" / "trainer_log.jsonl"
-    tail = read_trainer_log_tail(trainer_log, count=16)
+    read = read_tail(trainer_log, count=16)
+    tail = read.records
     summary = dict(record.progress)
     progress = next((r for r in reversed(tail) if "current_steps" in r), {})
     last_loss = next((r for r in reversed(tail) if "loss" in r), {})
@@ -123,6 +124,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "reason": record.reason,
         "run_dir": str(run_dir),
         "trainer_log": str(trainer_log),
+        "trainer_log_long_lines_skipped": read.long_lines_skipped,
         "container": record.container,
         "container_state": seen.container_state,
     }  # fmt: skip
@@ -219,7 +221,7 @@ def render(info: dict[str, Any]) -> str:
     if info["exit_code"] is not None or info["signal"] is not None:
         exit_text = f"code {info['exit_code']}" if info["signal"] is None else f"signal {info['signal']}"
         if rank := info.get("failed_rank"):  # torchrun exits 1; what the failing rank itself died of
-            died = f"signal {rank['signal']}" if rank.get("signal") is not None else f"code {rank.get('exit_code')}"
+            died = f"signal {rank.get('signal')}" if rank.get("signal") is not None else f"code {rank.get('exit_code')}"
             exit_text += f" (rank {rank.get('rank')}: {died})"
         if info.get("run_exit_code") is not None and info["state"] in ("CANCELLED", "TERMINATED"):
             exit_text = f"{info['run_exit_code']} (128 + signal {info['stop_signal']}); the job's own: {exit_text}"
@@ -227,20 +229,24 @@ def render(info: dict[str, Any]) -> str:
     if info.get("stopped_by"):
         rows.append(("stopped by", info["stopped_by"]))
     if saved := info.get("saved_checkpoint"):
-        rows.append(("saved", f"step {saved['step']} on the stop: {saved['path']}"))
+        rows.append(("saved", f"step {saved.get('step')} on the stop: {saved.get('path')}"))
     for a in info.get("attempts") or []:  # earlier attempts, restarted automatically (launcher.restart)
-        rows.append((f"attempt {a['attempt']}", f"{a['state']}: {a['cause']}; resumed from step {a['resumed_step']}, "
-                                                f"{a['steps_lost']} step(s) lost"))  # fmt: skip
+        rows.append((f"attempt {a.get('attempt')}", f"{a.get('state')}: {a.get('cause')}; resumed from step "
+                                                    f"{a.get('resumed_step')}, {a.get('steps_lost')} step(s) lost"))  # fmt: skip
     for f in info.get("record_write_failures") or []:
-        until = f["until"] or "still failing"
-        rows.append(("record", f"{f['failed_writes']} write(s) failed {f['since']} .. {until}: {f['error']}"))
-    if info["reason"]:
+        until = f.get("until") or "still failing"
+        rows.append(("record", f"{f.get('failed_writes')} write(s) failed {f.get('since')} .. {until}: {f.get('error')}"))
+    if info["reason"] and info["reason"].strip():
         rows.append(("reason", info["reason"].strip().splitlines()[-1]))
     if info["container"]:
         engine = info["container_state"] or "state unknown"
         rows.append(("container", f"{info['container'].get('name') or info['container'].get('id')} ({engine})"))
-    rows += [("run dir", info["run_dir"]), ("trainer log", info["trainer_log"])]
-    return "\n".join(f"{k:<12}{v}" for k, v in rows)
+    log = info["trainer_log"]
+    if skipped := info.get("trainer_log_long_lines_skipped"):
+        log += f" ({skipped} line(s) over {MAX_LINE_BYTES:,} bytes skipped: damaged)"
+    rows += [("run dir", info["run_dir"]), ("trainer log", log)]
+    # every value may hold text from outside (a sender's command line, an exception, a path): one row each
+    return "\n".join(f"{k:<12}{shown(v)}" for k, v in rows)
 
 
 def show_status(run_dir: Path, as_json: bool, watch: float | None) -> int:
@@ -267,13 +273,13 @@ def show_list(root: Path) -> int:
         try:
             r = read_record(run_dir)
         except RecordUnreadable as err:
-            print(f"{run_dir.name:<40}{err}")
+            print(f"{shown(run_dir.name):<40}{err}")
             continue
         state = reconcile(r, run_dir).state.value
         exit_text = f"sig {r.signal}" if r.signal else ("-" if r.exit_code is None else str(r.exit_code))
         if r.run_exit_code is not None:  # what `launcher run` returned (128 + signal for a stop)
             exit_text = str(r.run_exit_code)
-        print(f"{r.run_id:<40}{state:<19}{exit_text:<8}{r.attempt!s:<9}{r.created:<27}{r.ended or '-'}")
+        print(shown(f"{r.run_id:<40}{state:<19}{exit_text:<8}{r.attempt!s:<9}{r.created:<27}{r.ended or '-'}"))
     return ExitCode.OK
 
 

@@ -8,7 +8,7 @@ and is only a hint for messages: liveness is always judged from the processes th
 
 from __future__ import annotations
 
-import json
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -16,12 +16,13 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from launcher.errors import ExitCode, LauncherError
-from launcher.files import make_folder, write_json_atomic
+from launcher.files import make_folder, read_json_object, shown, write_json_atomic
 from launcher.procs import boot_id, find_live, pid_namespace, self_identity
-from launcher.state.record import now_iso
+from launcher.state.record import Identity, now_iso, type_problem
 
 LOCK_NAME = "launcher.lock"
 OWNER_NAME = "launcher.lock.owner.json"
+OWNER_MAX_BYTES = 64 << 10  # the holder writes a few hundred bytes
 
 
 class LockBusy(LauncherError):
@@ -38,6 +39,7 @@ class LockBusy(LauncherError):
                    f"since {owner.get('since')})")  # fmt: skip
         else:
             who = "a process that has not written its identity yet"
+        who = shown(who)  # the owner file is outside text: one line, no escape sequences
         super().__init__(
             f"another run is live: {who}. Follow it with `launcher status`, or stop it with "
             + (f"`launcher stop {owner['run_id']}`" if owner.get("run_id") else "`launcher stop`")
@@ -57,10 +59,20 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         """Take the lock without waiting; raise ``LockBusy`` naming the holder if it is taken."""
+        if self.path.is_symlink():  # filelock opens it without following (O_NOFOLLOW): ELOOP, a traceback
+            raise LauncherError(
+                f"the run lock {shown(self.path)} is a symbolic link (to {shown(os.readlink(self.path))}), not "
+                f"the file the launcher makes; nothing was started. Remove the link (`rm {shown(self.path)}`) "
+                "and run again", ExitCode.USAGE)
         try:
             self._lock.acquire(blocking=False)
         except Timeout:
             raise LockBusy(self.path, read_owner(self.path.parent)) from None
+        except OSError as err:  # not a file the lock can be taken on (a folder, no permission)
+            raise LauncherError(
+                f"cannot take the run lock {shown(self.path)} ({shown(err.strerror or err)}); nothing was started. "
+                "It must be a regular file the launcher can open for writing: remove what is there or fix its "
+                "permissions", ExitCode.USAGE) from None
         self.describe(None, None)  # at once: until the run folder exists, an earlier run's owner file is stale
         return self
 
@@ -91,11 +103,8 @@ def read_owner(root: Path) -> dict[str, Any]:
     """What the lock holder wrote about itself; empty if unreadable or if that process is not alive
     (an earlier run's file, read in the instant before a new holder rewrites it). A holder in another
     pid namespace (another container) cannot be checked from here and is taken at its word."""
-    try:
-        data = json.loads((root / OWNER_NAME).read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    if not isinstance(data, dict):
+    data = read_json_object(root / OWNER_NAME, max_bytes=OWNER_MAX_BYTES)
+    if isinstance(data, str) or type_problem(data, Identity):  # unreadable or of the wrong shape: no hint
         return {}
     if data.get("pid_ns") not in (None, pid_namespace()):
         return data

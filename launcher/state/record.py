@@ -22,13 +22,13 @@ import os
 import socket
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Union, get_args, get_origin, get_type_hints, is_typeddict
 
 from launcher.errors import ExitCode, LauncherError
-from launcher.files import append_line, write_json_atomic
+from launcher.files import Unreadable, append_line, read_json_bounded, shown, write_json_atomic
 from launcher.state.states import TERMINAL, RunState, check_transition
 
 STATUS_FILE = "status.json"
@@ -37,6 +37,10 @@ RESERVE_FILE = ".record-reserve"  # space kept for the end record (see RunStore.
 RESERVE_BYTES = 256 << 10
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)  # schema 1 had the same keys, with absolute paths
+# A record holds a few KB (a run restarted a hundred times: some 100 KB) and nests 4 levels; past these
+# bounds the file is damaged or planted and is refused before it is parsed (launcher.files.read_json_bounded).
+MAX_RECORD_BYTES = 4 << 20
+MAX_RECORD_DEPTH = 32
 
 
 def now_iso() -> str:
@@ -44,11 +48,81 @@ def now_iso() -> str:
 
 
 class RecordUnreadable(LauncherError):
-    """``status.json`` is missing, damaged or of a newer schema; the message names the path."""
+    """A run's record (``status.json``, another file a verb needs) is missing, damaged, of a newer schema or
+    of the wrong shape; the message (one line) names the path and says why. Every host verb catches this
+    one error per run."""
 
     def __init__(self, path: Path, why: str):
-        super().__init__(f"unreadable: {path} ({why})", ExitCode.FAILED)
+        super().__init__(f"unreadable: {shown(path)} ({shown(why)})", ExitCode.FAILED)
         self.path = path
+
+
+# The shapes of the mappings a record holds, as the code reads them. Keys are optional (older records lack
+# some); a key that is there must have its type, so that no reader meets a string where it counts.
+class Identity(TypedDict, total=False):
+    pid: int
+    create_time: float
+    cmdline: str  # joined, cut at 500 characters (procs.identity)
+    pid_ns: int | str | None
+
+
+class Attempt(TypedDict, total=False):
+    attempt: int
+    state: str
+    cause: str
+    exit_code: int | None
+    signal: int | None
+    failed_rank: dict[str, Any] | None
+    ended: str
+    last_step: int | None
+    resumed_step: int | None
+    steps_lost: int | None
+    reason: str | None
+
+
+class WriteFailure(TypedDict, total=False):
+    since: str
+    until: str | None
+    failed_writes: int
+    error: str
+
+
+class FailedRank(TypedDict, total=False):
+    rank: int | None
+    exit_code: int | None
+    signal: int | None
+
+
+class SavedCheckpoint(TypedDict, total=False):
+    step: int | None
+    path: str
+
+
+class Container(TypedDict, total=False):
+    name: str | None
+    id: str | None
+    image: str | None
+
+
+class Progress(TypedDict, total=False):
+    """The supervisor's running summary of the trainer log (``TrainerLogFollower.summary``)."""
+
+    step: int
+    total_steps: int | None
+    first_step: int
+    records: int
+    epoch: float
+    percentage: float
+    elapsed_time: str
+    lr: float
+    throughput: float
+    loss: float
+    loss_step: int
+    eval_loss: float
+    eval_step: int
+    best_eval_loss: float
+    best_eval_step: int
+    training_done: bool
 
 
 @dataclass
@@ -65,9 +139,9 @@ class RunRecord:
     attempt: int = 1
     smoke: bool | None = None
     backend: str | None = None
-    supervisor: dict[str, Any] | None = None
+    supervisor: Identity | None = None
     boot_id: str | None = None
-    container: dict[str, Any] | None = None  # name, id, image of the container the run lives in
+    container: Container | None = None  # name, id, image of the container the run lives in
     trainer_log: str = "output/trainer_log.jsonl"  # relative to the run directory
     resumed_from: str | None = None  # checkpoint folder, relative to the run directory
     resume_mode: str | None = None
@@ -77,23 +151,23 @@ class RunRecord:
     job_pid: int | None = None
     command: list[str] | None = None
     node: dict[str, Any] | None = None
-    processes: list[dict[str, Any]] = field(default_factory=list)
-    progress: dict[str, Any] = field(default_factory=dict)
+    processes: list[Identity] = field(default_factory=list)
+    progress: Progress = field(default_factory=dict)  # type: ignore[assignment]
     exit_code: int | None = None
     signal: int | None = None
     stop_signal: int | None = None
     reason: str | None = None
-    failed_rank: dict[str, Any] | None = None
+    failed_rank: FailedRank | None = None
     leftover_pids_stopped: list[int] = field(default_factory=list)
     acceptance: dict[str, Any] | None = None
     # record writes the disk refused: {since, until, failed_writes, error}, one per outage
-    record_write_failures: list[dict[str, Any]] = field(default_factory=list)
+    record_write_failures: list[WriteFailure] = field(default_factory=list)
     stopped_by: str | None = None  # who sent the stop signal of a CANCELLED/TERMINATED run
     stop_sender: dict[str, Any] | None = None  # that signal's siginfo: signal, pid, uid, si_code, cmdline
     run_exit_code: int | None = None  # what `launcher run` returned for this attempt (states.EXIT_CODES)
-    saved_checkpoint: dict[str, Any] | None = None  # {step, path} saved on a stop (save on stop)
+    saved_checkpoint: SavedCheckpoint | None = None  # {step, path} saved on a stop (save on stop)
     stop_grace_s: float | None = None  # the save-on-stop grace, for `launcher stop` once the supervisor is gone
-    attempts: list[dict[str, Any]] = field(default_factory=list)  # earlier attempts: state, cause, steps lost
+    attempts: list[Attempt] = field(default_factory=list)  # earlier attempts: state, cause, steps lost
 
     @property
     def terminal(self) -> bool:
@@ -114,14 +188,17 @@ class RunRecord:
             state = RunState(data.get("state"))
         except ValueError:
             raise RecordUnreadable(path, f"unknown state {data.get('state')!r}") from None
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
+        hints = _field_types()
+        values = {k: v for k, v in data.items() if k in hints}
         values.update(state=state, schema=SCHEMA_VERSION)
         if isinstance(values.get("container"), str):  # schema 1 kept the name only
             values["container"] = {"name": values["container"]}
+        for key, value in values.items():
+            if key != "state" and (why := type_problem(value, hints[key])):
+                raise RecordUnreadable(path, f"field {key!r}: {why}")
         try:
             return cls(**values)
-        except TypeError as err:
+        except TypeError as err:  # a required field missing
             raise RecordUnreadable(path, str(err)) from None
 
     def resolve(self, run_dir: Path, relative: str | None) -> Path | None:
@@ -137,18 +214,73 @@ class RunRecord:
         return run_dir / path
 
 
+_FIELD_TYPES: dict[str, Any] = {}
+
+
+def _field_types() -> dict[str, Any]:
+    if not _FIELD_TYPES:
+        _FIELD_TYPES.update(get_type_hints(RunRecord))
+    return _FIELD_TYPES
+
+
+def type_problem(value: Any, hint: Any) -> str | None:
+    """Why ``value`` is not of the type ``hint`` (the subset the records use: None, str, int, float, bool,
+    Any, unions, ``list[X]``, ``dict[str, X]``, TypedDicts), or None when it is.
+
+    A typed check of our own rather than pydantic: ``launcher status`` must not pay pydantic's import
+    (docs/benchmarks.md). Depth is bounded by the reader (``MAX_RECORD_DEPTH``), so the recursion is too.
+    """
+    if hint is Any:
+        return None
+    if hint is None or hint is type(None):
+        return None if value is None else f"{_kind(value)}, not null"
+    origin = get_origin(hint)
+    if origin is Union or str(origin) == "<class 'types.UnionType'>":
+        options = get_args(hint)
+        problems = [type_problem(value, h) for h in options]
+        return None if None in problems else next(p for p in problems if p)
+    if origin is list:
+        if not isinstance(value, list):
+            return f"{_kind(value)}, not a list"
+        (item,) = get_args(hint)
+        return next((f"item {i}: {p}" for i, v in enumerate(value) if (p := type_problem(v, item))), None)
+    if origin is dict:
+        if not isinstance(value, dict):
+            return f"{_kind(value)}, not an object"
+        item = get_args(hint)[1]
+        return next((f"{k!r}: {p}" for k, v in value.items() if (p := type_problem(v, item))), None)
+    if is_typeddict(hint):
+        if not isinstance(value, dict):
+            return f"{_kind(value)}, not an object"
+        keys = get_type_hints(hint)
+        return next((f"{k!r}: {p}" for k, v in value.items() if k in keys and (p := type_problem(v, keys[k]))), None)
+    if hint is float:  # JSON has one number type
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, hint)
+    return None if ok else f"{_kind(value)}, not {getattr(hint, '__name__', hint)}"
+
+
+def _kind(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 40 else f"{type(value).__name__} {text[:37]}..."
+
+
 def read_record(run_dir: Path) -> RunRecord:
-    """Read ``status.json``.
+    """Read ``status.json`` (bounded in size and depth) into a ``RunRecord`` whose every field has its type.
 
     Raises:
-        RecordUnreadable: missing, damaged, or not a record this launcher can read.
+        RecordUnreadable: missing, damaged, too large or deep, of the wrong shape, or not a record this
+        launcher can read.
     """
     path = run_dir / STATUS_FILE
     try:
-        data = json.loads(path.read_text())
+        data = read_json_bounded(path, MAX_RECORD_BYTES, MAX_RECORD_DEPTH)
     except FileNotFoundError:
         raise RecordUnreadable(path, "missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+    except Unreadable as err:
         raise RecordUnreadable(path, str(err)) from None
     return RunRecord.from_dict(data, path)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +30,32 @@ from launcher.files import FileFollower
 
 TRAINER_LOG = "trainer_log.jsonl"
 _BLOCK = 8192
+# One line of LLaMA-Factory's log is a few hundred bytes; a longer one than this is damage (or planted) and
+# is skipped and counted, never kept in memory. Skipping reads in larger blocks.
+MAX_LINE_BYTES = 1 << 20
+_SKIP_BLOCK = 1 << 20
+# The types of the keys the launcher computes with (status, the supervisor's summary); a line whose key has
+# another type is skipped like a line that is not JSON.
+_NUMBER_KEYS = ("loss", "eval_loss", "lr", "epoch", "percentage", "throughput", "total_tokens")
+_STEP_KEYS = ("current_steps", "total_steps")
+
+
+def _typed(record: dict[str, Any]) -> bool:
+    def number(v: Any) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool)
+
+    return all(isinstance(record[k], int) and not isinstance(record[k], bool) for k in _STEP_KEYS if k in record) \
+        and all(record[k] is None or number(record[k]) for k in _NUMBER_KEYS if k in record)
 
 
 def _parse(line: bytes) -> dict[str, Any] | None:
+    if len(line) > MAX_LINE_BYTES:
+        return None
     try:
         record = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return None
-    return record if isinstance(record, dict) else None
+    return record if isinstance(record, dict) and _typed(record) else None
 
 
 def _read_block(fd: int, offset: int, size: int) -> bytes:
@@ -44,46 +63,83 @@ def _read_block(fd: int, offset: int, size: int) -> bytes:
     return os.pread(fd, size, offset)
 
 
-def read_trainer_log_tail(path: Path, count: int = 1, block: int = _BLOCK) -> list[dict[str, Any]]:
-    """The last ``count`` complete records of a trainer log, oldest first.
+@dataclass
+class Tail:
+    """The last complete records of a trainer log (oldest first), the lines longer than the cap that were
+    skipped on the way, and the bytes read."""
 
-    Reads backwards in ``block``-sized pieces and stops as soon as ``count`` complete lines are
-    found. A half-written last line and lines that are not JSON objects are skipped.
+    records: list[dict[str, Any]] = field(default_factory=list)
+    long_lines_skipped: int = 0
+    bytes_read: int = 0
+
+
+def read_tail(path: Path, count: int = 1, block: int = _BLOCK, max_line: int = MAX_LINE_BYTES) -> Tail:
+    """The last ``count`` complete records of a trainer log, read backwards from its end.
+
+    Each byte is read once and each kept line joined once, so the cost is linear in what is read; a line
+    longer than ``max_line`` is skipped (and counted) without being held, so memory stays within
+    ``max_line`` plus a block. A half-written last line and lines that are not typed JSON objects are skipped.
+    """
+    tail = Tail()
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return tail
+    try:
+        records = tail.records  # newest first until the end
+        pos = os.fstat(fd).st_size
+        if pos == 0:
+            return tail
+        # the last line counts only when it ends with a newline; otherwise it is still being written
+        discard = _read_block(fd, pos - 1, 1) != b"\n"
+        if not discard:
+            pos -= 1
+        pieces: list[bytes] = []  # the current line's bytes after the block at hand, rightmost first
+        length, overlong = 0, False
+
+        def finish(head: bytes) -> None:
+            nonlocal discard, length, overlong
+            if discard:  # the half-written last line: dropped (counted too when it is over the cap)
+                tail.long_lines_skipped += overlong or length + len(head) > max_line
+                discard = False
+            elif overlong or length + len(head) > max_line:
+                tail.long_lines_skipped += 1
+            elif (line := head + b"".join(reversed(pieces))).strip() and (record := _parse(line)) is not None:
+                records.append(record)
+            pieces.clear()
+            length, overlong = 0, False
+
+        while pos > 0 and len(records) < count:
+            start = max(0, pos - (_SKIP_BLOCK if overlong else block))
+            chunk = _read_block(fd, start, pos - start)
+            tail.bytes_read += len(chunk)
+            end = len(chunk)
+            while len(records) < count and (newline := chunk.rfind(b"\n", 0, end)) >= 0:
+                finish(chunk[newline + 1 : end])
+                end = newline
+            if len(records) < count and not overlong:
+                length += end
+                if length > max_line:
+                    overlong = True
+                    pieces.clear()
+                elif not discard:
+                    pieces.append(chunk[:end])
+            pos = start
+        if pos == 0 and len(records) < count and (pieces or overlong):
+            finish(b"")  # the file's first line
+        records.reverse()
+        return tail
+    finally:
+        os.close(fd)
+
+
+def read_trainer_log_tail(path: Path, count: int = 1, block: int = _BLOCK) -> list[dict[str, Any]]:
+    """The last ``count`` complete records of a trainer log, oldest first (see ``read_tail``).
 
     Returns:
         Up to ``count`` records; empty if the file is missing or holds no complete record.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return []
-    try:
-        records: list[dict[str, Any]] = []  # newest first
-        buf = b""
-        pos = os.fstat(fd).st_size
-        last_line_dropped = False
-        while pos > 0 and len(records) < count:
-            start = max(0, pos - block)
-            buf = _read_block(fd, start, pos - start) + buf
-            pos = start
-            if not last_line_dropped:
-                newline = buf.rfind(b"\n")
-                if newline < 0:
-                    continue  # still inside a last line that has no newline yet
-                buf = buf[:newline]  # drop the newline and whatever is being written after it
-                last_line_dropped = True
-            lines = buf.split(b"\n")
-            # Unless we reached the start of the file, the first piece may be the end of a longer line.
-            buf = lines.pop(0) if pos > 0 else b""
-            for line in reversed(lines):
-                record = _parse(line) if line.strip() else None
-                if record is not None:
-                    records.append(record)
-                    if len(records) == count:
-                        break
-        return records[::-1]
-    finally:
-        os.close(fd)
+    return read_tail(path, count, block).records
 
 
 def iter_trainer_log(path: Path) -> Iterator[dict[str, Any]]:
@@ -113,17 +169,27 @@ class TrainerLogFollower:
         self.path = path
         self._file = FileFollower(path)
         self._partial = b""
+        self._skipping = False
+        self.long_lines_skipped = 0
         self.summary: dict[str, Any] = {}
 
     def poll(self) -> bool:
         """Read what was appended; return True if at least one new record arrived."""
         data, restarted = self._file.read_new()
         if restarted:
-            self._partial = b""
+            self._partial, self._skipping = b"", False
         if not data:
             return False
         lines = (self._partial + data).split(b"\n")
         self._partial = lines.pop()  # empty if the data ended with a newline
+        if self._skipping:  # the rest of a line over the cap
+            if not lines:
+                self._partial = b""
+                return False
+            lines[0], self._skipping = b"", False
+        if len(self._partial) > MAX_LINE_BYTES:  # never held, never joined again: skipped up to its newline
+            self._partial, self._skipping = b"", True
+            self.long_lines_skipped += 1
         seen = False
         for line in lines:
             record = _parse(line) if line.strip() else None
