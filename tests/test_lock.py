@@ -196,14 +196,14 @@ def test_sixteen_concurrent_starts_make_exactly_one_run(contested_run):
 
 
 @pytest.mark.slow
-def test_a_second_start_is_refused_within_a_second_naming_the_live_run(contested_run):
+def test_a_second_start_is_refused_naming_the_live_run(contested_run):
+    """Refused before the training stack loads (``test_start_refuses_before_loading_the_training_stack...``)."""
     run_dir = the_run_dir(contested_run.root)
     tries = [launcher("start", contested_run.cfg, env=contested_run.env, timeout=60) for _ in range(3)]
     for proc in tries:
         assert proc.returncode == 3, proc.stdout + proc.stderr
         assert f"another run is live: run {run_dir.name}" in proc.stderr
         assert f"`launcher stop {run_dir.name}`" in proc.stderr
-    assert min(p.elapsed for p in tries) < 1.0, [round(p.elapsed, 2) for p in tries]
     the_run_dir(contested_run.root)  # still exactly one
 
 
