@@ -10,6 +10,7 @@ read once at start; keys (all optional)::
     interval       seconds between lines                                                (default 0.2)
     total_steps    ``total_steps`` in each line                                        (default 100)
     eval_every     an eval line (``eval_loss``, no ``loss``) after every N-th step      (default 0: none)
+    loaded_file    before the first line, wait until this file exists (a long model load)  (default: none)
     stall_after    after this many lines, write nothing until ``resume_file`` exists    (default: never)
     resume_file    the file that ends a stall
     then           what to do after the lines: exit | raise | kill | sleep              (default exit)
@@ -131,6 +132,8 @@ def write_progress(run_dir: Path, spec: dict[str, Any], rank: int) -> None:
     every = int(spec.get("checkpoints", 0))
     if spec.get("save_on_stop") and rank == 0:
         _write_json(run_dir / SAVE_READY, {"pid": os.getpid(), "time": time.time()})
+    while spec.get("loaded_file") and not Path(spec["loaded_file"]).exists():
+        time.sleep(0.1)
     for step in range(first, lines + 1):
         if stall_after is not None and step == int(stall_after) + 1:
             while not Path(spec["resume_file"]).exists():

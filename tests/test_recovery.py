@@ -263,6 +263,35 @@ def test_a_frozen_rank_is_stopped_by_the_watchdog_after_a_save_attempt(tmp_path,
     assert recorded_processes(run_dir) == []
 
 
+@pytest.mark.slow
+def test_the_watchdog_counts_from_the_first_logged_step_not_through_a_long_model_load(tmp_path, demo_assets):
+    """A rank that loads for longer than ``stall_minutes`` before its first step is not a hang; a freeze after
+    its steps still is. Waits for heartbeats, not for time: the record's heartbeat is rewritten at least every
+    10 s, so two new heartbeats mean more than the 3 s stall limit has passed during the load."""
+    loaded = tmp_path / "loaded"
+    spec = {"lines": 100000, "interval": 0.2, "loaded_file": str(loaded), "stall_after": 3,
+            "resume_file": str(tmp_path / "never"), "save_on_stop": True}  # fmt: skip
+    cfg, env = fake_config(tmp_path, demo_assets, spec, stall_minutes=0.05, stall_action="stop", stop_grace_s=3)
+    supervisor = launcher_bg("run", cfg, "--quiet", env=env, log=tmp_path / "run.out")
+    try:
+        run_dir = wait_for_run_dir(tmp_path / "runs")
+        first = wait_for("the job running", lambda: read_status(run_dir).get("heartbeat")
+                         if read_status(run_dir)["state"] == "RUNNING" else None, timeout=240)  # fmt: skip
+        seen = {first}
+        wait_for("two more heartbeats during the load",
+                 lambda: seen.add(read_status(run_dir).get("heartbeat")) or len(seen) >= 3, timeout=120)  # fmt: skip
+        assert read_status(run_dir)["state"] == "RUNNING"
+        assert "stall_action" not in [e["event"] for e in events(run_dir)]
+        loaded.touch()
+        assert supervisor.wait(timeout=600) != 0
+    finally:
+        kill_all(processes_naming(str(tmp_path)))
+    status = read_status(run_dir)
+    assert status["state"] == "FAILED" and status["reason"].startswith("hang watchdog: no progress for 0.05 min")
+    (fired,) = [e for e in events(run_dir) if e["event"] == "stall_action"]
+    assert fired["step"] == 3  # the freeze after step 3
+
+
 @pytest.mark.parametrize(
     ("state", "how", "retried"),
     [

@@ -225,7 +225,9 @@ class Supervisor:
             new_state = state
             if follower.summary.get("training_done"):
                 new_state = RunState.FINISHING
-            elif time.monotonic() - last_progress > stall_s:
+            # the watchdog counts from this attempt's first logged step: loading a 27B model (and its
+            # restarts) takes minutes and is no hang
+            elif follower.summary.get("first_step") is not None and time.monotonic() - last_progress > stall_s:
                 new_state = RunState.STALLED
             elif state is RunState.STALLED:
                 new_state = RunState.RUNNING
