@@ -61,7 +61,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 ALL_OFF = {"deltanet_routing": False, "fused_ops": False, "checkpoint_all_layers": False, "chunked_loss": False,
            "text_only_batches": False, "final_eval_once": False, "lora_input_cast": False,
-           "packed_rows": False, "fsdp2_frozen_dtype": False}  # fmt: skip
+           "packed_rows": False, "fsdp2_frozen_dtype": False, "fsdp2_resume_adapter": False}  # fmt: skip
 GLUE_OFF = {"fused_ops": False, "lora_input_cast": False}  # the product before the fused-glue issue
 # name -> patches (on top of the product's defaults), cutoff factor, data ("full": every sample at the cutoff;
 # "spread": about 1,000 to 4,096 tokens), steps (None: --steps)

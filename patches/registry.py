@@ -20,6 +20,9 @@ Order (fixed; ``PATCH_NAMES``):
    so it needs ``deltanet_routing``'s recorders (``launcher check`` refuses packing without them).
 10. ``fsdp2_frozen_dtype`` - wraps the ``fsdp2_prepare_model`` global of ``accelerate.accelerator`` (and, in a CPU
    FSDP2 rank, ``AcceleratorState.__init__``); acts only when accelerate prepares a model for FSDP2.
+11. ``fsdp2_resume_adapter`` - wraps the ``load_fsdp_model`` global of ``transformers.trainer``; acts only when the
+   Trainer loads a checkpoint of a PEFT model under FSDP2 (resume), after the model was prepared, so it needs nothing
+   from the others.
 
 Each ``apply`` also gets ``facts``: what the launcher knew about the run before it started (``launch.json``:
 the datasets' media count, ``cutoff_len``, whether it packs), the same on every rank.
@@ -51,6 +54,7 @@ from . import (
     deltanet_routing,
     final_eval_once,
     fsdp2_frozen_dtype,
+    fsdp2_resume_adapter,
     fused_ops,
     lora_input_cast,
     packed_rows,
@@ -76,6 +80,7 @@ PATCHES: dict[str, ModuleType] = {
     lora_input_cast.NAME: lora_input_cast,
     packed_rows.NAME: packed_rows,
     fsdp2_frozen_dtype.NAME: fsdp2_frozen_dtype,
+    fsdp2_resume_adapter.NAME: fsdp2_resume_adapter,
 }
 PATCH_NAMES: tuple[str, ...] = tuple(PATCHES)
 BACKENDS = ("npu", "cuda", "cpu")

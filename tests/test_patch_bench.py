@@ -64,7 +64,7 @@ def test_dataset_samples_exceed_the_cutoff_on_both_sides(tmp_path):
 
 DEFAULT_ON = {"deltanet_routing": True, "checkpoint_all_layers": True, "chunked_loss": True, "text_only_batches": True,
               "final_eval_once": True, "pad_lengths": False, "packed_rows": True, "fused_ops": True,
-              "lora_input_cast": True, "fsdp2_frozen_dtype": True}  # fmt: skip
+              "lora_input_cast": True, "fsdp2_frozen_dtype": True, "fsdp2_resume_adapter": True}  # fmt: skip
 
 
 @pytest.mark.parametrize(

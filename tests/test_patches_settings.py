@@ -25,6 +25,7 @@ DEFAULTS = {
     "lora_input_cast": {"enabled": True},
     "packed_rows": {"enabled": True, "varlen_attention": True},
     "fsdp2_frozen_dtype": {"enabled": True, "trainable_units": "own"},
+    "fsdp2_resume_adapter": {"enabled": True},
 }
 
 
@@ -32,6 +33,7 @@ def test_registry_order_is_routing_then_checkpointing_then_the_rest():
     assert patches.PATCH_NAMES == (
         "deltanet_routing", "fused_ops", "checkpoint_all_layers", "chunked_loss", "text_only_batches",
         "final_eval_once", "pad_lengths", "lora_input_cast", "packed_rows", "fsdp2_frozen_dtype",
+        "fsdp2_resume_adapter",
     )  # fmt: skip
     assert tuple(PATCHES) == patches.PATCH_NAMES
 
