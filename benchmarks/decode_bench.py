@@ -1,11 +1,12 @@
 """Greedy decoding speed of the routed DeltaNet kernels against the torch fallback, on one device.
 
     python -m benchmarks.decode_bench --out DIR [--shape 27b|tiny] [--backend cuda|cpu] [--new-tokens N]
-                                      [--prompt-tokens P] [--repeats R]
+                                      [--prompt-tokens P] [--repeats R] [--batch-sizes 1,8,32]
 
-What ``launcher evaluate`` does per answer, measured: batch 1, a prompt of ``P`` random token ids (prefill: the
-chunk kernel), then ``N`` new tokens by greedy ``generate`` (each one a recurrent-kernel step per DeltaNet layer,
-with the KV/state cache). The model is ``Qwen3_5ForConditionalGeneration`` built from the config of
+What ``launcher evaluate`` does per batch of answers, measured: ``B`` prompts of ``P`` random token ids each
+(prefill: the chunk kernel), then ``N`` new tokens per row by greedy ``generate`` (each one a recurrent-kernel step
+per DeltaNet layer for all ``B`` rows, with the KV/state cache), for each batch size ``B`` of ``--batch-sizes``
+(default 1). The model is ``Qwen3_5ForConditionalGeneration`` built from the config of
 ``benchmarks.bench_assets`` (the 27B shape, or the tiny demo shape) with random weights directly on the device,
 in bf16 for 27B (float32 for tiny); no weights are read or written.
 
@@ -19,8 +20,8 @@ Two routes, on the same model and inputs:
 
 Per route: one warm-up generation (Triton compiles and autotunes there, untimed), then ``R`` timed repeats of
 a 1-token generation (prefill) and an ``N``-token one (``min_new_tokens=N``, so a random model's early EOS does
-not shorten it); decode tokens/s = (N - 1) / (time of N tokens - time of 1 token), the difference's median over
-the repeats.
+not shorten it); decode tokens/s = B x (N - 1) / (time of N tokens - time of 1 token), the difference's median
+over the repeats (all rows' tokens: what a batch of answers gets per second).
 Which kernels ran comes from the routing patch's own proof records (``first_call``, ``first_decode_call``).
 Results go to ``DIR/decode.json``. On CUDA this process lifts FLA's Hopper guard (``benchmarks.fla_guard``;
 measurement only: the forward kernels used here never reach the guarded backward, but the routing probe reads the
@@ -92,6 +93,7 @@ def _timed(torch, dev, fn) -> float:
 
 
 def measure(torch, model, dev, prompt, new_tokens: int, repeats: int) -> dict[str, Any]:
+    """Timings of ``prompt`` (``[B, P]``, every row its own answer) and decode tokens/s over all ``B`` rows."""
     def generate(n: int):
         with torch.no_grad():
             return model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
@@ -103,17 +105,20 @@ def measure(torch, model, dev, prompt, new_tokens: int, repeats: int) -> dict[st
         prefill.append(_timed(torch, dev, lambda: generate(1)))
         total.append(_timed(torch, dev, lambda: generate(new_tokens)))
     decode_s = statistics.median(t - p for t, p in zip(total, prefill, strict=True))
+    rows = int(prompt.shape[0])
     return {
+        "batch": rows,
         "warmup_s": round(warm, 3),
         "prefill_s": round(statistics.median(prefill), 4),
         "generate_s": round(statistics.median(total), 4),
-        "decode_tokens_per_s": round((new_tokens - 1) / decode_s, 2) if decode_s > 0 else None,
-        "end_to_end_tokens_per_s": round(new_tokens / statistics.median(total), 2),
+        "decode_tokens_per_s": round(rows * (new_tokens - 1) / decode_s, 2) if decode_s > 0 else None,
+        "end_to_end_tokens_per_s": round(rows * new_tokens / statistics.median(total), 2),
         "repeats": repeats,
     }
 
 
-def run(out: Path, shape: str, backend: str, new_tokens: int, prompt_tokens: int, repeats: int) -> dict[str, Any]:
+def run(out: Path, shape: str, backend: str, new_tokens: int, prompt_tokens: int, repeats: int,
+        batch_sizes: tuple[int, ...] = (1,)) -> dict[str, Any]:  # fmt: skip
     import torch
 
     from benchmarks.bench_assets import write_model_dir
@@ -121,7 +126,8 @@ def run(out: Path, shape: str, backend: str, new_tokens: int, prompt_tokens: int
 
     out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"shape": shape, "backend": backend, "new_tokens": new_tokens,
-                              "prompt_tokens": prompt_tokens, "batch": 1, "routes": {}}  # fmt: skip
+                              "prompt_tokens": prompt_tokens, "batch_sizes": list(batch_sizes),
+                              "routes": {}}  # fmt: skip
     if backend == "cuda":
         from benchmarks.fla_guard import lift_hopper_guard
 
@@ -138,12 +144,21 @@ def run(out: Path, shape: str, backend: str, new_tokens: int, prompt_tokens: int
     result["model_build_s"] = round(time.perf_counter() - started, 1)
     result["parameters"] = sum(p.numel() for p in model.parameters())
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(10, 500, (1, prompt_tokens), generator=gen).to(dev.name)
+    prompts = torch.randint(10, 500, (max(batch_sizes), prompt_tokens), generator=gen).to(dev.name)
     for route in ROUTES:
         if route != "routed":
             routing = apply_route(route, backend, proof_root / route)
             rebind_layers(torch, model)
-        found = measure(torch, model, dev, prompt, new_tokens, repeats)
+        batches = {}
+        for size in batch_sizes:
+            if dev.module is not None:
+                dev.module.reset_peak_memory_stats()
+            batches[str(size)] = measure(torch, model, dev, prompts[:size], new_tokens, repeats)
+            if dev.module is not None:
+                batches[str(size)]["peak_allocated_gib"] = round(dev.module.max_memory_allocated() / 2**30, 2)
+            print(f"decode_bench: {route}: batch {size}: {batches[str(size)]['decode_tokens_per_s']} tokens/s "
+                  "decoding", flush=True)  # fmt: skip
+        found = {**batches[str(batch_sizes[0])], "batches": batches}  # the first size's figures at the top
         proof = json.loads((proof_root / route / "rank0" / "deltanet_routing.json").read_text())
         found["route"] = {k: routing["route"][k] for k in ("kernel", "recurrent", "conv", "reason")}
         found["chunk_kernel"] = (proof.get("first_call") or {}).get("kernel")
@@ -152,8 +167,10 @@ def run(out: Path, shape: str, backend: str, new_tokens: int, prompt_tokens: int
         result["routes"][route] = found
         print(f"decode_bench: {route}: {found['decode_tokens_per_s']} tokens/s decoding "
               f"({found['recurrent_kernel']}), prefill {found['prefill_s']} s", flush=True)  # fmt: skip
-    if dev.module is not None:
-        result["peak_allocated_gib"] = round(dev.module.max_memory_allocated() / 2**30, 2)
+    peaks = [b["peak_allocated_gib"] for r in result["routes"].values() for b in r["batches"].values()
+             if "peak_allocated_gib" in b]  # fmt: skip
+    if peaks:
+        result["peak_allocated_gib"] = max(peaks)
     routed, fallback = (result["routes"][r]["decode_tokens_per_s"] for r in ROUTES)
     result["speedup_decode"] = round(routed / fallback, 2) if routed and fallback else None
     (out / "decode.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -168,10 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128, metavar="N")
     parser.add_argument("--prompt-tokens", type=int, default=512, metavar="P")
     parser.add_argument("--repeats", type=int, default=3, metavar="R")
+    parser.add_argument("--batch-sizes", default="1", metavar="LIST",
+                        help="comma-separated prompts per generate call, e.g. 1,8,32 (default 1)")  # fmt: skip
     ns = parser.parse_args(argv)
     if ns.new_tokens < 2 or ns.prompt_tokens < 1 or ns.repeats < 1:
         parser.error("--new-tokens must be at least 2, --prompt-tokens and --repeats at least 1")
-    run(ns.out, ns.shape, ns.backend, ns.new_tokens, ns.prompt_tokens, ns.repeats)
+    items = [s.strip() for s in ns.batch_sizes.split(",") if s.strip()]
+    if not items or not all(s.isdigit() and int(s) > 0 for s in items):
+        parser.error(f"--batch-sizes {ns.batch_sizes!r}: give positive integers separated by commas, e.g. 1,8,32")
+    run(ns.out, ns.shape, ns.backend, ns.new_tokens, ns.prompt_tokens, ns.repeats, tuple(int(s) for s in items))
     print(f"decode_bench: written {ns.out / 'decode.json'}")
     return 0
 

@@ -133,24 +133,48 @@ def test_loss(torch, model, dataset, collator, batch_size: int, device) -> dict[
             "test_tokens": tokens}  # fmt: skip
 
 
-def generate(torch, model, template, tokenizer, prompts, max_new_tokens: int, cutoff: int, device):
-    """Greedy answers, and how many prompts were longer than ``cutoff`` (the longest the model trained on) and
-    were cut to their last ``cutoff`` tokens (the question's end)."""
+def generate(
+    torch,
+    model,
+    template,
+    tokenizer,
+    prompts,
+    max_new_tokens: int,
+    cutoff: int,
+    device,
+    batch_size: int = 1,
+    name: str = "",
+) -> tuple[list[str], int, dict[str, Any]]:
+    """Greedy answers, ``batch_size`` prompts at a time (``launcher.evaluate_decode``: the same tokens as one at a
+    time), how many prompts were longer than ``cutoff`` (the longest the model trained on) and were cut to their
+    last ``cutoff`` tokens (the question's end), and the decoding's token count and seconds."""
+    from launcher.evaluate_decode import greedy_batched
+
     stop = template.get_stop_token_ids(tokenizer)
-    answers, cut = [], 0
-    for i, p in enumerate(prompts):
+    encoded, cut = [], 0
+    for p in prompts:
         messages = [{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": ""}]
         prompt_ids, _ = template.encode_oneturn(tokenizer, messages, p.get("system"))
         if len(prompt_ids) > cutoff:
             prompt_ids, cut = prompt_ids[-cutoff:], cut + 1
-        ids = torch.tensor([prompt_ids], device=device)
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, eos_token_id=stop, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-        answers.append(tokenizer.decode(out[0, len(prompt_ids) :], skip_special_tokens=True).strip())
-        if (i + 1) % 10 == 0 or i + 1 == len(prompts):
-            _say(f"  {i + 1}/{len(prompts)} answers")
-    return answers, cut
+        encoded.append(prompt_ids)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0]
+    last = []
+
+    def progress(p) -> None:
+        last[:] = [p]
+        _say(f"{name}: {p.done}/{p.total} answers, {p.tokens} tokens in {p.seconds:.1f} s "
+             f"({p.tokens_per_s:.1f} tokens/s)")  # fmt: skip
+
+    tokens = greedy_batched(torch, model, encoded, max_new_tokens=max_new_tokens, stop=stop, pad_id=pad,
+                            batch_size=batch_size, device=device, progress=progress)  # fmt: skip
+    answers = [tokenizer.decode(t, skip_special_tokens=True).strip() for t in tokens]
+    done = last[0] if last else None
+    decoding = {"batch_size": batch_size, "generated_tokens": sum(len(t) for t in tokens),
+                "answers_at_limit": sum(len(t) == max_new_tokens and t[-1] not in stop for t in tokens),
+                "decode_seconds": round(done.seconds, 2) if done else 0.0,
+                "tokens_per_s": round(done.tokens_per_s, 2) if done else None}  # fmt: skip
+    return answers, cut, decoding
 
 
 def evaluate(request: dict[str, Any]) -> dict[str, Any]:
@@ -210,14 +234,15 @@ def evaluate(request: dict[str, Any]) -> dict[str, Any]:
         _say(f"{ckpt['name']}: test loss over {len(test_set)} samples")
         found = test_loss(torch, model, test_set, collator, training_args.per_device_eval_batch_size, device)
         _say(f"{ckpt['name']}: test loss {found['test_loss']}; {len(prompts)} greedy answers")
-        answers, cut = generate(torch, model, template, tokenizer, prompts, request["max_new_tokens"],
-                                data_args.cutoff_len, device)  # fmt: skip
+        answers, cut, decoding = generate(torch, model, template, tokenizer, prompts, request["max_new_tokens"],
+                                          data_args.cutoff_len, device, request.get("batch_size", 1),
+                                          ckpt["name"])  # fmt: skip
         if cut:
             _say(f"{ckpt['name']}: {cut} prompt(s) longer than cutoff_len {data_args.cutoff_len} kept their last "
                  f"{data_args.cutoff_len} tokens")  # fmt: skip
         seconds = round(time.monotonic() - started, 1)
         results.append({"name": ckpt["name"], "step": ckpt["step"], "path": ckpt["path"], **found,
-                        "answers": answers, "prompts_cut": cut, "seconds": seconds})  # fmt: skip
+                        "answers": answers, "prompts_cut": cut, "seconds": seconds, "decoding": decoding})  # fmt: skip
     rows = [{**{k: v for k, v in p.items() if k != "system"},
              "answers": {r["name"]: r["answers"][i] for r in results}} for i, p in enumerate(prompts)]  # fmt: skip
     for r in results:

@@ -32,6 +32,7 @@ LAYERS: dict[str, int] = {
     "launcher.stopsave": 3,
     "launcher.profiling": 3,
     "launcher.evaluate_entry": 3,
+    "launcher.evaluate_decode": 3,
     "launcher.run": 4,
     "launcher.cli": 5,
     "launcher.__main__": 5,

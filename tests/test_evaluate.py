@@ -4,6 +4,7 @@ data prepared with a held-out test split, then evaluated in a real child process
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ from launcher.data.prepare import Options, prepare
 from launcher.results.evaluation import EVALUATE_JSON, EVALUATE_MD
 from tests import soulchat_fixtures as sf
 from tests.conftest import launcher_cmd, make_config, only_run_dir
+
+pytest_plugins = ["patch_fixtures"]
 
 _RUN: dict[str, Path] = {}
 
@@ -48,9 +51,18 @@ def test_two_checkpoints_evaluated_on_the_held_out_split_and_shown_in_the_report
               for r in test}  # fmt: skip
     assert test and not set(test) & (set(train) | set(val))  # the test split is disjoint from train and validation
 
-    proc = launcher_cmd("evaluate", prepared_run, "--checkpoints", "3,last", "--max-new-tokens", "8")
+    proc = launcher_cmd("evaluate", prepared_run, "--checkpoints", "3,last", "--max-new-tokens", "8",
+                        "--batch-size", "4")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((prepared_run / EVALUATE_JSON).read_text())
+    total = len(doc["prompts"])
+    for name in ("checkpoint-3", "checkpoint-6"):  # progress per batch of 4: prompts done of all, tokens/s
+        done = re.findall(rf"^evaluate: {name}: (\d+)/{total} answers, (\d+) tokens in [\d.]+ s \(([\d.]+) tokens/s\)$",
+                          proc.stdout, re.MULTILINE)  # fmt: skip
+        assert [int(d) for d, _, _ in done] == [min(total, n) for n in range(4, total + 4, 4)], proc.stdout
+    assert doc["generation"]["batch_size"] == 4
+    for ckpt in doc["checkpoints"]:
+        assert ckpt["decoding"]["batch_size"] == 4 and 0 < ckpt["decoding"]["generated_tokens"] <= 8 * total
     assert [c["name"] for c in doc["checkpoints"]] == ["checkpoint-3", "checkpoint-6"]
     losses = [c["test_loss"] for c in doc["checkpoints"]]
     assert all(loss > 0 for loss in losses) and losses[0] != losses[1]  # two different adapters were attached
@@ -134,6 +146,12 @@ def test_unknown_checkpoint_names_what_exists(crafted, checkpoints, fragment):
     assert not (crafted / EVALUATE_JSON).exists()
 
 
+@pytest.mark.parametrize("size", ["0", "-3"])
+def test_a_batch_size_below_one_is_refused(crafted, size):
+    message = _refused(crafted, "--batch-size", size)
+    assert f"--batch-size {size}:" in message and "positive integer" in message and "--batch-size 16" in message
+
+
 def test_unknown_run(tmp_path):
     message = _refused("no-such-run", "--root", tmp_path)
     assert "run 'no-such-run' not found" in message
@@ -213,3 +231,39 @@ def test_report_names_the_checkpoint_each_criterion_prefers_when_they_disagree(c
     assert "- validation eval_loss: checkpoint-6" in md and "- held-out test loss: checkpoint-3" in md
     assert "1 of 1" in md and "0 of 1" in md  # crisis answers pointing to help, per checkpoint
     assert report.to_dict()["evaluation"]["criteria_disagree"] and report.plot is not None
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("restore_patches")
+def test_several_checkpoints_load_the_base_model_once(prepared_run, monkeypatch, tmp_path):
+    """In process, the child's own ``evaluate``: every base-model load goes through
+    ``PreTrainedModel.from_pretrained``, every adapter through ``PeftModel.load_adapter`` (PEFT's
+    ``PeftModel.from_pretrained`` calls it too)."""
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
+    from launcher import evaluate_entry
+    from launcher.run.evaluate import build_request
+
+    bases, adapters = [], []
+    load_base = PreTrainedModel.from_pretrained.__func__
+    load_more = PeftModel.load_adapter
+
+    def counted_base(cls, *args, **kwargs):
+        bases.append(cls.__name__)
+        return load_base(cls, *args, **kwargs)
+
+    def counted_more(self, path, *args, **kwargs):
+        adapters.append(Path(path).name)
+        return load_more(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(counted_base))
+    monkeypatch.setattr(PeftModel, "load_adapter", counted_more)
+    request = build_request(prepared_run, checkpoints="3,last,final", prompts_file=None, max_new_tokens=2,
+                            max_prompts=2, batch_size=4)  # fmt: skip
+    work = tmp_path / "work"
+    work.mkdir()
+    raw = evaluate_entry.evaluate({**request, "work_dir": str(work), "result_file": str(work / "result.json")})
+    assert [c["name"] for c in raw["checkpoints"]] == ["checkpoint-3", "checkpoint-6", "final"]
+    assert adapters == ["checkpoint-3", "checkpoint-6", "output"]
+    assert len(bases) == 1, bases

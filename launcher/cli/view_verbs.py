@@ -122,7 +122,12 @@ def _cmd_report(ns: argparse.Namespace) -> int:
 
 
 def _args_evaluate(p: argparse.ArgumentParser) -> None:
-    from launcher.run.evaluate import DEFAULT_CHECKPOINTS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_PROMPTS
+    from launcher.run.evaluate import (
+        DEFAULT_BATCH_SIZE,
+        DEFAULT_CHECKPOINTS,
+        DEFAULT_MAX_NEW_TOKENS,
+        DEFAULT_MAX_PROMPTS,
+    )
 
     add_run_arg(p)
     p.add_argument("--checkpoints", default=DEFAULT_CHECKPOINTS, metavar="LIST",
@@ -139,6 +144,9 @@ def _args_evaluate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompts", type=int, default=DEFAULT_MAX_PROMPTS, metavar="N",
                    help=f"test conversations to answer (default {DEFAULT_MAX_PROMPTS}; 0: all); the test loss always "
                         "uses the whole split")  # fmt: skip
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, metavar="N",
+                   help=f"prompts answered together by greedy decoding (default {DEFAULT_BATCH_SIZE}; the same "
+                        "answers as one at a time; lower it if the device runs out of memory)")  # fmt: skip
     p.add_argument("--show", action="store_true", help="also print the answers (they are counselling text)")
 
 
@@ -149,7 +157,8 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
 
     folder = run_dir(ns)
     request = build_request(folder, checkpoints=ns.checkpoints, prompts_file=ns.prompts,
-                            max_new_tokens=ns.max_new_tokens, max_prompts=ns.max_prompts)  # fmt: skip
+                            max_new_tokens=ns.max_new_tokens, max_prompts=ns.max_prompts,
+                            batch_size=ns.batch_size)  # fmt: skip
     names = ", ".join(c["name"] for c in request["checkpoints"])
     print(f"evaluate {request['run_id']}: {names} on {request['backend']}; test split "
           f"{request['test_split']['file']} ({request['test_split']['samples']} samples)", flush=True)  # fmt: skip

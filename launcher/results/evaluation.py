@@ -123,6 +123,7 @@ def build_document(request: dict[str, Any], raw: dict[str, Any]) -> dict[str, An
         "backend": request["backend"],
         "test_split": request["test_split"],
         "generation": {"greedy": True, "max_new_tokens": request["max_new_tokens"],
+                       "batch_size": request.get("batch_size", 1),
                        "prompts": {k: sum(1 for p in prompts if p["kind"] == k) for k in ("test", "file", "crisis")}},
         "kernels": raw.get("kernels", {}),
         "checkpoints": checkpoints,

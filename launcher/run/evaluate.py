@@ -42,6 +42,9 @@ from launcher.state.runs import LAUNCH_FILE, eval_dataset_names, load_run_files
 DEFAULT_CHECKPOINTS = "best,last"
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_MAX_PROMPTS = 32
+# prompts per greedy batch: the default prompt set (32 + 6 crisis) in 3 batches; per row the 27B shape's DeltaNet
+# state and KV cache are about 0.2 GiB next to 51 GiB of weights (docs/evaluate.md, "Batch size")
+DEFAULT_BATCH_SIZE = 16
 EVALUATE_LOG = "evaluate.log"  # the child's whole output: library logs and counts, no generated text
 LOG_TAIL = 40
 
@@ -173,12 +176,15 @@ def require_ended(run_dir: Path) -> None:
 
 
 def build_request(run_dir: Path, *, checkpoints: str, prompts_file: Path | None, max_new_tokens: int,
-                  max_prompts: int) -> dict[str, Any]:  # fmt: skip
+                  max_prompts: int, batch_size: int = DEFAULT_BATCH_SIZE) -> dict[str, Any]:  # fmt: skip
     """Everything the child needs, checked (see the module docstring for what is refused)."""
     if max_new_tokens < 1:
         raise _usage(f"--max-new-tokens {max_new_tokens}: generate at least 1 token, e.g. --max-new-tokens 128")
     if max_prompts < 0:
         raise _usage(f"--max-prompts {max_prompts}: use 0 (all test conversations) or more")
+    if batch_size < 1:
+        raise _usage(f"--batch-size {batch_size}: answer at least 1 prompt per batch; use a positive integer, e.g. "
+                     f"--batch-size {DEFAULT_BATCH_SIZE} (the default), or 1 for one prompt at a time")  # fmt: skip
     files = load_run_files(run_dir)
     require_ended(run_dir)
     launch = read_json_object(run_dir / LAUNCH_FILE)
@@ -203,6 +209,7 @@ def build_request(run_dir: Path, *, checkpoints: str, prompts_file: Path | None,
         "extra_prompts": extra,
         "max_new_tokens": max_new_tokens,
         "max_test_prompts": max_prompts,
+        "batch_size": batch_size,
     }
 
 

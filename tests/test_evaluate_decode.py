@@ -1,0 +1,99 @@
+"""Batched greedy answers equal one-at-a-time answers token for token (tiny model, fp32, CPU), and a planted
+leak between the rows of a batch breaks that equality."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from launcher.evaluate_decode import Progress, cut_at_stop, greedy_batched  # noqa: E402
+
+# prompt lengths far apart: shorter than the conv kernel (4), across the torch chunk kernel's 64-token chunks
+LENGTHS = (1, 3, 150, 17, 70, 129, 5, 64)
+NEW_TOKENS = 12
+PAD = 3  # a token with a non-zero embedding, as a real pad token (token 0 is the embedding's zero padding_idx row)
+
+
+@pytest.fixture(scope="module")
+def tiny(demo_assets):
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(demo_assets["model"], dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(5)
+    vocab = model.config.text_config.vocab_size
+    prompts = [torch.randint(10, vocab, (n,), generator=gen).tolist() for n in LENGTHS]
+    return model, prompts
+
+
+def _answers(model, prompts, stop, batch_size, progress=None):
+    return greedy_batched(torch, model, prompts, max_new_tokens=NEW_TOKENS, stop=stop, pad_id=PAD,
+                          batch_size=batch_size, device="cpu", progress=progress)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(tiny):
+    """The reference: batch 1 (no padding), with a stop token that some answers meet early and others never."""
+    model, prompts = tiny
+    free = _answers(model, prompts, stop=[-1], batch_size=1)
+    stop = [free[0][2]]  # the third token of the first answer: that row stops early, at its own step
+    return stop, _answers(model, prompts, stop=stop, batch_size=1)
+
+
+def test_answers_in_batches_equal_one_at_a_time_token_for_token(tiny, one_at_a_time):
+    model, prompts = tiny
+    stop, single = one_at_a_time
+    lengths = {len(a) for a in single}
+    assert len(lengths) > 1 and NEW_TOKENS in lengths and single[0][-1] == stop[0]  # rows end at different steps
+    seen: list[Progress] = []
+    for batch_size in (3, 8):
+        seen.clear()
+        assert _answers(model, prompts, stop, batch_size, seen.append) == single, f"batch size {batch_size}"
+    assert [(p.done, p.total) for p in seen] == [(8, 8)] and seen[-1].tokens == sum(len(a) for a in single)
+
+
+def _drop_deltanet_padding_mask(monkeypatch, model):
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    monkeypatch.setattr(modeling_qwen3_5, "apply_mask_to_padding_states", lambda hidden, mask: hidden)
+
+
+def _share_row_zero_state(monkeypatch, model):
+    """Every row decodes from row 0's recurrent state (a cache that is not per row)."""
+    for layer in (m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet"):
+        kernel = layer.recurrent_gated_delta_rule
+
+        def shared(*args, initial_state=None, _kernel=kernel, **kwargs):
+            if initial_state is not None:
+                initial_state = initial_state[:1].expand_as(initial_state).contiguous()
+            return _kernel(*args, initial_state=initial_state, **kwargs)
+
+        monkeypatch.setattr(layer, "recurrent_gated_delta_rule", shared)
+
+
+@pytest.mark.parametrize("plant", [_drop_deltanet_padding_mask, _share_row_zero_state])
+def test_a_planted_leak_between_rows_changes_the_answers(tiny, one_at_a_time, monkeypatch, plant):
+    """The equality above is not vacuous: pads that reach the DeltaNet state, or a state shared across rows,
+    change answers."""
+    model, prompts = tiny
+    stop, single = one_at_a_time
+    plant(monkeypatch, model)
+    assert _answers(model, prompts, stop, 8) != single
+
+
+def test_prompt_logits_of_a_left_padded_row_equal_the_unpadded_rows(tiny):
+    """The prompt's pass alone (chunk kernel, conv, full attention with the mask and position ids)."""
+    model, prompts = tiny
+    short, long = prompts[1], prompts[2]
+    ids = torch.tensor([[PAD] * (len(long) - len(short)) + short, long])
+    mask = (torch.arange(len(long)) >= len(long) - len(short)).long()
+    with torch.no_grad():
+        batched = model(input_ids=ids, attention_mask=torch.stack([mask, torch.ones_like(mask)])).logits[:, -1]
+        alone = [model(input_ids=torch.tensor([p])).logits[0, -1] for p in (short, long)]
+    torch.testing.assert_close(batched, torch.stack(alone), rtol=1e-4, atol=1e-4)
+
+
+def test_an_answer_ends_at_its_first_stop_token():
+    assert cut_at_stop([5, 6, 2, 0, 0], [2, 7]) == [5, 6, 2]
+    assert cut_at_stop([5, 6], [2]) == [5, 6]
