@@ -11,10 +11,10 @@ What each part is (``split_step``), per profiled step:
 
 - device work: on CUDA and NPU the device's kernels, by name: DeltaNet (FLA's gated-delta-rule kernels), glue
   (the short convolution, the norms and SwiGLU where a named kernel runs them: FLA's, ``conv_depthwise2d``,
-  ``npu_rms_norm``; unfused elementwise ops stay other compute), attention, matmul, communication (NCCL/HCCL all-gather, reduce-scatter, all-reduce, ...), optimizer (the
-  fused/foreach optimizer kernels), other compute; on CPU the operators' own time inside our
-  ``deltanet::`` ranges (``patches/kernel_recorder.py``), attention, matmul and communication operators, the
-  optimizer's ``Optimizer.step`` range, and the rest;
+  ``npu_rms_norm``; unfused elementwise ops stay other compute), attention, matmul, communication (NCCL/HCCL
+  all-gather, reduce-scatter, all-reduce, ...), optimizer (the fused/foreach optimizer kernels), other compute;
+  on CPU the operators' own time inside our ``deltanet::`` ranges (``patches/kernel_recorder.py``), attention,
+  matmul and communication operators, the optimizer's ``Optimizer.step`` range, and the rest;
 - time the device idles (CPU: no operator runs), split by what the host was doing then: loading data (the
   DataLoader's ``__next__``), the optimizer step, compiling or autotuning Triton kernels (``launcher::compile``
   and ``launcher::autotune`` ranges this module puts around Triton's compile and autotuner benchmark), and

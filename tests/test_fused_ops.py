@@ -148,7 +148,6 @@ def test_on_cpu_nothing_is_replaced_and_the_first_step_says_so(tmp_path, make_ti
     assert m.Qwen3_5RMSNorm.forward is upstream and m.causal_conv1d_fn is None
     model = make_tiny_model()
     import torch
-
     import transformers
 
     transformers.Trainer.training_step(stub_trainer, model, {"input_ids": torch.randint(1, 64, (1, 8)),
@@ -167,7 +166,7 @@ def test_turning_the_patch_off_puts_the_upstream_ops_back(tmp_path, stub_fla):
     stub_fla(platform="cuda")
     patches.apply_enabled(ROUTING_OFF, backend="cuda", proof_dir=tmp_path)
     patches.apply_enabled(ROUTING_OFF, backend="cuda", proof_dir=tmp_path)  # twice: one wrapper each
-    assert getattr(m.Qwen3_5MLP.forward, "__deltanet_launcher_original__") is upstream[2]
+    assert m.Qwen3_5MLP.forward.__deltanet_launcher_original__ is upstream[2]
     patches.apply_enabled({**ROUTING_OFF, "fused_ops": False}, backend="cuda", proof_dir=tmp_path)
     now = (m.Qwen3_5RMSNorm.forward, m.Qwen3_5RMSNormGated.forward, m.Qwen3_5MLP.forward, m.causal_conv1d_fn)
     assert now == upstream
@@ -234,7 +233,7 @@ def glue_trainings(demo_assets, tiny_training, tmp_path_factory):
     root = tmp_path_factory.mktemp("glue_runs")
     extra = {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 1, "eval_dataset": "demo_counsel_eval",
              "eval_strategy": "steps", "eval_steps": 1, "per_device_eval_batch_size": 2, "seed": 7, "optim": "sgd",
-             "learning_rate": 1.0e-2, "lora_dropout": 0.05, "bf16": True, "use_cpu": True}  # fmt: skip  (SGD: update = gradient)
+             "learning_rate": 1.0e-2, "lora_dropout": 0.05, "bf16": True, "use_cpu": True}  # fmt: skip  (SGD)
     results = {
         "on": tiny_training(root / "on", demo_assets, {}, lf=extra, entry="tests.fused_standin_entry"),
         "off": tiny_training(root / "off", demo_assets, {"fused_ops": False, "lora_input_cast": False}, lf=extra,
