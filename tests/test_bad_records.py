@@ -181,3 +181,14 @@ def test_a_lock_planted_as_a_symlink_refuses_the_run_in_one_line(tmp_path: Path)
     assert type(caught.value).__name__ == "LauncherError" and caught.value.exit_code == ExitCode.USAGE
     assert str(caught.value).startswith(f"the run lock {root / 'launcher.lock'} is a symbolic link (to {target})")
     assert not target.exists() and sorted(p.name for p in root.iterdir()) == ["launcher.lock"]
+
+
+def test_a_container_runs_record_is_readable_with_its_image_mapping(tmp_path):
+    """What a supervisor in a container writes (``procs.container_identity``) passes the record's type check."""
+    from launcher.state.record import Container, RunRecord, type_problem
+
+    container = {"name": "deltanet-train-cpu", "id": "fa4c" * 16,
+                 "image": {"tag": "deltanet-launcher:cpu", "digest": "sha256:" + "6" * 64}}  # fmt: skip
+    assert type_problem(container, Container) is None
+    assert type_problem({**container, "image": 5}, Container) is not None
+    assert "container" in RunRecord.__dataclass_fields__

@@ -98,10 +98,17 @@ class SavedCheckpoint(TypedDict, total=False):
     path: str
 
 
+class ContainerImage(TypedDict, total=False):
+    tag: str | None
+    digest: str | None
+
+
 class Container(TypedDict, total=False):
+    """``procs.container_identity``: what the supervisor saw of its container from inside."""
+
     name: str | None
     id: str | None
-    image: str | None
+    image: ContainerImage | None
 
 
 class Progress(TypedDict, total=False):
