@@ -118,15 +118,8 @@ def check_decode_case(torch, case: Case, kernel: Callable | None, dev: Device, t
             result.timing_ms = {"routed_per_token": time_decode(torch, kernel, inputs, state, case, dev)}
             if fallback is not None and fallback is not kernel:
                 result.timing_ms["torch_per_token"] = time_decode(torch, fallback, inputs, state, case, dev)
-        worst = result.max_error
-        result.status = "pass" if result.finite and worst <= threshold else "fail"
-        if not result.finite:
-            result.note = "non-finite output or state"
-        elif result.status == "fail":
-            where, value = max(result.errors.items(), key=lambda kv: kv[1])
-            result.note = f"{where} differs by {value:.2%} (threshold {threshold * 100:g}%)"
-        else:
-            result.note = f"final state within {result.errors['state']:.2%}; {case.about}"
+        result.judge(threshold, f"final state within {result.errors['state']:.2%}; {case.about}",
+                     non_finite="non-finite output or state")
     except Exception as err:  # a crashing kernel is a failed case, reported with the others
         result.note = f"{type(err).__name__}: {err}"
     finally:

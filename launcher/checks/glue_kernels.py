@@ -147,15 +147,7 @@ def check_glue_case(torch, case: Case, fn: Callable, dev: Device, threshold: flo
             result.timing_ms = {"routed": _time(torch, case.op, fn, inputs, dev)}
             if fn is not reference:
                 result.timing_ms["torch_ops"] = _time(torch, case.op, reference, inputs, dev)
-        worst = result.max_error
-        result.status = "pass" if result.finite and worst is not None and worst <= threshold else "fail"
-        if not result.finite:
-            result.note = "non-finite output or gradient"
-        elif result.status == "fail":
-            name, value = max(result.errors.items(), key=lambda kv: kv[1])
-            result.note = f"{name} differs by {value:.2%} (threshold {threshold * 100:g}%)"
-        else:
-            result.note = case.about
+        result.judge(threshold, case.about)
     except Exception as err:  # a crashing kernel is a failed case, reported with the others
         result.note = f"{type(err).__name__}: {err}"
     finally:

@@ -62,6 +62,20 @@ class CaseResult:
         values = list(self.errors.values()) + list((self.errors_vs_alone or {}).values())
         return max(values) if values else None
 
+    def judge(self, threshold: float, passed: str, non_finite: str = "non-finite output or gradient") -> None:
+        """PASS when every value is finite and every error is within ``threshold``; the note says which error
+        failed (the largest), or ``passed``. The one verdict of every kind of case."""
+        worst = self.max_error
+        self.status = "pass" if self.finite and worst is not None and worst <= threshold else "fail"
+        if not self.finite:
+            self.note = non_finite
+        elif self.status == "fail":
+            alone = {f"{k} vs alone": v for k, v in (self.errors_vs_alone or {}).items()}
+            name, value = max({**self.errors, **alone}.items(), key=lambda kv: kv[1])
+            self.note = f"{name} differs by {value:.2%} (threshold {threshold * 100:g}%)"
+        else:
+            self.note = passed
+
 
 def make_inputs(torch, case: Case, seed: int = 0) -> dict[str, Any]:
     """Model-like inputs on the CPU: bfloat16-rounded q, k, v, beta and output gradient; float32 g."""

@@ -86,7 +86,8 @@ def glue_cases(quick: bool) -> tuple[Case, ...]:
             Case("rms_norm_27b", 1, 4096, 1, 5120, op="rms_norm", timing=True, about="the decoder layers' norm"),
             Case("q_norm_27b", 1, 4096, 24, 256, op="rms_norm", about="the attention's q norm per head"),
             Case("gated_norm_27b", 1, 4096, 48, 128, op="gated_norm", timing=True, about="the DeltaNet output norm"),
-            Case("swiglu_27b", 1, 4096, 1, 17408, op="swiglu", timing=True, about="the MLP's silu(gate) * up"))  # fmt: skip
+            Case("swiglu_27b", 1, 4096, 1, 17408, op="swiglu", timing=True,
+                 about="the MLP's silu(gate) * up"))  # fmt: skip
 
 
 SUITES: dict[str, tuple[Case, ...]] = {
@@ -249,16 +250,7 @@ def check_case(torch, case: Case, kernel: Callable, reference: Callable, dev: De
             result.timing_ms = {"routed": time_fwd_bwd(torch, kernel, inputs, case, dev, torch.bfloat16)}
             if fallback is not None and fallback is not kernel:
                 result.timing_ms["torch_fallback"] = time_fwd_bwd(torch, fallback, inputs, case, dev, torch.bfloat16)
-        worst = result.max_error
-        result.status = "pass" if result.finite and worst is not None and worst <= threshold else "fail"
-        if not result.finite:
-            result.note = "non-finite output or gradient"
-        elif result.status == "fail":
-            where = max({**result.errors, **{f"{k} vs alone": v for k, v in (result.errors_vs_alone or {}).items()}}
-                        .items(), key=lambda kv: kv[1])  # fmt: skip
-            result.note = f"{where[0]} differs by {where[1]:.2%} (threshold {threshold * 100:g}%)"
-        else:
-            result.note = case.about
+        result.judge(threshold, case.about)
     except Exception as err:  # a crashing kernel is a failed case, reported with the others
         result.note = f"{type(err).__name__}: {err}"
     finally:
