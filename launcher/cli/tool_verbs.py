@@ -41,7 +41,7 @@ def _render_kernels(report, file=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from launcher.checks.kernels import GRAD_NAMES
+    from launcher.checks.kernels import GRAD_NAMES, SUITES
 
     console = Console(file=file or sys.stdout, width=160)
     if report.error:
@@ -70,7 +70,9 @@ def _render_kernels(report, file=None) -> None:
     console.print(table)
     if report.decode_kernel:
         console.print(f"decode case: {report.decode_kernel} (outputs and final state vs the fp32 recurrence)")
-    for op, kernel in report.glue_kernels.items():
+    ran = {c.name for c in report.cases}
+    checked = {c.op for c in SUITES[report.suite] if c.name in ran}
+    for op, kernel in ((op, k) for op, k in report.glue_kernels.items() if op in checked):
         console.print(f"{op} cases: {kernel} (forward and the gradients of its inputs vs fp32, threshold 1%)")
     if any(c.errors_vs_alone for c in report.cases):
         console.print("varlen errors: vs the fp32 reference per sequence / vs the routed kernel per sequence")
