@@ -140,15 +140,28 @@ def test_records_of_the_wrong_type_are_named_by_file_index_and_field_without_the
     assert secret not in errors[0]
 
 
-def test_check_runs_off_the_server_without_the_model_and_says_what_it_skipped(tmp_path):
-    """The formal config on a machine with no NPU, no model and no data folder: nothing fails for that."""
+def test_check_runs_off_the_server_for_another_machine_and_counts_what_it_skipped(tmp_path):
+    """The formal config on a machine with no NPU, no model, no data and no output folder."""
+    cfg = Path(__file__).resolve().parent.parent / "configs" / "qwen3_5_27b_lora_soulchat.yaml"
+    proc = launcher_cmd("check", cfg, "--for-another-machine")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    verdict = next(i for i, line in enumerate(lines) if "OK (npu backend, 8 process(es) per node, fsdp2)" in line)
+    assert lines[verdict].endswith("; 4 checks not made here:"), lines[verdict]
+    skipped = lines[verdict + 1 :]
+    assert len(skipped) == 4 and all(line.startswith("skip") for line in skipped), skipped
+    for key, value in (("devices", "npu"), ("lora_target", "/models/Qwen3.5-27B"), ("dataset_dir", "/data"),
+                       ("launcher.output_root", "/outputs/runs")):  # fmt: skip
+        assert any(line.split()[1] == f"{key}:" and value in line for line in skipped), (key, skipped)
+
+
+def test_check_without_the_flag_fails_on_a_data_folder_that_is_not_here(tmp_path):
     cfg = Path(__file__).resolve().parent.parent / "configs" / "qwen3_5_27b_lora_soulchat.yaml"
     proc = launcher_cmd("check", cfg, "--no-model", f"launcher.output_root={tmp_path / 'runs'}")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    skipped = [line for line in proc.stdout.splitlines() if line.startswith("skip")]
-    assert any("devices" in line for line in skipped) and any("lora_target" in line for line in skipped)
-    assert any("datasets: not checked (/data is not a folder here)" in line for line in skipped)
-    assert "OK (npu backend, 8 process(es) per node, fsdp2)" in proc.stdout
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (error,) = [line for line in proc.stdout.splitlines() if line.startswith("ERROR")]
+    assert "dataset_dir: '/data' is not a folder on this machine; point dataset_dir at the folder" in error
+    assert "--for-another-machine" in error and "OK" not in proc.stdout
 
 
 def test_check_exits_2_and_lists_each_problem_once(tmp_path, demo_assets):
@@ -157,6 +170,101 @@ def test_check_exits_2_and_lists_each_problem_once(tmp_path, demo_assets):
     assert proc.returncode == 2
     assert proc.stdout.count("ERROR") == 1 and "do_train: not set" in proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+# --- paths the config names that this machine cannot check ----------------------------------------------
+
+# A folder in which no one can create a file, root included (tests run as root, for whom a chmod does not hold).
+UNWRITABLE = Path("/sys")
+
+
+def findings_of(path: Path, elsewhere: bool):
+    config, problems = read_run_config(path, require_model=not elsewhere)
+    return check_run_config(config, problems=problems, devices=False, elsewhere=elsewhere)
+
+
+def test_the_unwritable_folder_of_these_tests_cannot_be_written():
+    import tempfile
+
+    assert UNWRITABLE.is_dir()
+    with pytest.raises(OSError), tempfile.NamedTemporaryFile(dir=UNWRITABLE):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("case", "launcher", "lf", "key", "error", "for_another_machine"),
+    [
+        ("no dataset key, no data folder", {}, {"dataset": None, "eval_dataset": None, "dataset_dir": "MISSING"},
+         "dataset", "dataset: no dataset named; set dataset: to the name of a dataset registered in", "error"),
+        ("data folder missing", {}, {"dataset_dir": "MISSING"}, "dataset_dir",
+         "dataset_dir: 'MISSING' is not a folder on this machine; point dataset_dir at the folder that holds "
+         "dataset_info.json", "skipped"),
+        ("output root not writable", {"output_root": str(UNWRITABLE)}, {}, "launcher.output_root",
+         f"launcher.output_root: {UNWRITABLE} is not writable", "error"),
+        ("output root missing, cannot be made", {"output_root": str(UNWRITABLE / "launcher-absent" / "runs")}, {},
+         "launcher.output_root", f"launcher.output_root: {UNWRITABLE / 'launcher-absent' / 'runs'} is not writable",
+         "skipped"),
+        ("model missing", {}, {"model_name_or_path": "MISSING"}, "lora_target", None, "skipped"),
+        ("model folder here, no config.json", {}, {"model_name_or_path": "EMPTY"}, "lora_target",
+         "lora_target: not checked, EMPTY/config.json is unreadable", "error"),
+    ],
+    ids=["no-dataset", "no-dataset-dir", "unwritable-output", "output-not-makeable", "no-model-folder",
+         "no-model-config"],
+)  # fmt: skip
+def test_a_path_missing_here_fails_unless_the_config_is_for_another_machine(
+    tmp_path, demo_assets, case, launcher, lf, key, error, for_another_machine
+):
+    (tmp_path / "empty").mkdir()
+    paths = {"MISSING": str(tmp_path / "absent"), "EMPTY": str(tmp_path / "empty")}
+    lf = {k: paths.get(v, v) if isinstance(v, str) else v for k, v in lf.items()}
+    for token, value in paths.items():
+        error = error and error.replace(token, value)
+    path = make_config(tmp_path, demo_assets, launcher=launcher, **lf)
+    here = findings_of(path, elsewhere=False)
+    if error is not None:
+        assert [f.message for f in here.errors if f.key == key and f.message.startswith(error)], (case, here.items)
+    else:  # the model folder: read_run_config names it
+        assert any(e.message.startswith("model_name_or_path:") for e in here.errors), here.items
+    elsewhere = findings_of(path, elsewhere=True)
+    mine = [f for f in elsewhere.items if f.key == key and f.level in ("error", "skipped")]
+    assert len(mine) == 1 and mine[0].level == for_another_machine, (case, elsewhere.items)
+    assert [f.key for f in elsewhere.errors] == ([key] if for_another_machine == "error" else []), elsewhere.items
+
+
+def test_check_names_each_unusable_path_and_never_says_ok(tmp_path, demo_assets):
+    """No dataset key, a data folder that is not here, an output root that exists but cannot be written."""
+    path = make_config(tmp_path, demo_assets, launcher={"output_root": str(UNWRITABLE)}, dataset=None,
+                       eval_dataset=None, dataset_dir=str(tmp_path / "absent"))  # fmt: skip
+    runs = [((), ("dataset", "dataset_dir", "launcher.output_root")),
+            (("--for-another-machine",), ("dataset", "launcher.output_root"))]  # fmt: skip
+    for flag, failed in runs:
+        proc = launcher_cmd("check", path, *flag)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        errors = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("ERROR")]
+        assert errors == [f"{key}:" for key in failed], proc.stdout
+        assert "OK" not in proc.stdout and f"{len(failed)} problem(s)" in proc.stdout
+        assert ("skip   dataset_dir: not checked" in proc.stdout) == bool(flag), proc.stdout
+
+
+def test_check_for_another_machine_counts_missing_paths_and_exits_0(tmp_path, demo_assets):
+    path = make_config(tmp_path, demo_assets, launcher={"output_root": str(UNWRITABLE / "launcher-absent" / "runs")},
+                       dataset_dir=str(tmp_path / "absent"))  # fmt: skip
+    proc = launcher_cmd("check", path, "--for-another-machine")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "run.yaml: OK (cpu backend, 1 process(es) per node, ddp, smoke); 3 checks not made here:" in proc.stdout
+    skipped = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("skip")]
+    assert skipped == ["devices:", "dataset_dir:", "launcher.output_root:"], proc.stdout
+    assert "ok     lora_target" in proc.stdout  # the model is here: still checked
+
+
+def test_check_of_a_valid_config_ends_ok(tmp_path, demo_assets):
+    proc = launcher_cmd("check", make_config(tmp_path, demo_assets))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    *_, verdict, skipped = proc.stdout.splitlines()
+    expected = f"{tmp_path / 'run.yaml'}: OK (cpu backend, 1 process(es) per node, ddp, smoke); 1 check not made here:"
+    assert verdict == expected, proc.stdout
+    assert skipped.startswith("skip   devices: not counted here"), proc.stdout
+    assert "ERROR" not in proc.stdout and "ok     datasets: demo_counsel_train" in proc.stdout
 
 
 def test_an_output_root_that_is_a_file_is_one_clear_message(tmp_path, demo_assets):
@@ -336,7 +444,11 @@ def test_patch_options_that_cannot_work_are_refused_naming_the_key(tmp_path, dem
 
 def test_the_layer_plan_is_accepted_under_fsdp2(tmp_path, demo_assets):
     """The plan is measured inside the model's own forward (patches/layer_meter.py), so FSDP2 takes it too."""
-    plan = {"distribution": "fsdp2", "nproc_per_node": 2, "patches": {"checkpoint_all_layers": {"uncheckpointed_layers": 4}}}
+    plan = {
+        "distribution": "fsdp2",
+        "nproc_per_node": 2,
+        "patches": {"checkpoint_all_layers": {"uncheckpointed_layers": 4}},
+    }
     assert errors_of(make_config(tmp_path, demo_assets, launcher={"backend": "cpu", **plan})) == []
 
 

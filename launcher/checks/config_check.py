@@ -10,8 +10,12 @@ What is checked, each finding naming its key and, for a problem, the fix:
 - combinations known to fail with the pinned stack (``flash_attn: fa2`` with transformers 5.6.0);
 - ``lora_target`` against the module names of the model's architecture, rebuilt from its
   ``config.json`` (no weights): what each target matches, and an error for one that matches nothing;
-- the datasets: registered in ``dataset_info.json``, their files and every record's columns and types
-  (``launcher.checks.data``), and think/no-think agreement between the data and the template;
+- the datasets: named in ``dataset``, registered in ``dataset_info.json``, their files and every record's
+  columns and types (``launcher.checks.data``), and think/no-think agreement between the data and the template;
+- ``dataset_dir`` and the model folder: one missing on this machine is an error (the model folder is
+  ``read_run_config``'s to refuse), or, for a config meant for another machine (``launcher check
+  --for-another-machine``), a check not made here; a model folder here without a readable ``config.json``
+  is an error either way;
 - then LLaMA-Factory's own parser over the whole set, for its cross-field rules.
 
 Works on a plain argument dict (``launcher.run.config.llamafactory_args``); imports LLaMA-Factory once.
@@ -31,7 +35,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from launcher.checks.data import dataset_records, dataset_think_share, held_out_problems
+from launcher.checks.data import dataset_names, dataset_records, dataset_think_share, held_out_problems, no_dataset
 from launcher.results.lora_targets import (
     ATTENTION_PROJECTIONS,
     DELTANET_PROJECTIONS,
@@ -48,6 +52,7 @@ TRAINING_STAGES = ("pt", "sft", "rm", "ppo", "dpo", "kto")
 # LLaMA-Factory issue 10610): every flash-attention-2 run fails, on GPU and on NPU alike.
 BROKEN_FLASH_ATTENTION = (Version("5.6.0"), Version("5.8.0"))
 ERROR, WARN, OK, SKIPPED = "error", "warn", "ok", "skipped"
+FOR_ANOTHER_MACHINE = "--for-another-machine"  # launcher check's flag: the config's paths are on another machine
 
 
 @dataclass
@@ -67,6 +72,20 @@ class Findings:
     @property
     def errors(self) -> list[Finding]:
         return [f for f in self.items if f.level == ERROR]
+
+    @property
+    def skipped(self) -> list[Finding]:
+        return [f for f in self.items if f.level == SKIPPED]
+
+    def not_here(self, key: str, what: str, fix: str, elsewhere: bool) -> None:
+        """A path of the config that is not on this machine: an error saying ``what`` and the ``fix``, or, when
+        the config is meant for another machine (``elsewhere``), a check not made here."""
+        if elsewhere:
+            self.add(key, SKIPPED, f"{key}: not checked ({what}; {FOR_ANOTHER_MACHINE}: `launcher preflight` "
+                     "checks it where the run trains)")  # fmt: skip
+        else:
+            self.add(key, ERROR, f"{key}: {what}; {fix} (a config meant for another machine: `launcher check "
+                     f"CONFIG {FOR_ANOTHER_MACHINE}` counts such paths as not checked)")  # fmt: skip
 
 
 # --- LLaMA-Factory's argument dataclasses ---------------------------------------------------------------
@@ -187,14 +206,19 @@ def check_known_bad(args: dict[str, Any], out: Findings) -> None:
 def check_lora_target(args: dict[str, Any], out: Findings, model: bool) -> None:
     if args.get("finetuning_type", "lora") != "lora":
         return
-    path = Path(str(args.get("model_name_or_path", ""))) / "config.json"
+    folder = Path(str(args.get("model_name_or_path", "")))
+    path = folder / "config.json"
     if not model:
         out.add("lora_target", SKIPPED, "lora_target: not checked (--no-model: the model's config.json is not read)")
+        return
+    if not folder.is_dir():  # read_run_config refuses it, unless the config is meant for another machine
+        out.add("lora_target", SKIPPED, f"lora_target: not checked ({folder} is not a folder on this machine)")
         return
     try:
         layout = read_model_layout(json.loads(path.read_text()))
     except (OSError, json.JSONDecodeError) as err:
-        out.add("lora_target", SKIPPED, f"lora_target: not checked ({path} unreadable: {err})")
+        out.add("lora_target", ERROR, f"lora_target: not checked, {path} is unreadable ({err}); "
+                "model_name_or_path must be a model folder holding its config.json")  # fmt: skip
         return
     except UnsupportedModel as err:
         out.add("lora_target", SKIPPED, f"lora_target: not checked ({err})")
@@ -252,10 +276,15 @@ def _templates() -> set[str]:
     return set(TEMPLATES)
 
 
-def check_datasets(args: dict[str, Any], out: Findings) -> None:
+def check_datasets(args: dict[str, Any], out: Findings, elsewhere: bool = False) -> None:
     dataset_dir = Path(str(args.get("dataset_dir", "data")))
+    named = bool(dataset_names(args))
+    if not named:  # wherever the data is, there is nothing to train on
+        out.add("dataset", ERROR, no_dataset(args))
     if not dataset_dir.is_dir():
-        out.add("dataset_dir", SKIPPED, f"datasets: not checked ({dataset_dir} is not a folder here)")
+        out.not_here("dataset_dir", f"{str(dataset_dir)!r} is not a folder on this machine",
+                     "point dataset_dir at the folder that holds dataset_info.json", elsewhere)  # fmt: skip
+    if not named or not dataset_dir.is_dir():
         return
     problems, seen = dataset_records(args)
     problems += held_out_problems(args)
@@ -286,15 +315,17 @@ def validate_llamafactory_args(args: dict[str, Any]) -> list[str]:
 
 
 def check_llamafactory(args: dict[str, Any], *, model: bool = True, data: bool = True,
-                       devices: bool = True) -> Findings:  # fmt: skip
+                       devices: bool = True, elsewhere: bool = False) -> Findings:  # fmt: skip
     """Every check above over the LLaMA-Factory arguments ``args``.
 
     Args:
         args: what the job would receive (``launcher.run.config.llamafactory_args``).
         model: read the model's ``config.json`` (``launcher check --no-model`` does not).
-        data: check the datasets (their folder may not be on this machine).
+        data: check the datasets.
         devices: this machine has the run's devices; when it has not, LLaMA-Factory's parser runs as for a
             CPU (its device rules, such as bf16 support, are preflight's on the server).
+        elsewhere: the config is meant for another machine: a path it names that is not here is a check not
+            made (``SKIPPED``) instead of an error.
     """
     out = Findings()
     check_keys_and_types(args, out)
@@ -303,7 +334,7 @@ def check_llamafactory(args: dict[str, Any], *, model: bool = True, data: bool =
     check_known_bad(args, out)
     check_lora_target(args, out, model)
     if data:
-        check_datasets(args, out)
+        check_datasets(args, out, elsewhere)
     if not out.errors:  # its cross-field rules; on bad types it would fail with a TypeError of its own
         for problem in validate_llamafactory_args(args if devices else {**args, "use_cpu": True}):
             out.add("llamafactory", ERROR, problem)

@@ -26,6 +26,12 @@ def dataset_names(lf: dict[str, Any]) -> list[str]:
     return [n.strip() for key in ("dataset", "eval_dataset") for n in str(lf.get(key) or "").split(",") if n.strip()]
 
 
+def no_dataset(lf: dict[str, Any]) -> str:
+    """The problem of a config that names no dataset: which key, and the fix."""
+    info = Path(str(lf.get("dataset_dir", "data"))) / "dataset_info.json"
+    return f"dataset: no dataset named; set dataset: to the name of a dataset registered in {info} (several: a,b)"
+
+
 @dataclass(frozen=True)
 class Columns:
     """How one dataset's records are laid out (``dataset_info.json``: formatting, columns, tags)."""
@@ -122,7 +128,7 @@ def _dataset_files(lf: dict[str, Any]) -> tuple[list[str], list[tuple[str, Path,
     """Problems, and (name, file, columns) of each named dataset that is registered and present."""
     names = dataset_names(lf)
     if not names:
-        return ["no dataset named (set dataset: in the config)"], []
+        return [no_dataset(lf)], []
     info_path, info = _registered(lf)
     if isinstance(info, str):
         return [info], []
@@ -286,12 +292,13 @@ def check_output(output_root: Path, smoke: bool) -> Row:
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     if not probe.is_dir():
-        return "output", "fail", f"{output_root}: {probe} is not a folder"
+        return "output", "fail", f"{output_root}: {probe} is not a folder; point launcher.output_root at a folder"
     try:
         with tempfile.NamedTemporaryFile(dir=probe, prefix=".preflight-"):
             pass
     except OSError as err:
-        return "output", "fail", f"{output_root} is not writable ({err}); mount the outputs volume read-write"
+        return "output", "fail", (f"{output_root} is not writable ({err}); mount the outputs volume read-write or "
+                                  "point launcher.output_root at a writable folder")  # fmt: skip
     free = shutil.disk_usage(probe).free / 2**30
     default = MIN_FREE_GIB["smoke" if smoke else "formal"]
     need = float(os.environ.get("LAUNCHER_MIN_FREE_GIB", default))

@@ -76,33 +76,45 @@ def _cmd_supervise(ns: argparse.Namespace) -> int:
 def _args_check(p: argparse.ArgumentParser) -> None:
     add_config_arg(p)
     p.add_argument("--no-model", action="store_true",
-                   help="do not read the model folder (checking on a machine that does not hold it); the checks "
-                        "this skips are listed")  # fmt: skip
+                   help="do not read the model folder (the checks this skips are listed as not made); for a "
+                        "config whose data and output folders are elsewhere too: --for-another-machine")  # fmt: skip
+    p.add_argument("--for-another-machine", action="store_true",
+                   help="the config is meant for another machine (checking on a laptop for the server): a path it "
+                        "names that is not here (model, dataset_dir, output root) is counted as a check not made, "
+                        "instead of failing the check; what is here is checked as usual")  # fmt: skip
 
 
 def _cmd_check(ns: argparse.Namespace) -> int:
-    """Every problem of the config in one pass; 0 when none, 2 otherwise."""
-    from launcher.checks.config_check import ERROR
+    """Every problem of the config in one pass; 0 when none, 2 otherwise. The checks it could not make here
+    are counted and listed, with why, after the verdict: never a bare OK."""
+    from launcher.checks.config_check import SKIPPED
     from launcher.run.config import ConfigError, read_run_config
     from launcher.run.setup import check_run_config
 
-    config, problems = read_run_config(ns.config, overrides_of(ns), require_model=not ns.no_model)
+    elsewhere = ns.for_another_machine
+    config, problems = read_run_config(ns.config, overrides_of(ns), require_model=not (ns.no_model or elsewhere))
     if config is None:
         raise ConfigError(str(ns.config), problems)
-    found = check_run_config(config, problems=problems, model=not ns.no_model, devices=False)
+    found = check_run_config(config, problems=problems, model=not ns.no_model, devices=False, elsewhere=elsewhere)
     marks = {"error": "ERROR", "warn": "warn ", "ok": "ok   ", "skipped": "skip "}
     for finding in found.items:
-        print(f"{marks[finding.level]}  {finding.message}")
+        if finding.level != SKIPPED:
+            print(f"{marks[finding.level]}  {finding.message}")
     for note in config.notes:
         print(f"note   {note}")
-    errors = [f for f in found.items if f.level == ERROR]
-    if errors:
-        print(f"{ns.config}: {len(errors)} problem(s); fix them and run `launcher check {ns.config}` again")
-        return ExitCode.USAGE
+    errors, skipped = found.errors, found.skipped
     launcher = config.launcher
-    print(f"{ns.config}: OK ({launcher.backend} backend, {launcher.nproc_per_node} process(es) per node, "
-          f"{launcher.distribution}{', smoke' if launcher.smoke else ''})")  # fmt: skip
-    return ExitCode.OK
+    if errors:
+        verdict = f"{ns.config}: {len(errors)} problem(s); fix them and run `launcher check {ns.config}` again"
+    else:
+        verdict = (f"{ns.config}: OK ({launcher.backend} backend, {launcher.nproc_per_node} process(es) per node, "
+                   f"{launcher.distribution}{', smoke' if launcher.smoke else ''})")  # fmt: skip
+    if skipped:
+        verdict += f"; {len(skipped)} check{'s' if len(skipped) > 1 else ''} not made here:"
+    print(verdict)
+    for finding in skipped:
+        print(f"{marks[SKIPPED]}  {finding.message}")
+    return ExitCode.USAGE if errors else ExitCode.OK
 
 
 def _args_preflight(p: argparse.ArgumentParser) -> None:
@@ -191,7 +203,10 @@ VERBS: tuple[Verb, ...] = (
          _args_resume, _cmd_resume),
     Verb("check", "validate a run config (launcher section and LLaMA-Factory's own parser) without training",
          "launcher check configs/qwen3_5_27b_lora_soulchat.yaml\n"
-         "  launcher check configs/qwen3_5_27b_lora_soulchat.yaml --no-model   (on a laptop)",
+         "  launcher check configs/qwen3_5_27b_lora_soulchat.yaml --for-another-machine   (on a laptop: the "
+         "model, data and\n    output folders named in the config are on the server; they are counted as not "
+         "checked)\n"
+         "  launcher check configs/qwen3_5_27b_lora_soulchat.yaml --no-model   (do not read the model folder)",
          _args_check, _cmd_check),
     Verb("preflight",
          "check backend, devices, driver, packages, DeltaNet kernel, model, data and output space; print a table",

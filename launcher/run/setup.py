@@ -30,7 +30,7 @@ class Prepared:
 
 
 def check_run_config(config: RunConfig, *, problems: list[str] | None = None, model: bool = True,
-                     devices: bool = True, output: bool = True) -> Findings:  # fmt: skip
+                     devices: bool = True, output: bool = True, elsewhere: bool = False) -> Findings:  # fmt: skip
     """Every check of a run config that needs no run: the launcher section (``problems`` from
     ``read_run_config``), the devices, the LLaMA-Factory part (``checks.config_check``), the output root.
 
@@ -39,6 +39,9 @@ def check_run_config(config: RunConfig, *, problems: list[str] | None = None, mo
         devices: count the backend's devices (``launcher check`` runs off the server and does not).
         output: check the output root's space (a run leaves that to preflight's ``output`` row, which
             ``LAUNCHER_PREFLIGHT_SKIP`` can skip; an unusable folder still stops the run when it is made).
+        elsewhere: the config is meant for another machine (``launcher check --for-another-machine``): a
+            path it names that is not here is a check not made (``SKIPPED``), not an error; what is here is
+            checked as usual.
     """
     out = Findings()
     for problem in problems or []:
@@ -66,15 +69,15 @@ def check_run_config(config: RunConfig, *, problems: list[str] | None = None, mo
     args = llamafactory_args(config, name, placeholder)
     for key, problem in patch_problems(config.patches, args, backend=name):
         out.add(key, ERROR, problem)
-    out.items.extend(check_llamafactory(args, model=model, devices=devices).items)
+    out.items.extend(check_llamafactory(args, model=model, devices=devices, elsewhere=elsewhere).items)
     if not output:
         return out
     root = Path(launcher.output_root)
+    if elsewhere and not root.exists():  # this machine's disk says nothing of the run machine's
+        out.not_here("launcher.output_root", f"{root} is not on this machine", "", elsewhere)
+        return out
     _, status, detail = check_output(root, launcher.smoke)
-    if status == "fail" and not devices and not root.exists():  # checked off the server: made there
-        out.add("launcher.output_root", SKIPPED, f"launcher.output_root: not checked ({root} is not here: {detail})")
-    else:
-        out.add("launcher.output_root", ERROR if status == "fail" else OK, f"launcher.output_root: {detail}")
+    out.add("launcher.output_root", ERROR if status == "fail" else OK, f"launcher.output_root: {detail}")
     return out
 
 
