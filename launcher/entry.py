@@ -65,10 +65,14 @@ def main(argv: list[str] | None = None, callbacks: tuple = ()) -> int:
 
 
 def _leave_process_group() -> None:
+    """Leave together: every rank agreed to stop after the same step (stopsave._agree), but rank 0 still writes
+    the checkpoint's last files after the final collective; a barrier keeps a faster rank from tearing down its
+    connections while another is still on its way out, so each exits 0 on its own terms."""
     try:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
     except Exception:  # leaving is best effort: the process ends next
         pass

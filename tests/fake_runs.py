@@ -144,6 +144,20 @@ def events(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def run_story(run_dir: Path, lines: int = 40) -> str:
+    """What a failed assertion should show about a run: its end reason, the ranks' error records and the last
+    lines the job printed (a test that fails on a loaded CI machine then says why)."""
+    record = read_status(run_dir) if (run_dir / "status.json").exists() else {}
+    errors = sorted((run_dir / "errors").glob("rank*.json")) if (run_dir / "errors").is_dir() else []
+    log = run_dir / "launcher.log"
+    tail = log.read_text(errors="replace").splitlines()[-lines:] if log.exists() else []
+    parts = [f"state {record.get('state')}, exit code {record.get('exit_code')}, signal {record.get('signal')}, "
+             f"reason: {record.get('reason')}"]  # fmt: skip
+    parts += [f"{path.name}: {json.loads(path.read_text()).get('traceback', '')[-1500:]}" for path in errors]
+    parts += ["last lines of the job's output:", *tail]
+    return "\n".join(parts)
+
+
 def the_run_dir(root: Path) -> Path:
     runs = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
     assert len(runs) == 1, f"expected exactly one run folder in {root}, found {runs}"
