@@ -108,9 +108,8 @@ def _read_line(stream, proc: subprocess.Popen, timeout_s: float) -> str:
 
 def stop_run(run_dir: Path, grace_s: float | None, wait_s: float | None = None, now: bool = False) -> int:
     """Stop a live run: through its supervisor if alive (a save on stop first unless ``now``), else by
-    cleaning up its processes."""
-    from launcher.run.supervisor import request_stop
-
+    cleaning up its processes. A supervisor that dies while it stops the run is noticed at the next poll:
+    the clean-up then finishes its work."""
     store = RunStore.open(run_dir)
     record = store.record
     seen = reconcile(record, run_dir)
@@ -125,44 +124,79 @@ def stop_run(run_dir: Path, grace_s: float | None, wait_s: float | None = None, 
             "container (`docker compose stop`) or run `launcher stop` inside it",
             ExitCode.FAILED,
         )
+    grace = grace_s if grace_s is not None else record.stop_grace_s
+    grace = DEFAULT_STOP_GRACE_S if grace is None else grace
     supervisor = find_live(record.supervisor or {}, "launcher")
     if supervisor is not None:
+        ended = _stop_through_supervisor(run_dir, supervisor, grace_s, grace, wait_s, by, now)
+        if ended is not None:
+            print(f"run {record.run_id} ended {ended.value}")
+            return ExitCode.OK
+        print(f"run {record.run_id}: the supervisor (pid {supervisor.pid}) ended before recording the end; "
+              "cleaning up after it")  # fmt: skip
+        store = RunStore.open(run_dir)  # what it wrote before it died
+        record = store.record
+        seen = reconcile(record, run_dir)
+        if record.terminal and not seen.live:
+            print(f"run {record.run_id} ended {record.state.value}")
+            return ExitCode.OK
+    return _clean_up(run_dir, store, seen, by, now, grace, kill_grace=grace_s if grace_s is not None else 30.0)
+
+
+def _stop_through_supervisor(run_dir: Path, supervisor, grace_s: float | None, grace: float, wait_s: float | None,
+                             by: str, now: bool) -> RunState | None:  # fmt: skip
+    """Ask the live supervisor to stop the run and wait for the recorded end: the terminal state, or None when
+    the supervisor died first (checked at every poll: pid and start time)."""
+    from launcher.run.supervisor import SAVE_KILL_GRACE_S, request_stop
+
+    identity = {"pid": supervisor.pid, "create_time": supervisor.create_time()}
+    try:
+        request_stop(run_dir, grace_s, by=by, now=now)
+    except OSError as err:  # e.g. a full disk: the supervisor still stops the run, as for `docker stop`
+        print(f"warning: cannot write the stop request in {run_dir} ({err}); sending SIGTERM anyway",
+              file=sys.stderr)  # fmt: skip
+    supervisor.terminate()
+    # the save's grace, then SIGTERM and SIGKILL after SAVE_KILL_GRACE_S, and time to record the end
+    limit = grace + SAVE_KILL_GRACE_S + 60 if wait_s is None else wait_s
+    run_id = run_dir.name
+    print(f"stopping run {run_id}: SIGTERM sent to supervisor {supervisor.pid}; waiting up to {limit:.0f} s")
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
         try:
-            request_stop(run_dir, grace_s, by=by, now=now)
-        except OSError as err:  # e.g. a full disk: the supervisor still stops the run, as for `docker stop`
-            print(f"warning: cannot write the stop request in {run_dir} ({err}); sending SIGTERM anyway",
-                  file=sys.stderr)  # fmt: skip
-        supervisor.terminate()
-        limit = (grace_s if grace_s is not None else 120.0) + 60 if wait_s is None else wait_s
-        print(f"stopping run {record.run_id}: SIGTERM sent to supervisor {supervisor.pid}; waiting up to {limit:.0f} s")
-        deadline = time.monotonic() + limit
-        while time.monotonic() < deadline:
-            try:
-                state = read_record(run_dir).state
-            except RecordUnreadable:
-                state = None
-            if state is not None and state.terminal:
-                print(f"run {record.run_id} ended {state.value}")
-                return ExitCode.OK
-            time.sleep(0.5)
-        raise LauncherError(
-            f"run {record.run_id} has not ended after {limit:.0f} s; check `launcher status {record.run_id}`",
-            ExitCode.FAILED,
-        )
-    # The supervisor is gone: clean up what it left (after a save on stop, as the supervisor would), and record it.
+            state = read_record(run_dir).state
+        except RecordUnreadable:
+            state = None
+        if state is not None and state.terminal:
+            return state
+        if find_live(identity) is None:
+            return None
+        time.sleep(0.5)
+    raise LauncherError(f"run {run_id} has not ended after {limit:.0f} s; check `launcher status {run_id}`",
+                        ExitCode.FAILED)  # fmt: skip
+
+
+def _clean_up(run_dir: Path, store: RunStore, seen, by: str, now: bool, grace: float, kill_grace: float) -> int:
+    """The supervisor is gone: clean up what it left (after a save on stop, as the supervisor would: one it
+    had asked for before it died is waited for, not asked again, up to ``grace``; then SIGTERM, and SIGKILL
+    after ``kill_grace``), and record it."""
+    record = store.record
     procs = seen.live
     pids = [p.pid for p in procs]
-    fields = {}
-    if procs and not now and _announced_save(run_dir, procs):
-        grace = grace_s if grace_s is not None else record.stop_grace_s
-        fields = _save_before_cleanup(run_dir, store, procs, DEFAULT_STOP_GRACE_S if grace is None else grace, by)
+    asked = (run_dir / SAVE_REQUEST).exists()  # by the supervisor, before it died (or its watchdog)
+    saving = not now and (asked or (bool(procs) and _announced_save(run_dir, procs)))
+    if procs and saving:
+        _save_before_cleanup(run_dir, store, procs, grace, by, ask=not asked)
         procs = [p for p in procs if p.is_running()]
-    killed = terminate(procs, grace_s=grace_s if grace_s is not None else 30.0) if procs else []
+    killed = terminate(procs, grace_s=kill_grace) if procs else []
     reason = f"supervisor lost; `launcher stop` stopped {len(pids)} leftover process(es) {pids}"
     if killed:
         reason += f", killed after the grace period: {killed}"
-    if fields:
-        saved = fields["saved_checkpoint"]
+    fields: dict = {}
+    if saving:
+        from launcher.run.supervisor import saved_checkpoint
+
+        saved = saved_checkpoint(run_dir, read_json_object(run_dir / SAVE_DONE))
+        fields = {"saved_checkpoint": saved, "stopped_by": by}
         reason += (f"; checkpoint {saved['path']} saved at step {saved['step']} on the stop" if saved
                    else "; no checkpoint saved on the stop")  # fmt: skip
     if not record.terminal:
@@ -179,21 +213,19 @@ def _announced_save(run_dir: Path, procs: list) -> bool:
     return isinstance(ready, dict) and ready.get("pid") in {p.pid for p in procs}
 
 
-def _save_before_cleanup(run_dir: Path, store: RunStore, procs: list, grace: float, by: str) -> dict:
-    """Ask the job of a run whose supervisor is gone to save a checkpoint at the next step and exit, the way
-    the supervisor does (``save_request.json``, read by stopsave.py in each rank); wait for its processes to
-    end, up to ``grace`` seconds. Returns the record fields: the saved checkpoint (or None) and who stopped it."""
+def _save_before_cleanup(run_dir: Path, store: RunStore, procs: list, grace: float, by: str, ask: bool) -> None:
+    """Let the job of a run whose supervisor is gone save a checkpoint at the next step and exit, the way the
+    supervisor does (``save_request.json``, read by stopsave.py in each rank; written here when ``ask``, else
+    the supervisor's own is waited for); wait for its processes to end, up to ``grace`` seconds."""
     import psutil
 
-    from launcher.run.supervisor import saved_checkpoint
-
-    (run_dir / SAVE_DONE).unlink(missing_ok=True)
-    write_json_atomic(run_dir / SAVE_REQUEST, {"time": now_iso(), "why": f"{by}; the supervisor is gone"})
-    store.event("stopping", signal=None, grace_s=grace, why="launcher stop: the supervisor is gone", save=True,
-                requested_by=by)  # fmt: skip
+    if ask:
+        (run_dir / SAVE_DONE).unlink(missing_ok=True)
+        write_json_atomic(run_dir / SAVE_REQUEST, {"time": now_iso(), "why": f"{by}; the supervisor is gone"})
+        store.event("stopping", signal=None, grace_s=grace, why="launcher stop: the supervisor is gone", save=True,
+                    requested_by=by)  # fmt: skip
     print(f"run {store.record.run_id}: the supervisor is gone; the job saves a checkpoint at the next step and "
           f"exits (up to {grace:g} s)")  # fmt: skip
     _, left = psutil.wait_procs(procs, timeout=grace)
     if left:
         store.event("save_timeout", pids=[p.pid for p in left])
-    return {"saved_checkpoint": saved_checkpoint(run_dir, read_json_object(run_dir / SAVE_DONE)), "stopped_by": by}

@@ -14,6 +14,12 @@ A blocked signal stays blocked across fork and exec, so the job is spawned insid
 restores the mask the supervisor had (the job's processes must die of SIGTERM as before). A signal that
 arrives in that window, or in a thread that does not block it, still reaches the plain handler installed
 alongside, which records the signal with an unknown sender: never lost, only less precisely named.
+
+Work that blocks without polling (preflight: its checks, the kernel check's child process it waits for)
+runs inside ``interrupting()``: there the signals are delivered to a handler that keeps the signal and
+raises ``StopRequested``, which ends that work at once (``subprocess.run`` kills its child on the way out).
+Such a signal's sender is known only from a stop request (``launcher stop`` names itself), not from the
+kernel.
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # si_code of a signal the kernel itself sent (Linux, include/uapi/asm-generic/siginfo.h); not in the signal module
 SI_KERNEL = 0x80
 _CMDLINE_CHARS = 160
+
+
+class StopRequested(BaseException):  # noqa: N818  (not an error: how blocking work is left on a stop)
+    """Raised inside ``StopSignals.interrupting`` when a stop signal arrives. A BaseException, so that a
+    check's ``except Exception`` (a crashed check is a failed row) does not swallow it."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +133,26 @@ class StopSignals:
     def _drain(self) -> None:
         while self.wait(0) is not None:
             pass
+
+    @contextmanager
+    def interrupting(self) -> Iterator[None]:
+        """Run blocking work here: a stop signal (also one already pending) raises ``StopRequested`` in it."""
+        self._drain()
+        if self.first is not None:
+            raise StopRequested(self.first.signum)
+
+        def stop(signum: int, _frame: Any) -> None:
+            self._keep(Received(signum))
+            raise StopRequested(signum)
+
+        previous = {s: signal.signal(s, stop) for s in self.signals}
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signals)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_BLOCK, self.signals)
+            for s, handler in previous.items():  # a signal already caught but not yet handled is kept, not raised
+                signal.signal(s, handler)
 
     @contextmanager
     def unblocked(self) -> Iterator[None]:

@@ -12,7 +12,8 @@ the lock, validated the config and created the run directory. In order, the supe
    start time), the trainer log is followed (``FINISHING`` after the last optimizer step, ``STALLED``
    when it stops advancing), a heartbeat is kept;
 5. on SIGTERM/SIGINT/SIGHUP (or ``launcher stop``), stops every process group of the job, waits the
-   grace period, kills what is left; the signal is taken with its sender (run/signals.py), which the
+   grace period, kills what is left (during preflight, the checks are left at once and the run ends
+   without a job); the signal is taken with its sender (run/signals.py), which the
    record names (``stopped_by``, ``stop_sender``);
 6. records the end (exit code or signal, root cause, terminal state from ``states.end_state``) through
    the run's ``RunStore``, runs the acceptance checks when the job exited 0, and only then releases
@@ -42,7 +43,7 @@ from launcher.run.restart import not_retried_why, retry_cause
 from launcher.run.rootcause import describe_rank_failure, disk_state, looks_like_oom, rank_failure, root_cause
 from launcher.run.rundir import RunDir, make_run_dir, write_run_files
 from launcher.run.setup import Prepared, check_earlier_runs, prepare
-from launcher.run.signals import Received, StopSignals
+from launcher.run.signals import Received, StopRequested, StopSignals
 from launcher.run.tuning import tuning_env
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.reconcile import reconcile
@@ -139,7 +140,15 @@ class Supervisor:
         return self.prepared.config.launcher
 
     def run(self) -> int:
+        """Preflight, then the job's attempts, to the recorded end; a stop signal at any point ends the run with
+        its end recorded (during preflight too: the checks are left at once, see run/signals.py)."""
         with self._signals:  # stop signals are taken with their sender (run/signals.py)
+            try:
+                with self._signals.interrupting():
+                    if not _preflight(self.prepared, self.run_dir.path, self.store):
+                        return ExitCode.USAGE
+            except StopRequested:
+                return self._record_stop_while_pending("during preflight")
             while True:
                 ending = self._run_attempt()
                 state, fields, cause = self._conclude(ending)
@@ -147,7 +156,7 @@ class Supervisor:
                 if cause and policy is not None and self._restarts < policy.max_restarts:
                     if self._restart(state, fields, cause, policy.backoff_s):
                         continue
-                    return self._record_stop_while_pending()
+                    return self._record_stop_while_pending("while waiting to restart")
                 if cause and policy is not None:
                     fields["reason"] += (f"\nnot restarted: {self._restarts} restart(s) done, "
                                          f"launcher.restart.max_restarts is {policy.max_restarts}")  # fmt: skip
@@ -408,14 +417,15 @@ class Supervisor:
             self._signals.wait(min(self.poll_s, max(0.0, deadline - time.monotonic())))
         return self._stop_signal is None
 
-    def _record_stop_while_pending(self) -> int:
+    def _record_stop_while_pending(self, when: str) -> int:
+        """The end of a run stopped while PENDING (``when``: during preflight, while waiting to restart)."""
         sig = self._stop_signal or signal.SIGTERM
         request = _read_stop_request(self.run_dir.path)
         state = RunState.CANCELLED if request else RunState.TERMINATED
         received = self._signals.first or Received(sig)
         by = _sender(received, request)
         fields = {"stop_signal": sig, "stopped_by": by, "stop_sender": received.to_dict(), "attempt": self.attempt,
-                  "reason": f"stopped by {by} while waiting to restart; no job was running",
+                  "reason": f"stopped by {by} {when}; no job was running",
                   "run_exit_code": run_exit_code(state, stop_signal=sig)}  # fmt: skip
         return self._record_end(state, fields)
 
@@ -548,8 +558,6 @@ def supervise(config: RunConfig, *, echo: bool = True, handshake: Handshake | No
         if echo:
             print(f"run {run_dir.run_id}\n  run dir:     {run_dir.path}\n  trainer log: {run_dir.trainer_log}"
                   f"\n  job log:     {run_dir.log}", flush=True)  # fmt: skip
-        if not _preflight(prepared, run_dir.path, store):
-            return ExitCode.USAGE
         return Supervisor(prepared, run_dir, store, echo=echo, attempt=attempt).run()
     except BaseException as err:  # record any supervisor failure before giving up the lock
         if not store.record.terminal:
