@@ -78,18 +78,39 @@ def _args_check(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-model", action="store_true",
                    help="do not read the model folder (checking on a machine that does not hold it); the checks "
                         "this skips are listed")  # fmt: skip
+    _add_device_memory(p)
+
+
+def _add_device_memory(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device-memory", metavar="GIB", default=None,
+                   help="the memory of one device in GiB, for the memory forecast's verdict (default: read through "
+                        "torch where the run's devices are visible)")  # fmt: skip
+
+
+def _device_memory(ns: argparse.Namespace) -> float | None:
+    from launcher.checks.memory import parse_gib
+
+    if ns.device_memory is None:
+        return None
+    try:
+        return parse_gib(ns.device_memory)
+    except ValueError as err:
+        raise LauncherError(str(err), ExitCode.USAGE) from None
 
 
 def _cmd_check(ns: argparse.Namespace) -> int:
     """Every problem of the config in one pass; 0 when none, 2 otherwise."""
     from launcher.checks.config_check import ERROR
     from launcher.run.config import ConfigError, read_run_config
-    from launcher.run.setup import check_run_config
+    from launcher.run.setup import check_run_config, memory_finding
 
+    device_gib = _device_memory(ns)
     config, problems = read_run_config(ns.config, overrides_of(ns), require_model=not ns.no_model)
     if config is None:
         raise ConfigError(str(ns.config), problems)
     found = check_run_config(config, problems=problems, model=not ns.no_model, devices=False)
+    if not ns.no_model and not problems:
+        found.items.append(memory_finding(config, device_gib))
     marks = {"error": "ERROR", "warn": "warn ", "ok": "ok   ", "skipped": "skip "}
     for finding in found.items:
         print(f"{marks[finding.level]}  {finding.message}")
@@ -108,6 +129,7 @@ def _cmd_check(ns: argparse.Namespace) -> int:
 def _args_preflight(p: argparse.ArgumentParser) -> None:
     add_config_arg(p)
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON to PATH")
+    _add_device_memory(p)
 
 
 def _cmd_preflight(ns: argparse.Namespace) -> int:
@@ -116,7 +138,8 @@ def _cmd_preflight(ns: argparse.Namespace) -> int:
     from launcher.run.config import load_run_config
     from launcher.run.setup import prepare
 
-    report = run_preflight(prepare(load_run_config(ns.config, overrides_of(ns))))
+    device_gib = _device_memory(ns)
+    report = run_preflight(prepare(load_run_config(ns.config, overrides_of(ns))), device_gib=device_gib)
     report.render()
     if ns.json is not None:
         print(f"report: {report.write(ns.json)}", file=sys.stderr)
