@@ -84,6 +84,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # shorter samples (about 500 to 2,048 tokens): where several share a row
     "short": {"data": "short", "steps": 32},
     "short-packed": {"data": "short", "steps": 24, "lf": {"packing": True}},
+    # the memory forecast against a run: "on" at 4,096 tokens (forecast 55 GiB, fits an H200) beside 131,072 tokens
+    # (forecast about 181 GiB, will not fit); preflight's memory row would refuse the second, so it is skipped there,
+    # and the run must end OUT_OF_MEMORY with the phase recorded (results.json: forecast, out_of_memory)
+    "forecast-fits": {"steps": 3},
+    "forecast-oom": {"cutoff_factor": 32, "steps": 3, "preflight_skip": "memory"},
 }
 VARIANT_PATCHES = {name: v.get("patches", {}) for name, v in VARIANTS.items()}
 CUTOFF = {"27b": 4096, "tiny": 256}
@@ -266,6 +271,7 @@ def summarize(run_dir: Path, warmup: int) -> dict[str, Any]:
         "state": status.get("state"),
         "exit_code": status.get("exit_code"),
         "reason": status.get("reason"),
+        "out_of_memory": status.get("out_of_memory"),
         "steps_recorded": len(steps),
         "warmup_steps": min(warmup, len(steps)),
     }
@@ -489,7 +495,10 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         args = launcher_args(variant, path, config["max_steps"], ns.warmup)
         print(f"[patch_bench] {variant}: python -m launcher {' '.join(args)}", flush=True)
-        run = run_variant(args, env, ns.timeout, out / "logs" / f"{variant}.supervisor.log")
+        skip = VARIANTS[variant].get("preflight_skip")
+        run_env = {**env, "LAUNCHER_PREFLIGHT_SKIP": f"{PREFLIGHT_SKIP},{skip}"} if skip else env
+        forecast = forecast_of(path)
+        run = run_variant(args, run_env, ns.timeout, out / "logs" / f"{variant}.supervisor.log")
         profiled = VARIANTS[variant].get("profile")
         run_dir = _newest_run(out / "runs", config["launcher"]["run_name"] + ("-profile" if profiled else ""))
         summary = summarize(run_dir, ns.warmup) if run_dir else {"state": None, "reason": "no run directory"}
@@ -497,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
             summary["profile"] = profile_summary(run_dir, out)
         if run_dir and (run_dir / "launcher.log").exists():
             shutil.copyfile(run_dir / "launcher.log", out / "logs" / f"{variant}.job.log")
-        results["variants"][variant] = {**run, **summary}
+        results["variants"][variant] = {**run, **summary, "forecast": forecast}
         print(f"[patch_bench] {variant}: {_one_line(results['variants'][variant])}", flush=True)
         (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     if ns.shape == "27b":
@@ -505,6 +514,18 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     print(json.dumps({"targets": results.get("targets")}, default=str))
     return 0 if all(v.get("state") == "SUCCEEDED" for v in results["variants"].values()) else 1
+
+
+def forecast_of(config_path: Path) -> dict[str, Any] | str:
+    """The launcher's memory forecast of a variant's config against this machine's device (launcher.checks.memory)."""
+    from launcher.checks.memory import device_memory_gib, forecast_run
+    from launcher.run.config import load_run_config
+
+    config = load_run_config(config_path)
+    try:
+        return forecast_run(config, config.llamafactory, device_memory_gib(config.launcher.backend)).to_dict()
+    except ValueError as err:
+        return f"not forecast: {err}"
 
 
 def _one_line(v: dict[str, Any]) -> str:

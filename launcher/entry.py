@@ -7,8 +7,9 @@ runtime patches in the registry's order, and only then hands the exact LLaMA-Fac
 run to LLaMA-Factory's own training entry (``llamafactory.train.tuner.run_exp``). Patches must be
 in place before the model is built, which is why they are applied here and not in a callback.
 
-The one callback it adds is save on stop (``stopsave.py``): a stop request or a SIGTERM makes the rank
-save a checkpoint at the next step boundary and exit 0 (``StoppedAfterSave``), instead of dying.
+The callbacks it adds are save on stop (``stopsave.py``): a stop request or a SIGTERM makes the rank
+save a checkpoint at the next step boundary and exit 0 (``StoppedAfterSave``), instead of dying; and the phase
+tracker (``oomtrack.py``), so that a rank that runs out of memory records the phase, step and layer it was in.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from launcher import oomtrack
 from launcher.files import disk_error, write_json_or_warn
 from launcher.results import best_adapter
 from launcher.state.runs import ERRORS_DIR, LAUNCH_FILE
@@ -40,7 +42,12 @@ def write_error_file(run_dir: Path, exc: BaseException) -> Path:
         "message": str(exc),
         "traceback": "".join(traceback.format_exception(exc)),
         "disk": disk_error(exc),  # the disk refused a write (errno, path, free bytes): the cause to name
+        "out_of_memory": None,
     }
+    if oomtrack.is_out_of_memory(exc):  # the phase, step and layer it happened in, and the fix for that phase
+        record["out_of_memory"] = oomtrack.describe(exc)
+        snapshot = oomtrack.dump_snapshot(run_dir, rank)
+        record["out_of_memory"]["snapshot"] = snapshot.name if snapshot else None
     write_json_or_warn(path, record, "this rank's error record")  # never mask the error itself
     return path
 
@@ -101,7 +108,8 @@ def _train(run_dir: Path, callbacks: tuple = ()) -> int:
         from launcher.profiling import ProfileCallback
 
         callbacks = (*callbacks, ProfileCallback(run_dir, launch["backend"], profile["warmup"], profile["steps"]))
-    run_exp(args=args, callbacks=[make_callback(run_dir), *callbacks])
+    tracker = oomtrack.make_callback(launch["backend"], int(launch.get("memory_history_steps") or 0))
+    run_exp(args=args, callbacks=[make_callback(run_dir), tracker, *callbacks])
     if os.environ.get("RANK", "0") == "0" and best_adapter.wanted(args) and args.get("do_train", True):
         best_adapter.keep_best_adapter(Path(args["output_dir"]))  # under FSDP2 the Trainer cannot (results/)
     return 0

@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "launcher.monitor": 3,
     "launcher.entry": 3,
     "launcher.stopsave": 3,
+    "launcher.oomtrack": 3,
     "launcher.profiling": 3,
     "launcher.evaluate_entry": 3,
     "launcher.evaluate_decode": 3,

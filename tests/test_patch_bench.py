@@ -68,7 +68,8 @@ DEFAULT_ON = {"deltanet_routing": True, "checkpoint_all_layers": True, "chunked_
 
 
 @pytest.mark.parametrize(
-    "variant", ["on", "off", "budget120", "spread-pad256", "ctx64k", "spread-packed", "short-packed", "glue-off"]
+    "variant",
+    ["on", "off", "budget120", "spread-pad256", "ctx64k", "spread-packed", "short-packed", "glue-off", "forecast-oom"],
 )
 def test_variant_configs_pass_the_launchers_validation(tmp_path, variant):
     bench_assets.write_model_dir(tmp_path / "model", "tiny")
@@ -80,7 +81,7 @@ def test_variant_configs_pass_the_launchers_validation(tmp_path, variant):
     loaded = load_run_config(path)
     assert loaded.launcher.entry == "benchmarks.bench_entry" and not loaded.launcher.smoke
     lf = loaded.llamafactory
-    cutoff = 65536 if variant == "ctx64k" else 4096
+    cutoff = {"ctx64k": 65536, "forecast-oom": 131072}.get(variant, 4096)
     assert (lf["cutoff_len"], lf["per_device_train_batch_size"], lf["lora_rank"], lf["bf16"]) == (cutoff, 1, 8, True)
     assert lf["lora_target"] == "q_proj,k_proj,v_proj,o_proj" and lf["gradient_checkpointing"] is True
     assert lf["dataset"] == ("bench_spread" if variant.startswith(("spread", "short")) else "bench_long")

@@ -13,6 +13,7 @@ Rows (status ``ok``, ``warn``, ``fail`` or ``skip``; only ``fail`` stops a run):
 - ``triton``: community triton absent next to triton-ascend (npu); a Triton FLA accepts on Hopper (cuda)
 - ``kernel``: the Gated DeltaNet kernel runs on the device, forward and backward (``launcher.checks.kernel_check``)
 - ``model.*``: model type, layer pattern, weights, tokenizer, checksum manifest (``launcher.checks.model``)
+- ``memory``: the forecast peak per device, term by term, against the device's memory (``launcher.checks.memory``)
 - ``dataset``: datasets registered in ``dataset_info.json``, files present and readable (``launcher.checks.data``)
 - ``output``: the output root is writable and has enough free space (``launcher.checks.data``)
 
@@ -41,6 +42,7 @@ from launcher import backend as backends
 from launcher.checks import model as modelcheck
 from launcher.checks import packages
 from launcher.checks.data import check_dataset, check_output
+from launcher.checks.memory import check_memory
 from launcher.files import write_json_atomic
 from launcher.state.record import now_iso
 
@@ -121,7 +123,8 @@ Row = tuple[str, str, str]  # name, status, detail
 
 
 def run_preflight(
-    prepared: Prepared, skip: set[str] | None = None, driver_dir: Path = DEFAULT_DRIVER_DIR
+    prepared: Prepared, skip: set[str] | None = None, driver_dir: Path = DEFAULT_DRIVER_DIR,
+    device_gib: float | None = None,
 ) -> PreflightReport:
     """Run every preflight check for a validated config.
 
@@ -129,6 +132,8 @@ def run_preflight(
         prepared: what ``launcher.run.setup.prepare`` returned (config and resolved backend).
         skip: row names to skip; defaults to ``$LAUNCHER_PREFLIGHT_SKIP``.
         driver_dir: the (mounted) Ascend driver folder.
+        device_gib: the device memory the ``memory`` row forecasts against (``--device-memory``); default: read
+            through torch.
 
     Returns:
         The report; ``report.ok`` is False when any row failed. Checks never raise: an unexpected error
@@ -148,6 +153,7 @@ def run_preflight(
         ("triton", lambda: [check_triton(backend)] if backend != "cpu" else []),
         ("kernel", lambda: [check_kernel(backend, _routing_kernel(prepared), glue=_glue_ops(prepared))]),
         ("model", lambda: check_model(model_dir, skip)),
+        ("memory", lambda: [("memory", *check_memory(config, lf, backend, device_gib))]),
         ("dataset", lambda: [check_dataset(lf)]),
         ("output", lambda: [check_output(Path(config.launcher.output_root), config.launcher.smoke)]),
         ("data_stats", lambda: [check_data_stats(config, stats)]),

@@ -82,6 +82,24 @@ def _args_check(p: argparse.ArgumentParser) -> None:
                    help="the config is meant for another machine (checking on a laptop for the server): a path it "
                         "names that is not here (model, dataset_dir, output root) is counted as a check not made, "
                         "instead of failing the check; what is here is checked as usual")  # fmt: skip
+    _add_device_memory(p)
+
+
+def _add_device_memory(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device-memory", metavar="GIB", default=None,
+                   help="the memory of one device in GiB, for the memory forecast's verdict (default: read through "
+                        "torch where the run's devices are visible)")  # fmt: skip
+
+
+def _device_memory(ns: argparse.Namespace) -> float | None:
+    from launcher.checks.memory import parse_gib
+
+    if ns.device_memory is None:
+        return None
+    try:
+        return parse_gib(ns.device_memory)
+    except ValueError as err:
+        raise LauncherError(str(err), ExitCode.USAGE) from None
 
 
 def _cmd_check(ns: argparse.Namespace) -> int:
@@ -89,13 +107,16 @@ def _cmd_check(ns: argparse.Namespace) -> int:
     are counted and listed, with why, after the verdict: never a bare OK."""
     from launcher.checks.config_check import SKIPPED
     from launcher.run.config import ConfigError, read_run_config
-    from launcher.run.setup import check_run_config
+    from launcher.run.setup import check_run_config, memory_finding
 
     elsewhere = ns.for_another_machine
+    device_gib = _device_memory(ns)
     config, problems = read_run_config(ns.config, overrides_of(ns), require_model=not (ns.no_model or elsewhere))
     if config is None:
         raise ConfigError(str(ns.config), problems)
     found = check_run_config(config, problems=problems, model=not ns.no_model, devices=False, elsewhere=elsewhere)
+    if not ns.no_model and not problems:
+        found.items.append(memory_finding(config, device_gib))
     marks = {"error": "ERROR", "warn": "warn ", "ok": "ok   ", "skipped": "skip "}
     for finding in found.items:
         if finding.level != SKIPPED:
@@ -120,6 +141,7 @@ def _cmd_check(ns: argparse.Namespace) -> int:
 def _args_preflight(p: argparse.ArgumentParser) -> None:
     add_config_arg(p)
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON to PATH")
+    _add_device_memory(p)
 
 
 def _cmd_preflight(ns: argparse.Namespace) -> int:
@@ -128,7 +150,8 @@ def _cmd_preflight(ns: argparse.Namespace) -> int:
     from launcher.run.config import load_run_config
     from launcher.run.setup import prepare
 
-    report = run_preflight(prepare(load_run_config(ns.config, overrides_of(ns))))
+    device_gib = _device_memory(ns)
+    report = run_preflight(prepare(load_run_config(ns.config, overrides_of(ns))), device_gib=device_gib)
     report.render()
     if ns.json is not None:
         print(f"report: {report.write(ns.json)}", file=sys.stderr)

@@ -19,6 +19,7 @@ from typing import Any
 
 from launcher.errors import ExitCode
 from launcher.files import FileFollower, read_json_object, shown, tail_lines
+from launcher.oomtrack import summary
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.reconcile import reconcile
 from launcher.state.record import RecordUnreadable, RunRecord, read_record
@@ -121,6 +122,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "attempts": record.attempts,
         "record_write_failures": record.record_write_failures,
         "failed_rank": record.failed_rank,
+        "out_of_memory": record.out_of_memory,
         "reason": record.reason,
         "run_dir": str(run_dir),
         "trainer_log": str(trainer_log),
@@ -236,6 +238,10 @@ def render(info: dict[str, Any]) -> str:
     for f in info.get("record_write_failures") or []:
         until = f.get("until") or "still failing"
         rows.append(("record", f"{f.get('failed_writes')} write(s) failed {f.get('since')} .. {until}: {f.get('error')}"))
+    if oom := info.get("out_of_memory"):  # the phase, step and layer the rank ran out of memory in, and the fix
+        rows.append(("memory", f"rank {oom.get('rank')}: {summary(oom)}"))
+        if oom.get("snapshot"):
+            rows.append(("snapshot", f"{oom['snapshot']} (open it in https://pytorch.org/memory_viz)"))
     if info["reason"] and info["reason"].strip():
         rows.append(("reason", info["reason"].strip().splitlines()[-1]))
     if info["container"]:

@@ -132,6 +132,9 @@ class LauncherSection(BaseModel):
     tuning: Tuning = Field(default_factory=Tuning)
     # `launcher profile`: the torch (or torch_npu) profiler over these steps of every rank (launcher/profiling.py)
     profile: ProfileSettings | None = None
+    # CUDA (NPU where torch_npu has it): record the allocator's history for the first N optimizer steps; a rank
+    # that runs out of memory writes a snapshot to the run directory (launcher/oomtrack.py); 0: off
+    memory_history_steps: int = Field(default=0, ge=0, le=100000)
 
     @field_validator("run_name")
     @classmethod

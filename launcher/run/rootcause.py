@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.files import read_tail
+from launcher.oomtrack import summary
 from launcher.run.rundir import RunDir
 from launcher.state.runs import ERRORS_DIR
 
@@ -55,8 +56,9 @@ def describe_rank_failure(failed: dict[str, Any]) -> str:
     return f"rank {failed['rank']} (pid {failed['pid']}) exit code {failed['exit_code']}"
 
 
-def root_cause(run_dir: RunDir, max_lines: int = 30, since: float = 0.0, log_start: int = 0) -> str | None:
-    """Why the job failed: the first failing rank's error file, else the log's last traceback."""
+def first_error_record(run_dir: RunDir, since: float = 0.0) -> dict[str, Any] | None:
+    """The error record (``errors/rank<N>.json``, written by ``entry.write_error_file``) of the first rank that
+    failed at or after ``since``, or None."""
     records = []
     for path in (run_dir.path / ERRORS_DIR).glob("rank*.json"):
         try:
@@ -65,12 +67,27 @@ def root_cause(run_dir: RunDir, max_lines: int = 30, since: float = 0.0, log_sta
             continue
         if isinstance(record, dict) and float(record.get("time", 0)) >= since:  # not an earlier attempt's
             records.append(record)
-    if records:
-        first = min(records, key=lambda r: r.get("time", 0))
+    return min(records, key=lambda r: r.get("time", 0)) if records else None
+
+
+def out_of_memory(run_dir: RunDir, since: float = 0.0) -> dict[str, Any] | None:
+    """The first failing rank's out-of-memory record (phase, step, layer, memory, fix) and its rank, if it ran out."""
+    first = first_error_record(run_dir, since)
+    found = first.get("out_of_memory") if first else None
+    return {"rank": first.get("rank"), **found} if isinstance(found, dict) else None
+
+
+def root_cause(run_dir: RunDir, max_lines: int = 30, since: float = 0.0, log_start: int = 0) -> str | None:
+    """Why the job failed: the first failing rank's error file, else the log's last traceback."""
+    first = first_error_record(run_dir, since)
+    if first is not None:
         lines = str(first.get("traceback", "")).rstrip().splitlines()
         disk = first.get("disk") if isinstance(first.get("disk"), dict) else None
         head = (f"the disk refused a write: {disk.get('errno')} ({disk.get('message')}) writing {disk.get('path')}, "
                 f"{disk.get('free_bytes')} bytes free\n" if disk else "")  # fmt: skip
+        oom = first.get("out_of_memory")
+        if isinstance(oom, dict):
+            head = summary(oom) + "\n" + head
         return f"rank {first.get('rank')}: {head}" + "\n".join(lines[-max_lines:])
     return last_traceback(run_dir.log, max_lines=max_lines, start=log_start)
 

@@ -149,7 +149,8 @@ def write_run_files(config: RunConfig, backend: Backend, run_dir: RunDir, lf_arg
         write_text_atomic(path / ACCELERATE_YAML, dump_yaml(accelerate_config(config, backend)))
     launch = {"patches": config.patches, "backend": backend.name, "llamafactory_yaml": lf_yaml, "attempt": attempt,
               "log_examples": config.launcher.log_examples, "facts": run_facts(lf_args),
-              "profile": config.launcher.profile.model_dump() if config.launcher.profile else None}  # fmt: skip
+              "profile": config.launcher.profile.model_dump() if config.launcher.profile else None,
+              "memory_history_steps": config.launcher.memory_history_steps}  # fmt: skip
     write_text_atomic(path / LAUNCH_FILE, json.dumps(launch, indent=2) + "\n")
     info = manifest(config, backend, run_dir)
     write_text_atomic(path / attempt_name("manifest.json", attempt), json.dumps(info, indent=2) + "\n")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher import backend as backends
-from launcher.checks.config_check import ERROR, OK, SKIPPED, WARN, Findings, check_llamafactory
+from launcher.checks.config_check import ERROR, OK, SKIPPED, WARN, Finding, Findings, check_llamafactory
 from launcher.checks.data import check_output
 from launcher.checks.patch_check import patch_problems
 from launcher.errors import ExitCode, LauncherError
@@ -79,6 +79,16 @@ def check_run_config(config: RunConfig, *, problems: list[str] | None = None, mo
     _, status, detail = check_output(root, launcher.smoke)
     out.add("launcher.output_root", ERROR if status == "fail" else OK, f"launcher.output_root: {detail}")
     return out
+
+
+def memory_finding(config: RunConfig, device_gib: float | None) -> Finding:
+    """The memory forecast as a ``launcher check`` finding (``launcher.checks.memory``): an error when the run
+    will not fit, a warning when it is tight or cannot be forecast."""
+    from launcher.checks.memory import check_memory
+
+    backend = config.launcher.backend if config.launcher.backend != "auto" else "cpu"
+    status, detail = check_memory(config, config.llamafactory, backend, device_gib)
+    return Finding("memory", {"fail": ERROR, "warn": WARN}.get(status, OK), f"memory: {detail}")
 
 
 def prepare(config: RunConfig) -> Prepared:

@@ -40,7 +40,14 @@ from launcher.run.config import RunConfig, llamafactory_args
 from launcher.run.job import Job, NodeSpec, job_command
 from launcher.run.lock import RunLock
 from launcher.run.restart import not_retried_why, retry_cause
-from launcher.run.rootcause import describe_rank_failure, disk_state, looks_like_oom, rank_failure, root_cause
+from launcher.run.rootcause import (
+    describe_rank_failure,
+    disk_state,
+    looks_like_oom,
+    out_of_memory,
+    rank_failure,
+    root_cause,
+)
 from launcher.run.rundir import RunDir, make_run_dir, write_run_files
 from launcher.run.setup import Prepared, check_earlier_runs, prepare
 from launcher.run.signals import Received, StopRequested, StopSignals
@@ -370,10 +377,12 @@ class Supervisor:
                 what = (f"the run record could not be written for {self._launcher.record_write_stop_s:g} s "
                         f"({failing.get('error')}); the job was stopped (free space under {self.run_dir.path} "
                         f"and `launcher resume {self.run_dir.run_id}`): {what}")  # fmt: skip
+            if (oom := out_of_memory(self.run_dir, since=self._job_since)) is not None:
+                fields["out_of_memory"] = oom  # the phase, step, layer and fix: `launcher status` shows them
             fields["reason"] = f"{what}\n{cause}" if cause else what
         stop = None if stopped_by is None else ("user" if request else "external")
         state = end_state(exit_code=exit_code, signal=sig, stop=stop, accepted=accepted,
-                          out_of_memory=looks_like_oom(cause))  # fmt: skip
+                          out_of_memory=looks_like_oom(cause) or "out_of_memory" in fields)  # fmt: skip
         if ending.why is not None and state is RunState.SUCCEEDED:  # stopped by the watchdog, yet exited 0
             state = RunState.FAILED
         retry = retry_cause(state, signal=sig, failed_rank=fields.get("failed_rank"), reason=fields.get("reason"),
@@ -400,9 +409,9 @@ class Supervisor:
             lf_args["resume_from_checkpoint"] = str(checkpoint.path)
         self.store.transition(
             RunState.PENDING, event=None, attempt=self.attempt, attempts=[*self.store.record.attempts, entry],
-            exit_code=None, signal=None, stop_signal=None, reason=None, failed_rank=None, processes=[],
-            job_pid=None, leftover_pids_stopped=[], saved_checkpoint=None, stopped_by=None, stop_sender=None,
-            run_exit_code=None,
+            exit_code=None, signal=None, stop_signal=None, reason=None, failed_rank=None, out_of_memory=None,
+            processes=[], job_pid=None, leftover_pids_stopped=[], saved_checkpoint=None, stopped_by=None,
+            stop_sender=None, run_exit_code=None,
             resumed_from=checkpoint.relative_to(self.run_dir.path) if checkpoint else None,
             resume_mode=None if checkpoint is None else ("exact" if checkpoint.optimizer_state else "adapter-only"),
         )  # fmt: skip

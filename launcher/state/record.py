@@ -93,6 +93,22 @@ class FailedRank(TypedDict, total=False):
     signal: int | None
 
 
+class OutOfMemory(TypedDict, total=False):
+    """The failing rank's out-of-memory record (``launcher.oomtrack.describe``)."""
+
+    rank: int | None
+    phase: str
+    step: int | None
+    layer: int | None
+    kind: str | None
+    requested: int | None
+    allocated: int | None
+    reserved: int | None
+    peak: int | None
+    fix: str
+    snapshot: str | None
+
+
 class SavedCheckpoint(TypedDict, total=False):
     step: int | None
     path: str
@@ -165,6 +181,7 @@ class RunRecord:
     stop_signal: int | None = None
     reason: str | None = None
     failed_rank: FailedRank | None = None
+    out_of_memory: OutOfMemory | None = None  # where the failing rank ran out of memory, and the fix
     leftover_pids_stopped: list[int] = field(default_factory=list)
     acceptance: dict[str, Any] | None = None
     # record writes the disk refused: {since, until, failed_writes, error}, one per outage

@@ -1,0 +1,532 @@
+"""Memory forecast per device: what one training rank will hold at its peak, term by term, before it starts.
+
+``launcher check`` and preflight show it as the ``memory`` row. Every term is arithmetic on the model's
+``config.json`` (hidden size, intermediate size, layers and their kinds, heads, vocabulary, vision tower) and
+the run config (dtype, ``cutoff_len``, batch sizes, LoRA targets and rank, distribution and ranks, the patches
+and their options), with the few calibration constants below, each named with the measurement it comes from
+(docs/benchmarks.md, "Memory forecast", has the table of forecasts against every measured point).
+
+The terms (GiB per device):
+
+- ``weights``: every parameter in the load dtype; under FSDP2 divided over the ranks, and in float32 when
+  accelerate 1.11 upcasts the frozen base (``fsdp2_frozen_dtype`` off); FSDP2 also holds, gathered in bf16,
+  the root unit (embedding, ``lm_head``, the vision tower outside its blocks) and two decoder layers at a time;
+- ``lora``: the LoRA parameters (float32), their gradients and Adam's two moments: 16 bytes a parameter;
+- ``checkpointed inputs``: what every checkpointed decoder layer keeps for its backward, its input;
+- ``un-checkpointed layers``: the saved activations of the layers the run leaves un-checkpointed (LLaMA-Factory's
+  own rule with ``checkpoint_all_layers`` off, ``uncheckpointed_layers``, or the ``memory_budget_gib`` plan),
+  per layer kind: Gated DeltaNet and full attention save different widths;
+- ``backward working set`` or ``loss``, whichever is larger (they are not held at the same time): the layer
+  being recomputed and back-propagated, or the logits of the loss (one chunk with ``chunked_loss``, the whole
+  sequence without);
+- ``evaluation`` and ``final save`` are peaks of their own (between steps, activations freed) and count only when
+  larger than the training step's;
+- ``allocator slack``: what the caching allocator keeps reserved beyond the allocated peak.
+
+The verdict compares peak + slack with the device's memory: ``fits``, ``tight`` (the allocated peak fits, the
+slack does not) or ``will not fit``; it names the largest term and the option that shrinks it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from launcher.results.lora_targets import (
+    FULL_ATTENTION,
+    LINEAR_ATTENTION,
+    UnsupportedModel,
+    expected_lora_modules,
+    read_model_layout,
+)
+
+GIB = 1024**3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# --- calibration constants (one H200, 27B shape, LoRA r8 q/k/v/o, batch 1; docs/benchmarks.md) -----------------
+# Saved activations of one un-checkpointed decoder layer per token, in elements of the activation dtype: the MLP
+# keeps its gate and up projections and their SwiGLU product (3 x intermediate_size), the token mixer keeps
+# these many hidden-widths. From the layer meter's counts at 4,096 tokens (`budget120`, run 4 of "Performance
+# options"): 0.713 GiB for a full-attention layer, 0.636 GiB for a DeltaNet layer, less 3 x 17,408 for the MLP.
+MLP_SAVED_WIDTHS = 3
+MIXER_SAVED_HIDDENS = {FULL_ATTENTION: 8.05, LINEAR_ATTENTION: 6.08}
+# What an un-checkpointed layer really costs against that count (kernels' own buffers, backward workspace): the
+# same run peaked at 117.21 GiB with all 64 layers un-checkpointed, 1.48 x the 41.94 GiB counted.
+REAL_OVER_COUNTED = 1.48
+# With the fused glue (`fused_ops` and `lora_input_cast`, both on by default) the same 64-layer plan peaked at
+# 99.0 GiB instead of 117.21 (glue-budget-h200.json against perf-h200-run4.json): (99.0 - 55.06) / (117.21 - 55.11).
+FUSED_GLUE_LAYER_SHARE = 0.708
+# The backward of one checkpointed layer (its recomputed activations, their gradients, the layer's input gradient)
+# against the count of the widest layer kind: fitted on the 65,536-token point (115.94 GiB, `ctx64k`), where it
+# dominates; the 8k, 16k and 32k points check it (docs/benchmarks.md, "Memory forecast").
+BACKWARD_OVER_COUNTED = 2.18
+# The loss per logit: bf16 logits, their float32 copy for the cross-entropy, its float32 gradient and the bf16
+# gradient of the logits: 2 + 4 + 4 + 2 bytes. Check: chunks of 1,024 peaked 1.41 GiB above chunks of 512 (56.55
+# against 55.14 GiB), 12 x 512 x 248,320 bytes = 1.42 GiB; without the chunked loss the peak was 65.12 GiB.
+LOSS_BYTES_PER_LOGIT = 12
+EVAL_LOSS_BYTES_PER_LOGIT = 6  # no gradient in evaluation: the bf16 logits and their float32 copy
+# FSDP2 gathers the next decoder layer while one runs (prefetch): two layers' bf16 weights at a time. With one
+# process the FSDP2 run measured 60.36 GiB against 55.09 single-device, the root unit and a layer gathered.
+FSDP_GATHERED_LAYERS = 2
+# The caching allocator's reserved memory beyond the allocated peak: not recorded in the H200 runs. The layer
+# plan leaves 1 GiB under a budget for fragmentation and the optimizer step (patches/checkpoint_budget.py); the
+# forecast adds 5 % of the peak on top of that, an allowance until a run records its reserved peak.
+SLACK_GIB = 1.0
+SLACK_SHARE = 0.05
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes the forecast needs, from ``config.json``."""
+
+    hidden: int
+    intermediate: int
+    vocab: int
+    layer_types: tuple[str, ...]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+    tied: bool
+    dtype: str
+    vision: dict[str, int] = field(default_factory=dict)  # depth, hidden, intermediate, out, patch, ...
+
+    def kinds(self) -> dict[str, int]:
+        return {kind: self.layer_types.count(kind) for kind in (LINEAR_ATTENTION, FULL_ATTENTION)}
+
+
+def read_shape(config: dict[str, Any]) -> ModelShape:
+    """The sizes of a Qwen3.5 model from its parsed ``config.json``; ``UnsupportedModel`` saying what is missing."""
+    layout = read_model_layout(config)
+    text = (config.get("text_config") or {}) if layout.composite else config
+    vision = (config.get("vision_config") or {}) if layout.composite else {}
+
+    def need(section: dict[str, Any], key: str, where: str) -> int:
+        value = section.get(key)
+        if not isinstance(value, int) or value <= 0:
+            raise UnsupportedModel(f"{where}{key} is {value!r} in the model's config.json; expected a positive int")
+        return value
+
+    t = "text_config." if layout.composite else ""
+    hidden = need(text, "hidden_size", t)
+    dtype = str(config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or "bfloat16")
+    shape = ModelShape(
+        hidden=hidden,
+        intermediate=need(text, "intermediate_size", t),
+        vocab=need(text, "vocab_size", t),
+        layer_types=layout.layer_types,
+        heads=need(text, "num_attention_heads", t),
+        kv_heads=need(text, "num_key_value_heads", t),
+        head_dim=text.get("head_dim") or hidden // need(text, "num_attention_heads", t),
+        key_heads=need(text, "linear_num_key_heads", t),
+        value_heads=need(text, "linear_num_value_heads", t),
+        key_dim=need(text, "linear_key_head_dim", t),
+        value_dim=need(text, "linear_value_head_dim", t),
+        conv_kernel=need(text, "linear_conv_kernel_dim", t),
+        tied=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        dtype=dtype if dtype in DTYPE_BYTES else "bfloat16",
+        vision={}
+        if not vision
+        else {
+            "depth": int(vision.get("depth", 0)),
+            "hidden": need(vision, "hidden_size", "vision_config."),
+            "intermediate": need(vision, "intermediate_size", "vision_config."),
+            "out": need(vision, "out_hidden_size", "vision_config."),
+            "patch": need(vision, "patch_size", "vision_config."),
+            "temporal": need(vision, "temporal_patch_size", "vision_config."),
+            "merge": need(vision, "spatial_merge_size", "vision_config."),
+            "channels": int(vision.get("in_channels", 3)),
+            "positions": need(vision, "num_position_embeddings", "vision_config."),
+        },
+    )
+    return shape
+
+
+# --- parameters ------------------------------------------------------------------------------------------------
+
+
+def linear_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    """``(in, out)`` of every decoder-layer linear by its leaf name, as transformers 5.6 builds Qwen3.5."""
+    h, kd, vd = shape.hidden, shape.key_heads * shape.key_dim, shape.value_heads * shape.value_dim
+    return {
+        "q_proj": (h, shape.heads * shape.head_dim * 2),  # queries and the output gate
+        "k_proj": (h, shape.kv_heads * shape.head_dim),
+        "v_proj": (h, shape.kv_heads * shape.head_dim),
+        "o_proj": (shape.heads * shape.head_dim, h),
+        "in_proj_qkv": (h, 2 * kd + vd),
+        "in_proj_z": (h, vd),
+        "in_proj_b": (h, shape.value_heads),
+        "in_proj_a": (h, shape.value_heads),
+        "out_proj": (vd, h),
+        "gate_proj": (h, shape.intermediate),
+        "up_proj": (h, shape.intermediate),
+        "down_proj": (shape.intermediate, h),
+    }
+
+
+def layer_parameters(shape: ModelShape, kind: str) -> int:
+    """Parameters of one decoder layer of ``kind`` (weights, norms, the DeltaNet convolution and gates)."""
+    sizes = linear_shapes(shape)
+    mlp = sum(i * o for i, o in (sizes[p] for p in ("gate_proj", "up_proj", "down_proj")))
+    norms = 2 * shape.hidden
+    if kind == FULL_ATTENTION:
+        mixer = sum(i * o for i, o in (sizes[p] for p in ("q_proj", "k_proj", "v_proj", "o_proj")))
+        mixer += 2 * shape.head_dim  # q_norm, k_norm
+    else:
+        mixer = sum(
+            i * o for i, o in (sizes[p] for p in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"))
+        )
+        conv_channels = 2 * shape.key_heads * shape.key_dim + shape.value_heads * shape.value_dim
+        mixer += (
+            conv_channels * shape.conv_kernel + 2 * shape.value_heads + shape.value_dim
+        )  # conv, dt_bias, A_log, norm
+    return mixer + mlp + norms
+
+
+def vision_parameters(shape: ModelShape) -> tuple[int, int]:
+    """``(one block, the rest of the tower)``: patch embedding, position table and merger."""
+    v = shape.vision
+    if not v:
+        return 0, 0
+    d, m = v["hidden"], v["intermediate"]
+    block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * m + m) + (m * d + d)  # 2 norms, qkv, proj, MLP
+    merged = d * v["merge"] ** 2
+    patch = v["channels"] * v["temporal"] * v["patch"] ** 2 * d + d
+    merger = 2 * d + (merged * merged + merged) + (merged * v["out"] + v["out"])
+    return block, patch + v["positions"] * d + merger
+
+
+def parameter_counts(shape: ModelShape) -> dict[str, int]:
+    """Parameters by part: ``total``, ``layers`` (per kind), ``largest_layer`` and the FSDP2 ``root`` unit."""
+    per_kind = {kind: layer_parameters(shape, kind) for kind in set(shape.layer_types)}
+    layers = sum(per_kind[kind] for kind in shape.layer_types)
+    block, tower_rest = vision_parameters(shape)
+    embeddings = shape.vocab * shape.hidden * (1 if shape.tied else 2)  # embed_tokens and lm_head
+    root = embeddings + shape.hidden + tower_rest  # + the final norm
+    total = root + layers + block * shape.vision.get("depth", 0)
+    return {
+        "total": total,
+        "root": root,
+        "largest_layer": max(per_kind.values()),
+        "vision_block": block,
+        **{f"layer:{k}": v for k, v in per_kind.items()},
+    }
+
+
+def lora_parameters(shape: ModelShape, config: dict[str, Any], lf: dict[str, Any]) -> int:
+    """LoRA parameters: ``r x (in + out)`` for every module LLaMA-Factory adapts (``lora_target``)."""
+    if lf.get("finetuning_type", "lora") != "lora":
+        raise UnsupportedModel(f"finetuning_type is {lf.get('finetuning_type')!r}; the forecast covers LoRA only")
+    modules = expected_lora_modules(read_model_layout(config), lf)
+    sizes, rank = linear_shapes(shape), int(lf.get("lora_rank") or 8)
+    return sum(rank * sum(sizes[name.rsplit(".", 1)[-1]]) for name in modules if name.rsplit(".", 1)[-1] in sizes)
+
+
+# --- the run ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What the run does with the model, read from the run config."""
+
+    tokens: int  # cutoff_len x per_device_train_batch_size
+    eval_tokens: int  # cutoff_len x per_device_eval_batch_size, 0 without evaluation
+    act_bytes: int  # the activation and load dtype
+    ranks: int
+    fsdp2: bool
+    fp32_frozen: bool  # accelerate 1.11's float32 upcast of the frozen base (fsdp2 without fsdp2_frozen_dtype)
+    uncheckpointed: dict[str, int]  # layers left un-checkpointed per kind, before a budget plan
+    budget_gib: float | None
+    chunk_tokens: int | None  # None: the whole logits
+    fused_glue: bool
+
+
+def run_shape(
+    shape: ModelShape, model_config: dict[str, Any], launcher, patches: dict[str, dict[str, Any]], lf: dict[str, Any]
+) -> RunShape:
+    """The ``RunShape`` of a run: its ``launcher`` section, normalized ``patches`` and LLaMA-Factory arguments
+    ``lf``; ``model_config`` is the parsed ``config.json``."""
+    cutoff = int(lf.get("cutoff_len") or 2048)  # LLaMA-Factory's default
+    batch = int(lf.get("per_device_train_batch_size") or 8)  # the HF TrainingArguments default
+    evaluates = str(lf.get("eval_strategy", "no")) != "no" and (lf.get("eval_dataset") or lf.get("val_size"))
+    eval_batch = int(lf.get("per_device_eval_batch_size") or 8)
+    half = bool(lf.get("bf16") or lf.get("fp16") or lf.get("pure_bf16"))
+    act_bytes = 2 if half else DTYPE_BYTES[shape.dtype]
+    fsdp2 = launcher.distribution == "fsdp2"
+    ranks = launcher.nproc_per_node * launcher.nnodes
+    ckpt = patches.get("checkpoint_all_layers", {})
+    kinds = shape.kinds()
+    if lf.get("gradient_checkpointing") is False or lf.get("disable_gradient_checkpointing"):
+        left = dict(kinds)  # nothing checkpointed
+    elif not ckpt.get("enabled", True):
+        # LLaMA-Factory 0.9.5 checkpoints only layers owning a trainable parameter (patches/checkpoint_all_layers.py)
+        adapted = _adapted_layers(model_config, lf)
+        left = {
+            kind: sum(1 for i, t in enumerate(shape.layer_types) if t == kind and i not in adapted) for kind in kinds
+        }
+    elif ckpt.get("uncheckpointed_layers"):
+        left, n = {}, int(ckpt["uncheckpointed_layers"])
+        for kind in sorted(kinds, key=lambda k: -_counted_per_token(shape, k, act_bytes)):  # priciest first: a bound
+            left[kind] = min(n, kinds[kind])
+            n -= left[kind]
+    else:
+        left = {}
+    chunked = patches.get("chunked_loss", {})
+    glue = patches.get("fused_ops", {}).get("enabled", True) and patches.get("lora_input_cast", {}).get("enabled", True)
+    return RunShape(
+        tokens=cutoff * batch,
+        eval_tokens=cutoff * eval_batch if evaluates else 0,
+        act_bytes=act_bytes,
+        ranks=ranks,
+        fsdp2=fsdp2,
+        fp32_frozen=fsdp2 and half and not patches.get("fsdp2_frozen_dtype", {}).get("enabled", True),
+        uncheckpointed={k: v for k, v in left.items() if v},
+        budget_gib=ckpt.get("memory_budget_gib"),
+        chunk_tokens=int(chunked.get("chunk_tokens", 512)) if chunked.get("enabled", True) else None,
+        fused_glue=bool(glue),
+    )
+
+
+def _adapted_layers(model_config: dict[str, Any], lf: dict[str, Any]) -> set[int]:
+    """Indices of the decoder layers owning a LoRA module."""
+    found = set()
+    for name in expected_lora_modules(read_model_layout(model_config), lf):
+        if match := re.search(r"\.layers\.(\d+)\.", name):
+            found.add(int(match.group(1)))
+    return found
+
+
+def _counted_per_token(shape: ModelShape, kind: str, act_bytes: int) -> float:
+    """Bytes per token the layer meter would count for one un-checkpointed layer of ``kind``."""
+    return act_bytes * (MLP_SAVED_WIDTHS * shape.intermediate + MIXER_SAVED_HIDDENS[kind] * shape.hidden)
+
+
+# --- the forecast ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Forecast:
+    """Per-device GiB by term, the peak, and the verdict against ``device_gib`` (None: not known)."""
+
+    terms: dict[str, float]
+    step_peak: float
+    eval_peak: float
+    save_peak: float
+    slack: float
+    device_gib: float | None
+    notes: list[str] = field(default_factory=list)
+    fixes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> float:
+        return max(self.step_peak, self.eval_peak, self.save_peak)
+
+    @property
+    def largest(self) -> str:
+        return max(self.terms, key=lambda k: self.terms[k])
+
+    @property
+    def verdict(self) -> str | None:
+        if self.device_gib is None:
+            return None
+        if self.peak > self.device_gib:
+            return "will not fit"
+        return "tight" if self.peak + self.slack > self.device_gib else "fits"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "terms_gib": {k: round(v, 2) for k, v in self.terms.items()},
+            "step_peak_gib": round(self.step_peak, 2),
+            "eval_peak_gib": round(self.eval_peak, 2),
+            "save_peak_gib": round(self.save_peak, 2),
+            "peak_gib": round(self.peak, 2),
+            "slack_gib": round(self.slack, 2),
+            "device_gib": self.device_gib,
+            "verdict": self.verdict,
+            "largest": self.largest,
+            "fix": self.fixes.get(self.largest),
+            "notes": self.notes,
+        }
+
+    def line(self) -> str:
+        """One line for a check table: the peak, the terms, the verdict, the largest term and its option."""
+        terms = sorted(((k, v) for k, v in self.terms.items() if v > 0), key=lambda kv: -kv[1])
+        shown = ", ".join(f"{k} {_size(v)}" for k, v in terms)
+        text = f"forecast peak {_size(self.peak)} per device ({shown}; + slack {_size(self.slack)})"
+        if self.eval_peak > self.step_peak or self.save_peak > self.step_peak:
+            text += f"; evaluation {_size(self.eval_peak)}, final save {_size(self.save_peak)}"
+        if self.device_gib is None:
+            text += "; device memory not known here: give --device-memory GIB for a verdict"
+        else:
+            text += f" against {self.device_gib:.1f} GiB: {self.verdict.upper()}"
+            if self.verdict != "fits":
+                largest = self.largest
+                text += f"; largest term: {largest} ({_size(self.terms[largest])}): {self.fixes[largest]}"
+        return text + "".join(f"; {n}" for n in self.notes)
+
+
+def _size(gib: float) -> str:
+    return f"{gib:.2f} GiB" if gib >= 0.1 else f"{gib * 1024:.1f} MiB"
+
+
+def forecast(shape: ModelShape, run: RunShape, lora_params: int, device_gib: float | None = None) -> Forecast:
+    """The per-device forecast of one training rank (see the module docstring for the terms)."""
+    counts = parameter_counts(shape)
+    b, shards = run.act_bytes, run.ranks if run.fsdp2 else 1
+    weight_bytes = 4 if run.fp32_frozen else b
+    terms: dict[str, float] = {"weights": counts["total"] * weight_bytes / shards / GIB}
+    fixes = {
+        "weights": (
+            "launcher.patches.fsdp2_frozen_dtype: true (accelerate 1.11 holds the frozen base in float32)"
+            if run.fp32_frozen
+            else "more ranks (launcher.nproc_per_node, launcher.nnodes)"
+            if run.fsdp2
+            else "launcher.distribution: fsdp2 over several devices (shards the frozen weights)"
+        )
+    }
+    if run.fsdp2:
+        terms["FSDP2 gathered units"] = (counts["root"] + FSDP_GATHERED_LAYERS * counts["largest_layer"]) * 2 / GIB
+        fixes["FSDP2 gathered units"] = (
+            "no option shrinks it (the root unit, embedding and lm_head, is gathered "
+            "whole); use a device with more memory"
+        )
+    terms["lora"] = lora_params * 16 / shards / GIB
+    fixes["lora"] = "a lower lora_rank or fewer lora_target modules"
+    layers = len(shape.layer_types)
+    terms["checkpointed inputs"] = run.tokens * layers * shape.hidden * b / GIB
+    fixes["checkpointed inputs"] = "a lower cutoff_len or per_device_train_batch_size"
+    real = REAL_OVER_COUNTED * (FUSED_GLUE_LAYER_SHARE if run.fused_glue else 1.0)
+    per_layer = {k: _counted_per_token(shape, k, b) * run.tokens / GIB for k in shape.kinds()}
+    left = dict(run.uncheckpointed)
+    notes = []
+    if run.budget_gib is not None:
+        left, note = _budget_plan(shape, run, per_layer, terms, counts)
+        notes.append(note)
+    terms["un-checkpointed layers"] = sum(n * per_layer[k] * real for k, n in left.items())
+    fixes["un-checkpointed layers"] = (
+        "fewer un-checkpointed layers (a lower checkpoint_all_layers."
+        "memory_budget_gib or uncheckpointed_layers; checkpoint_all_layers: true)"
+    )
+    backward = BACKWARD_OVER_COUNTED * max(per_layer.values())
+    loss_tokens = run.tokens if run.chunk_tokens is None else min(run.chunk_tokens, run.tokens)
+    loss = LOSS_BYTES_PER_LOGIT * loss_tokens * shape.vocab / GIB
+    if loss > backward:
+        terms["loss"] = loss
+        fixes["loss"] = (
+            "launcher.patches.chunked_loss: true (never holds the whole logits)"
+            if run.chunk_tokens is None
+            else "a lower launcher.patches.chunked_loss.chunk_tokens"
+        )
+    else:
+        terms["backward working set"] = backward
+        fixes["backward working set"] = "a lower cutoff_len or per_device_train_batch_size"
+    step = sum(terms.values())
+    held = terms["weights"] + terms.get("FSDP2 gathered units", 0.0) + terms["lora"]
+    eval_peak = held
+    if run.eval_tokens:
+        eval_loss = (
+            EVAL_LOSS_BYTES_PER_LOGIT
+            * (run.eval_tokens if run.chunk_tokens is None else min(run.chunk_tokens, run.eval_tokens))
+            * shape.vocab
+            / GIB
+        )
+        one_layer = max(per_layer.values()) * run.eval_tokens / run.tokens
+        eval_peak = held + max(eval_loss, one_layer) + 2 * run.eval_tokens * shape.hidden * b / GIB
+        fixes["evaluation"] = "a lower per_device_eval_batch_size"
+    # the final save gathers each full tensor on the device under FSDP2 (the embedding is the largest)
+    save_peak = held + (shape.vocab * shape.hidden * 2 / GIB if run.fsdp2 else 0.0)
+    if eval_peak > step:
+        terms["evaluation"] = eval_peak - held
+    slack = SLACK_GIB + SLACK_SHARE * max(step, eval_peak, save_peak)
+    return Forecast(terms, step, eval_peak, save_peak, slack, device_gib, notes, fixes)
+
+
+def _budget_plan(
+    shape: ModelShape, run: RunShape, per_layer: dict[str, float], terms: dict[str, float], counts: dict[str, int]
+) -> tuple[dict[str, int], str]:
+    """The layers a ``memory_budget_gib`` plan leaves un-checkpointed: ``patches.checkpoint_budget.plan`` on the
+    forecast's counts, priced at its ``PRIOR_FACTOR`` as the patch does."""
+    from patches.checkpoint_budget import PRIOR_FACTOR, LayerCost, plan
+
+    kinds = shape.kinds()
+    costs = {
+        k: LayerCost(k, kinds[k], int(per_layer[k] * PRIOR_FACTOR * GIB), per_layer[k], run.tokens)
+        for k in kinds
+        if kinds[k]
+    }
+    loss_tokens = run.tokens if run.chunk_tokens is None else min(run.chunk_tokens, run.tokens)
+    activations = terms["checkpointed inputs"] + max(
+        BACKWARD_OVER_COUNTED * max(per_layer.values()), LOSS_BYTES_PER_LOGIT * loss_tokens * shape.vocab / GIB
+    )
+    held = terms["weights"] + terms.get("FSDP2 gathered units", 0.0) + terms["lora"]
+    chosen = plan(costs, budget_gib=run.budget_gib, peak_gib=held + activations, held_gib=held).uncheckpointed
+    shown = ", ".join(f"{n} {k}" for k, n in chosen.items()) or "none"
+    return chosen, f"the memory_budget_gib {run.budget_gib:g} plan leaves {shown} layer(s) un-checkpointed"
+
+
+# --- the check row ---------------------------------------------------------------------------------------------
+
+
+def device_memory_gib(backend: str) -> float | None:
+    """The first visible device's memory, read through torch (``cuda``, ``npu``); the host's RAM for ``cpu``."""
+    try:
+        if backend == "cpu":
+            import psutil
+
+            return psutil.virtual_memory().total / GIB
+        import torch
+
+        if backend == "npu":
+            import torch_npu  # noqa: F401  (registers torch.npu)
+        module = getattr(torch, backend)
+        if not module.is_available():
+            return None
+        return module.get_device_properties(0).total_memory / GIB
+    except Exception:  # no torch, no device here: the forecast is shown without a verdict
+        return None
+
+
+def forecast_run(config, lf: dict[str, Any], device_gib: float | None) -> Forecast:
+    """The forecast of a run config; raises ``ValueError`` (``UnsupportedModel``) saying why it cannot be made."""
+    from launcher.checks.model import read_config
+
+    raw = read_config(Path(str(lf.get("model_name_or_path", ""))))
+    shape = read_shape(raw)
+    run = run_shape(shape, raw, config.launcher, config.patches, lf)
+    return forecast(shape, run, lora_parameters(shape, raw, lf), device_gib)
+
+
+def check_memory(config, lf: dict[str, Any], backend: str, device_gib: float | None = None) -> tuple[str, str]:
+    """``(status, detail)`` of the ``memory`` row: ``fail`` for will not fit, ``warn`` for tight or when the
+    forecast cannot be made, ``ok`` otherwise. ``device_gib`` (``--device-memory``) overrides what torch reads."""
+    if device_gib is None:
+        device_gib = device_memory_gib(backend)
+    try:
+        result = forecast_run(config, lf, device_gib)
+    except (ValueError, OSError) as err:
+        return "warn", f"memory forecast not made: {err}"
+    status = {"will not fit": "fail", "tight": "warn"}.get(result.verdict or "", "ok")
+    return status, result.line()
+
+
+def parse_gib(text: str) -> float:
+    """``--device-memory`` as a positive number of GiB; ``ValueError`` with the message the CLI prints."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"--device-memory {text!r}: give the device's memory in GiB, such as 64 or 139.8") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"--device-memory {text}: must be a positive number of GiB")
+    return value
+
+
+def forecast_json(result: Forecast) -> str:
+    return json.dumps(result.to_dict(), indent=2)
