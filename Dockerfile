@@ -54,13 +54,20 @@
 # appending @sha256:... to the tag; it is not recorded yet because no registry is reachable from where
 # this file was written. Tag scheme: <cann-version>-<chip>-<os><os-version>-<py-version>
 # (Ascend/cann-container-image, cann/8.5.0-910b-ubuntu22.04-py3.11/Dockerfile).
-ARG CANN_IMAGE=quay.io/ascend/cann:8.5.0-910b-ubuntu22.04-py3.11
+#
+# REGISTRY_MIRROR (e.g. mirror.example.com or mirror.example.com/proxy): a registry mirror that serves each
+# public registry under its host name (mirror.example.com/docker.io/library/python, .../quay.io/ascend/cann);
+# the base images are then pulled from it. A mirror with another layout: set CANN_IMAGE, CUDA_BASE_IMAGE or
+# CPU_BASE_IMAGE to the mirrored names instead. Without any registry: the cpu target builds on a local base
+# image (scripts/build-image.sh cpu does it all).
+ARG REGISTRY_MIRROR=""
+ARG CANN_IMAGE=${REGISTRY_MIRROR:+${REGISTRY_MIRROR}/}quay.io/ascend/cann:8.5.0-910b-ubuntu22.04-py3.11
 # Full Debian image, not -slim: Triton compiles a small C launcher with gcc and Python.h at run time.
-ARG CUDA_BASE_IMAGE=python:3.11.14-bookworm
+ARG CUDA_BASE_IMAGE=${REGISTRY_MIRROR:+${REGISTRY_MIRROR}/}docker.io/library/python:3.11.14-bookworm
 # Any Debian/Ubuntu image with Python 3.11 as `python3.11` on PATH and its venv module (the official
 # image has it at /usr/local/bin, Debian's python3.11 at /usr/bin). The tests use a local debootstrap
 # image (scripts/docker-base-image.sh) because no registry is reachable there.
-ARG CPU_BASE_IMAGE=python:3.11.14-bookworm
+ARG CPU_BASE_IMAGE=${REGISTRY_MIRROR:+${REGISTRY_MIRROR}/}docker.io/library/python:3.11.14-bookworm
 
 # ---------------------------------------------------------------------------------------------------
 FROM ${CUDA_BASE_IMAGE} AS cuda

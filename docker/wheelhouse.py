@@ -7,8 +7,8 @@
     # context's wheelhouse/, bind-mounted at /wheelhouse so no wheel ends up in a layer)
     python docker/wheelhouse.py install requirements.lock
 
-    # anywhere: is the wheelhouse complete for this machine's platform?
-    python3 docker/wheelhouse.py check requirements.lock wheelhouse/npu-aarch64
+    # anywhere, before a build: is the wheelhouse complete for the image's platform? (names what is missing)
+    python3 docker/wheelhouse.py check requirements.lock wheelhouse/npu-aarch64 --platform aarch64
 
 ``install`` runs ``pip install --no-cache-dir --no-deps --require-hashes --only-binary=:all: -r LOCK``
 and, with a wheelhouse, adds ``--no-index --find-links DIR`` after ``check`` found a wheel with a locked
@@ -119,18 +119,39 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def check(lock: Path, wheelhouse: Path) -> list[str]:
-    """Problems (one per missing or unusable package) for installing ``lock`` here from ``wheelhouse``."""
+def target_tags(machine: str, python: str) -> set:
+    """The wheel tags CPython ``python`` on linux ``machine`` (glibc up to 2.GLIBC_MINOR) installs."""
+    from itertools import product
+
+    try:
+        from packaging.tags import Tag
+    except ImportError:
+        from pip._vendor.packaging.tags import Tag  # type: ignore[no-redef]
+
+    digits = "".join(python.split(".")[:2])
+    interpreters = [f"cp{digits}", *(f"py{digits[0]}{minor}" for minor in range(int(digits[1:]), -1, -1)),
+                    f"py{digits[0]}"]  # fmt: skip
+    platforms = [*platform_tags(machine), f"linux_{machine}"]
+    tags = {Tag(f"cp{digits}", abi, plat) for abi in (f"cp{digits}", "abi3", "none") for plat in platforms}
+    tags |= {Tag(f"cp3{minor}", "abi3", plat) for minor in range(2, int(digits[1:]) + 1) for plat in platforms}
+    tags |= {Tag(i, "none", plat) for i, plat in product(interpreters, [*platforms, "any"])}
+    return tags
+
+
+def check(lock: Path, wheelhouse: Path, target: tuple[str, str] | None = None) -> list[str]:
+    """Problems (one per missing or unusable package) for installing ``lock`` from ``wheelhouse``: here, or on
+    ``target`` (machine, CPython version), as the image's install step will, before a build starts."""
     if not wheelhouse.is_dir():
         return [f"{wheelhouse} is not a folder"]
-    supported = set(sys_tags())
+    supported = set(sys_tags()) if target is None else target_tags(*target)
+    environment = None if target is None else target_environment(*target)
     wheels: dict[tuple[str, str], list[tuple[Path, frozenset]]] = {}
     for path in sorted(wheelhouse.iterdir()):
         if path.suffix == ".whl":
             name, version, _, tags = parse_wheel_filename(path.name)
             wheels.setdefault((name, str(version)), []).append((path, tags))
     problems = []
-    for entry in (e for e in read_lock(lock) if applies(e, None)):
+    for entry in (e for e in read_lock(lock) if applies(e, environment)):
         found = wheels.get((entry.name, str(Version(entry.version))), [])
         usable = [path for path, tags in found if tags & supported]
         if not found:
@@ -142,16 +163,17 @@ def check(lock: Path, wheelhouse: Path) -> list[str]:
     return problems
 
 
-def cmd_check(lock: Path, wheelhouse: Path) -> None:
-    problems = check(lock, wheelhouse)
+def cmd_check(lock: Path, wheelhouse: Path, target: tuple[str, str] | None = None) -> None:
+    problems = check(lock, wheelhouse, target)
+    where = f"this platform ({platform.machine()})" if target is None else f"linux {target[0]}, CPython {target[1]}"
     if problems:
         raise WheelhouseError(
-            f"{wheelhouse} cannot install {lock.name} on this platform ({platform.machine()}): "
+            f"{wheelhouse} cannot install {lock.name} on {where}: "
             + "; ".join(problems)
             + f". Make it on a connected machine with: python3 docker/wheelhouse.py download {lock.name} "
             "wheelhouse/<name> --platform <aarch64|x86_64>"
         )
-    print(f"wheelhouse: {wheelhouse} has every wheel {lock.name} needs here")
+    print(f"wheelhouse: {wheelhouse} has every wheel {lock.name} needs on {where}")
 
 
 def cmd_install(lock: Path) -> None:
@@ -204,9 +226,12 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("out", type=Path)
     d.add_argument("--platform", choices=MACHINES, default=platform.machine(), help="target machine")
     d.add_argument("--python", default="3.11.14", help="target CPython version (markers and wheel tags)")
-    c = sub.add_parser("check", help="does WHEELHOUSE hold every wheel LOCK needs on this machine?")
+    c = sub.add_parser("check", help="does WHEELHOUSE hold every wheel LOCK needs on this machine, or with "
+                                     "--platform on the image's (run it before a build)?")  # fmt: skip
     c.add_argument("lock", type=Path)
     c.add_argument("wheelhouse", type=Path)
+    c.add_argument("--platform", choices=MACHINES, default=None, help="the image's machine (default: this one's tags)")
+    c.add_argument("--python", default="3.11.14", help="the image's CPython version, with --platform")
     i = sub.add_parser("install", help="pip install LOCK (from /wheelhouse/$WHEELHOUSE when set)")
     i.add_argument("lock", type=Path)
     ns = parser.parse_args(argv)
@@ -215,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     if ns.verb == "download":
         cmd_download(ns.lock, ns.out, ns.platform, ns.python)
     elif ns.verb == "check":
-        cmd_check(ns.lock, ns.wheelhouse)
+        cmd_check(ns.lock, ns.wheelhouse, None if ns.platform is None else (ns.platform, ns.python))
     else:
         cmd_install(ns.lock)
 

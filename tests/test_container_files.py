@@ -56,7 +56,15 @@ def _stages() -> dict[str, list[str]]:
 def test_three_targets_npu_last_and_no_frontend_to_pull() -> None:
     assert list(_stages()) == ["cuda", "cpu", "npu"]  # the last stage is what `docker build .` builds
     assert not DOCKERFILE.startswith("# syntax=")
-    assert re.search(r"^ARG CPU_BASE_IMAGE=python:3\.11\.\d+-bookworm$", DOCKERFILE, re.M)
+    mirror = re.escape("${REGISTRY_MIRROR:+${REGISTRY_MIRROR}/}")
+    assert re.search(rf"^ARG CPU_BASE_IMAGE={mirror}docker\.io/library/python:3\.11\.\d+-bookworm$", DOCKERFILE, re.M)
+    # every base image is pulled through the registry mirror when REGISTRY_MIRROR is given (compose passes it)
+    bases = re.findall(r"^ARG (\w+_IMAGE)=(.*)$", DOCKERFILE, re.M)
+    assert {name for name, _ in bases} == {"CANN_IMAGE", "CUDA_BASE_IMAGE", "CPU_BASE_IMAGE"}
+    assert all(re.match(mirror + r"(docker|quay)\.io/", value) for _, value in bases), bases
+    for service in ("train", "train-cuda", "train-cpu"):
+        args = COMPOSE["services"][service]["build"]["args"]
+        assert "REGISTRY_MIRROR" in (args if isinstance(args, dict) else [a.split("=")[0] for a in args]), service
 
 
 @pytest.mark.parametrize("target", list(LOCKS))
@@ -162,6 +170,13 @@ def _fake_wheel(folder: Path, name: str, version: str, tag: str = "py3-none-any"
     return path, hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _write_lock(path: Path, *entries: tuple[str, ...]) -> Path:
+    """A uv-style lock: each entry's requirement, its hash on a continuation line, then any comment lines."""
+    path.write_text("".join(f"{req} \\\n    --hash=sha256:{digest}\n" + "".join(f"    {c}\n" for c in comments)
+                            for req, digest, *comments in entries))  # fmt: skip
+    return path
+
+
 def test_check_names_each_missing_or_mismatched_package(tmp_path: Path) -> None:
     wh = _wheelhouse_module()
     house = tmp_path / "house"
@@ -169,14 +184,9 @@ def test_check_names_each_missing_or_mismatched_package(tmp_path: Path) -> None:
     _, good = _fake_wheel(house, "alpha", "1.0")
     _fake_wheel(house, "beta", "2.0")
     _, _other = _fake_wheel(house, "delta", "4.0", "cp311-cp311-manylinux_2_17_s390x")
-    lock = tmp_path / "req.lock"
-    lock.write_text(
-        f"alpha==1.0 \\\n    --hash=sha256:{good}\n    # via -r req.in\n"
-        f"beta==2.0 \\\n    --hash=sha256:{'0' * 64}\n"
-        f"gamma==3.0 \\\n    --hash=sha256:{'1' * 64}\n"
-        f"delta==4.0 \\\n    --hash=sha256:{'2' * 64}\n"
-        f"winonly==5.0 ; sys_platform == 'win32' \\\n    --hash=sha256:{'3' * 64}\n"
-    )
+    lock = _write_lock(tmp_path / "req.lock", ("alpha==1.0", good, "# via -r req.in"), ("beta==2.0", "0" * 64),
+                       ("gamma==3.0", "1" * 64), ("delta==4.0", "2" * 64),
+                       ("winonly==5.0 ; sys_platform == 'win32'", "3" * 64))  # fmt: skip
     problems = wh.check(lock, house)
     assert problems == [
         "beta==2.0: beta-2.0-py3-none-any.whl has a hash the lock does not list",
@@ -187,6 +197,39 @@ def test_check_names_each_missing_or_mismatched_package(tmp_path: Path) -> None:
                          capture_output=True, text=True)  # fmt: skip
     assert out.returncode == 1 and out.stderr.count("\n") == 1  # one message
     assert "gamma==3.0: no wheel" in out.stderr and "wheelhouse.py download" in out.stderr
+
+
+def test_check_for_the_images_platform_names_what_that_build_would_miss(tmp_path: Path) -> None:
+    """`check --platform` judges wheels and markers for the image (linux, CPython 3.11), not for the machine
+    it runs on: before a build starts, it names every wheel the image's install step would not find."""
+    house = tmp_path / "house"
+    house.mkdir()
+    _, native = _fake_wheel(house, "alpha", "1.0", "cp311-cp311-manylinux_2_17_x86_64")
+    _, pure = _fake_wheel(house, "beta", "2.0")
+    _, newer = _fake_wheel(house, "gamma", "3.0", "cp312-cp312-manylinux_2_17_x86_64")
+    lock = _write_lock(tmp_path / "req.lock", ("alpha==1.0", native), ("beta==2.0", pure), ("gamma==3.0", newer),
+                       ("armonly==4.0 ; platform_machine == 'aarch64'", "4" * 64))  # fmt: skip
+
+    def check(machine: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, str(ROOT / "docker" / "wheelhouse.py"), "check", str(lock), str(house),
+                   "--platform", machine, "--python", "3.11.14"]  # fmt: skip
+        return subprocess.run(command, capture_output=True, text=True)
+
+    x86 = check("x86_64")
+    assert x86.returncode == 1 and x86.stderr.count("\n") == 1, x86.stderr
+    assert x86.stderr.startswith(f"wheelhouse: {house} cannot install req.lock on linux x86_64, CPython 3.11.14: "
+                                 "gamma==3.0: only wheels for other platforms (gamma-3.0-cp312-cp312-manylinux_2_17_"
+                                 "x86_64.whl). Make it on a connected machine with: "), x86.stderr  # fmt: skip
+    arm = check("aarch64")
+    assert arm.returncode == 1
+    for missing in ("alpha==1.0: only wheels for other platforms", "gamma==3.0", "armonly==4.0: no wheel"):
+        assert missing in arm.stderr, arm.stderr
+    assert "beta" not in arm.stderr  # a pure-Python wheel fits every platform
+    (house / "gamma-3.0-cp312-cp312-manylinux_2_17_x86_64.whl").unlink()
+    _, fixed = _fake_wheel(house, "gamma", "3.0", "cp311-abi3-manylinux2014_x86_64")
+    lock.write_text(lock.read_text().replace(newer, fixed))
+    done = check("x86_64")
+    assert done.returncode == 0 and "has every wheel req.lock needs on linux x86_64" in done.stdout, done.stderr
 
 
 def test_download_evaluates_markers_for_the_target_platform(tmp_path: Path, monkeypatch) -> None:

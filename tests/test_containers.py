@@ -6,11 +6,11 @@ Enabled by ``LAUNCHER_DOCKER_TESTS=1`` (``.ci/run`` installs and starts an engin
   minutes, so a plain ``bash scripts/test.sh`` never starts it on its own);
 - set, every test needs an engine: if none answers they fail, they are never skipped.
 
-Once per session: the local Debian base image (``scripts/docker-base-image.sh``, rebuilt when missing),
-the cpu wheelhouse (``docker/wheelhouse.py download``) and the image (``docker compose --profile cpu
-build train-cpu``, offline from that wheelhouse). Every test then runs the service with the commands
-docs/containers.md shows, on its own host folders, and waits for conditions (files, ``docker inspect``)
-with deadlines; nothing sleeps a fixed time.
+Once per session: the cpu wheelhouse (``docker/wheelhouse.py download``), then the README's offline build
+``scripts/build-image.sh cpu``: the local Debian base image (``scripts/docker-base-image.sh``, rebuilt when
+missing) and the image (``docker compose --profile cpu build train-cpu``, offline from that wheelhouse).
+Every test then runs the service with the commands docs/containers.md shows, on its own host folders, and
+waits for conditions (files, ``docker inspect``) with deadlines; nothing sleeps a fixed time.
 """
 
 from __future__ import annotations
@@ -96,15 +96,19 @@ def engine():
 
 @pytest.fixture(scope="session")
 def cpu_image(engine) -> str:
-    """The cpu image, built once per session offline from the cpu wheelhouse on the local base."""
+    """The cpu image, built once per session with no registry, as the README says: the cpu wheelhouse made
+    here (docker/wheelhouse.py download), then ``scripts/build-image.sh cpu`` (the wheelhouse checked for the
+    image's platform, the local base image, the offline build)."""
     started = time.monotonic()
-    subprocess.run(["bash", "scripts/docker-base-image.sh", BASE_IMAGE], cwd=ROOT, check=True, timeout=900)
     download = [sys.executable, "docker/wheelhouse.py", "download", "requirements-cpu.lock", "wheelhouse/cpu"]
     out = subprocess.run(download, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    env = {**os.environ, "CPU_BASE_IMAGE": BASE_IMAGE, "WHEELHOUSE": "cpu", "LAUNCHER_GIT_COMMIT": git_commit()}
-    build = [docker_cli(), "compose", "--progress", "plain", "--profile", "cpu", "build", "train-cpu"]
-    out = subprocess.run(build, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    env = {**os.environ, "PATH": f"{Path(docker_cli()).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "PYTHON": sys.executable, "LAUNCHER_GIT_COMMIT": git_commit()}  # fmt: skip
+    for name in ("CPU_BASE_IMAGE", "WHEELHOUSE", "REGISTRY_MIRROR"):
+        env.pop(name, None)
+    out = subprocess.run(["bash", "scripts/build-image.sh", "cpu"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=1800)  # fmt: skip
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     print(f"\n[containers] base + wheelhouse + cpu image ready in {time.monotonic() - started:.0f}s")
     return IMAGE
@@ -179,10 +183,11 @@ def container_processes(run_dir_in_container: str) -> list[psutil.Process]:
 # --- tests ------------------------------------------------------------------------------------------
 
 
-def launcher_on_host(*args: Any, timeout: float = 120) -> subprocess.CompletedProcess:
+def launcher_on_host(*args: Any, timeout: float = 120,
+                     env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
     """The host's ``launcher`` (this checkout), reading the mounted outputs folder."""
     return subprocess.run([sys.executable, "-m", "launcher", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})  # fmt: skip
 
 
 def test_up_trains_the_demo_to_succeeded(compose: Compose, engine) -> None:
@@ -340,6 +345,91 @@ def test_a_killed_container_is_node_lost_and_a_new_up_is_allowed_with_a_warning(
     finally:
         c.cmd("down", "--timeout", "30", "--remove-orphans")
         subprocess.run(["chown", "-R", f"{os.getuid()}:{os.getgid()}", str(tmp_path)], check=False)
+
+
+STEPS = 100  # of the detached runs that the host stops (and resumes)
+
+
+@pytest.fixture
+def detached(cpu_image, engine, tmp_path) -> Iterator[tuple[Compose, Path]]:
+    """A long demo run, detached (`up -d`), once its job has logged a step and can save on a stop."""
+    c = Compose(tmp_path)
+    c.cmd("rm", "--force", "--stop", "train-cpu")
+    try:
+        # 100 steps: the stop lands long before the end, and the resumed attempt finishes on a loaded machine
+        c.cmd("up", "--detach", "train-cpu", env={"TRAIN_CONFIG_CPU": c.long_config(max_steps=STEPS)}, check=True)
+        run = wait_for("the run folder", lambda: (c.runs() or [None])[0], timeout=300)
+        wait_for("a logged step and the job's save-on-stop handshake", lambda: c.status(run).get("state") == "RUNNING"
+                 and (run / "output" / "trainer_log.jsonl").is_file() and (run / "save_on_stop.json").is_file(),
+                 timeout=600)  # fmt: skip
+        yield c, run
+    finally:
+        c.cmd("down", "--timeout", "30", "--remove-orphans")
+        subprocess.run([docker_cli(), "rm", "--force", f"{CONTAINER}-resume"], capture_output=True, check=False)
+        subprocess.run(["chown", "-R", f"{os.getuid()}:{os.getgid()}", str(tmp_path)], check=False)
+
+
+def _ended_events(run: Path) -> list[dict[str, Any]]:
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
+    return [e for e in events if e.get("event") == "ended"]
+
+
+def test_host_stop_saves_through_the_engine_and_host_resume_finishes_the_run(detached, engine) -> None:
+    """`launcher stop` on the host: docker stop through the engine, a checkpoint saved on the stop, the record
+    naming it and `launcher stop`; then `launcher resume` on the host: a new attempt in a container made from
+    the run's own, to SUCCEEDED at the planned step, in the same run directory."""
+    c, run = detached
+    stopped = launcher_on_host("stop", run, timeout=900)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    state = engine.containers.get(CONTAINER).attrs["State"]
+    assert not state["Running"] and state["ExitCode"] != 137, state
+    status = c.status(run)
+    assert status["state"] == "CANCELLED", status  # a user's `launcher stop`, as in a host run
+    assert status["stopped_by"].startswith("launcher stop (pid ") and f"docker stop {CONTAINER}" in status["stopped_by"]
+    saved = status["saved_checkpoint"]
+    assert saved and (run / saved["path"]).is_dir(), status
+    assert f"checkpoint {saved['path']} saved at step {saved['step']} on the stop" in stopped.stdout, stopped.stdout
+    assert len(_ended_events(run)) == 1  # the supervisor's end, and no other
+    host = json.loads(launcher_on_host("status", run, "--json").stdout)
+    assert host["container_status"] == f"Exited ({state['ExitCode']})", host
+
+    resumed = launcher_on_host("resume", run, "--adapter-only", timeout=600)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    name = f"{CONTAINER}-resume"
+    assert f"in container {name}" in resumed.stdout, resumed.stdout
+    wait_for("the resumed run to end", lambda: engine.containers.get(name).status == "exited", timeout=900)
+    status = c.status(run)
+    assert status["state"] == "SUCCEEDED" and status["attempt"] == 2, status
+    assert status["resumed_from"] == saved["path"] and status["container"]["name"] == name, status
+    assert c.runs() == [run]
+    steps = [json.loads(line) for line in (run / "output" / "trainer_log.jsonl").read_text().splitlines()]
+    assert max(r.get("current_steps", 0) for r in steps) == STEPS and saved["step"] < STEPS
+    host = json.loads(launcher_on_host("status", run, "--json").stdout)
+    assert host["container_name"] == name and host["container_status"] == "Exited (0)", host
+
+
+def test_host_stop_now_through_the_engine_and_refused_without_one(detached, engine) -> None:
+    """Without an engine answer `launcher stop` changes nothing and names the command; `--now` stops the
+    container through the engine without a save."""
+    c, run = detached
+    in_container = c.status(run)["run_dir"]
+    refused = launcher_on_host("stop", run, "--now", env={"DOCKER_HOST": f"unix://{c.root}/no-engine.sock"})
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert f"run: docker exec {CONTAINER} launcher stop {in_container} --now" in refused.stderr, refused.stderr
+    assert engine.containers.get(CONTAINER).status == "running"
+    assert c.status(run)["state"] == "RUNNING" and _ended_events(run) == []
+    stopped = launcher_on_host("stop", run, "--now", timeout=900)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    state = engine.containers.get(CONTAINER).attrs["State"]
+    assert not state["Running"] and state["ExitCode"] != 137, state
+    status = c.status(run)
+    assert status["state"] == "CANCELLED" and status["stopped_by"].startswith("launcher stop (pid "), status
+    assert len(_ended_events(run)) == 1
+    # the supervisor took the request's --now: no save requested, SIGTERM to the job at once (a rank that
+    # reaches a step boundary within the grace may still save on that SIGTERM: stopsave.py)
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
+    (stopping,) = [e for e in events if e.get("event") == "stopping"]
+    assert stopping["save"] is False and stopping["requested_by"] == status["stopped_by"], stopping
 
 
 def test_security_settings_and_read_only_mounts(compose: Compose, engine) -> None:

@@ -65,6 +65,20 @@ def test_cli_refusal_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith("error: run run ended SUCCEEDED")
 
 
+def test_launcher_run_with_launcher_resume_resumes_that_run_instead(tmp_path, monkeypatch):
+    """compose's RESUME_RUN: `launcher run CONFIG` resumes the named run (here refused: it SUCCEEDED, and a bad
+    LAUNCHER_RESUME_ADAPTER_ONLY is one message) and starts no new run."""
+    run_dir = crafted_run(tmp_path, "SUCCEEDED", {2: True})
+    monkeypatch.setenv("LAUNCHER_RESUME", str(run_dir))
+    proc = launcher_cmd("run", "configs/demo_cpu.yaml")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: run run ended SUCCEEDED"), proc.stderr
+    assert f"LAUNCHER_RESUME={run_dir}: resuming that run instead of starting a new one" in proc.stdout
+    monkeypatch.setenv("LAUNCHER_RESUME_ADAPTER_ONLY", "yes")
+    proc = launcher_cmd("run", "configs/demo_cpu.yaml")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: LAUNCHER_RESUME_ADAPTER_ONLY='yes': expected 1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
 @pytest.mark.slow
 def test_a_stopped_run_resumes_exactly_as_a_new_attempt(tmp_path, demo_assets):
     """A real run whose end is cut back to 'cancelled after step 2', resumed through the CLI."""

@@ -6,6 +6,7 @@ the SDK does (`containers.get` returning an object with `.status`, or raising `N
 
 from __future__ import annotations
 
+import json
 import sys
 
 import docker
@@ -13,9 +14,14 @@ import psutil
 import pytest
 from docker.errors import DockerException, NotFound
 
-from launcher.monitor.status import collect
+from launcher.errors import ExitCode, LauncherError
+from launcher.monitor.status import collect, render
 from launcher.procs import boot_id, identity
-from tests.fake_runs import spawn, write_record
+from launcher.run.container import END_MARGIN_S
+from launcher.run.control import stop_run
+from launcher.state.record import RunStore
+from launcher.state.states import RunState
+from tests.fake_runs import read_status, spawn, write_record
 
 
 class _Containers:
@@ -66,3 +72,103 @@ def test_engine_missing_entirely_keeps_the_recorded_state(running_record, monkey
 
     monkeypatch.setattr(docker, "from_env", no_engine)
     assert collect(running_record)["state"] == "RUNNING"
+
+
+# --- a run in a container, seen from the host: status after its end, `launcher stop` through the engine ------
+
+CONTAINER_ID = "c" * 64
+
+
+class _Engine:
+    """A docker SDK client whose one container answers like the SDK's: ``status``, ``attrs``, ``top()``,
+    ``stop(timeout=)`` (which runs ``on_stop``, as the container's supervisor would before exiting)."""
+
+    def __init__(self, status: str, exit_code: int = 0, on_stop=None):
+        self.stops: list[float] = []
+        engine = self
+
+        class Container:
+            name, id = "deltanet-train-cpu", CONTAINER_ID
+
+            @property
+            def status(self):
+                return engine.status
+
+            @property
+            def attrs(self):
+                return {"State": {"ExitCode": engine.exit_code, "StartedAt": "0001-01-01T00:00:00Z"}}
+
+            def top(self):
+                return {"Titles": ["PID", "CMD"], "Processes": [["7", "python -m launcher run demo.yaml"]]}
+
+            def stop(self, timeout):
+                engine.stops.append(timeout)
+                if on_stop is not None:
+                    on_stop()
+                engine.status, engine.exit_code = "exited", 143
+
+        self.status, self.exit_code, self.container = status, exit_code, Container()
+        self.containers = self
+
+    def get(self, ref):
+        if ref not in (self.container.name, self.container.id):
+            raise NotFound(f"no such container: {ref}")
+        return self.container
+
+    def ping(self):
+        return True
+
+
+def _container_record(run_dir, state="RUNNING", **fields):
+    """A record written by a supervisor in a container: another pid namespace, the container's name and id."""
+    write_record(run_dir, "run-1", state=state, boot_id=boot_id(), stop_grace_s=30.0,
+                 supervisor={"pid": 7, "create_time": 1.0, "pid_ns": "pid:[1]"},
+                 container={"name": "deltanet-train-cpu", "id": CONTAINER_ID}, **fields)  # fmt: skip
+    record = read_status(run_dir)
+    (run_dir / "status.json").write_text(json.dumps({**record, "run_dir": "/outputs/runs/run-1"}))
+    return run_dir
+
+
+def test_status_after_the_container_ended_shows_the_engines_state(tmp_path, monkeypatch):
+    engine = _Engine("exited", exit_code=0)
+    monkeypatch.setattr(docker, "from_env", lambda **_: engine)
+    info = collect(_container_record(tmp_path, state="SUCCEEDED"))
+    assert info["container_status"] == "Exited (0)" and info["container_name"] == "deltanet-train-cpu"
+    assert "deltanet-train-cpu (Exited (0))" in render(info)
+
+
+def test_host_stop_of_a_live_container_run_goes_through_the_engine_never_a_false_end(tmp_path, monkeypatch):
+    """The engine vouches for the container and its launcher: `launcher stop` leaves the stop request (so the
+    supervisor names it), docker-stops the container with the grace plus a margin, and records nothing itself
+    when the supervisor recorded the end (here: the stand-in's stop writes it, as the supervisor does)."""
+    run_dir = _container_record(tmp_path)
+
+    def supervisor_ends():
+        request = json.loads((run_dir / "stop_request.json").read_text())
+        assert request["now"] is False and request["by"].startswith("launcher stop (pid ")
+        RunStore.open(run_dir).record_end(RunState.CANCELLED, stopped_by=request["by"], processes=[])
+
+    engine = _Engine("running", on_stop=supervisor_ends)
+    monkeypatch.setattr(docker, "from_env", lambda **_: engine)
+    assert stop_run(run_dir, None) == 0
+    assert engine.stops == [30 + END_MARGIN_S]
+    assert read_status(run_dir)["state"] == "CANCELLED"
+    ended = [ln for ln in (run_dir / "events.jsonl").read_text().splitlines() if '"ended"' in ln]
+    assert len(ended) == 1 and "docker stop deltanet-train-cpu" in ended[0]
+
+
+def test_host_stop_without_an_engine_changes_nothing_and_names_the_command(tmp_path, monkeypatch):
+    run_dir = _container_record(tmp_path)
+
+    def no_engine(**_):
+        raise DockerException("Error while fetching server API version")
+
+    monkeypatch.setattr(docker, "from_env", no_engine)
+    with pytest.raises(LauncherError) as raised:
+        stop_run(run_dir, 5.0, now=True)
+    assert raised.value.exit_code == ExitCode.FAILED
+    assert str(raised.value).endswith(
+        "run: docker exec deltanet-train-cpu launcher stop /outputs/runs/run-1 --now --grace=5"
+    ), str(raised.value)
+    assert read_status(run_dir)["state"] == "RUNNING"
+    assert not (run_dir / "stop_request.json").exists() and not (run_dir / "events.jsonl").exists()

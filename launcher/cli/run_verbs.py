@@ -23,7 +23,28 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     from launcher.run.config import load_run_config
     from launcher.run.supervisor import supervise
 
+    if os.environ.get(RESUME_ENV, "").strip():
+        return _resume_instead(ns)
     return supervise(load_run_config(ns.config, overrides_of(ns)), echo=not ns.quiet)
+
+
+RESUME_ENV, ADAPTER_ONLY_ENV = "LAUNCHER_RESUME", "LAUNCHER_RESUME_ADAPTER_ONLY"  # compose: RESUME_RUN, ...
+
+
+def _resume_instead(ns: argparse.Namespace) -> int:
+    """``launcher run CONFIG`` with LAUNCHER_RESUME=RUN (compose's RESUME_RUN): resume that run in the
+    foreground instead of starting a new one (a run id under the config's output root, or a run directory)."""
+    from launcher.run.config import load_run_config
+    from launcher.run.resume import resume_run
+    from launcher.state.runs import run_dir_for
+
+    run, adapter_only = os.environ[RESUME_ENV].strip(), os.environ.get(ADAPTER_ONLY_ENV, "").strip()
+    if adapter_only not in ("", "0", "1"):
+        raise LauncherError(f"{ADAPTER_ONLY_ENV}={adapter_only!r}: expected 1 (accept an adapter-only resume) or "
+                            "nothing; compose passes RESUME_ADAPTER_ONLY")  # fmt: skip
+    root = None if Path(run).is_dir() else load_run_config(ns.config, overrides_of(ns)).launcher.output_root
+    print(f"{RESUME_ENV}={run}: resuming that run instead of starting a new one", flush=True)
+    return resume_run(run_dir_for(run, root), adapter_only=adapter_only == "1", foreground=True)
 
 
 def _args_profile(p: argparse.ArgumentParser) -> None:

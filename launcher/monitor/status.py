@@ -21,7 +21,7 @@ from launcher.errors import ExitCode
 from launcher.files import FileFollower, read_json_object, shown, tail_lines
 from launcher.oomtrack import summary
 from launcher.state.checkpoints import last_complete_checkpoint
-from launcher.state.reconcile import reconcile
+from launcher.state.reconcile import ContainerView, Reconciled, inspect_container, reconcile, same_namespace
 from launcher.state.record import RecordUnreadable, RunRecord, read_record
 from launcher.state.runs import JOB_LOG, SUPERVISOR_LOG, list_runs
 from launcher.state.states import RunState
@@ -129,7 +129,22 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "trainer_log_long_lines_skipped": read.long_lines_skipped,
         "container": record.container,
         "container_state": seen.container_state,
+        **_container_now(record, seen),
     }  # fmt: skip
+
+
+def _container_now(record: RunRecord, seen: Reconciled) -> dict[str, Any]:
+    """What the engine says now of the container the run's latest attempt lives in: its name (by the
+    recorded id: a `docker compose run` container has a name of its own) and its state, also after the run
+    ended (``Exited (0)``). Empty for a run not in a container, or one recorded in this pid namespace."""
+    if not record.container:
+        return {}
+    view = seen.container_view
+    if view is None and not same_namespace(record):
+        view = inspect_container(record.container)
+    view = view or ContainerView()
+    return {"container_name": view.name or record.container.get("name") or record.container.get("id"),
+            "container_status": view.describe()}  # fmt: skip
 
 
 _CHECKPOINT_STEP = re.compile(r"checkpoint-(\d+)/*$")
@@ -245,8 +260,7 @@ def render(info: dict[str, Any]) -> str:
     if info["reason"] and info["reason"].strip():
         rows.append(("reason", info["reason"].strip().splitlines()[-1]))
     if info["container"]:
-        engine = info["container_state"] or "state unknown"
-        rows.append(("container", f"{info['container'].get('name') or info['container'].get('id')} ({engine})"))
+        rows.append(("container", f"{info['container_name']} ({info['container_status']})"))
     log = info["trainer_log"]
     if skipped := info.get("trainer_log_long_lines_skipped"):
         log += f" ({skipped} line(s) over {MAX_LINE_BYTES:,} bytes skipped: damaged)"

@@ -300,6 +300,14 @@ def render_markdown(report: RunReport) -> str:
 
 
 def _smooth(values: list[float], weight: float = 0.9) -> list[float]:
+    """The training loss smoothed without lag: the mean of an exponential moving average run forwards and one
+    run backwards. One EMA alone trails the curve by about ``weight / (1 - weight)`` steps, so on a falling
+    loss it runs above every raw value (0.1 above at a slope of 0.01 per step)."""
+    forward, backward = _ema(values, weight), _ema(values[::-1], weight)[::-1]
+    return [(a + b) / 2 for a, b in zip(forward, backward, strict=True)]
+
+
+def _ema(values: list[float], weight: float) -> list[float]:
     """Exponential moving average with TensorBoard's debiasing, so the start is not pulled to 0."""
     out, last, norm = [], 0.0, 0.0
     for v in values:

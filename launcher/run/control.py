@@ -20,7 +20,7 @@ from launcher.errors import ExitCode, LauncherError
 from launcher.files import make_folder, read_json_object, write_json_atomic
 from launcher.procs import find_live, terminate
 from launcher.run.config import RunConfig
-from launcher.state.reconcile import reconcile
+from launcher.state.reconcile import reconcile, same_namespace
 from launcher.state.record import RecordUnreadable, RunStore, now_iso, read_record
 from launcher.state.runs import SAVE_DONE, SAVE_READY, SAVE_REQUEST, SUPERVISOR_LOG
 from launcher.state.states import RunState
@@ -117,11 +117,14 @@ def stop_run(run_dir: Path, grace_s: float | None, wait_s: float | None = None, 
     if record.terminal and not seen.live:
         print(f"run {record.run_id} already ended: {record.state.value}")
         return ExitCode.OK
+    if record.container and not same_namespace(record):  # its pids mean nothing here: through the engine
+        from launcher.run.container import stop_container_run
+
+        return stop_container_run(run_dir, store, seen, grace_s, now, by, DEFAULT_STOP_GRACE_S)
     if seen.liveness == "unknown":
-        where = (record.container or {}).get("name") or "another pid namespace"
         raise LauncherError(
-            f"run {record.run_id} lives in {where}, whose processes cannot be signalled from here; stop its "
-            "container (`docker compose stop`) or run `launcher stop` inside it",
+            f"run {record.run_id} lives in another pid namespace and in no known container, whose processes "
+            "cannot be signalled from here; run `launcher stop` where it runs",
             ExitCode.FAILED,
         )
     grace = grace_s if grace_s is not None else record.stop_grace_s

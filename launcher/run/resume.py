@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from launcher.errors import LauncherError
+from launcher.procs import container_identity
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.reconcile import reconcile
 from launcher.state.record import read_record
@@ -77,6 +78,11 @@ def resume_run(run_dir: Path, adapter_only: bool = False, foreground: bool = Fal
     from launcher.run.config import OVERRIDES_FILE, load_run_config
 
     plan = plan_resume(run_dir, adapter_only)
+    record = read_record(run_dir)
+    if record.container and container_identity() is None:  # on the host: the run resumes in a container
+        from launcher.run.container import resume_in_container
+
+        return resume_in_container(run_dir, record, adapter_only)
     print(f"resuming from {plan.checkpoint} (step {plan.step}, {plan.mode})")
     if plan.mode == "adapter-only":
         print("note: optimizer and learning-rate schedule restart; only the adapter and step count are reloaded")

@@ -27,7 +27,7 @@ from launcher.state.states import RunState
 
 Liveness = Literal["live", "gone", "unknown"]
 # Docker's container states in which the run's processes can still be alive
-_CONTAINER_ALIVE = {"running", "paused", "restarting", "created"}
+CONTAINER_ALIVE = frozenset({"running", "paused", "restarting", "created"})
 
 
 @dataclass
@@ -40,6 +40,7 @@ class Reconciled:
     live: list[Any] = field(default_factory=list)  # psutil.Process of the job still alive here
     liveness: Liveness = "live"
     container_state: str | None = None  # the engine's word, "gone", or None when unknown
+    container_view: ContainerView | None = None  # the engine's whole answer, when it was asked
 
     @property
     def live_pids(self) -> list[int]:
@@ -49,11 +50,22 @@ class Reconciled:
 @dataclass
 class ContainerView:
     """What the Docker engine says of a container: ``state`` (its word, ``gone``, or None when no engine
-    answers), when it last started (epoch seconds), and while it runs its processes' command lines."""
+    answers), when it last started (epoch seconds), while it runs its processes' command lines, its name
+    now and, once it has exited, its exit code."""
 
     state: str | None = None
     started: float | None = None
     commands: list[str] | None = None
+    name: str | None = None
+    exit_code: int | None = None
+
+    def describe(self) -> str:
+        """The engine's answer in a few words: ``running``, ``Exited (0)`` (as ``docker ps`` says), ``gone``."""
+        if self.state is None:
+            return "state unknown (no answer from a Docker engine)"
+        if self.state == "exited" and self.exit_code is not None:
+            return f"Exited ({self.exit_code})"
+        return self.state
 
 
 def inspect_container(container: dict[str, Any] | None) -> ContainerView:
@@ -73,7 +85,9 @@ def inspect_container(container: dict[str, Any] | None) -> ContainerView:
     except (DockerException, OSError):
         return ContainerView()
     state = (getattr(found, "attrs", None) or {}).get("State") or {}
-    view = ContainerView(str(found.status), _epoch(state.get("StartedAt")))
+    code = state.get("ExitCode")
+    view = ContainerView(str(found.status), _epoch(state.get("StartedAt")), name=getattr(found, "name", None),
+                         exit_code=code if found.status == "exited" and isinstance(code, int) else None)  # fmt: skip
     if view.state == "running":
         try:
             top = found.top()
@@ -102,14 +116,15 @@ def _restarted_since(record: RunRecord, started: float | None) -> bool:
     return started is not None and isinstance(began, int | float) and started > float(began) + 1.0
 
 
-def _same_namespace(record: RunRecord) -> bool:
+def same_namespace(record: RunRecord) -> bool:
+    """Whether the run's supervisor was recorded in this pid namespace (its pids can be checked here)."""
     recorded = (record.supervisor or {}).get("pid_ns")
     return recorded is None or recorded == pid_namespace()
 
 
 def reconcile(record: RunRecord, run_dir: Path) -> Reconciled:
     """Hold ``record`` (read from ``run_dir``) against this host, its processes and the Docker engine."""
-    here = _same_namespace(record)
+    here = same_namespace(record)
     live = [p for p in (find_live(r, str(record.run_id)) for r in record.processes) if p is not None] if here else []
     result = Reconciled(record.state, record.state, live=live, liveness="live" if here else "unknown")
     if record.terminal:
@@ -125,9 +140,9 @@ def reconcile(record: RunRecord, run_dir: Path) -> Reconciled:
         return result
     if record.container:
         view = inspect_container(record.container)
-        result.container_state, commands = view.state, view.commands
+        result.container_state, result.container_view, commands = view.state, view, view.commands
         name = record.container.get("name") or record.container.get("id")
-        if result.container_state is not None and result.container_state not in _CONTAINER_ALIVE:
+        if result.container_state is not None and result.container_state not in CONTAINER_ALIVE:
             result.state, result.liveness = RunState.NODE_LOST, "gone"
             result.note = f"container {name} is {result.container_state}"
             return result

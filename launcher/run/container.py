@@ -1,0 +1,236 @@
+"""``launcher stop`` and ``launcher resume`` for a run that lives in a container, from outside it.
+
+The run's processes live in the container's pid namespace: they cannot be signalled (or even seen) from the
+host. What can be reached is the Docker engine (the docker SDK), and it does what compose does:
+
+- stop: the stop request is written first (the supervisor reads it when the SIGTERM arrives, so it saves a
+  checkpoint unless ``--now``, and records ``launcher stop`` as the sender), then ``docker stop`` with the
+  run's grace plus a margin for the end record: the image's init forwards the SIGTERM to the supervisor;
+- resume: a new container made from the run's own (exited) one: the same image, mounts, user, devices and
+  security settings, running ``launcher resume RUN --foreground``.
+
+Without an engine answer nothing is changed: the command to run where one answers is printed and the exit
+code is non-zero. An end is recorded here only once the engine says the container is no longer running.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+from launcher.errors import ExitCode, LauncherError
+from launcher.state.reconcile import CONTAINER_ALIVE, Reconciled, reconcile
+from launcher.state.record import RecordUnreadable, RunRecord, RunStore, read_record
+from launcher.state.states import RunState
+
+END_MARGIN_S = 60.0  # after the grace: the supervisor stops what is left of the job and writes the end record
+HANDSHAKE_TIMEOUT_S = 300.0
+RESUME_SUFFIX = "-resume"
+
+
+class NoEngine(Exception):
+    """No Docker engine answers here (the docker SDK's own error, in words)."""
+
+
+def _client() -> Any:
+    try:
+        import docker
+        from docker.errors import DockerException
+    except ImportError as err:
+        raise NoEngine(f"the docker SDK is not installed ({err})") from err
+    try:
+        client = docker.from_env(timeout=30)
+        client.ping()
+        return client
+    except (DockerException, OSError) as err:
+        raise NoEngine(str(err)) from err
+
+
+def _find(client: Any, container: dict[str, Any]) -> Any | None:
+    """The run's container by its recorded id, else by name; None when the engine no longer has it."""
+    from docker.errors import NotFound
+
+    for ref in (container.get("id"), container.get("name")):
+        if ref:
+            try:
+                return client.containers.get(ref)
+            except NotFound:
+                continue
+    return None
+
+
+def _label(record: RunRecord) -> str:
+    container = record.container or {}
+    return str(container.get("name") or container.get("id") or "its container")
+
+
+def in_container_command(record: RunRecord, verb: str, *args: str) -> str:
+    """``docker exec NAME launcher VERB RUN_DIR ...``: the command that does it inside the run's container."""
+    where = record.run_dir or record.run_id
+    return shlex.join(["docker", "exec", _label(record), "launcher", verb, where, *args])
+
+
+# --- stop -------------------------------------------------------------------------------------------------
+
+
+def stop_container_run(run_dir: Path, store: RunStore, seen: Reconciled, grace_s: float | None, now: bool,
+                       by: str, default_grace_s: float) -> int:  # fmt: skip
+    """Stop a run that lives in a container through the Docker engine (``docker stop``), as compose does."""
+    from launcher.run.supervisor import request_stop
+
+    record = store.record
+    name = _label(record)
+    if seen.container_state is not None and seen.container_state not in CONTAINER_ALIVE:  # exited or gone
+        if not record.terminal:
+            store.record_end(seen.state, reason=f"{seen.note}; recorded by {by}", processes=[])
+        print(f"run {record.run_id}: {seen.note}; nothing to stop; recorded {store.state.value}")
+        return ExitCode.OK
+    flags = (["--now"] if now else []) + ([f"--grace={grace_s:g}"] if grace_s is not None else [])
+    try:
+        container = _find(_client(), record.container or {})
+    except NoEngine as err:
+        raise LauncherError(
+            f"run {record.run_id} lives in container {name}, and no Docker engine answers here ({err}); nothing "
+            f"was stopped. Where the engine answers, run: {in_container_command(record, 'stop', *flags)}",
+            ExitCode.FAILED,
+        ) from err
+    if container is None:  # the engine lost it between the two questions
+        return stop_container_run(run_dir, store, reconcile(record, run_dir), grace_s, now, by, default_grace_s)
+    grace = grace_s if grace_s is not None else (record.stop_grace_s or default_grace_s)
+    timeout = math.ceil(grace + END_MARGIN_S)
+    by = f"{by} through the Docker engine (docker stop {container.name})"
+    request_stop(run_dir, grace_s, by=by, now=now)  # read by the supervisor when the SIGTERM arrives
+    what = "SIGTERM, no save" if now else "a checkpoint at the next step, then exit"
+    print(f"stopping run {record.run_id}: docker stop of container {container.name} ({what}; the engine sends "
+          f"SIGKILL after {timeout} s)", flush=True)  # fmt: skip
+    from docker.errors import DockerException
+
+    try:
+        container.stop(timeout=timeout)
+    except DockerException as err:
+        raise LauncherError(f"docker stop of container {container.name} failed: {err}", ExitCode.FAILED) from err
+    return _report_stop(run_dir, store, record, container.name, by)
+
+
+def _report_stop(run_dir: Path, store: RunStore, record: RunRecord, name: str, by: str) -> int:
+    """The container has stopped: say how the run ended (its supervisor recorded it), or record what it is."""
+    try:
+        ended = read_record(run_dir)
+    except RecordUnreadable:
+        ended = None
+    if ended is not None and ended.terminal:
+        saved = ended.saved_checkpoint
+        line = f"run {record.run_id} ended {ended.state.value}; stopped by {ended.stopped_by}"
+        if saved:
+            line += f"; checkpoint {saved.get('path')} saved at step {saved.get('step')} on the stop"
+        print(line)
+        return ExitCode.OK
+    seen = reconcile(read_record(run_dir), run_dir)
+    store.record_end(seen.state if seen.state.terminal else RunState.NODE_LOST, processes=[],
+                     reason=f"container {name} was stopped by {by}; its supervisor recorded no end")  # fmt: skip
+    print(f"run {record.run_id}: container {name} stopped, but its supervisor recorded no end; recorded "
+          f"{store.state.value}")  # fmt: skip
+    return ExitCode.FAILED
+
+
+# --- resume -----------------------------------------------------------------------------------------------
+
+
+def resume_command(record: RunRecord, adapter_only: bool) -> list[str]:
+    """``launcher resume RUN_DIR --foreground`` with the run directory as the container sees it."""
+    return ["launcher", "resume", record.run_dir or record.run_id, "--foreground",
+            *(["--adapter-only"] if adapter_only else [])]  # fmt: skip
+
+
+def compose_resume_command(record: RunRecord, adapter_only: bool) -> str:
+    """The compose command that resumes the run in its service's container (compose.yaml's RESUME_RUN; each
+    service's container is named ``deltanet-<service>``, and the cuda and cpu services need their profile)."""
+    service = _label(record).removesuffix(RESUME_SUFFIX).removeprefix("deltanet-")
+    profile = service.removeprefix("train-") if service.startswith("train-") else None
+    env = [f"RESUME_RUN={record.run_dir or record.run_id}", *(["RESUME_ADAPTER_ONLY=1"] if adapter_only else [])]
+    return shlex.join([*env, "docker", "compose", *(["--profile", profile] if profile else []), "up", "--detach",
+                       service])  # fmt: skip
+
+
+def resume_in_container(run_dir: Path, record: RunRecord, adapter_only: bool) -> int:
+    """Start ``launcher resume`` for a container run in a new container made from the run's own one."""
+    try:
+        client = _client()
+        old = _find(client, record.container or {})
+    except NoEngine as err:
+        raise LauncherError(
+            f"run {record.run_id} ran in container {_label(record)}, and no Docker engine answers here ({err}); "
+            f"nothing was started. From the compose folder, with the run's OUTPUTS_DIR, run: "
+            f"{compose_resume_command(record, adapter_only)}",
+            ExitCode.FAILED,
+        ) from err
+    if old is None:
+        raise LauncherError(
+            f"run {record.run_id}: its container {_label(record)} no longer exists, so its settings cannot be "
+            f"reused; nothing was started. From the compose folder, with the run's OUTPUTS_DIR, run: "
+            f"{compose_resume_command(record, adapter_only)}",
+            ExitCode.FAILED,
+        )
+    name = old.name.removesuffix(RESUME_SUFFIX) + RESUME_SUFFIX
+    _remove_exited(client, name)
+    new = _clone(client, old, name, resume_command(record, adapter_only))
+    print(f"resuming run {record.run_id} in container {name} (made from {old.name}: same image, mounts and user)")
+    _wait_for_attempt(run_dir, record, new)
+    print(f"follow it with:\n  launcher status {record.run_id} --watch\n  launcher logs {record.run_id} -f\n"
+          f"  docker logs -f {name}\nstop it with:\n  launcher stop {record.run_id}")  # fmt: skip
+    return ExitCode.OK
+
+
+def _remove_exited(client: Any, name: str) -> None:
+    """An earlier resume's container of that name, once it has ended (a live one is refused)."""
+    from docker.errors import NotFound
+
+    try:
+        earlier = client.containers.get(name)
+    except NotFound:
+        return
+    if earlier.status in CONTAINER_ALIVE:
+        raise LauncherError(f"container {name} is {earlier.status}: another resume of this run may be starting; "
+                            f"see `docker logs {name}`", ExitCode.FAILED)  # fmt: skip
+    earlier.remove()
+
+
+def _clone(client: Any, old: Any, name: str, command: list[str]) -> Any:
+    """A container like ``old`` (image, mounts, user, devices, security, network, environment), running
+    ``command``, named ``name``; started. Compose's labels mark it as a one-off of the same service."""
+    config, host = old.attrs["Config"], dict(old.attrs["HostConfig"])
+    env = [e for e in config.get("Env") or [] if not e.startswith("LAUNCHER_CONTAINER=")]
+    labels = {k: v for k, v in (config.get("Labels") or {}).items() if k != "com.docker.compose.container-number"}
+    if "com.docker.compose.project" in labels:
+        labels["com.docker.compose.oneoff"] = "True"
+    created = client.api.create_container(
+        old.attrs["Image"], command=command, name=name, entrypoint=config.get("Entrypoint"),
+        environment=[*env, f"LAUNCHER_CONTAINER={name}"], user=config.get("User") or None,
+        working_dir=config.get("WorkingDir") or None, labels=labels, host_config=host,
+        stop_signal=config.get("StopSignal"), stop_timeout=config.get("StopTimeout"),
+    )  # fmt: skip
+    client.api.start(created["Id"])
+    return client.containers.get(created["Id"])
+
+
+def _wait_for_attempt(run_dir: Path, record: RunRecord, container: Any) -> None:
+    """Until the record shows the new attempt, or the container ends first (then its last lines are shown)."""
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            now = read_record(run_dir)
+        except RecordUnreadable:
+            now = None
+        if now is not None and now.attempt > record.attempt:
+            print(f"run {record.run_id}: attempt {now.attempt} is {now.state.value}")
+            return
+        container.reload()
+        if container.status not in CONTAINER_ALIVE:
+            tail = container.logs(tail=20).decode(errors="replace").strip()
+            raise LauncherError(f"container {container.name} ended before the resume began:\n{tail}", ExitCode.FAILED)
+        time.sleep(0.5)
+    raise LauncherError(f"container {container.name} has not begun the resume after {HANDSHAKE_TIMEOUT_S:.0f} s; "
+                        f"see `docker logs {container.name}`", ExitCode.FAILED)  # fmt: skip
