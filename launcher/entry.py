@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from launcher import oomtrack
-from launcher.files import disk_error, write_json_or_warn
+from launcher.files import DiskTolerantStream, disk_error, write_json_or_warn
 from launcher.results import best_adapter
 from launcher.state.runs import ERRORS_DIR, LAUNCH_FILE
 from launcher.stopsave import StoppedAfterSave, install_sigterm_handler, make_callback
@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None, callbacks: tuple = ()) -> int:
         print("usage: python -m launcher.entry RUN_DIR", file=sys.stderr)
         return 2
     run_dir = Path(argv[0]).resolve()
+    # before any library keeps a reference to them: a disk that refuses the run's log must not end training
+    sys.stdout, sys.stderr = DiskTolerantStream(sys.stdout), DiskTolerantStream(sys.stderr)
     try:
         return _train(run_dir, callbacks)
     except StoppedAfterSave as stopped:

@@ -6,6 +6,8 @@ Nothing here knows about runs; every other module writes and reads its files thr
   new one, never half.
 - ``write_json_or_warn``: the same from inside a training process, where a disk's refusal (``DISK_ERRNOS``) is
   a warning, never an exception (``disk_error`` describes it).
+- ``DiskTolerantStream``: a training process's stdout or stderr (the run's log, on the run's disk) that drops
+  what a refusing disk will not take instead of raising it into the training loop.
 - ``append_line``: one line appended and fsynced (``events.jsonl``).
 - ``read_json_bounded``: JSON from a file of at most so many bytes and so deep, or ``Unreadable`` saying why;
   ``read_json_object``/``read_yaml_mapping``: a mapping, or a one-line description of why not.
@@ -123,6 +125,37 @@ def write_json_or_warn(path: Path, data: Any, what: str) -> dict[str, Any] | Non
                        "again at its next update", what, path, found["errno"], found["message"], found["free_bytes"])
         return found
     return None
+
+
+class DiskTolerantStream:
+    """A training process's stdout or stderr whose file a disk may refuse (``DISK_ERRNOS``): the text is dropped
+    and counted instead of raising. The job's output goes to the run's log on the run's disk, so on a full or
+    read-only disk the Trainer's progress bar, a print or a warning would otherwise end the rank with ENOSPC or
+    EROFS; the lines written while the disk refuses are lost (what the buffer held is written once it takes
+    writes again). Everything else is the wrapped stream's (``fileno``, ``isatty``, ``encoding``...)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.dropped_chars = 0
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as exc:
+            if exc.errno not in DISK_ERRNOS:
+                raise
+            self.dropped_chars += len(text)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as exc:
+            if exc.errno not in DISK_ERRNOS:
+                raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def share_readable(folder: Path) -> int:

@@ -8,6 +8,7 @@ own folder (the tmpfs goes with the namespace).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -169,6 +170,42 @@ def test_a_rank_side_record_on_a_full_disk_is_a_warning_and_lands_whole_once_spa
     after = seen["on_disk_after"]
     assert after["status"] == "applied" and after["first_call"] == {"device": "cpu"}
     assert after["first_training_step"] == {"layers": 4}
+
+
+LOG_PROBE = r"""
+import sys
+from launcher.files import DiskTolerantStream
+if sys.argv[1] == "tolerant":
+    sys.stdout, sys.stderr = DiskTolerantStream(sys.stdout), DiskTolerantStream(sys.stderr)
+for step in range(50):  # what a progress bar and the Trainer's prints send to the run's log at every step
+    print(f"step {step}: " + "x" * 200, flush=True)
+    print(f"{step}/50", file=sys.stderr, flush=True)
+sys.stdout.flush()
+sys.__stdout__ = None  # nothing is left to write at exit: the exit code is the loop's
+"""
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, the device that refuses every write")
+def test_a_rank_whose_log_disk_refuses_writes_keeps_going_and_other_errors_still_raise():
+    """The job's stdout and stderr go to the run's log on the run's disk. /dev/full refuses every write with
+    ENOSPC, as a full disk does: a rank entry's streams (``entry.main`` wraps them) drop the text and go on, where
+    a plain stream ends the process. A broken pipe is no disk's refusal: it still raises."""
+    from launcher.files import DiskTolerantStream
+
+    def probe(mode: str) -> subprocess.CompletedProcess:
+        with open("/dev/full", "w") as full:
+            return subprocess.run([sys.executable, "-c", LOG_PROBE, mode], stdout=full, stderr=full, cwd=REPO,
+                                  env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)  # fmt: skip
+
+    assert probe("plain").returncode != 0  # the premise: a refused write ends a plain process
+    assert probe("tolerant").returncode == 0
+    read, write = os.pipe()
+    os.close(read)
+    raw = os.fdopen(write, "w", buffering=1)
+    with pytest.raises(BrokenPipeError):
+        DiskTolerantStream(raw).write("x\n")
+    with contextlib.suppress(OSError):
+        raw.close()
 
 
 def test_a_rank_killed_by_a_disk_error_has_the_disk_named_first_in_its_root_cause(tmp_path):
