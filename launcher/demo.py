@@ -211,8 +211,17 @@ def build_processor(tokenizer, shape: TinyShape = TinyShape()):
     return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor)
 
 
+DEMO_MODEL_MARK = "DEMO_MODEL_RANDOM_WEIGHTS.txt"  # in the demo model's folder: what evaluate and report read
+
+
+def is_demo_model(folder: Path) -> bool:
+    """``folder`` holds the demo's tiny model, whose weights are random (its answers mean nothing)."""
+    return (folder / DEMO_MODEL_MARK).is_file()
+
+
 def build_model_dir(out: Path, seed: int = 0, shard_size: str = "300KB") -> Path:
-    """Write the tiny model, tokenizer and processor into ``out`` and return it."""
+    """Write the tiny model, tokenizer and processor into ``out`` and return it, with the mark that says its
+    weights are random (``is_demo_model``)."""
     import torch
     from transformers import Qwen3_5ForConditionalGeneration
 
@@ -224,6 +233,9 @@ def build_model_dir(out: Path, seed: int = 0, shard_size: str = "300KB") -> Path
     model.save_pretrained(out, max_shard_size=shard_size)
     build_processor(tokenizer).save_pretrained(out)
     tokenizer.save_pretrained(out)
+    (out / DEMO_MODEL_MARK).write_text("The launcher's demo model: a tiny Qwen3.5-architecture model with random "
+                                       "weights, built by `launcher demo`. What it generates is meaningless by "
+                                       "construction; it exists to exercise the pipeline.\n")  # fmt: skip
     return out
 
 

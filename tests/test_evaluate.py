@@ -78,6 +78,7 @@ def test_two_checkpoints_evaluated_on_the_held_out_split_and_shown_in_the_report
     assert len(answers) == 2 * len(kinds) and any(answers)
     markdown = (prepared_run / EVALUATE_MD).read_text()
     assert "not a clinical judgement" in markdown and "checkpoint-3" in markdown and "checkpoint-6" in markdown
+    assert "random weights" in markdown and "meaningless by construction" in markdown  # the demo model says so
 
     # generated text only in evaluate.json/md: not in the terminal, not in any log of the run
     shown = proc.stdout + proc.stderr
@@ -215,6 +216,8 @@ def test_report_names_the_checkpoint_each_criterion_prefers_when_they_disagree(c
     request = {"run_id": "crafted-run", "backend": "cpu", "max_new_tokens": 8,
                "test_split": {"file": "counsel_test.json", "sha256": "0" * 64, "samples": 2}}  # fmt: skip
     doc = build_document(request, raw)
+    assert "meaningless" not in doc["note"]  # a real base model: only the screening note
+    assert "meaningless by construction" in build_document({**request, "demo_model": True}, raw)["note"]
     assert doc["preferred"] == {
         "test_loss": "checkpoint-3",
         "repetition": "checkpoint-3",

@@ -27,6 +27,10 @@ SCREENING_NOTE = (
     "(repetition, stock phrases, missing pointers to help in a crisis); whether an answer is good or safe "
     "counselling needs a qualified person reading the dialogues."
 )
+DEMO_MODEL_NOTE = (
+    "The base model is the demo's tiny model with random weights (`launcher demo`): its answers are meaningless "
+    "by construction, and these signals show only that the pipeline ran."
+)
 # criterion -> (the checkpoint signal, lower or higher is better, what it measures)
 CRITERIA: dict[str, tuple[str, str, str]] = {
     "test_loss": ("test_loss", "min", "held-out test loss"),
@@ -119,7 +123,7 @@ def build_document(request: dict[str, Any], raw: dict[str, Any]) -> dict[str, An
         "schema": 1,
         "run_id": request["run_id"],
         "created": now_iso(),
-        "note": SCREENING_NOTE,
+        "note": f"{SCREENING_NOTE} {DEMO_MODEL_NOTE}" if request.get("demo_model") else SCREENING_NOTE,
         "backend": request["backend"],
         "test_split": request["test_split"],
         "generation": {"greedy": True, "max_new_tokens": request["max_new_tokens"],

@@ -24,6 +24,7 @@ from typing import Any
 
 from launcher.backend import BACKENDS, child_env
 from launcher.data.privacy import log_examples_wanted
+from launcher.demo import is_demo_model
 from launcher.errors import ExitCode, LauncherError
 from launcher.files import read_json_object, sha256_file, write_json_atomic, write_text_atomic
 from launcher.results.curves import read_trainer_state
@@ -210,6 +211,7 @@ def build_request(run_dir: Path, *, checkpoints: str, prompts_file: Path | None,
         "max_new_tokens": max_new_tokens,
         "max_test_prompts": max_prompts,
         "batch_size": batch_size,
+        "demo_model": is_demo_model(Path(str(files.lf_args.get("model_name_or_path", "")))),
     }
 
 
