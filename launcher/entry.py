@@ -89,7 +89,7 @@ def _leave_process_group() -> None:
 
 def _train(run_dir: Path, callbacks: tuple = ()) -> int:
     launch = json.loads((run_dir / LAUNCH_FILE).read_text())
-    install_sigterm_handler()
+    install_sigterm_handler(run_dir)
 
     import patches
 

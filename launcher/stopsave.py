@@ -2,7 +2,8 @@
 
 ``launcher stop``, a SIGTERM from ``docker stop`` or the hang watchdog make the supervisor write
 ``RUN_DIR/save_request.json``; a SIGTERM that reaches a rank directly (torchrun forwards its own) sets a
-flag instead of killing it. At every optimizer step's end ``StopSaveCallback`` looks at both and, when
+flag instead of killing it (unless ``launcher stop --now`` sent it: its request says so, and the rank dies as
+it would without this module). At every optimizer step's end ``StopSaveCallback`` looks at both and, when
 asked, sets ``should_save``, ``should_log`` and ``should_training_stop``: the HF Trainer then writes a
 complete ``checkpoint-N`` (adapter, optimizer, scheduler, trainer state) and leaves its loop. With
 several ranks the decision is all-reduced (MAX) every step, so that all ranks stop at the same step;
@@ -26,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launcher.files import write_json_or_warn
-from launcher.state.runs import OUTPUT_SUBDIR, SAVE_DONE, SAVE_READY, SAVE_REQUEST
+from launcher.files import read_json_object, write_json_or_warn
+from launcher.state.runs import OUTPUT_SUBDIR, SAVE_DONE, SAVE_READY, SAVE_REQUEST, STOP_REQUEST
 
 
 class StoppedAfterSave(Exception):  # noqa: N818  (not an error: how the rank leaves training after the save)
@@ -40,18 +41,28 @@ class StoppedAfterSave(Exception):  # noqa: N818  (not an error: how the rank le
 
 _SIGNALLED: list[int] = []  # the SIGTERMs this rank received while training
 _TRAINING = False
+_RUN_DIR: list[Path] = []  # where `launcher stop` leaves its request (set by install_sigterm_handler)
+
+
+def _stop_now() -> bool:
+    """`launcher stop --now` asked for no save: its request (``STOP_REQUEST``) says ``now``."""
+    request = read_json_object(_RUN_DIR[0] / STOP_REQUEST) if _RUN_DIR else None
+    return isinstance(request, dict) and request.get("now") is True
 
 
 def _on_sigterm(signum: int, _frame: Any) -> None:
-    if not _TRAINING or _SIGNALLED:  # before training (nothing to save) or a second SIGTERM: die as before
+    # before training (nothing to save), a second SIGTERM, or `stop --now`: die as before
+    if not _TRAINING or _SIGNALLED or _stop_now():
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return
     _SIGNALLED.append(signum)
 
 
-def install_sigterm_handler() -> None:
-    """In the rank's main thread: the first SIGTERM during training asks for a save instead of killing."""
+def install_sigterm_handler(run_dir: Path) -> None:
+    """In the rank's main thread: the first SIGTERM during training asks for a save instead of killing, unless
+    `launcher stop --now` sent it (whether torchrun forwards one SIGTERM or two, the rank then dies at once)."""
+    _RUN_DIR[:] = [run_dir]
     signal.signal(signal.SIGTERM, _on_sigterm)
 
 

@@ -425,8 +425,9 @@ def test_host_stop_now_through_the_engine_and_refused_without_one(detached, engi
     status = c.status(run)
     assert status["state"] == "CANCELLED" and status["stopped_by"].startswith("launcher stop (pid "), status
     assert len(_ended_events(run)) == 1
-    # the supervisor took the request's --now: no save requested, SIGTERM to the job at once (a rank that
-    # reaches a step boundary within the grace may still save on that SIGTERM: stopsave.py)
+    # the supervisor took the request's --now: no save requested, SIGTERM to the job at once, and the ranks die
+    # of it (stopsave.py reads the same request): nothing saved on the stop
+    assert status["saved_checkpoint"] is None, status
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
     (stopping,) = [e for e in events if e.get("event") == "stopping"]
     assert stopping["save"] is False and stopping["requested_by"] == status["stopped_by"], stopping

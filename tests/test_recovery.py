@@ -416,3 +416,44 @@ def test_pace_and_eta_after_a_resume_are_measured_from_the_resume_point(tmp_path
     with open(run_dir / "output" / "trainer_log.jsonl", "w") as f:
         f.write("".join(json.dumps(r) + "\n" for r in lines[:120]))
     assert collect(run_dir)["pace"] is None
+
+
+SIGTERM_PROBE = r"""
+import sys, time
+from pathlib import Path
+from launcher import stopsave
+stopsave.install_sigterm_handler(Path(sys.argv[1]))
+stopsave._TRAINING = True  # as on_train_begin sets it
+print("ready", flush=True)
+deadline = time.monotonic() + 120
+while time.monotonic() < deadline:  # a training step that takes long; the handler runs between bytecodes
+    if stopsave._SIGNALLED:
+        print("save requested", flush=True)
+        sys.exit(0)
+    time.sleep(0.01)
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("now", [False, True], ids=["stop", "stop-now"])
+def test_one_sigterm_during_training_asks_for_a_save_unless_stop_now_sent_it(tmp_path, now):
+    """One SIGTERM reaches a training rank (real process, real signal; whether torchrun forwards a second one
+    depends on timing, so exactly one is the case to hold): after `launcher stop` it is a request to save at the
+    next step; after `launcher stop --now` (its request in the run folder says so) the rank dies of it."""
+    import subprocess
+    import sys
+
+    from launcher.run.supervisor import request_stop
+    from tests.conftest import REPO
+
+    request_stop(tmp_path, None, by="launcher stop (test)", now=now)
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_PROBE, str(tmp_path)], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.stdout.read()
+    code = proc.wait(timeout=120)
+    if now:
+        assert code == -signal.SIGTERM and "save requested" not in rest
+    else:
+        assert code == 0 and "save requested" in rest

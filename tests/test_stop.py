@@ -145,3 +145,4 @@ def test_a_supervisor_killed_while_stop_waits_for_the_save_is_noticed_and_the_sa
     kinds = [e["event"] for e in fr.events(run_dir)]
     assert kinds.count("stopping") == 1 and kinds.index("stopping") < kinds.index("ended") < kinds.index("cleanup")
     assert "step 4 on the stop" in fr.launcher("status", run_dir, env=env).stdout
+

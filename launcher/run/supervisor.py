@@ -55,14 +55,13 @@ from launcher.run.tuning import tuning_env
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.reconcile import reconcile
 from launcher.state.record import RunStore, now_iso
-from launcher.state.runs import OUTPUT_SUBDIR, SAVE_DONE, SAVE_READY, SAVE_REQUEST
+from launcher.state.runs import OUTPUT_SUBDIR, SAVE_DONE, SAVE_READY, SAVE_REQUEST, STOP_REQUEST
 from launcher.state.states import RunState, end_state, run_exit_code
 from launcher.state.trainer_log import TrainerLogFollower
 
 if TYPE_CHECKING:
     from launcher.run.resume import ResumePlan
 
-STOP_REQUEST = "stop_request.json"
 SAVE_KILL_GRACE_S = 10.0  # after a save on stop that did not end the job in time: SIGTERM, then SIGKILL
 
 

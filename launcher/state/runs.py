@@ -26,6 +26,7 @@ SUPERVISOR_LOG = "supervisor.log"  # what a detached supervisor printed (preflig
 ERRORS_DIR = "errors"  # errors/rank<N>.json: the traceback of each rank that raised
 PROFILE_DIR = "profile"  # profile/rank<N>.json and traces: `launcher profile` (profiling.py, results/profile_report.py)
 # save on stop (launcher/stopsave.py in the ranks, run/supervisor.py): the supervisor asks, the ranks answer
+STOP_REQUEST = "stop_request.json"  # written by `launcher stop`: who, the grace, `now` (no save: ranks die at SIGTERM)
 SAVE_REQUEST = "save_request.json"  # written by the supervisor: save a checkpoint at the next step, then exit
 SAVE_READY = "save_on_stop.json"  # written by local rank 0 once training began: this job honours a request
 SAVE_DONE = "stop_saved.json"  # written by local rank 0 after the requested checkpoint is complete
