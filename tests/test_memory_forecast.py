@@ -28,13 +28,12 @@ def model_27b(tmp_path_factory) -> Path:
     return write_model_dir(tmp_path_factory.mktemp("m27") / "model", "27b")
 
 
-def _forecast(model: Path, tmp_path: Path, **settings) -> memory.Forecast:
-    """The forecast of a real run config (read and validated as ``launcher check`` does)."""
+def _config(model: Path, tmp_path: Path, **settings):
+    """A real run config (read and validated as ``launcher check`` does)."""
     from launcher.run.config import read_run_config
 
-    device_gib = settings.pop("device_gib", None)
     launcher_section = {
-        "backend": "cuda",
+        "backend": settings.pop("backend", "cuda"),
         "nproc_per_node": settings.pop("ranks", 1),
         "distribution": settings.pop("distribution", "ddp"),
         "patches": settings.pop("patches", {}),
@@ -59,7 +58,27 @@ def _forecast(model: Path, tmp_path: Path, **settings) -> memory.Forecast:
     path.write_text(yaml.safe_dump(lf))
     config, problems = read_run_config(path)
     assert not problems, problems
+    return config
+
+
+def _forecast(model: Path, tmp_path: Path, **settings) -> memory.Forecast:
+    """The forecast of a real run config (read and validated as ``launcher check`` does)."""
+    device_gib = settings.pop("device_gib", None)
+    config = _config(model, tmp_path, **settings)
     return memory.forecast_run(config, config.llamafactory, device_gib)
+
+
+def test_backend_auto_in_check_names_no_device_so_no_verdict_without_device_memory(model_27b, tmp_path):
+    """`check` runs where the devices may not be (a laptop): `backend: auto` is not this machine's RAM. The
+    forecast is shown without a verdict, and `--device-memory` gives one."""
+    from launcher.checks.config_check import ERROR
+    from launcher.run.setup import memory_finding
+
+    config = _config(model_27b, tmp_path, backend="auto")
+    shown = memory_finding(config, None)
+    assert shown.level != ERROR and "forecast peak" in shown.message
+    assert not any(word in shown.message for word in ("FITS", "TIGHT", "WILL NOT FIT")), shown.message
+    assert memory_finding(config, 16.0).level == ERROR  # 51 GiB of weights on a 16 GiB device
 
 
 # (name, run settings, measured peak GiB, where it was measured); docs/benchmarks.md, "Memory forecast"

@@ -172,3 +172,20 @@ def test_host_stop_without_an_engine_changes_nothing_and_names_the_command(tmp_p
     ), str(raised.value)
     assert read_status(run_dir)["state"] == "RUNNING"
     assert not (run_dir / "stop_request.json").exists() and not (run_dir / "events.jsonl").exists()
+
+
+def test_host_stop_whose_request_cannot_be_written_still_stops_through_the_engine(tmp_path, monkeypatch, capsys):
+    """A run folder the container wrote as root is read-only to a host user in the docker group: the stop
+    request cannot be left (here its path is taken by a folder, which refuses the write for root too), so
+    `launcher stop` warns and stops the container anyway, as `docker stop` would; no traceback."""
+    run_dir = _container_record(tmp_path)
+    (run_dir / "stop_request.json").mkdir()
+
+    def supervisor_ends():
+        RunStore.open(run_dir).record_end(RunState.TERMINATED, processes=[])
+
+    engine = _Engine("running", on_stop=supervisor_ends)
+    monkeypatch.setattr(docker, "from_env", lambda **_: engine)
+    assert stop_run(run_dir, None) == 0
+    assert engine.stops == [30 + END_MARGIN_S] and read_status(run_dir)["state"] == "TERMINATED"
+    assert "warning: cannot write the stop request" in capsys.readouterr().err

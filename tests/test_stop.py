@@ -107,7 +107,8 @@ def test_stop_while_stalled_tries_the_save_then_kills_the_frozen_job(tmp_path, d
             "save_on_stop": True}  # fmt: skip
     run_dir, env = started(tmp_path, demo_assets, spec, stall_minutes=0.05)  # 3 s; stall_action: warn
     ranks = fr.rank_processes(run_dir, 1)
-    fr.wait_for("STALLED after step 3", lambda: in_state(run_dir, "STALLED"), timeout=240)
+    fr.wait_for("STALLED after step 3", lambda: in_state(run_dir, "STALLED")
+                and (fr.read_status(run_dir).get("progress") or {}).get("step") == 3, timeout=240)  # fmt: skip
     stopped = fr.launcher("stop", run_dir, "--grace", "3", env=env, timeout=STOP_DEADLINE_S)
     status = assert_stopped(run_dir, env, stopped)
     assert not any(fr.alive(p) for p in ranks)
@@ -128,7 +129,11 @@ def test_a_supervisor_killed_while_stop_waits_for_the_save_is_noticed_and_the_sa
     supervisor = psutil.Process(fr.read_status(run_dir)["supervisor"]["pid"])
     torchrun = psutil.Process(fr.read_status(run_dir)["job_pid"])
     stop = fr.launcher_bg("stop", run_dir, "--grace", "600", env=env, log=tmp_path / "stop.out")
-    fr.wait_for("the supervisor to ask the job to save", lambda: (run_dir / "save_request.json").exists())
+    # the request file is written just before the `stopping` event is appended: wait for the event, whole
+    def asked() -> bool:
+        return (run_dir / "save_request.json").exists() and "stopping" in [e["event"] for e in fr.events(run_dir)]
+
+    fr.wait_for("the supervisor to ask the job to save and say so", asked)
     supervisor.kill()
     fr.wait_for("the supervisor to be gone", lambda: not fr.alive(supervisor))
     go.touch()  # the job reaches its next step end only now, with no supervisor to see it

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 from launcher.errors import ExitCode, LauncherError
 from launcher.state.reconcile import CONTAINER_ALIVE, Reconciled, reconcile
 from launcher.state.record import RecordUnreadable, RunRecord, RunStore, read_record
+from launcher.state.runs import STOP_REQUEST
 from launcher.state.states import RunState
 
 END_MARGIN_S = 60.0  # after the grace: the supervisor stops what is left of the job and writes the end record
@@ -102,7 +104,14 @@ def stop_container_run(run_dir: Path, store: RunStore, seen: Reconciled, grace_s
     grace = grace_s if grace_s is not None else (record.stop_grace_s or default_grace_s)
     timeout = math.ceil(grace + END_MARGIN_S)
     by = f"{by} through the Docker engine (docker stop {container.name})"
-    request_stop(run_dir, grace_s, by=by, now=now)  # read by the supervisor when the SIGTERM arrives
+    try:  # read by the supervisor (and, for --now, the ranks) when the SIGTERM arrives
+        request_stop(run_dir, grace_s, by=by, now=now)
+        asked = True
+    except OSError as err:  # e.g. a run folder a container wrote as root: the engine still stops the run
+        print(f"warning: cannot write the stop request in {run_dir} ({err}); stopping the container anyway, as "
+              "`docker stop` would: the job saves on the engine's SIGTERM (--now cannot be passed on), and the "
+              "record names that SIGTERM's sender", file=sys.stderr)  # fmt: skip
+        asked = False
     what = "SIGTERM, no save" if now else "a checkpoint at the next step, then exit"
     print(f"stopping run {record.run_id}: docker stop of container {container.name} ({what}; the engine sends "
           f"SIGKILL after {timeout} s)", flush=True)  # fmt: skip
@@ -111,6 +120,8 @@ def stop_container_run(run_dir: Path, store: RunStore, seen: Reconciled, grace_s
     try:
         container.stop(timeout=timeout)
     except DockerException as err:
+        if asked:  # nothing was stopped: a later SIGTERM must not be taken for this request
+            (run_dir / STOP_REQUEST).unlink(missing_ok=True)
         raise LauncherError(f"docker stop of container {container.name} failed: {err}", ExitCode.FAILED) from err
     return _report_stop(run_dir, store, record, container.name, by)
 

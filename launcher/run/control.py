@@ -165,13 +165,14 @@ def _stop_through_supervisor(run_dir: Path, supervisor, grace_s: float | None, g
     print(f"stopping run {run_id}: SIGTERM sent to supervisor {supervisor.pid}; waiting up to {limit:.0f} s")
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
+        gone = find_live(identity) is None  # asked first: a supervisor that wrote its end and left is no loss
         try:
             state = read_record(run_dir).state
         except RecordUnreadable:
             state = None
         if state is not None and state.terminal:
             return state
-        if find_live(identity) is None:
+        if gone:
             return None
         time.sleep(0.5)
     raise LauncherError(f"run {run_id} has not ended after {limit:.0f} s; check `launcher status {run_id}`",

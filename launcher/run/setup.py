@@ -86,8 +86,9 @@ def memory_finding(config: RunConfig, device_gib: float | None) -> Finding:
     will not fit, a warning when it is tight or cannot be forecast."""
     from launcher.checks.memory import check_memory
 
-    backend = config.launcher.backend if config.launcher.backend != "auto" else "cpu"
-    status, detail = check_memory(config, config.llamafactory, backend, device_gib)
+    # `auto` names no device to read here (preflight resolves it on the server): the forecast without a verdict,
+    # unless --device-memory gives one
+    status, detail = check_memory(config, config.llamafactory, config.launcher.backend, device_gib)
     return Finding("memory", {"fail": ERROR, "warn": WARN}.get(status, OK), f"memory: {detail}")
 
 

@@ -141,17 +141,21 @@ class StopSignals:
         if self.first is not None:
             raise StopRequested(self.first.signum)
 
+        active = [True]  # once the block ends, a signal that is still on its way is kept, never raised
+
         def stop(signum: int, _frame: Any) -> None:
             self._keep(Received(signum))
-            raise StopRequested(signum)
+            if active[0]:
+                raise StopRequested(signum)
 
         previous = {s: signal.signal(s, stop) for s in self.signals}
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signals)
         try:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signals)
             yield
         finally:
+            active[0] = False
             signal.pthread_sigmask(signal.SIG_BLOCK, self.signals)
-            for s, handler in previous.items():  # a signal already caught but not yet handled is kept, not raised
+            for s, handler in previous.items():
                 signal.signal(s, handler)
 
     @contextmanager

@@ -154,6 +154,8 @@ class Supervisor:
                     if not _preflight(self.prepared, self.run_dir.path, self.store):
                         return ExitCode.USAGE
             except StopRequested:
+                if self.store.record.terminal:  # preflight had already recorded its failure: that is the end
+                    return ExitCode.USAGE
                 return self._record_stop_while_pending("during preflight")
             while True:
                 ending = self._run_attempt()
