@@ -192,3 +192,52 @@ def test_a_container_runs_record_is_readable_with_its_image_mapping(tmp_path):
     assert type_problem(container, Container) is None
     assert type_problem({**container, "image": 5}, Container) is not None
     assert "container" in RunRecord.__dataclass_fields__
+
+
+# the records beside status.json that host verbs read: each planted damaged, one at a time, in a run whose record
+# is whole (the run ended, so `stop` and `resume` only read and answer)
+SIDE_RECORDS = ("events.jsonl", "launch.json", "manifest.json", "save_on_stop.json", "stop_saved.json",
+                "stop_request.json", "save_request.json", "verify.json", "evaluate.json", "output/trainer_state.json",
+                "output/trainer_log.jsonl", "output/best_adapter.json", "proof/rank0/checkpoint_all_layers.json",
+                "errors/rank0.json", "../launcher.lock.owner.json")  # fmt: skip
+SIDE_DAMAGE = [("a number", b"5"), ("a string", b'"x"'), ("a list", b"[1, [2]]"), ("not utf-8", b"\xff\xfe{"),
+               ("truncated", b'{"step": 3, "pa'), ("empty", b""), ("nested 200,000 deep", b"[" * 200_000),
+               ("wrong-typed fields", json.dumps({k: {"a": [1]} for k in ("step", "pid", "state", "event", "path",
+                "current_steps", "log_history", "checkpoint", "time", "now", "by", "grace_s")}).encode()),
+               ("odd lines", b'5\n"x"\n[1]\n{"current_steps": "x", "loss": []}\n{"event": 5}\n')]  # fmt: skip
+OUTPUTS = {"report.md", "report.json", "verify.json"}  # what `report` and `verify` write when they can judge
+
+
+@pytest.mark.slow
+def test_every_host_verb_answers_damaged_side_records_without_a_traceback(tmp_path: Path, capsys) -> None:
+    """Each record beside status.json (events, launch and manifest, the save-on-stop files, the stop request,
+    verify and evaluate results, the Trainer's state and log, the kept adapter's record, proofs, a rank's error
+    record, the lock's owner file) planted with each kind of damage: every host verb ends with a documented exit
+    code and no traceback, leaves the damaged file as it was, and changes no other file but its own outputs."""
+    root = tmp_path / "runs"
+    run = crafted_run(tmp_path, name="bad", state="SUCCEEDED", exit_code=0)
+    crafted_run(tmp_path, name="good", state="FAILED", exit_code=1)
+    for name in SIDE_RECORDS:
+        path = (run / name).resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for what, content in SIDE_DAMAGE:
+            for verb in VERBS:
+                path.write_bytes(content)
+                for output in OUTPUTS - {name}:
+                    (run / output).unlink(missing_ok=True)
+                before = snapshot(root)
+                args = {"list": ["list", "--root", str(root)], "report": ["report", str(run), "--no-plot"]}
+                try:
+                    code = main(args.get(verb, [verb, str(run)]))
+                except SystemExit as ended:  # argparse's own exit
+                    code = ended.code
+                out, err = capsys.readouterr()
+                where = (name, what, verb)
+                assert code in DOCUMENTED, (*where, code, err[-2000:])
+                assert "Traceback" not in out + err, (*where, err[-2000:])
+                assert name in OUTPUTS or path.read_bytes() == content, where  # verify.json is verify's own
+                changed = {k for k, v in snapshot(root).items() if before.get(k) != v}
+                assert changed <= {f"bad/{o}" for o in OUTPUTS}, (*where, changed)
+                if verb == "list":
+                    assert "good" in out and "bad" in out, (*where, out)
+        path.unlink()

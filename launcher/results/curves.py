@@ -13,13 +13,13 @@ A step logged twice (a resumed run re-logs the steps after its checkpoint) keeps
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from launcher.files import Unreadable, read_json_bounded
 from launcher.state.checkpoints import TRAINER_STATE, scan_checkpoints
 from launcher.state.trainer_log import TRAINER_LOG, iter_trainer_log
 
@@ -42,14 +42,18 @@ class Curves:
     sources: list[str] = field(default_factory=list)
 
 
+# a Trainer state logs every step and evaluation: about 200 bytes each, so 256 MiB is over a million of them
+TRAINER_STATE_MAX_BYTES = 256 << 20
+
+
 def read_trainer_state(output_dir: Path) -> tuple[dict[str, Any] | None, Path | None]:
     """The final ``trainer_state.json``, else the one of the newest checkpoint; ``(None, None)`` if none."""
     checkpoints, _ = scan_checkpoints(output_dir)
     candidates = [output_dir / TRAINER_STATE] + [c.path / TRAINER_STATE for c in reversed(checkpoints)]
     for path in candidates:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        try:  # bounded: a damaged or planted file is skipped like a missing one
+            data = read_json_bounded(path, max_bytes=TRAINER_STATE_MAX_BYTES)
+        except (FileNotFoundError, Unreadable):
             continue
         if isinstance(data, dict):
             return data, path
