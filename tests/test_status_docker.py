@@ -189,3 +189,16 @@ def test_host_stop_whose_request_cannot_be_written_still_stops_through_the_engin
     assert stop_run(run_dir, None) == 0
     assert engine.stops == [30 + END_MARGIN_S] and read_status(run_dir)["state"] == "TERMINATED"
     assert "warning: cannot write the stop request" in capsys.readouterr().err
+
+
+def test_a_later_container_of_the_same_name_is_never_taken_for_the_runs_own(tmp_path, monkeypatch):
+    """Compose gives every run's container the same fixed name: once the run's own container (its recorded id)
+    is gone, host `stop` must not docker-stop a later run's container of that name."""
+    run_dir = _container_record(tmp_path)
+    record = json.loads((run_dir / "status.json").read_text())
+    record["container"]["id"] = "d" * 64  # the run's own container, which the engine no longer has
+    (run_dir / "status.json").write_text(json.dumps(record))
+    engine = _Engine("running")  # a later run's container, named deltanet-train-cpu
+    monkeypatch.setattr(docker, "from_env", lambda **_: engine)
+    assert stop_run(run_dir, None) == 0
+    assert engine.stops == [] and read_status(run_dir)["state"] != "RUNNING"

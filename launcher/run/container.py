@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.errors import ExitCode, LauncherError
-from launcher.state.reconcile import CONTAINER_ALIVE, Reconciled, reconcile
+from launcher.state.reconcile import CONTAINER_ALIVE, Reconciled, find_container, reconcile
 from launcher.state.record import RecordUnreadable, RunRecord, RunStore, read_record
 from launcher.state.runs import STOP_REQUEST
 from launcher.state.states import RunState
@@ -49,19 +49,6 @@ def _client() -> Any:
         return client
     except (DockerException, OSError) as err:
         raise NoEngine(str(err)) from err
-
-
-def _find(client: Any, container: dict[str, Any]) -> Any | None:
-    """The run's container by its recorded id, else by name; None when the engine no longer has it."""
-    from docker.errors import NotFound
-
-    for ref in (container.get("id"), container.get("name")):
-        if ref:
-            try:
-                return client.containers.get(ref)
-            except NotFound:
-                continue
-    return None
 
 
 def _label(record: RunRecord) -> str:
@@ -92,7 +79,7 @@ def stop_container_run(run_dir: Path, store: RunStore, seen: Reconciled, grace_s
         return ExitCode.OK
     flags = (["--now"] if now else []) + ([f"--grace={grace_s:g}"] if grace_s is not None else [])
     try:
-        container = _find(_client(), record.container or {})
+        container = find_container(_client(), record.container or {})
     except NoEngine as err:
         raise LauncherError(
             f"run {record.run_id} lives in container {name}, and no Docker engine answers here ({err}); nothing "
@@ -170,7 +157,7 @@ def resume_in_container(run_dir: Path, record: RunRecord, adapter_only: bool) ->
     """Start ``launcher resume`` for a container run in a new container made from the run's own one."""
     try:
         client = _client()
-        old = _find(client, record.container or {})
+        old = find_container(client, record.container or {})
     except NoEngine as err:
         raise LauncherError(
             f"run {record.run_id} ran in container {_label(record)}, and no Docker engine answers here ({err}); "

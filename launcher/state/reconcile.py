@@ -68,22 +68,34 @@ class ContainerView:
         return self.state
 
 
+def find_container(client: Any, container: dict[str, Any] | None) -> Any | None:
+    """The run's container as the docker SDK's object: by its recorded id, and by name only when no id was
+    recorded (compose's fixed names are reused by later runs' containers); None when the engine no longer has
+    it (``DockerException`` when it does not answer)."""
+    from docker.errors import NotFound
+
+    ref = (container or {}).get("id") or (container or {}).get("name")
+    try:
+        return client.containers.get(ref) if ref else None
+    except NotFound:
+        return None
+
+
 def inspect_container(container: dict[str, Any] | None) -> ContainerView:
     """Ask the Docker engine about the run's container (by id, else by name)."""
-    ref = (container or {}).get("id") or (container or {}).get("name")
-    if not ref:
+    if not ((container or {}).get("id") or (container or {}).get("name")):
         return ContainerView()
     try:
         import docker
-        from docker.errors import DockerException, NotFound
+        from docker.errors import DockerException
     except ImportError:
         return ContainerView()
     try:
-        found = docker.from_env(timeout=2).containers.get(ref)
-    except NotFound:
-        return ContainerView("gone")
+        found = find_container(docker.from_env(timeout=2), container)
     except (DockerException, OSError):
         return ContainerView()
+    if found is None:
+        return ContainerView("gone")
     state = (getattr(found, "attrs", None) or {}).get("State") or {}
     code = state.get("ExitCode")
     view = ContainerView(str(found.status), _epoch(state.get("StartedAt")), name=getattr(found, "name", None),
