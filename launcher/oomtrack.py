@@ -90,11 +90,16 @@ def state() -> dict[str, Any]:
     return dict(_state)
 
 
+def looks_like_oom(text: str | None) -> bool:
+    """An error's name or text says a device or the CPU allocator ran out of memory (a rank's exception, or the
+    root cause the supervisor read from its error record or log)."""
+    text = (text or "").lower()
+    return "outofmemoryerror" in text or "out of memory" in text or "can't allocate memory" in text
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """torch's out-of-memory error (``torch.OutOfMemoryError``; NPU: its message), or a CPU allocator failure."""
-    name = type(exc).__name__
-    text = str(exc).lower()
-    return name == "OutOfMemoryError" or "out of memory" in text or "can't allocate memory" in text
+    return type(exc).__name__ == "OutOfMemoryError" or looks_like_oom(str(exc))
 
 
 def requested_bytes(message: str) -> int | None:

@@ -18,12 +18,6 @@ from launcher.oomtrack import summary
 from launcher.run.rundir import RunDir
 from launcher.state.runs import ERRORS_DIR
 
-
-def looks_like_oom(cause: str | None) -> bool:
-    text = (cause or "").lower()
-    return "outofmemoryerror" in text or "out of memory" in text
-
-
 _RANK_FAILURE = re.compile(
     r"Root Cause \(first observed failure\):\s*\[\d+\]:.*?"
     r"rank\s*:\s*(-?\d+).*?exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)",

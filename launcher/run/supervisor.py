@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from launcher.backend import child_env
 from launcher.errors import ExitCode, LauncherError
 from launcher.files import read_json_object, share_readable, write_json_atomic
+from launcher.oomtrack import looks_like_oom
 from launcher.procs import boot_id, container_identity, find_live, identity, self_identity, terminate, tree
 from launcher.run.config import RunConfig, llamafactory_args
 from launcher.run.job import Job, NodeSpec, job_command
@@ -43,7 +44,6 @@ from launcher.run.restart import not_retried_why, retry_cause
 from launcher.run.rootcause import (
     describe_rank_failure,
     disk_state,
-    looks_like_oom,
     out_of_memory,
     rank_failure,
     root_cause,
