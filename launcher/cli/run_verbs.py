@@ -240,22 +240,29 @@ VERBS: tuple[Verb, ...] = (
     Verb("start", "start a run in the background (survives the SSH session) and return at once",
          "launcher start configs/qwen3_5_27b_lora_soulchat.yaml", add_config_arg, _cmd_start),
     Verb("stop", "stop a run: a checkpoint at the next step, then exit; SIGTERM and SIGKILL after the grace period",
-         "launcher stop\n  launcher stop demo-cpu-20261130-101500 --grace 300\n  launcher stop --now",
+         "launcher stop\n  launcher stop demo-cpu-20261130-101500 --grace 300\n  launcher stop --now\n"
+         "  launcher stop --root outputs/runs RUN   (on the host, for a run in a container: through the Docker "
+         "engine, as docker stop)",
          _args_stop, _cmd_stop),
     Verb("resume", "continue a stopped or failed run from its last complete checkpoint (a new attempt)",
-         "launcher resume demo-cpu-20261130-101500\n  launcher resume RUN --adapter-only",
+         "launcher resume demo-cpu-20261130-101500\n  launcher resume RUN --adapter-only\n"
+         "  launcher resume --root outputs/runs RUN   (on the host, for a run in a container: in a new container "
+         "made from the run's own)",
          _args_resume, _cmd_resume),
     Verb("check", "validate a run config (launcher section and LLaMA-Factory's own parser) without training",
          "launcher check configs/qwen3_5_27b_lora_soulchat.yaml\n"
          "  launcher check configs/qwen3_5_27b_lora_soulchat.yaml --for-another-machine   (on a laptop: the "
          "model, data and\n    output folders named in the config are on the server; they are counted as not "
          "checked)\n"
-         "  launcher check configs/qwen3_5_27b_lora_soulchat.yaml --no-model   (do not read the model folder)",
+         "  launcher check configs/qwen3_5_27b_lora_soulchat.yaml --no-model   (do not read the model folder)\n"
+         "  launcher check configs/qwen3_5_27b_lora_soulchat.yaml --device-memory 64   (the memory forecast's "
+         "verdict for a 64 GB 910B)",
          _args_check, _cmd_check),
     Verb("preflight",
          "check backend, devices, driver, packages, DeltaNet kernel, model, data and output space; print a table",
          "launcher preflight configs/qwen3_5_27b_lora_soulchat.yaml\n"
-         "  launcher preflight configs/demo_cpu.yaml --json preflight.json",
+         "  launcher preflight configs/demo_cpu.yaml --json preflight.json\n"
+         "  launcher preflight configs/qwen3_5_27b_lora_soulchat.yaml --device-memory 64",
          _args_preflight, _cmd_preflight),
     Verb("_supervise", "internal: the detached supervisor started by `launcher start`", "",
          _args_supervise, _cmd_supervise, hidden=True),
