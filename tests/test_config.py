@@ -173,3 +173,13 @@ def test_early_stopping_needs_aligned_eval_and_save(tmp_path, model_dir):
     with pytest.raises(ConfigError, match="save_steps 50 is not a multiple of eval_steps 30"):
         load_run_config(write(tmp_path, misaligned))
     load_run_config(write(tmp_path, {**misaligned, "save_steps": 60}))
+
+
+@pytest.mark.parametrize("value", [-1, "many", 1.5])
+def test_memory_history_steps_is_a_count_of_steps(tmp_path, model_dir, value):
+    data = {"model_name_or_path": str(model_dir), "launcher": {"smoke": True, "memory_history_steps": value}}
+    with pytest.raises(ConfigError) as info:
+        load_run_config(write(tmp_path, data))
+    assert len(info.value.problems) == 1 and "launcher.memory_history_steps" in str(info.value), str(info.value)
+    good = load_run_config(write(tmp_path, {**data, "launcher": {"smoke": True, "memory_history_steps": 3}}))
+    assert good.launcher.memory_history_steps == 3
