@@ -18,7 +18,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from launcher.demo import _CLIENT, _COUNSELOR, _SYSTEM, TinyShape, build_model_config, build_processor, build_tokenizer
+from launcher.demo import CLIENT, COUNSELOR, SYSTEM, TinyShape, build_model_config, build_processor, build_tokenizer
 
 MARKER = "random_init.json"
 DATASET = "bench_long"
@@ -111,10 +111,10 @@ def write_dataset(out: Path, model_dir: Path, cutoff_len: int, samples: int = 8,
     over = int(cutoff_len * 1.1) + 16  # sentence joins can merge a few tokens: stay clearly above the cutoff
     records = [
         {
-            "system": _SYSTEM,
-            "instruction": _text_of(rng, tokenizer, _CLIENT, over),
+            "system": SYSTEM,
+            "instruction": _text_of(rng, tokenizer, CLIENT, over),
             "input": "",
-            "output": _text_of(rng, tokenizer, _COUNSELOR, over),
+            "output": _text_of(rng, tokenizer, COUNSELOR, over),
         }
         for _ in range(samples)
     ]
@@ -131,8 +131,8 @@ def write_spread_dataset(out: Path, model_dir: Path, low: int, high: int, sample
     records = []
     for _ in range(samples):
         total = rng.randint(low, high) - 24  # the template's own tokens
-        records.append({"system": "", "instruction": _text_of(rng, tokenizer, _CLIENT, int(total * 0.3)),
-                        "input": "", "output": _text_of(rng, tokenizer, _COUNSELOR, int(total * 0.7))})  # fmt: skip
+        records.append({"system": "", "instruction": _text_of(rng, tokenizer, CLIENT, int(total * 0.3)),
+                        "input": "", "output": _text_of(rng, tokenizer, COUNSELOR, int(total * 0.7))})  # fmt: skip
     return _write(out, SPREAD, records)
 
 

@@ -35,7 +35,7 @@ SENTENCE_TOKENS = 20  # the demo sentences average about 20 tokens with the demo
 
 def synthesize(count: int, tokens: int, seed: int = 0) -> list[dict]:
     """``count`` alpaca-with-history records of about ``tokens`` tokens each, all text drawn at random."""
-    from launcher.demo import _CLIENT, _COUNSELOR, _SYSTEM
+    from launcher.demo import CLIENT, COUNSELOR, SYSTEM
 
     rng = random.Random(seed)
     turns = 5  # history pairs; plus the query and the reply: 12 messages
@@ -46,11 +46,11 @@ def synthesize(count: int, tokens: int, seed: int = 0) -> list[dict]:
 
     return [
         {
-            "system": _SYSTEM,
-            "instruction": text(_CLIENT),
+            "system": SYSTEM,
+            "instruction": text(CLIENT),
             "input": "",
-            "output": text(_COUNSELOR),
-            "history": [[text(_CLIENT), text(_COUNSELOR)] for _ in range(turns)],
+            "output": text(COUNSELOR),
+            "history": [[text(CLIENT), text(COUNSELOR)] for _ in range(turns)],
         }
         for _ in range(count)
     ]

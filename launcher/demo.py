@@ -72,7 +72,7 @@ class TinyShape:
 
 
 # Counselling-flavoured fragments. Synthetic text written for this project; no real conversation.
-_CLIENT = [
+CLIENT = [
     "I have been feeling anxious before every exam and cannot sleep.",
     "My roommate and I keep arguing about small things.",
     "Since I moved to a new city I feel lonely most evenings.",
@@ -82,7 +82,7 @@ _CLIENT = [
     "After the breakup I keep replaying our last conversation.",
     "I get nervous speaking in meetings even when I know the answer.",
 ]
-_COUNSELOR = [
+COUNSELOR = [
     "That sounds exhausting. Could you tell me more about when the feeling is strongest?",
     "It makes sense that this weighs on you. What have you tried so far?",
     "Thank you for sharing that. How do you usually take care of yourself on hard days?",
@@ -92,7 +92,7 @@ _COUNSELOR = [
     "You are noticing a pattern, which is already progress. What do you need most right now?",
     "It is okay to feel this way. Which part feels most urgent to talk about today?",
 ]
-_SYSTEM = "You are a warm, careful counsellor. Listen first, reflect feelings, and ask one open question."
+SYSTEM = "You are a warm, careful counsellor. Listen first, reflect feelings, and ask one open question."
 
 
 def demo_records(count: int, seed: int) -> list[dict]:
@@ -101,13 +101,13 @@ def demo_records(count: int, seed: int) -> list[dict]:
     records = []
     for _ in range(count):
         turns = rng.randint(0, 2)
-        history = [[rng.choice(_CLIENT), rng.choice(_COUNSELOR)] for _ in range(turns)]
+        history = [[rng.choice(CLIENT), rng.choice(COUNSELOR)] for _ in range(turns)]
         records.append(
             {
-                "system": _SYSTEM,
-                "instruction": rng.choice(_CLIENT),
+                "system": SYSTEM,
+                "instruction": rng.choice(CLIENT),
                 "input": "",
-                "output": rng.choice(_COUNSELOR),
+                "output": rng.choice(COUNSELOR),
                 "history": history,
             }
         )
@@ -115,7 +115,7 @@ def demo_records(count: int, seed: int) -> list[dict]:
 
 
 def _corpus() -> list[str]:
-    return [_SYSTEM, *_CLIENT, *_COUNSELOR] * 4
+    return [SYSTEM, *CLIENT, *COUNSELOR] * 4
 
 
 def build_tokenizer(vocab_size: int = 600):
