@@ -5,8 +5,9 @@ Layout (docs/architecture.md has the whole picture), lowest layer first:
 - ``errors``, ``files``, ``procs``, ``backend``: the base every other part may use;
 - ``state/``: run states, the typed run record and its one writer, reconcile, trainer log, checkpoints;
 - ``data/``, ``results/``: data tools; verify, report, curves, the adapter reader;
-- ``checks/``, ``monitor/``: preflight and kernel checks; status, list and logs;
-- ``run/``: config, setup, run directory, lock, supervisor, job, stop and resume;
+- ``checks/``, ``monitor/``: the rules about a run config (``checks.config_rules``), preflight and kernel checks;
+  status, list and logs;
+- ``run/``: the config's schema and loading, setup, run directory, lock, supervisor, job, stop and resume;
 - ``cli/``: the verb registry and every argparse line; ``entry``: what each training rank runs.
 """
 

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from launcher.checks.config_check import check_llamafactory
+from launcher.checks.config_rules import check_run_config
 from launcher.run.config import parse_overrides, read_run_config
-from launcher.run.setup import check_run_config
 from tests.conftest import launcher_cmd, make_config
 
 

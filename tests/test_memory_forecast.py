@@ -72,7 +72,7 @@ def test_backend_auto_in_check_names_no_device_so_no_verdict_without_device_memo
     """`check` runs where the devices may not be (a laptop): `backend: auto` is not this machine's RAM. The
     forecast is shown without a verdict, and `--device-memory` gives one."""
     from launcher.checks.config_check import ERROR
-    from launcher.run.setup import memory_finding
+    from launcher.checks.config_rules import memory_finding
 
     config = _config(model_27b, tmp_path, backend="auto")
     shown = memory_finding(config, None)

@@ -1,5 +1,7 @@
-"""Checks made before training: preflight and each of its rows (packages against the lock, model
-folder, datasets, output space), and the DeltaNet kernel checks (``validate-kernels``).
+"""Checks made before training: every rule about a run config through one entry
+(``config_rules.check_run_config``; the LLaMA-Factory part in ``config_check``, patch options in ``patch_check``),
+preflight and each of its rows (packages against the lock, model folder, datasets, output space), and the
+DeltaNet kernel checks (``validate-kernels``).
 
 May import ``state``, ``results``, ``data`` and the base modules; the run config only for type
 hints. Never ``run``, ``monitor`` or ``cli``.

@@ -13,12 +13,13 @@ What is checked, each finding naming its key and, for a problem, the fix:
 - the datasets: named in ``dataset``, registered in ``dataset_info.json``, their files and every record's
   columns and types (``launcher.checks.data``), and think/no-think agreement between the data and the template;
 - ``dataset_dir`` and the model folder: one missing on this machine is an error (the model folder is
-  ``read_run_config``'s to refuse), or, for a config meant for another machine (``launcher check
+  ``config_rules.file_problems``' to refuse), or, for a config meant for another machine (``launcher check
   --for-another-machine``), a check not made here; a model folder here without a readable ``config.json``
   is an error either way;
 - then LLaMA-Factory's own parser over the whole set, for its cross-field rules.
 
-Works on a plain argument dict (``launcher.run.config.llamafactory_args``); imports LLaMA-Factory once.
+Works on a plain argument dict (``RunConfig.llamafactory_args``); imports LLaMA-Factory once. The entry for
+every rule about a run config, this part among them, is ``launcher.checks.config_rules.check_run_config``.
 """
 
 from __future__ import annotations
@@ -211,7 +212,7 @@ def check_lora_target(args: dict[str, Any], out: Findings, model: bool) -> None:
     if not model:
         out.add("lora_target", SKIPPED, "lora_target: not checked (--no-model: the model's config.json is not read)")
         return
-    if not folder.is_dir():  # read_run_config refuses it, unless the config is meant for another machine
+    if not folder.is_dir():  # config_rules.file_problems refuses it, unless the config is meant for another machine
         out.add("lora_target", SKIPPED, f"lora_target: not checked ({folder} is not a folder on this machine)")
         return
     try:
@@ -319,7 +320,7 @@ def check_llamafactory(args: dict[str, Any], *, model: bool = True, data: bool =
     """Every check above over the LLaMA-Factory arguments ``args``.
 
     Args:
-        args: what the job would receive (``launcher.run.config.llamafactory_args``).
+        args: what the job would receive (``RunConfig.llamafactory_args``).
         model: read the model's ``config.json`` (``launcher check --no-model`` does not).
         data: check the datasets.
         devices: this machine has the run's devices; when it has not, LLaMA-Factory's parser runs as for a

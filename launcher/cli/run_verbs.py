@@ -127,17 +127,16 @@ def _cmd_check(ns: argparse.Namespace) -> int:
     """Every problem of the config in one pass; 0 when none, 2 otherwise. The checks it could not make here
     are counted and listed, with why, after the verdict: never a bare OK."""
     from launcher.checks.config_check import SKIPPED
+    from launcher.checks.config_rules import check_run_config
     from launcher.run.config import ConfigError, read_run_config
-    from launcher.run.setup import check_run_config, memory_finding
 
     elsewhere = ns.for_another_machine
     device_gib = _device_memory(ns)
     config, problems = read_run_config(ns.config, overrides_of(ns), require_model=not (ns.no_model or elsewhere))
     if config is None:
         raise ConfigError(str(ns.config), problems)
-    found = check_run_config(config, problems=problems, model=not ns.no_model, devices=False, elsewhere=elsewhere)
-    if not ns.no_model and not problems:
-        found.items.append(memory_finding(config, device_gib))
+    found = check_run_config(config, problems=problems, model=not ns.no_model, devices=False, elsewhere=elsewhere,
+                             memory=True, device_gib=device_gib)  # fmt: skip
     marks = {"error": "ERROR", "warn": "warn ", "ok": "ok   ", "skipped": "skip "}
     for finding in found.items:
         if finding.level != SKIPPED:

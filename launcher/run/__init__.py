@@ -1,4 +1,4 @@
-"""Running a training job: the run config, setup checks, the run directory, the run lock, the
+"""Running a training job: the run config (schema and loading), setup, the run directory, the run lock, the
 supervisor and the job it starts, stop and resume, why a job failed, and the evaluation of its checkpoints
 (``evaluate.py``, which starts ``launcher.evaluate_entry`` in a child process).
 

@@ -13,9 +13,11 @@ The file a user writes is the LLaMA-Factory YAML they already know, with one ext
         deltanet_routing: {kernel: auto}
         checkpoint_all_layers: true
 
-The ``launcher`` part is validated here with pydantic (host side, no torch). The rest is checked by
-``launcher.checks.config_check`` against LLaMA-Factory's own argument dataclasses and registries, which
-needs the training stack. ``read_run_config`` collects every problem, so a user fixes them in one pass.
+Here: the schema and the loading. The ``launcher`` part is validated with pydantic (host side, no torch);
+``read_run_config`` also applies the rules a config must pass to load (``launcher.checks.config_rules``) and
+collects every problem, so a user fixes them in one pass. Every other rule about a config, the LLaMA-Factory
+part against its own argument dataclasses and registries among them, is asked through
+``launcher.checks.config_rules.check_run_config``.
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 import patches
+from launcher.checks.config_rules import file_problems
 from launcher.errors import ExitCode, LauncherError
 from launcher.run.tuning import Tuning
 
-FORMAL_MIN_CUTOFF = 4096
 # Keys the launcher owns in the LLaMA-Factory part: it decides where a run writes.
 LAUNCHER_OWNED_KEYS = ("output_dir",)
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -160,8 +162,41 @@ class RunConfig(BaseModel):
     def run_name(self) -> str:
         return self.launcher.run_name or _RUN_NAME_FALLBACK.sub("-", self.source.stem)[:64]
 
+    def llamafactory_args(self, backend: str, output_dir: Path) -> dict[str, Any]:
+        """The LLaMA-Factory arguments the job will use: the user's, plus what the launcher decides."""
+        args = dict(self.llamafactory)
+        args["output_dir"] = str(output_dir)
+        # LLaMA-Factory deletes trainer_log.jsonl under overwrite_output_dir; a run folder is always new.
+        args.pop("overwrite_output_dir", None)
+        if backend == "cpu":
+            args["use_cpu"] = True  # also keeps a CPU run off any GPU the host may have
+        if args.get("packing") and args.get("stage", "sft") == "sft":
+            # LLaMA-Factory's plain packing lets the samples of a row attend to each other; neat packing keeps
+            # them apart (block-diagonal mask, position ids per sample), which the packed_rows patch extends to
+            # the DeltaNet layers. A packed sample never sees another one here (docs/data.md, "Packing").
+            args["neat_packing"] = True
+        early = self.launcher.early_stopping
+        if early is not None:
+            # LLaMA-Factory adds HF's EarlyStoppingCallback(early_stopping_patience=early_stopping_steps)
+            # (llamafactory/train/tuner.py). HF tracks the best checkpoint by metric_for_best_model and never
+            # rotates it away; load_best_model_at_end then puts the best adapter at the top of output/ (HF checks
+            # that save and eval strategies match and save_steps is a multiple of eval_steps). Under FSDP the
+            # Trainer refuses load_best_model_at_end with save_only_model, and loading would need full-model
+            # checkpoints, so there world rank 0 copies the best checkpoint's adapter over the final one after
+            # training (launcher/results/best_adapter.py, called by launcher/entry.py) and names it in
+            # best_adapter.json.
+            args["early_stopping_steps"] = early.patience
+            args["metric_for_best_model"] = early.metric
+            args["greater_is_better"] = False
+            args["load_best_model_at_end"] = self.launcher.distribution != "fsdp2"
+        # ddp_backend is left to accelerate, which picks gloo/nccl/hccl from the device; setting it here
+        # would make TrainingArguments initialise a process group while the launcher validates.
+        return args
+
 
 _RUN_NAME_FALLBACK = re.compile(r"[^A-Za-z0-9._-]")
+# the job's arguments as a function of the config too (the supervisor's calls); checks/ calls the method
+llamafactory_args = RunConfig.llamafactory_args
 
 
 def _pydantic_problems(err: ValidationError, prefix: str) -> list[str]:
@@ -220,7 +255,8 @@ def _apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> None:
 
 def read_run_config(path: Path, overrides: dict[str, Any] | None = None,
                     require_model: bool = True) -> tuple[RunConfig | None, list[str]]:  # fmt: skip
-    """Read a run config and collect every problem of its launcher section and the formal rules.
+    """Read a run config and collect every problem of its launcher section and of the rules a config must pass
+    to load (``launcher.checks.config_rules.file_problems``).
 
     Args:
         path: The YAML file.
@@ -265,10 +301,6 @@ def read_run_config(path: Path, overrides: dict[str, Any] | None = None,
     except ValueError as err:
         problems.append(f"launcher.patches: {err}")
 
-    problems.extend(_check_formal_rules(data, launcher, require_model))
-    if launcher.stall_action == "restart" and launcher.restart is None:
-        problems.append("launcher.stall_action: 'restart' needs automatic recovery; add launcher.restart: "
-                        "{max_restarts: 3, backoff_s: 60} or use stall_action: stop")  # fmt: skip
     for key in LAUNCHER_OWNED_KEYS:
         if key in data:
             notes.append(
@@ -277,7 +309,7 @@ def read_run_config(path: Path, overrides: dict[str, Any] | None = None,
             )
     config = RunConfig(source=path, launcher=launcher, patches=patch_settings, llamafactory=data, notes=notes,
                        overrides=overrides or {})  # fmt: skip
-    return config, problems
+    return config, problems + file_problems(config, require_model=require_model)
 
 
 def _valid_part(raw: dict[str, Any], err: ValidationError) -> dict[str, Any]:
@@ -288,8 +320,8 @@ def _valid_part(raw: dict[str, Any], err: ValidationError) -> dict[str, Any]:
 def load_run_config(path: Path, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Read and validate the host-side part of a run config (``read_run_config``, raising).
 
-    LLaMA-Factory's own checks are a separate step (``launcher.checks.config_check``) because they need
-    the training stack.
+    LLaMA-Factory's own checks are a separate step (``launcher.checks.config_rules.check_run_config``) because
+    they need the training stack.
 
     Raises:
         ConfigError: with every problem found, each naming its key.
@@ -298,69 +330,6 @@ def load_run_config(path: Path, overrides: dict[str, Any] | None = None) -> RunC
     if problems or config is None:
         raise ConfigError(str(path), problems)
     return config
-
-
-def _check_formal_rules(data: dict[str, Any], launcher: LauncherSection, require_model: bool) -> list[str]:
-    problems = []
-    cutoff = data.get("cutoff_len", 2048)  # LLaMA-Factory's default
-    if not launcher.smoke and isinstance(cutoff, int) and cutoff < FORMAL_MIN_CUTOFF:
-        problems.append(
-            f"cutoff_len: {cutoff} is below {FORMAL_MIN_CUTOFF}; a formal run must see whole counselling "
-            f"dialogues (set cutoff_len: {FORMAL_MIN_CUTOFF} or more, or mark a short test run with "
-            "launcher.smoke: true)"
-        )
-    if launcher.early_stopping is not None:
-        eval_s, save_s = str(data.get("eval_strategy", "no")), str(data.get("save_strategy", "steps"))
-        if eval_s == "no" or eval_s != save_s:
-            problems.append(
-                f"launcher.early_stopping: needs evaluations and checkpoints on the same schedule (eval_strategy is "
-                f"{eval_s!r}, save_strategy {save_s!r}); set both to steps"
-            )
-        elif eval_s == "steps" and int(data.get("save_steps", 500)) % int(data.get("eval_steps") or 500):
-            problems.append(
-                f"launcher.early_stopping: save_steps {data.get('save_steps')} is not a multiple of eval_steps "
-                f"{data.get('eval_steps')}; the best evaluation must have a checkpoint (e.g. equal values)"
-            )
-    model = data.get("model_name_or_path")
-    if model is None:
-        problems.append("model_name_or_path: missing; set it to the model folder (config.json and shards)")
-    elif require_model and not Path(str(model)).is_dir():
-        problems.append(
-            f"model_name_or_path: {model!r} is not a folder here; models are not downloaded, so point it "
-            "at a local model folder (for the demo: `launcher demo-assets` builds demo/model)"
-        )
-    return problems
-
-
-def llamafactory_args(config: RunConfig, backend: str, output_dir: Path) -> dict[str, Any]:
-    """The LLaMA-Factory arguments the job will use: the user's, plus what the launcher decides."""
-    args = dict(config.llamafactory)
-    args["output_dir"] = str(output_dir)
-    # LLaMA-Factory deletes trainer_log.jsonl under overwrite_output_dir; a run folder is always new.
-    args.pop("overwrite_output_dir", None)
-    if backend == "cpu":
-        args["use_cpu"] = True  # also keeps a CPU run off any GPU the host may have
-    if args.get("packing") and args.get("stage", "sft") == "sft":
-        # LLaMA-Factory's plain packing lets the samples of a row attend to each other; neat packing keeps
-        # them apart (block-diagonal mask, position ids per sample), which the packed_rows patch extends to
-        # the DeltaNet layers. A packed sample never sees another one here (docs/data.md, "Packing").
-        args["neat_packing"] = True
-    early = config.launcher.early_stopping
-    if early is not None:
-        # LLaMA-Factory adds HF's EarlyStoppingCallback(early_stopping_patience=early_stopping_steps)
-        # (llamafactory/train/tuner.py). HF tracks the best checkpoint by metric_for_best_model and never
-        # rotates it away; load_best_model_at_end then puts the best adapter at the top of output/ (HF checks
-        # that save and eval strategies match and save_steps is a multiple of eval_steps). Under FSDP the
-        # Trainer refuses load_best_model_at_end with save_only_model, and loading would need full-model
-        # checkpoints, so there world rank 0 copies the best checkpoint's adapter over the final one after
-        # training (launcher/results/best_adapter.py, called by launcher/entry.py) and names it in best_adapter.json.
-        args["early_stopping_steps"] = early.patience
-        args["metric_for_best_model"] = early.metric
-        args["greater_is_better"] = False
-        args["load_best_model_at_end"] = config.launcher.distribution != "fsdp2"
-    # ddp_backend is left to accelerate, which picks gloo/nccl/hccl from the device; setting it here
-    # would make TrainingArguments initialise a process group while the launcher validates.
-    return args
 
 
 def dump_yaml(data: dict[str, Any]) -> str:
