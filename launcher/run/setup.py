@@ -17,7 +17,7 @@ from launcher.errors import ExitCode, LauncherError
 from launcher.run.config import ConfigError, RunConfig, llamafactory_args
 from launcher.state.reconcile import reconcile
 from launcher.state.record import RecordUnreadable, RunStore
-from launcher.state.runs import list_runs
+from launcher.state.runs import OUTPUT_SUBDIR, list_runs
 from launcher.state.states import RunState
 
 
@@ -65,7 +65,7 @@ def check_run_config(config: RunConfig, *, problems: list[str] | None = None, mo
         name = launcher.backend if launcher.backend != "auto" else "cpu"
         out.add("devices", SKIPPED, f"devices: not counted here; `launcher preflight` checks the {launcher.backend} "
                 f"backend's devices where the run will train")  # fmt: skip
-    placeholder = Path(launcher.output_root).resolve() / "validate" / "output"
+    placeholder = Path(launcher.output_root).resolve() / "validate" / OUTPUT_SUBDIR
     args = llamafactory_args(config, name, placeholder)
     for key, problem in patch_problems(config.patches, args, backend=name):
         out.add(key, ERROR, problem)
