@@ -26,14 +26,14 @@ import yaml
 from launcher import oomtrack
 from launcher.files import DiskTolerantStream, disk_error, write_json_or_warn
 from launcher.results import best_adapter
-from launcher.state.runs import ERRORS_DIR, LAUNCH_FILE
+from launcher.state.runs import ERROR_RECORD, ERRORS_DIR, LAUNCH_FILE, PROOF_DIR
 from launcher.stopsave import StoppedAfterSave, install_sigterm_handler, make_callback
 
 
 def write_error_file(run_dir: Path, exc: BaseException) -> Path:
     """Record this rank's failure as ``errors/rank<N>.json`` (the root cause the supervisor reports)."""
     rank = os.environ.get("RANK", "0")
-    path = run_dir / ERRORS_DIR / f"rank{rank}.json"
+    path = run_dir / ERRORS_DIR / ERROR_RECORD.format(rank=rank)
     record = {
         "rank": int(rank),
         "time": time.time(),
@@ -94,7 +94,7 @@ def _train(run_dir: Path, callbacks: tuple = ()) -> int:
     import patches
 
     patches.apply_enabled(
-        launch["patches"], backend=launch["backend"], proof_dir=run_dir / "proof", facts=launch.get("facts")
+        launch["patches"], backend=launch["backend"], proof_dir=run_dir / PROOF_DIR, facts=launch.get("facts")
     )
 
     from launcher.data.privacy import log_examples_wanted, protect_training_log

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.files import write_json_atomic
+from launcher.state.runs import OUTPUT_SUBDIR, PROOF_DIR
 
 TEST_DATASET = "launcher_test_split"
 
@@ -60,7 +61,7 @@ def _lf_args(request: dict[str, Any], work: Path) -> dict[str, Any]:
         do_eval=True,
         do_predict=False,
         predict_with_generate=False,
-        output_dir=str(work / "output"),
+        output_dir=str(work / OUTPUT_SUBDIR),
         eval_strategy="no",
         save_strategy="no",
         report_to="none",
@@ -184,7 +185,7 @@ def evaluate(request: dict[str, Any]) -> dict[str, Any]:
 
     backend = request["backend"]
     work = Path(request["work_dir"])
-    patches.apply_enabled(request["patches"], backend=backend, proof_dir=work / "proof", facts=request["facts"])
+    patches.apply_enabled(request["patches"], backend=backend, proof_dir=work / PROOF_DIR, facts=request["facts"])
     if not request["log_examples"]:
         from launcher.data.privacy import protect_training_log
 
@@ -247,7 +248,7 @@ def evaluate(request: dict[str, Any]) -> dict[str, Any]:
              "answers": {r["name"]: r["answers"][i] for r in results}} for i, p in enumerate(prompts)]  # fmt: skip
     for r in results:
         r.pop("answers")
-    proof = read_proof(work / "proof", "deltanet_routing", RankInfo.from_env().rank)
+    proof = read_proof(work / PROOF_DIR, "deltanet_routing", RankInfo.from_env().rank)
     kernels = {**{k: proof.get(k) for k in ("status", "route", "first_call", "first_decode_call")}, **bindings}
     return {"checkpoints": results, "prompts": rows, "kernels": kernels}
 

@@ -33,6 +33,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from launcher.state.runs import MEMORY_SNAPSHOT
+
 PHASES = (
     "loading",
     "forward",
@@ -293,7 +295,7 @@ def dump_snapshot(run_dir: Path, rank: str) -> Path | None:
     module = _memory_module(_history["backend"] or "")
     if module is None:
         return None
-    path = run_dir / f"memory_snapshot_rank{rank}.pickle"
+    path = run_dir / MEMORY_SNAPSHOT.format(rank=rank)
     try:
         module._dump_snapshot(str(path))
     except Exception:  # never mask the out-of-memory error itself

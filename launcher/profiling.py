@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.files import write_json_or_warn
-from launcher.state.runs import PROFILE_DIR
+from launcher.state.runs import PROFILE_ASCEND, PROFILE_DIR, PROFILE_RECORD, PROFILE_TRACE
 
 DELTANET_KERNELS = ("chunk_gated_delta", "gated_delta", "chunk_fwd", "chunk_bwd", "chunk_scaled_dot_kkt",
                     "recompute_w_u", "solve_tril", "chunk_local_cumsum", "fused_recurrent", "merge_16x16",
@@ -221,7 +221,7 @@ class ProfileCallback:
                 record = dict(self.summary)
                 record.update(rank=self.rank, backend=self.backend, warmup=self.warmup, steps=self.steps,
                               periods=self.periods, seq_lens=sorted(set(self.lengths)))  # fmt: skip
-                write_json_or_warn(self.folder / f"rank{self.rank}.json", record, "the profile")
+                write_json_or_warn(self.folder / PROFILE_RECORD.format(rank=self.rank), record, "the profile")
                 self.profiler = None
                 return control
 
@@ -236,7 +236,7 @@ def _start_profiler(backend: str, warmup: int, steps: int, folder: Path, rank: i
 
         prof = torch_npu.profiler
         activities = [prof.ProfilerActivity.CPU, prof.ProfilerActivity.NPU]
-        export = prof.tensorboard_trace_handler(str(folder / f"rank{rank}.ascend"))
+        export = prof.tensorboard_trace_handler(str(folder / PROFILE_ASCEND.format(rank=rank)))
 
         def ready(p):
             export(p)
@@ -248,7 +248,7 @@ def _start_profiler(backend: str, warmup: int, steps: int, folder: Path, rank: i
         activities = [prof.ProfilerActivity.CPU] + ([prof.ProfilerActivity.CUDA] if backend == "cuda" else [])
 
         def ready(p):
-            p.export_chrome_trace(str(folder / f"rank{rank}.trace.json"))
+            p.export_chrome_trace(str(folder / PROFILE_TRACE.format(rank=rank)))
             summarize(p)
 
     schedule = prof.schedule(skip_first=warmup, wait=0, warmup=0, active=steps, repeat=1)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.files import read_json_object, write_json_or_warn
-from launcher.state.runs import OUTPUT_SUBDIR, SAVE_DONE, SAVE_READY, SAVE_REQUEST, STOP_REQUEST
+from launcher.state.runs import CHECKPOINT_FOLDER, OUTPUT_SUBDIR, SAVE_DONE, SAVE_READY, SAVE_REQUEST, STOP_REQUEST
 
 
 class StoppedAfterSave(Exception):  # noqa: N818  (not an error: how the rank leaves training after the save)
@@ -101,7 +101,7 @@ def make_callback(run_dir: Path) -> Any:
 
         def on_save(self, args, state, control, **kwargs):
             if self.stopping_at is not None and state.global_step == self.stopping_at and self.local_zero:
-                folder = Path(OUTPUT_SUBDIR) / f"checkpoint-{state.global_step}"
+                folder = Path(OUTPUT_SUBDIR) / CHECKPOINT_FOLDER.format(step=state.global_step)
                 done = {"step": state.global_step, "path": str(folder), "time": time.time(),
                         "signalled": bool(_SIGNALLED)}  # fmt: skip
                 write_json_or_warn(self.run_dir / SAVE_DONE, done, "the saved checkpoint's record")

@@ -48,6 +48,8 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from pydantic import BaseModel, ConfigDict
 
+from launcher.state.runs import ADAPTER_FILE
+
 from .errors import PatchError
 from .proof import ProofFile, utc_now
 from .versions import require_global_loads, require_symbols
@@ -59,7 +61,6 @@ SUPPORTED = {"accelerate": SpecifierSet(">=1.11.0,<1.15"), "transformers": Speci
 MODULE = "transformers.trainer"
 FUNCTION = "load_fsdp_model"
 CALLERS = ("_load_from_checkpoint", "_load_best_model")
-ADAPTER_FILE = "adapter_model.safetensors"  # peft's SAFETENSORS_WEIGHTS_NAME, what PeftModel.save_pretrained writes
 TURN_OFF = f"launcher.patches.{NAME}: false"
 
 

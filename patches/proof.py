@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher import files
+from launcher.state.runs import PROOF_FILE, PROOF_RANK
 
 
 def utc_now() -> str:
@@ -64,7 +65,7 @@ class ProofFile:
 
     def __init__(self, proof_dir: Path, patch: str, rank: int) -> None:
         self.patch = patch
-        self.path = Path(proof_dir) / f"rank{rank}" / f"{patch}.json"
+        self.path = Path(proof_dir) / PROOF_RANK.format(rank=rank) / PROOF_FILE.format(patch=patch)
         self.record: dict[str, Any] | None = None
         self.refused: dict[str, Any] | None = None  # the last write the disk refused (files.disk_error)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from launcher.data.prepare import Options, prepare
-from launcher.results.evaluation import EVALUATE_JSON, EVALUATE_MD
+from launcher.state.runs import EVALUATE_JSON, EVALUATE_MD
 from tests import soulchat_fixtures as sf
 from tests.conftest import launcher_cmd, make_config, only_run_dir
 

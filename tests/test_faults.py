@@ -387,7 +387,8 @@ def test_a_closed_pipe_ends_list_and_status_without_a_traceback(tmp_path):
 
 
 def test_verify_does_not_replace_an_earlier_pass_with_a_fail_from_damage(tmp_path):
-    from launcher.results.verify import RECHECK_FILE, VERIFY_FILE, CheckResult, VerifyReport, _write
+    from launcher.results.verify import CheckResult, VerifyReport, _write
+    from launcher.state.runs import RECHECK_FILE, VERIFY_FILE
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from launcher.cli import main
-from launcher.results.verify import VERIFY_FILE, verify_run
+from launcher.results.verify import verify_run
+from launcher.state.runs import VERIFY_FILE
 from tests.run_fixtures import (
     QKVO,
     TINY_QKVO_MODULES,

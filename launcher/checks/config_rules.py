@@ -29,6 +29,7 @@ from launcher.checks.config_check import ERROR, OK, SKIPPED, WARN, Finding, Find
 from launcher.checks.data import check_output
 from launcher.checks.memory import check_memory
 from launcher.checks.patch_check import patch_problems
+from launcher.state.runs import OUTPUT_SUBDIR
 
 if TYPE_CHECKING:
     from launcher.run.config import RunConfig
@@ -76,7 +77,7 @@ def check_run_config(config: RunConfig, *, problems: list[str] | None = None, mo
         name = launcher.backend if launcher.backend != "auto" else "cpu"
         out.add("devices", SKIPPED, f"devices: not counted here; `launcher preflight` checks the {launcher.backend} "
                 f"backend's devices where the run will train")  # fmt: skip
-    placeholder = Path(launcher.output_root).resolve() / "validate" / "output"
+    placeholder = Path(launcher.output_root).resolve() / "validate" / OUTPUT_SUBDIR
     args = config.llamafactory_args(name, placeholder)
     for key, problem in patch_problems(config.patches, args, backend=name):
         out.add(key, ERROR, problem)

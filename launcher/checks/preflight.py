@@ -45,11 +45,11 @@ from launcher.checks.data import check_dataset, check_output
 from launcher.checks.memory import check_memory
 from launcher.files import write_json_atomic
 from launcher.state.record import now_iso
+from launcher.state.runs import PREFLIGHT_FILE
 
 if TYPE_CHECKING:
     from launcher.run.setup import Prepared
 
-PREFLIGHT_FILE = "preflight.json"
 SKIP_ENV = "LAUNCHER_PREFLIGHT_SKIP"
 # Ascend HDK (driver) lines each CANN release supports; source: CANN 8.5.0 release notes, "CANN
 # version mapping" (Ascend HDK 25.5.X, 25.3.X, 25.2.X, 25.0.X).

@@ -57,7 +57,8 @@ def _cmd_list(ns: argparse.Namespace) -> int:
 def _readable_record(folder: Path):
     """The run's record, None when it has none (a bare output folder is still verified); a record that is
     there but unreadable refuses the verb (``RecordUnreadable``) before anything is written."""
-    from launcher.state.record import STATUS_FILE, read_record
+    from launcher.state.record import read_record
+    from launcher.state.runs import STATUS_FILE
 
     return read_record(folder) if (folder / STATUS_FILE).exists() else None
 
@@ -71,7 +72,8 @@ def _args_verify(p: argparse.ArgumentParser) -> None:
 
 def _cmd_verify(ns: argparse.Namespace) -> int:
     """0 when every check passes, 1 when one fails, 2 when RUN is not a run."""
-    from launcher.results.verify import VERIFY_FILE, print_report, verify_run
+    from launcher.results.verify import print_report, verify_run
+    from launcher.state.runs import VERIFY_FILE
 
     folder = run_dir(ns)
     record = _readable_record(folder)
@@ -105,7 +107,8 @@ def _args_report(p: argparse.ArgumentParser) -> None:
 
 def _cmd_report(ns: argparse.Namespace) -> int:
     """0 when the report was written, 2 when RUN is not a run directory."""
-    from launcher.results.report import REPORT_JSON, REPORT_MD, build_report, print_summary
+    from launcher.results.report import build_report, print_summary
+    from launcher.state.runs import REPORT_JSON, REPORT_MD
 
     folder = run_dir(ns)
     if ns.patience is not None and ns.patience < 1:
@@ -152,8 +155,9 @@ def _args_evaluate(p: argparse.ArgumentParser) -> None:
 
 def _cmd_evaluate(ns: argparse.Namespace) -> int:
     """0 when evaluate.json was written, 1 when the evaluation failed, 2 for bad input."""
-    from launcher.results.evaluation import EVALUATE_JSON, EVALUATE_MD, signal_rows
+    from launcher.results.evaluation import signal_rows
     from launcher.run.evaluate import build_request, evaluate_run
+    from launcher.state.runs import EVALUATE_JSON, EVALUATE_MD
 
     folder = run_dir(ns)
     request = build_request(folder, checkpoints=ns.checkpoints, prompts_file=ns.prompts,

@@ -28,6 +28,8 @@ from typing import Any
 
 import yaml
 
+from launcher.state.runs import CONFIG_COPY, LAUNCH_FILE
+
 LOG_EXAMPLES_KEY = "log_examples"  # launcher.log_examples in the run config
 WITHHELD = "text withheld; set launcher.log_examples: true to print it"
 # LLaMA-Factory warnings that quote a whole record, by their fixed beginning
@@ -123,13 +125,13 @@ def log_examples_wanted(run_dir: Path) -> bool:
     config (``config.yaml``); absent or unreadable means no.
     """
     try:
-        launch = json.loads((run_dir / "launch.json").read_text())
+        launch = json.loads((run_dir / LAUNCH_FILE).read_text())
         if isinstance(launch, dict) and LOG_EXAMPLES_KEY in launch:
             return launch[LOG_EXAMPLES_KEY] is True
     except (OSError, ValueError):
         pass
     try:
-        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+        config = yaml.safe_load((run_dir / CONFIG_COPY).read_text())
     except (OSError, yaml.YAMLError):
         return False
     section = config.get("launcher") if isinstance(config, dict) else None

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from launcher.files import write_bytes_atomic, write_json_atomic
+from launcher.state.runs import DATA_STATS
 
-STATS_FILE = "data_stats.json"
 PLOT_FILE = "data_stats.png"
 
 
@@ -59,7 +59,7 @@ def render_table(result: dict[str, Any]) -> None:
 
 def write_json(result: dict[str, Any], out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    path = out / STATS_FILE
+    path = out / DATA_STATS
     write_json_atomic(path, result)
     return path
 

@@ -23,7 +23,15 @@ from launcher.oomtrack import summary
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.reconcile import ContainerView, Reconciled, inspect_container, reconcile, same_namespace
 from launcher.state.record import RecordUnreadable, RunRecord, read_record
-from launcher.state.runs import JOB_LOG, SUPERVISOR_LOG, list_runs
+from launcher.state.runs import (
+    CHECKPOINT_FOLDER,
+    JOB_LOG,
+    OUTPUT_SUBDIR,
+    SUPERVISOR_LOG,
+    TRAINER_LOG,
+    TRAINER_STATE,
+    list_runs,
+)
 from launcher.state.states import RunState
 from launcher.state.trainer_log import MAX_LINE_BYTES, read_tail
 
@@ -68,7 +76,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
     """
     record = read_record(run_dir)
     seen = reconcile(record, run_dir)
-    trainer_log = record.resolve(run_dir, record.trainer_log) or run_dir / "output" / "trainer_log.jsonl"
+    trainer_log = record.resolve(run_dir, record.trainer_log) or run_dir / OUTPUT_SUBDIR / TRAINER_LOG
     read = read_tail(trainer_log, count=16)
     tail = read.records
     summary = dict(record.progress)
@@ -147,7 +155,7 @@ def _container_now(record: RunRecord, seen: Reconciled) -> dict[str, Any]:
             "container_status": view.describe()}  # fmt: skip
 
 
-_CHECKPOINT_STEP = re.compile(r"checkpoint-(\d+)/*$")
+_CHECKPOINT_STEP = re.compile(CHECKPOINT_FOLDER.format(step=r"(\d+)") + "/*$")
 
 
 def _resume_point(record: RunRecord, run_dir: Path) -> tuple[int, int | None] | None:
@@ -160,7 +168,7 @@ def _resume_point(record: RunRecord, run_dir: Path) -> tuple[int, int | None] | 
     if not found:
         return None
     folder = record.resolve(run_dir, record.resumed_from)
-    state = read_json_object(folder / "trainer_state.json") if folder else None
+    state = read_json_object(folder / TRAINER_STATE) if folder else None
     tokens = state.get("num_input_tokens_seen") if isinstance(state, dict) else None
     return int(found.group(1)), tokens if isinstance(tokens, int) else None
 

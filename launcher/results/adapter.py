@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from launcher.state.runs import ADAPTER_CONFIG, ADAPTER_FILE
+
 # safetensors dtype -> (numpy dtype string, bytes per element). BF16 is read as its raw 16 bits and
 # widened to float32 (bf16 is the top half of an IEEE float32).
 _DTYPES: dict[str, tuple[str, int]] = {
@@ -43,8 +45,6 @@ _DTYPES: dict[str, tuple[str, int]] = {
     "F8_E5M2": ("u1", 1),
 }
 _MAX_HEADER = 100 << 20  # the format's own limit
-ADAPTER_FILE = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 # peft saves adapter weights as base_model.model.<module>.lora_A.weight (the adapter name is dropped)
 _LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from launcher.files import write_bytes_atomic, write_json_atomic
+from launcher.state.runs import ADAPTER_CONFIG, ADAPTER_FILE, BEST_ADAPTER_RECORD, TRAINER_STATE
 
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
-RECORD = "best_adapter.json"
+ADAPTER_FILES = (ADAPTER_FILE, ADAPTER_CONFIG)
 
 
 def wanted(lf: dict[str, Any]) -> bool:
@@ -28,7 +28,7 @@ def wanted(lf: dict[str, Any]) -> bool:
 
 def keep_best_adapter(output: Path) -> dict[str, Any] | None:
     """Copy the best checkpoint's adapter files over ``output``'s and record it; None when there is no best."""
-    state = json.loads((output / "trainer_state.json").read_text())
+    state = json.loads((output / TRAINER_STATE).read_text())
     best = state.get("best_model_checkpoint")
     if not best:
         return None
@@ -38,5 +38,5 @@ def keep_best_adapter(output: Path) -> dict[str, Any] | None:
     record = {"checkpoint": folder.name, "metric": state.get("best_metric"), "files": list(ADAPTER_FILES),
               "last_step": state.get("global_step"),
               "note": "the adapter in output/ is this checkpoint's; eval_results.json describes the last step"}  # fmt: skip
-    write_json_atomic(output / RECORD, record)
+    write_json_atomic(output / BEST_ADAPTER_RECORD, record)
     return record

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from launcher.files import Unreadable, read_json_bounded
-from launcher.state.checkpoints import TRAINER_STATE, scan_checkpoints
-from launcher.state.trainer_log import TRAINER_LOG, iter_trainer_log
+from launcher.state.checkpoints import scan_checkpoints
+from launcher.state.runs import TRAINER_LOG, TRAINER_STATE
+from launcher.state.trainer_log import iter_trainer_log
 
 DEFAULT_OVERFIT_PATIENCE = 3
 _EVAL_LOSS_KEY = re.compile(r"^eval_(?:.+_)?loss$")

@@ -18,9 +18,8 @@ from launcher.errors import ExitCode, LauncherError
 from launcher.files import read_json_object
 from launcher.results.signals import answer_signals, checkpoint_signals
 from launcher.state.record import now_iso
+from launcher.state.runs import EVALUATE_JSON, EVALUATE_MD
 
-EVALUATE_JSON = "evaluate.json"
-EVALUATE_MD = "evaluate.md"
 CRISIS_FILE = Path(__file__).with_name("crisis_prompts.json")
 SCREENING_NOTE = (
     "These are automatic screening signals, not a clinical judgement: they point a reader at answers to read "

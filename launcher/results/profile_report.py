@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.files import write_json_atomic, write_text_atomic
-from launcher.state.runs import PROFILE_DIR
+from launcher.state.runs import PROFILE_ASCEND, PROFILE_DIR, PROFILE_JSON, PROFILE_MD, PROFILE_RECORD, PROFILE_TRACE
 
 PARTS = ("deltanet", "glue", "attention", "matmul", "other_compute", "communication", "optimizer",
          "data_loading", "optimizer_host", "compile_autotune", "host_gaps")  # fmt: skip
@@ -101,7 +101,7 @@ def first_step_summary(periods: list[dict[str, Any]]) -> dict[str, Any] | None:
 def build_report(run_dir: Path) -> dict[str, Any]:
     """Every rank's summary, and the spread of step times across ranks."""
     records = []
-    found = [p for p in (run_dir / PROFILE_DIR).glob("rank*.json") if p.stem[4:].isdigit()]
+    found = [p for p in (run_dir / PROFILE_DIR).glob(PROFILE_RECORD.format(rank="*")) if p.stem[4:].isdigit()]
     for path in sorted(found, key=lambda p: int(p.stem[4:])):
         try:
             records.append(json.loads(path.read_text()))
@@ -113,8 +113,8 @@ def build_report(run_dir: Path) -> dict[str, Any]:
     if len(times) > 1:  # collectives make every rank's step as long as the slowest's: compare the work
         spread = {"fastest_s": min(times), "slowest_s": max(times), "spread_s": round(max(times) - min(times), 6),
                   "spread_share": round((max(times) - min(times)) / max(times), 4)}  # fmt: skip
-    traces = sorted(str(p.relative_to(run_dir)) for p in (run_dir / PROFILE_DIR).glob("rank*.trace.json"))
-    traces += sorted(str(p.relative_to(run_dir)) for p in (run_dir / PROFILE_DIR).glob("rank*.ascend"))
+    traces = sorted(str(p.relative_to(run_dir)) for p in (run_dir / PROFILE_DIR).glob(PROFILE_TRACE.format(rank="*")))
+    traces += sorted(str(p.relative_to(run_dir)) for p in (run_dir / PROFILE_DIR).glob(PROFILE_ASCEND.format(rank="*")))
     return {"run_dir": str(run_dir), "ranks": ranks, "spread_across_ranks": spread, "traces": traces,
             "tolerance": TOLERANCE}  # fmt: skip
 
@@ -199,6 +199,6 @@ def _render_first_step(ranks: list[dict[str, Any]]) -> list[str]:
 def write_report(run_dir: Path) -> dict[str, Any]:
     """Build, write ``profile.json`` and ``profile.md`` into ``run_dir``, and return the report."""
     report = build_report(run_dir)
-    write_json_atomic(run_dir / "profile.json", report)
-    write_text_atomic(run_dir / "profile.md", render(report))
+    write_json_atomic(run_dir / PROFILE_JSON, report)
+    write_text_atomic(run_dir / PROFILE_MD, render(report))
     return report

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.files import read_json_object, write_bytes_atomic, write_json_atomic, write_text_atomic
-from launcher.results import best_adapter, evaluation
+from launcher.results import evaluation
 from launcher.results.curves import (
     DEFAULT_OVERFIT_PATIENCE,
     Curves,
@@ -33,14 +33,19 @@ from launcher.results.curves import (
     overfitting_verdict,
     read_trainer_state,
 )
-from launcher.results.verify import VERIFY_FILE, never_trained
-from launcher.state.checkpoints import ADAPTER_FILE, scan_checkpoints
+from launcher.results.verify import never_trained
+from launcher.state.checkpoints import scan_checkpoints
 from launcher.state.record import now_iso
-from launcher.state.runs import eval_dataset_names, load_run_files, selection_metric_name
-
-REPORT_MD = "report.md"
-REPORT_JSON = "report.json"
-LOSS_PNG = "loss.png"
+from launcher.state.runfiles import eval_dataset_names, load_run_files, selection_metric_name
+from launcher.state.runs import (
+    ADAPTER_FILE,
+    BEST_ADAPTER_RECORD,
+    LOSS_PNG,
+    OUTPUT_SUBDIR,
+    REPORT_JSON,
+    REPORT_MD,
+    VERIFY_FILE,
+)
 
 
 @dataclass
@@ -182,7 +187,7 @@ def _recommend(report: RunReport, lf: dict[str, Any], output: Path) -> None:
         return
     state, _ = read_trainer_state(output)
     loaded_best = bool(lf.get("load_best_model_at_end")) and (state or {}).get("best_model_checkpoint")
-    kept = read_json_object(output / best_adapter.RECORD) if (output / best_adapter.RECORD).is_file() else None
+    kept = read_json_object(output / BEST_ADAPTER_RECORD) if (output / BEST_ADAPTER_RECORD).is_file() else None
     if isinstance(kept, dict) and kept.get("checkpoint"):
         report.final_note = f"= {kept['checkpoint']} (best adapter kept by the launcher)"
         report.notes.append(f"the final adapter in output/ is {kept['checkpoint']}'s, copied by the launcher after "
@@ -196,7 +201,7 @@ def _recommend(report: RunReport, lf: dict[str, Any], output: Path) -> None:
         )
     if best is None:
         if report.final_adapter_bytes is not None:
-            report.recommended = "output"
+            report.recommended = OUTPUT_SUBDIR
         report.recommended_reason = "no evaluation was logged, so nothing is selected by eval loss; the final adapter"
         return
     at_best = report.best_checkpoint
@@ -215,7 +220,7 @@ def _recommend(report: RunReport, lf: dict[str, Any], output: Path) -> None:
             f"{value:.4f} at step {chosen.step})"
         )
     else:
-        report.recommended = "output" if report.final_adapter_bytes is not None else None
+        report.recommended = OUTPUT_SUBDIR if report.final_adapter_bytes is not None else None
         report.recommended_reason = (
             f"no saved checkpoint has an evaluation; the best evaluation was at step {best.step} (align save_steps "
             "with eval_steps to keep it)"
@@ -269,7 +274,7 @@ def render_markdown(report: RunReport) -> str:
         value = _fmt(report.value_at(report.selection_metric, c.step))
         lines.append(f"| {c.name} | {c.step} | {value} | {human_size(c.adapter_bytes)} | {', '.join(marks)} |")
     if report.final_adapter_bytes is not None:
-        mark = "recommended" if report.recommended == "output" else report.final_note
+        mark = "recommended" if report.recommended == OUTPUT_SUBDIR else report.final_note
         lines.append(f"| output (final adapter) | - | - | {human_size(report.final_adapter_bytes)} | {mark} |")
     if not report.checkpoints:
         lines.append("| (no complete checkpoint) | | | | |")
@@ -281,7 +286,7 @@ def render_markdown(report: RunReport) -> str:
         for c in report.checkpoints:
             values = " | ".join(_fmt(report.value_at(m, c.step)) for m in report.test_metrics)
             lines.append(f"| {c.name} | {c.step} | {values} |")
-        if report.recommended and report.recommended != "output":
+        if report.recommended and report.recommended != OUTPUT_SUBDIR:
             step = next(c.step for c in report.checkpoints if c.name == report.recommended)
             values = ", ".join(f"{m} {_fmt(report.value_at(m, step))}" for m in report.test_metrics)
             lines.append("")

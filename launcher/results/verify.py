@@ -37,13 +37,23 @@ from launcher.results.lora_targets import (
     expected_lora_modules,
     read_model_layout,
 )
-from launcher.state.checkpoints import ADAPTER_CONFIG, ADAPTER_FILE, TRAINER_STATE, last_complete_checkpoint
+from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.record import now_iso
-from launcher.state.runs import RunFiles, eval_configured, load_run_files, selection_metric_name
-from launcher.state.trainer_log import TRAINER_LOG, read_trainer_log_tail
+from launcher.state.runfiles import RunFiles, eval_configured, load_run_files, selection_metric_name
+from launcher.state.runs import (
+    ADAPTER_CONFIG,
+    ADAPTER_FILE,
+    ALL_RESULTS,
+    EVAL_RESULTS,
+    RECHECK_FILE,
+    STATUS_FILE,
+    TRAIN_RESULTS,
+    TRAINER_LOG,
+    TRAINER_STATE,
+    VERIFY_FILE,
+)
+from launcher.state.trainer_log import read_trainer_log_tail
 
-VERIFY_FILE = "verify.json"
-RECHECK_FILE = "verify.recheck.json"  # a FAIL found after an earlier PASS: written here, verify.json kept
 VERIFY_SCHEMA = 1
 PASS, FAIL, INFO = "PASS", "FAIL", "INFO"
 
@@ -235,7 +245,7 @@ def _check_exit(ctx: _Context) -> CheckResult:
         return CheckResult("exit_code", title, PASS if ok else FAIL, f"exit code {ctx.exit_code} (from the supervisor)")
     status = ctx.files.status
     if status is None:
-        return CheckResult("exit_code", title, FAIL, f"no launcher record: {ctx.run_dir / 'status.json'} is missing or "
+        return CheckResult("exit_code", title, FAIL, f"no launcher record: {ctx.run_dir / STATUS_FILE} is missing or "
                            "unreadable", "run the job through `launcher run` or `launcher start`")  # fmt: skip
     code, sig, state = status.exit_code, status.signal, status.state.value
     evidence = f"status.json: state {state}, exit_code {code}, signal {sig}"
@@ -425,9 +435,9 @@ def _check_metrics(ctx: _Context) -> CheckResult:
             found.append(f"{TRAINER_LOG} ends at step {current} of {total}")
         else:
             problems.append(f"{TRAINER_LOG} ends at step {current} of {total}")
-    required = [TRAINER_STATE, "all_results.json", "train_results.json"]
+    required = [TRAINER_STATE, ALL_RESULTS, TRAIN_RESULTS]
     if eval_configured(ctx.files.lf_args):
-        required.append("eval_results.json")
+        required.append(EVAL_RESULTS)
     for name in required:
         data = read_json_object(out / name)
         if isinstance(data, str):

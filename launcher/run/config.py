@@ -215,7 +215,6 @@ _SECTION_MODELS: dict[str, type[BaseModel]] = {"fsdp": FsdpSettings, "early_stop
                                                "restart": RestartPolicy}  # fmt: skip
 
 
-OVERRIDES_FILE = "overrides.yaml"  # in the run directory: the command line's key=value overrides
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 

@@ -29,8 +29,6 @@ from launcher.errors import ExitCode, LauncherError
 from launcher.files import read_json_object, sha256_file, write_json_atomic, write_text_atomic
 from launcher.results.curves import read_trainer_state
 from launcher.results.evaluation import (
-    EVALUATE_JSON,
-    EVALUATE_MD,
     build_document,
     load_crisis_prompts,
     read_prompts_file,
@@ -38,7 +36,19 @@ from launcher.results.evaluation import (
 )
 from launcher.results.report import build_report
 from launcher.state.checkpoints import scan_checkpoints
-from launcher.state.runs import LAUNCH_FILE, eval_dataset_names, load_run_files
+from launcher.state.runfiles import eval_dataset_names, load_run_files
+from launcher.state.runs import (
+    ADAPTER_FILE,
+    CHECKPOINT_FOLDER,
+    EVALUATE_JSON,
+    EVALUATE_LOG,
+    EVALUATE_MD,
+    EVALUATE_REQUEST,
+    EVALUATE_RESULT,
+    EVALUATE_SCRATCH,
+    LAUNCH_FILE,
+    OUTPUT_SUBDIR,
+)
 
 DEFAULT_CHECKPOINTS = "best,last"
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -46,7 +56,6 @@ DEFAULT_MAX_PROMPTS = 32
 # prompts per greedy batch: the default prompt set (32 + 6 crisis) in 3 batches; per row the 27B shape's DeltaNet
 # state and KV cache are about 0.2 GiB next to 51 GiB of weights (docs/evaluate.md, "Batch size")
 DEFAULT_BATCH_SIZE = 16
-EVALUATE_LOG = "evaluate.log"  # the child's whole output: library logs and counts, no generated text
 LOG_TAIL = 40
 
 
@@ -66,12 +75,12 @@ def choose_checkpoints(run_dir: Path, spec: str) -> list[dict[str, Any]]:
     files = load_run_files(run_dir)
     found, _ignored = scan_checkpoints(files.output)
     by_step = {c.step: c for c in found}
-    have = ", ".join(f"checkpoint-{s}" for s in by_step) or "none"
+    have = ", ".join(CHECKPOINT_FOLDER.format(step=s) for s in by_step) or "none"
     fix = f"complete checkpoints in {files.output}: {have}; use best, last, final or one of their steps"
     chosen: dict[str, dict[str, Any]] = {}
     for item in [s.strip() for s in spec.split(",") if s.strip()] or DEFAULT_CHECKPOINTS.split(","):
         if item == "final":
-            if not (files.output / "adapter_model.safetensors").is_file():
+            if not (files.output / ADAPTER_FILE).is_file():
                 raise _usage(f"--checkpoints final: {files.output} holds no final adapter yet; {fix}")
             chosen.setdefault("final", {"name": "final", "step": _final_step(files.output, found),
                                         "path": str(files.output)})  # fmt: skip
@@ -83,7 +92,7 @@ def choose_checkpoints(run_dir: Path, spec: str) -> list[dict[str, Any]]:
             if ckpt is None:
                 raise _usage(f"--checkpoints best: no saved checkpoint has a validation loss; {fix}")
         else:
-            step = item.removeprefix("checkpoint-")
+            step = item.removeprefix(CHECKPOINT_FOLDER.format(step=""))
             if not step.isdigit():
                 raise _usage(f"--checkpoints {item!r}: not best, last, final or a step number; {fix}")
             ckpt = by_step.get(int(step))
@@ -103,7 +112,7 @@ def _final_step(output: Path, found) -> int:
 
 def _best(run_dir: Path, by_step):
     report = build_report(run_dir, write=False, plot=False)
-    name = report.recommended if report.recommended and report.recommended != "output" else None
+    name = report.recommended if report.recommended and report.recommended != OUTPUT_SUBDIR else None
     return next((c for c in by_step.values() if name and Path(name).name == c.path.name), None)
 
 
@@ -242,13 +251,13 @@ def evaluate_run(run_dir: Path, request: dict[str, Any], *, show: bool = False) 
     Raises:
         LauncherError: the child failed (exit code 1); evaluate.json and evaluate.md are left as they were.
     """
-    work = Path(tempfile.mkdtemp(prefix=".evaluate-", dir=run_dir))
+    work = Path(tempfile.mkdtemp(prefix=EVALUATE_SCRATCH, dir=run_dir))
     try:
-        request = {**request, "work_dir": str(work), "result_file": str(work / "result.json")}
-        write_json_atomic(work / "request.json", request)
-        cmd = [sys.executable, "-m", "launcher.evaluate_entry", str(work / "request.json")]
+        request = {**request, "work_dir": str(work), "result_file": str(work / EVALUATE_RESULT)}
+        write_json_atomic(work / EVALUATE_REQUEST, request)
+        cmd = [sys.executable, "-m", "launcher.evaluate_entry", str(work / EVALUATE_REQUEST)]
         code = _run_child(cmd, BACKENDS[request["backend"]], run_dir / EVALUATE_LOG, work / EVALUATE_LOG)
-        result = work / "result.json"
+        result = work / EVALUATE_RESULT
         if code != 0 or not result.is_file():
             raise LauncherError(f"evaluation of {run_dir.name} failed (the evaluation process exited with {code}; "
                                 f"its output: {run_dir / EVALUATE_LOG}); {EVALUATE_JSON} and {EVALUATE_MD} were left "

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO
 
 from launcher.files import FileFollower
-from launcher.run.rundir import ACCELERATE_YAML
+from launcher.state.runs import ACCELERATE_YAML
 
 
 @dataclass(frozen=True)

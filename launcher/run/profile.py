@@ -17,7 +17,7 @@ from launcher.errors import ExitCode, LauncherError
 from launcher.results.profile_report import write_report
 from launcher.run.config import load_run_config
 from launcher.run.supervisor import supervise
-from launcher.state.runs import list_runs
+from launcher.state.runs import PROFILE_MD, list_runs
 
 
 def profile_overrides(name: str, steps: int, warmup: int) -> dict[str, Any]:
@@ -49,5 +49,5 @@ def profile_run(config_path: Path, overrides: dict[str, Any], *, steps: int, war
     if not made:
         return code
     report = write_report(made[-1])
-    print(f"profile: {made[-1] / 'profile.md'} ({len(report['ranks'])} rank(s))", flush=True)
+    print(f"profile: {made[-1] / PROFILE_MD} ({len(report['ranks'])} rank(s))", flush=True)
     return code

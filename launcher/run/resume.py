@@ -19,7 +19,7 @@ from launcher.procs import container_identity
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.reconcile import reconcile
 from launcher.state.record import read_record
-from launcher.state.runs import OUTPUT_SUBDIR
+from launcher.state.runs import CONFIG_COPY, OUTPUT_SUBDIR, OVERRIDES_FILE
 from launcher.state.states import RESUMABLE
 
 
@@ -61,7 +61,7 @@ def plan_resume(run_dir: Path, adapter_only: bool) -> ResumePlan:
     checkpoint = last_complete_checkpoint(output)
     if checkpoint is None:
         raise LauncherError(f"run {run_id} has no complete checkpoint in {output}; start it again "
-                            f"with `launcher start {run_dir / 'config.yaml'}`")  # fmt: skip
+                            f"with `launcher start {run_dir / CONFIG_COPY}`")  # fmt: skip
     if not checkpoint.optimizer_state and not adapter_only:
         raise LauncherError(
             f"checkpoint {checkpoint.path} holds only the adapter (save_only_model: true): resuming reloads "
@@ -75,7 +75,7 @@ def plan_resume(run_dir: Path, adapter_only: bool) -> ResumePlan:
 def resume_run(run_dir: Path, adapter_only: bool = False, foreground: bool = False) -> int:
     """``launcher resume``: plan, then supervise the new attempt (detached unless ``foreground``)."""
     from launcher.files import read_yaml_mapping
-    from launcher.run.config import OVERRIDES_FILE, load_run_config
+    from launcher.run.config import load_run_config
 
     plan = plan_resume(run_dir, adapter_only)
     record = read_record(run_dir)
@@ -89,7 +89,7 @@ def resume_run(run_dir: Path, adapter_only: bool = False, foreground: bool = Fal
     overrides = read_yaml_mapping(run_dir / OVERRIDES_FILE) if (run_dir / OVERRIDES_FILE).exists() else {}
     if isinstance(overrides, str):
         raise LauncherError(f"{overrides}; it holds the run's KEY=VALUE overrides: restore it to resume")
-    config = load_run_config(run_dir / "config.yaml", overrides)
+    config = load_run_config(run_dir / CONFIG_COPY, overrides)
     if foreground:
         from launcher.run.supervisor import supervise
 

@@ -16,7 +16,7 @@ from typing import Any
 from launcher.files import read_tail
 from launcher.oomtrack import summary
 from launcher.run.rundir import RunDir
-from launcher.state.runs import ERRORS_DIR
+from launcher.state.runs import ERROR_RECORD, ERRORS_DIR
 
 _RANK_FAILURE = re.compile(
     r"Root Cause \(first observed failure\):\s*\[\d+\]:.*?"
@@ -54,7 +54,7 @@ def first_error_record(run_dir: RunDir, since: float = 0.0) -> dict[str, Any] | 
     """The error record (``errors/rank<N>.json``, written by ``entry.write_error_file``) of the first rank that
     failed at or after ``since``, or None."""
     records = []
-    for path in (run_dir.path / ERRORS_DIR).glob("rank*.json"):
+    for path in (run_dir.path / ERRORS_DIR).glob(ERROR_RECORD.format(rank="*")):
         try:
             record = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):

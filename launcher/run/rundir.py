@@ -1,21 +1,9 @@
-"""Run directories: one folder per run holding everything needed to understand and reproduce it.
+"""Run directories: one folder per run (``<output_root>/<run_id>/``) holding everything needed to understand and
+reproduce it. Here: making the folder and writing the files a run starts with (the config copy, its overrides,
+the LLaMA-Factory and accelerate YAMLs, ``launch.json``, the manifest).
 
-Layout (``<output_root>/<run_id>/``)::
-
-    config.yaml           the run config exactly as given
-    llamafactory.yaml     the exact LLaMA-Factory arguments the job used
-    accelerate.yaml       the accelerate/FSDP2 config (distribution: fsdp2 only)
-    launch.json           what every rank's entry reads: patches, backend, YAML name
-    manifest.json         versions, git commit, image digest, config/data/model hashes, command
-    status.json           state, exit code, reason (atomic writes)
-    events.jsonl          append-only event log
-    launcher.log          everything the job printed
-    supervisor.log        what a detached supervisor printed (``launcher start``)
-    preflight.json        the preflight table; data_stats.json its token statistics
-    errors/rank*.json     the traceback of each rank that raised
-    verify.json           the acceptance checklist; report.md, report.json, loss.png the model selection
-    proof/rank*/          patch proof records, one file per patch and rank
-    output/               LLaMA-Factory's output_dir: trainer_log.jsonl, adapter, checkpoints
+Every name in a run folder is declared once, in ``launcher/state/runs.py``; what each file holds is the README's
+run-directory table ("Run directories"), the one prose map of the folder.
 """
 
 from __future__ import annotations
@@ -33,12 +21,22 @@ from typing import TYPE_CHECKING, Any
 from launcher.backend import Backend
 from launcher.files import make_folder, sha256_file, write_text_atomic
 from launcher.procs import container_identity
-from launcher.state.runs import JOB_LOG, LAUNCH_FILE, LF_YAML, OUTPUT_SUBDIR
+from launcher.state.runs import (
+    ACCELERATE_YAML,
+    CONFIG_COPY,
+    JOB_LOG,
+    LAUNCH_FILE,
+    LF_YAML,
+    MANIFEST_FILE,
+    OUTPUT_SUBDIR,
+    OVERRIDES_FILE,
+    TRAINER_LOG,
+    attempt_name,
+)
 
 if TYPE_CHECKING:  # config imports pydantic and patches; host-side readers of run folders need neither
     from launcher.run.config import RunConfig
 
-ACCELERATE_YAML = "accelerate.yaml"
 TRACKED_PACKAGES = (
     "torch",
     "torch-npu",
@@ -69,7 +67,7 @@ class RunDir:
 
     @property
     def trainer_log(self) -> Path:
-        return self.output / "trainer_log.jsonl"
+        return self.output / TRAINER_LOG
 
     @property
     def log(self) -> Path:
@@ -122,25 +120,17 @@ def accelerate_config(config: RunConfig, backend: Backend) -> dict[str, Any]:
     }
 
 
-def attempt_name(name: str, attempt: int) -> str:
-    """``llamafactory.yaml`` for the first attempt, ``llamafactory.attempt2.yaml`` for the second..."""
-    if attempt == 1:
-        return name
-    stem, dot, suffix = name.partition(".")
-    return f"{stem}.attempt{attempt}{dot}{suffix}"
-
-
 def write_run_files(config: RunConfig, backend: Backend, run_dir: RunDir, lf_args: dict[str, Any],
                     attempt: int = 1) -> None:  # fmt: skip
     """Write the config copy, the exact job inputs and the manifest into the run folder.
 
     A resumed attempt writes its own ``*.attemptN.*`` files next to the first attempt's.
     """
-    from launcher.run.config import OVERRIDES_FILE, dump_yaml
+    from launcher.run.config import dump_yaml
 
     path = run_dir.path
     if attempt == 1:
-        shutil.copyfile(config.source, path / "config.yaml")
+        shutil.copyfile(config.source, path / CONFIG_COPY)
         if config.overrides:  # the command line's KEY=VALUE, applied on top of config.yaml (resume does too)
             write_text_atomic(path / OVERRIDES_FILE, dump_yaml(config.overrides))
     lf_yaml = attempt_name(LF_YAML, attempt)
@@ -153,7 +143,7 @@ def write_run_files(config: RunConfig, backend: Backend, run_dir: RunDir, lf_arg
               "memory_history_steps": config.launcher.memory_history_steps}  # fmt: skip
     write_text_atomic(path / LAUNCH_FILE, json.dumps(launch, indent=2) + "\n")
     info = manifest(config, backend, run_dir)
-    write_text_atomic(path / attempt_name("manifest.json", attempt), json.dumps(info, indent=2) + "\n")
+    write_text_atomic(path / attempt_name(MANIFEST_FILE, attempt), json.dumps(info, indent=2) + "\n")
 
 
 def run_facts(lf_args: dict[str, Any]) -> dict[str, Any]:

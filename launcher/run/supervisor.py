@@ -504,8 +504,9 @@ def _open_run(prepared: Prepared, lock: RunLock, resume: ResumePlan | None) -> t
 def _preflight(prepared: Prepared, run_dir: Path, store: RunStore) -> bool:
     """Run preflight in the new run directory: the table, ``preflight.json`` (and ``data_stats.json``), a
     ``preflight`` event; a failed row ends the run FAILED_SETUP and returns False."""
-    from launcher.checks.preflight import PREFLIGHT_FILE, run_preflight
+    from launcher.checks.preflight import run_preflight
     from launcher.data.statsview import write_json
+    from launcher.state.runs import PREFLIGHT_FILE
 
     report = run_preflight(prepared)
     report.render()

@@ -14,11 +14,18 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
-TRAINER_STATE = "trainer_state.json"
-ADAPTER_FILE = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-FULL_WEIGHTS = "model.safetensors"
+from launcher.state.runs import (
+    ADAPTER_CONFIG,
+    ADAPTER_FILE,
+    CHECKPOINT_FOLDER,
+    FULL_WEIGHTS,
+    OPTIMIZER_STATE,
+    OPTIMIZER_STATE_FSDP,
+    SCHEDULER_STATE,
+    TRAINER_STATE,
+)
+
+CHECKPOINT_DIR = re.compile("^" + CHECKPOINT_FOLDER.format(step=r"(\d+)") + "$")
 
 
 @dataclass(frozen=True)
@@ -70,8 +77,8 @@ def scan_checkpoints(output: Path) -> tuple[list[Checkpoint], list[str]]:
             continue
         # under FSDP the Trainer saves the optimizer through accelerate's save_fsdp_optimizer, as optimizer.bin
         # (transformers 5.6.0 Trainer._save_optimizer_and_scheduler, accelerate 1.11 utils/fsdp_utils.py)
-        optimizer = any((path / name).is_file() for name in ("optimizer.pt", "optimizer.bin"))
-        exact = optimizer and (path / "scheduler.pt").is_file()
+        optimizer = any((path / name).is_file() for name in (OPTIMIZER_STATE, OPTIMIZER_STATE_FSDP))
+        exact = optimizer and (path / SCHEDULER_STATE).is_file()
         found.append(Checkpoint(int(match.group(1)), path, size, exact))
     found.sort(key=lambda c: c.step)
     return found, ignored

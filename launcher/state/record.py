@@ -29,11 +29,9 @@ from typing import Any, TypedDict, Union, get_args, get_origin, get_type_hints, 
 
 from launcher.errors import ExitCode, LauncherError
 from launcher.files import Unreadable, append_line, read_json_bounded, shown, write_json_atomic
+from launcher.state.runs import EVENTS_FILE, OUTPUT_SUBDIR, RESERVE_FILE, STATUS_FILE, TRAINER_LOG
 from launcher.state.states import TERMINAL, RunState, check_transition
 
-STATUS_FILE = "status.json"
-EVENTS_FILE = "events.jsonl"
-RESERVE_FILE = ".record-reserve"  # space kept for the end record (see RunStore.reserve)
 RESERVE_BYTES = 256 << 10
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)  # schema 1 had the same keys, with absolute paths
@@ -165,7 +163,7 @@ class RunRecord:
     supervisor: Identity | None = None
     boot_id: str | None = None
     container: Container | None = None  # name, id, image of the container the run lives in
-    trainer_log: str = "output/trainer_log.jsonl"  # relative to the run directory
+    trainer_log: str = f"{OUTPUT_SUBDIR}/{TRAINER_LOG}"  # relative to the run directory
     resumed_from: str | None = None  # checkpoint folder, relative to the run directory
     resume_mode: str | None = None
     started: str | None = None

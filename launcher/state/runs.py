@@ -1,36 +1,100 @@
-"""Find a run directory from what a user typed, list runs, and read a run's own record files (host side).
+"""The map of a run folder, and finding run folders from what a user typed (host side).
+
+Every file and subfolder name the launcher writes into or reads from a run directory is declared here, once,
+with who writes it and what it holds; every other module (``patches/`` too) takes the name from here. Names
+that LLaMA-Factory, the HF Trainer or PEFT choose are here as well, marked so: the launcher only reads them
+(and the tools name them the same in every release it supports). A name with ``{rank}``, ``{step}`` or
+``{patch}`` is a pattern: ``ERROR_RECORD.format(rank=3)``, and ``format(rank="*")`` for a glob. The README's
+run-directory table is the one prose map of these names; tests/test_run_folder_map.py fails when it lists one
+more or one less, or when another module spells one of them itself.
 
 Host-side verbs (``status``, ``logs``, ``stop``, ``verify``, ``report``) take ``RUN``: a run directory
 path, or a run id under the runs root: ``--root``, else ``$LAUNCHER_ROOT``, else ``outputs/runs``.
-Nothing here needs torch.
+Nothing here needs torch, and nothing here imports another ``launcher.state`` module.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from launcher.errors import ExitCode, LauncherError
-from launcher.files import read_json_object, read_yaml_mapping
-from launcher.state.record import STATUS_FILE, RecordUnreadable, RunRecord, read_record
 
 ROOT_ENV = "LAUNCHER_ROOT"
 DEFAULT_RUNS_ROOT = Path("outputs/runs")
-OUTPUT_SUBDIR = "output"
-LF_YAML = "llamafactory.yaml"
-LAUNCH_FILE = "launch.json"
-JOB_LOG = "launcher.log"  # everything the job printed
+
+# --- the run folder: <output_root>/<run_id>/ ---
+# made by run/rundir.py when the run folder is created (a resumed attempt N >= 2 adds its own files, attempt_name)
+CONFIG_COPY = "config.yaml"  # run/rundir.py: the run config exactly as given; resume loads it again
+OVERRIDES_FILE = "overrides.yaml"  # run/rundir.py, only when KEY=VALUE overrides were given: them; resume applies them
+LF_YAML = "llamafactory.yaml"  # run/rundir.py: the exact LLaMA-Factory arguments the job used (launch.json names it)
+ACCELERATE_YAML = "accelerate.yaml"  # run/rundir.py, fsdp2 only: the accelerate/FSDP2 config run/job.py passes on
+LAUNCH_FILE = "launch.json"  # run/rundir.py: what each rank's entry reads: patches, backend, this attempt's YAML, facts
+MANIFEST_FILE = "manifest.json"  # run/rundir.py: package versions, git commit, image, config/data/model hashes, command
+# the run record: state/record.py's RunStore is the one writer of both
+STATUS_FILE = "status.json"  # state/record.py: the run record (state, attempt, exit, reason, processes), atomic
+EVENTS_FILE = "events.jsonl"  # state/record.py: append-only events: created, preflight, started, states, ended
+RESERVE_FILE = ".record-reserve"  # state/record.py: space kept for the end record on a full disk (RunStore.reserve)
+# the supervisor before the job (run/supervisor.py)
+PREFLIGHT_FILE = "preflight.json"  # run/supervisor.py (checks/preflight.py): the preflight table
+DATA_STATS = "data_stats.json"  # run/supervisor.py (data/statsview.py): the token statistics preflight measured
+# logs
+JOB_LOG = "launcher.log"  # everything the job printed (run/job.py; `launcher logs` shows it)
 SUPERVISOR_LOG = "supervisor.log"  # what a detached supervisor printed (preflight, refusals, its end line)
+# written by the ranks (entry.py, patches/, oomtrack.py, profiling.py)
 ERRORS_DIR = "errors"  # errors/rank<N>.json: the traceback of each rank that raised
+ERROR_RECORD = "rank{rank}.json"  # in ERRORS_DIR, by entry.py: one rank's exception and traceback (run/rootcause.py)
+PROOF_DIR = "proof"  # proof/rank<N>/<patch>.json: patches/proof.py, per rank and patch, the proof that it took effect
+PROOF_RANK = "rank{rank}"  # in PROOF_DIR: one rank's folder of proof records (patches/proof.py)
+PROOF_FILE = "{patch}.json"  # in PROOF_RANK: one patch's proof record on that rank (patches/proof.py)
+MEMORY_SNAPSHOT = "memory_snapshot_rank{rank}.pickle"  # oomtrack.py, with memory_history_steps: the allocator on OOM
 PROFILE_DIR = "profile"  # profile/rank<N>.json and traces: `launcher profile` (profiling.py, results/profile_report.py)
+PROFILE_RECORD = "rank{rank}.json"  # in PROFILE_DIR, by profiling.py: one rank's measured steps and their parts
+PROFILE_TRACE = "rank{rank}.trace.json"  # in PROFILE_DIR, by profiling.py on cpu/cuda: the chrome trace
+PROFILE_ASCEND = "rank{rank}.ascend"  # in PROFILE_DIR, by profiling.py on npu: the Ascend profiler's folder
 # save on stop (launcher/stopsave.py in the ranks, run/supervisor.py): the supervisor asks, the ranks answer
 STOP_REQUEST = "stop_request.json"  # written by `launcher stop`: who, the grace, `now` (no save: ranks die at SIGTERM)
 SAVE_REQUEST = "save_request.json"  # written by the supervisor: save a checkpoint at the next step, then exit
 SAVE_READY = "save_on_stop.json"  # written by local rank 0 once training began: this job honours a request
 SAVE_DONE = "stop_saved.json"  # written by local rank 0 after the requested checkpoint is complete
+# written by the host-side verbs after the run
+VERIFY_FILE = "verify.json"  # results/verify.py (`launcher verify`, and the supervisor at the end): the checklist
+RECHECK_FILE = "verify.recheck.json"  # results/verify.py: a FAIL found after an earlier PASS (verify.json is kept)
+REPORT_MD = "report.md"  # results/report.py (`launcher report`): model selection, curves, the verdict
+REPORT_JSON = "report.json"  # results/report.py: the same as data
+LOSS_PNG = "loss.png"  # results/report.py: the training and eval loss curves (matplotlib)
+PROFILE_JSON = "profile.json"  # results/profile_report.py (`launcher profile`): the ranks' profiles side by side
+PROFILE_MD = "profile.md"  # results/profile_report.py: the same as a table
+EVALUATE_JSON = "evaluate.json"  # run/evaluate.py (`launcher evaluate`): test loss, answers, signals per checkpoint
+EVALUATE_MD = "evaluate.md"  # run/evaluate.py (results/evaluation.py): the answers side by side
+EVALUATE_LOG = "evaluate.log"  # run/evaluate.py: the child's whole output: library logs and counts, no generated text
+EVALUATE_SCRATCH = ".evaluate-"  # run/evaluate.py: prefix of the evaluation's scratch folder, removed when it ends
+EVALUATE_REQUEST = "request.json"  # in EVALUATE_SCRATCH, by run/evaluate.py: what evaluate_entry.py evaluates
+EVALUATE_RESULT = "result.json"  # in EVALUATE_SCRATCH, by evaluate_entry.py: its raw results
+# output/: LLaMA-Factory's output_dir; every name in it but BEST_ADAPTER_RECORD is the tools' own
+OUTPUT_SUBDIR = "output"  # the output_dir run/supervisor.py gives LLaMA-Factory (run/config.py: llamafactory_args)
+TRAINER_LOG = "trainer_log.jsonl"  # named by LLaMA-Factory (LogCallback): a line per logged step (state/trainer_log.py)
+TRAINER_STATE = "trainer_state.json"  # named by the HF Trainer: step, log history, best checkpoint (checkpoints too)
+ALL_RESULTS = "all_results.json"  # named by the HF Trainer (save_metrics): the final train and eval metrics
+TRAIN_RESULTS = "train_results.json"  # named by the HF Trainer (save_metrics): the final train metrics
+EVAL_RESULTS = "eval_results.json"  # named by the HF Trainer (save_metrics), with evaluation: the final eval metrics
+ADAPTER_FILE = "adapter_model.safetensors"  # named by PEFT (SAFETENSORS_WEIGHTS_NAME): LoRA weights (checkpoints too)
+ADAPTER_CONFIG = "adapter_config.json"  # named by PEFT (CONFIG_NAME): the LoRA config next to the weights
+FULL_WEIGHTS = "model.safetensors"  # named by transformers: a full (not LoRA) checkpoint's weights
+CHECKPOINT_FOLDER = "checkpoint-{step}"  # named by the HF Trainer: a checkpoint (state/checkpoints.py: when complete)
+OPTIMIZER_STATE = "optimizer.pt"  # named by the HF Trainer, in a checkpoint without save_only_model: Adam's state
+OPTIMIZER_STATE_FSDP = "optimizer.bin"  # named by accelerate (save_fsdp_optimizer): the same under FSDP
+SCHEDULER_STATE = "scheduler.pt"  # named by the HF Trainer, next to the optimizer state: the learning-rate schedule
+BEST_ADAPTER_RECORD = "best_adapter.json"  # results/best_adapter.py, fsdp2 early stopping: which checkpoint's adapter
 _RUN_MARKERS = (STATUS_FILE, LF_YAML, OUTPUT_SUBDIR)
+
+
+def attempt_name(name: str, attempt: int) -> str:
+    """``llamafactory.yaml`` for the first attempt, ``llamafactory.attempt2.yaml`` for the second..."""
+    if attempt == 1:
+        return name
+    stem, dot, suffix = name.partition(".")
+    return f"{stem}.attempt{attempt}{dot}{suffix}"
 
 
 def default_root() -> Path:
@@ -106,68 +170,3 @@ def list_runs(root: Path) -> list[Path]:
             return 0.0
 
     return sorted(runs, key=lambda p: (mtime(p), p.name))
-
-
-@dataclass
-class RunFiles:
-    """What a run directory records about itself; ``problems`` lists files that could not be read."""
-
-    path: Path
-    lf_args: dict[str, Any] = field(default_factory=dict)
-    status: RunRecord | None = None
-    manifest: dict[str, Any] | None = None
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def run_id(self) -> str:
-        return self.status.run_id if self.status is not None else self.path.name
-
-    @property
-    def output(self) -> Path:
-        return self.path / OUTPUT_SUBDIR
-
-
-def load_run_files(run_dir: Path) -> RunFiles:
-    """Read the LLaMA-Factory YAML the job used, ``status.json`` and ``manifest.json``; never raises."""
-    files = RunFiles(path=run_dir)
-    launch = read_json_object(run_dir / LAUNCH_FILE)
-    # a resumed run writes llamafactory.attemptN.yaml; launch.json names the latest attempt's file
-    lf_name = launch.get("llamafactory_yaml") if isinstance(launch, dict) else None
-    lf = read_yaml_mapping(run_dir / str(lf_name or LF_YAML))
-    if isinstance(lf, str):
-        files.problems.append(lf)
-    else:
-        files.lf_args = lf
-    try:
-        files.status = read_record(run_dir)
-    except RecordUnreadable as err:
-        files.problems.append(str(err))
-    manifest = read_json_object(run_dir / "manifest.json")
-    if isinstance(manifest, str):
-        files.problems.append(manifest)
-    else:
-        files.manifest = manifest
-    return files
-
-
-def eval_configured(lf_args: dict[str, Any]) -> bool:
-    """Whether the run evaluates: HF's TrainingArguments turns ``do_eval`` on for any eval strategy."""
-    strategy = str(lf_args.get("eval_strategy") or "no").lower()
-    return bool(lf_args.get("do_eval")) or strategy != "no"
-
-
-def eval_dataset_names(lf_args: dict[str, Any]) -> list[str]:
-    value = lf_args.get("eval_dataset") or ""
-    items = value if isinstance(value, list) else str(value).split(",")
-    return [str(v).strip() for v in items if str(v).strip()]
-
-
-def selection_metric_name(lf_args: dict[str, Any]) -> str | None:
-    """The metric HF's Trainer selects (and early-stops) on, with its ``eval_`` prefix, if set."""
-    metric = lf_args.get("metric_for_best_model")
-    if not metric and lf_args.get("load_best_model_at_end"):
-        metric = "loss"  # TrainingArguments' default when load_best_model_at_end is on
-    if not metric:
-        return None
-    metric = str(metric)
-    return metric if metric.startswith("eval_") else f"eval_{metric}"

@@ -28,7 +28,6 @@ from typing import Any
 
 from launcher.files import FileFollower
 
-TRAINER_LOG = "trainer_log.jsonl"
 _BLOCK = 8192
 # One line of LLaMA-Factory's log is a few hundred bytes; a longer one than this is damage (or planted) and
 # is skipped and counted, never kept in memory. Skipping reads in larger blocks.
