@@ -1,5 +1,6 @@
 """Run state: the states and their transitions, the typed run record and its one writer, reconcile,
-the trainer log, the checkpoint scan and run listing.
+the trainer log, the checkpoint scan, run listing and the stop protocol (``stop.py``: stop and save requests,
+whether a job can save, the checkpoint saved on a stop).
 
 May import only ``launcher.errors``, ``launcher.files`` and ``launcher.procs`` (and the standard
 library, psutil and, lazily, the docker SDK): never ``run``, ``checks``, ``results``, ``monitor`` or
