@@ -15,7 +15,8 @@ Local rank 0 writes ``save_on_stop.json`` once training begins: the supervisor w
 on its own only when that file says the job can (a custom ``launcher.entry`` without this callback gets
 SIGTERM at once, as before).
 
-Layer 3, like ``entry.py`` (which installs it): imports ``files`` and ``state`` only; torch and
+The files of this exchange are read and written by ``state/stop.py``, the stop protocol the supervisor and
+``launcher stop`` use too. Layer 3, like ``entry.py`` (which installs it): imports ``state`` only; torch and
 transformers are imported lazily, in the rank.
 """
 
@@ -23,12 +24,10 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
-from launcher.files import read_json_object, write_json_or_warn
-from launcher.state.runs import CHECKPOINT_FOLDER, OUTPUT_SUBDIR, SAVE_DONE, SAVE_READY, SAVE_REQUEST, STOP_REQUEST
+from launcher.state.stop import announce_save, read_stop_request, record_saved, save_asked, skips_save
 
 
 class StoppedAfterSave(Exception):  # noqa: N818  (not an error: how the rank leaves training after the save)
@@ -45,9 +44,8 @@ _RUN_DIR: list[Path] = []  # where `launcher stop` leaves its request (set by in
 
 
 def _stop_now() -> bool:
-    """`launcher stop --now` asked for no save: its request (``STOP_REQUEST``) says ``now``."""
-    request = read_json_object(_RUN_DIR[0] / STOP_REQUEST) if _RUN_DIR else None
-    return isinstance(request, dict) and request.get("now") is True
+    """`launcher stop --now` asked for no save: its request (``stop_request.json``) says ``now``."""
+    return bool(_RUN_DIR) and skips_save(read_stop_request(_RUN_DIR[0]))
 
 
 def _on_sigterm(signum: int, _frame: Any) -> None:
@@ -85,14 +83,12 @@ def make_callback(run_dir: Path) -> Any:
             global _TRAINING
             _TRAINING = True
             if self.local_zero:
-                write_json_or_warn(self.run_dir / SAVE_READY, {"pid": os.getpid(), "time": time.time(),
-                                                               "step": state.global_step}, "the save-on-stop "
-                                   "announcement")  # fmt: skip
+                announce_save(self.run_dir, state.global_step)
 
         def on_step_end(self, args, state, control, **kwargs):
             if self.stopping_at is not None:
                 return control
-            if _agree(bool(_SIGNALLED) or (self.run_dir / SAVE_REQUEST).exists(), args):
+            if _agree(bool(_SIGNALLED) or save_asked(self.run_dir), args):
                 self.stopping_at = state.global_step
                 control.should_save = True
                 control.should_log = True
@@ -101,10 +97,7 @@ def make_callback(run_dir: Path) -> Any:
 
         def on_save(self, args, state, control, **kwargs):
             if self.stopping_at is not None and state.global_step == self.stopping_at and self.local_zero:
-                folder = Path(OUTPUT_SUBDIR) / CHECKPOINT_FOLDER.format(step=state.global_step)
-                done = {"step": state.global_step, "path": str(folder), "time": time.time(),
-                        "signalled": bool(_SIGNALLED)}  # fmt: skip
-                write_json_or_warn(self.run_dir / SAVE_DONE, done, "the saved checkpoint's record")
+                record_saved(self.run_dir, state.global_step, signalled=bool(_SIGNALLED))
             return control
 
         def on_train_end(self, args, state, control, **kwargs):

@@ -125,7 +125,6 @@ RANK_PROBE = r"""
 import json, sys
 from pathlib import Path
 from launcher import entry
-from launcher.stopsave import SAVE_DONE
 from patches.proof import ProofFile
 from tests.fake_runs import fill_disk
 

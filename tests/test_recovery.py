@@ -443,7 +443,7 @@ def test_one_sigterm_during_training_asks_for_a_save_unless_stop_now_sent_it(tmp
     import subprocess
     import sys
 
-    from launcher.run.supervisor import request_stop
+    from launcher.state.stop import request_stop
     from tests.conftest import REPO
 
     request_stop(tmp_path, None, by="launcher stop (test)", now=now)
@@ -457,3 +457,66 @@ def test_one_sigterm_during_training_asks_for_a_save_unless_stop_now_sent_it(tmp
         assert code == -signal.SIGTERM and "save requested" not in rest
     else:
         assert code == 0 and "save requested" in rest
+
+
+# --- the one rule for "can this job save?" (state/stop.py), used by the supervisor and by `stop` ----------------
+
+
+@pytest.mark.parametrize(
+    ("announced_by", "state", "can"),
+    [
+        ("live rank", "RUNNING", True),
+        ("live rank", "STALLED", True),  # a save is asked for; a frozen job is killed after the grace
+        ("live rank", "FINISHING", False),  # no step end left to save at
+        ("dead rank", "RUNNING", False),  # an earlier attempt's announcement, or a rank that has died since
+        ("nobody", "RUNNING", False),  # a custom entry without the callback
+        ("no pid", "RUNNING", False),
+    ],
+)
+def test_a_job_can_save_when_a_live_rank_announced_it_and_steps_are_left(tmp_path, announced_by, state, can):
+    from launcher.state.runs import SAVE_READY
+    from launcher.state.states import RunState
+    from launcher.state.stop import announce_save, job_can_save
+
+    rank = os.getpid()  # stands for the job's local rank 0
+    if announced_by == "live rank":
+        announce_save(tmp_path, step=3)
+    elif announced_by == "dead rank":
+        (tmp_path / SAVE_READY).write_text(json.dumps({"pid": 2**22 + 1, "time": time.time(), "step": 3}))
+    elif announced_by == "no pid":
+        (tmp_path / SAVE_READY).write_text(json.dumps({"time": time.time(), "step": 3}))
+    assert job_can_save(tmp_path, RunState(state), [1, rank]) is can
+    assert job_can_save(tmp_path, RunState(state), []) is False  # no live process of the job: nothing can save
+
+
+def test_the_save_files_round_trip_and_a_new_attempt_clears_them(tmp_path):
+    from launcher.state.stop import (
+        ask_to_save,
+        clear_save_files,
+        clear_stop_request,
+        read_saved,
+        read_stop_request,
+        record_saved,
+        request_stop,
+        save_asked,
+        saved_checkpoint,
+        skips_save,
+    )
+
+    request_stop(tmp_path, 5.0, by="launcher stop (test)", now=True)
+    request = read_stop_request(tmp_path)
+    assert request is not None and request["grace_s"] == 5.0 and request["by"] == "launcher stop (test)"
+    assert skips_save(request) and not skips_save(None) and not skips_save({"now": False})
+    clear_stop_request(tmp_path)
+    assert read_stop_request(tmp_path) is None
+    assert not save_asked(tmp_path)
+    ask_to_save(tmp_path, "received SIGTERM")
+    assert save_asked(tmp_path)
+    record_saved(tmp_path, 4, signalled=False)
+    saved = read_saved(tmp_path)
+    assert saved is not None and saved["step"] == 4 and saved["path"] == "output/checkpoint-4"
+    assert saved_checkpoint(tmp_path, saved) is None  # no complete checkpoint-4 on disk
+    ask_to_save(tmp_path, "launcher stop; the supervisor is gone", anew=True)  # forgets the save recorded before
+    assert read_saved(tmp_path) is None and save_asked(tmp_path)
+    clear_save_files(tmp_path)
+    assert not save_asked(tmp_path) and not list(tmp_path.iterdir())

@@ -35,7 +35,7 @@ def _resume_instead(ns: argparse.Namespace) -> int:
     """``launcher run CONFIG`` with LAUNCHER_RESUME=RUN (compose's RESUME_RUN): resume that run in the
     foreground instead of starting a new one (a run id under the config's output root, or a run directory)."""
     from launcher.run.config import load_run_config
-    from launcher.run.resume import resume_run
+    from launcher.run.control import resume_run
     from launcher.state.runs import run_dir_for
 
     run, adapter_only = os.environ[RESUME_ENV].strip(), os.environ.get(ADAPTER_ONLY_ENV, "").strip()
@@ -221,7 +221,7 @@ def _args_resume(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_resume(ns: argparse.Namespace) -> int:
-    from launcher.run.resume import resume_run
+    from launcher.run.control import resume_run
 
     return resume_run(run_dir(ns), adapter_only=ns.adapter_only, foreground=ns.foreground)
 

@@ -25,8 +25,8 @@ from typing import Any
 from launcher.errors import ExitCode, LauncherError
 from launcher.state.reconcile import CONTAINER_ALIVE, Reconciled, find_container, reconcile
 from launcher.state.record import RecordUnreadable, RunRecord, RunStore, read_record
-from launcher.state.runs import STOP_REQUEST
 from launcher.state.states import RunState
+from launcher.state.stop import clear_stop_request, request_stop
 
 END_MARGIN_S = 60.0  # after the grace: the supervisor stops what is left of the job and writes the end record
 HANDSHAKE_TIMEOUT_S = 300.0
@@ -68,8 +68,6 @@ def in_container_command(record: RunRecord, verb: str, *args: str) -> str:
 def stop_container_run(run_dir: Path, store: RunStore, seen: Reconciled, grace_s: float | None, now: bool,
                        by: str, default_grace_s: float) -> int:  # fmt: skip
     """Stop a run that lives in a container through the Docker engine (``docker stop``), as compose does."""
-    from launcher.run.supervisor import request_stop
-
     record = store.record
     name = _label(record)
     if seen.container_state is not None and seen.container_state not in CONTAINER_ALIVE:  # exited or gone
@@ -108,7 +106,7 @@ def stop_container_run(run_dir: Path, store: RunStore, seen: Reconciled, grace_s
         container.stop(timeout=timeout)
     except DockerException as err:
         if asked:  # nothing was stopped: a later SIGTERM must not be taken for this request
-            (run_dir / STOP_REQUEST).unlink(missing_ok=True)
+            clear_stop_request(run_dir)
         raise LauncherError(f"docker stop of container {container.name} failed: {err}", ExitCode.FAILED) from err
     return _report_stop(run_dir, store, record, container.name, by)
 

@@ -3,30 +3,48 @@
 ``start`` spawns the supervisor in its own session (no terminal, stdin from /dev/null, output to the
 run's ``supervisor.log``) and waits only for its handshake: the run directory exists (or the run was
 refused, with the reason). The run then lives on when the SSH session ends.
+
+``stop`` follows the stop protocol (``state/stop.py``): through the run's supervisor when it is alive,
+through the Docker engine for a run in a container seen from outside (``container.py``), else it cleans up
+after the lost supervisor itself, with the save on stop the supervisor would have asked for.
+
+``resume`` continues a run from the plan ``resume.py`` makes: in the foreground (``supervisor.py``),
+detached like ``start``, or in a new container for a container run seen from the host.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import selectors
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import psutil
 
 from launcher import SOURCE_ROOT
 from launcher.errors import ExitCode, LauncherError
-from launcher.files import make_folder, read_json_object, write_json_atomic
-from launcher.procs import find_live, terminate
-from launcher.run.config import RunConfig
+from launcher.files import make_folder, read_yaml_mapping
+from launcher.procs import container_identity, find_live, terminate
+from launcher.run.config import RunConfig, load_run_config
+from launcher.run.container import resume_in_container, stop_container_run
+from launcher.run.resume import ResumePlan, plan_resume
+from launcher.run.supervisor import supervise
 from launcher.state.reconcile import reconcile, same_namespace
-from launcher.state.record import RecordUnreadable, RunStore, now_iso, read_record
-from launcher.state.runs import SAVE_DONE, SAVE_READY, SAVE_REQUEST, SUPERVISOR_LOG
+from launcher.state.record import RecordUnreadable, RunStore, read_record
+from launcher.state.runs import CONFIG_COPY, OVERRIDES_FILE, SUPERVISOR_LOG
 from launcher.state.states import RunState
-
-if TYPE_CHECKING:
-    from launcher.run.resume import ResumePlan
+from launcher.state.stop import (
+    SAVE_KILL_GRACE_S,
+    ask_to_save,
+    job_can_save,
+    read_saved,
+    request_stop,
+    save_asked,
+    saved_checkpoint,
+)
 
 HANDSHAKE_TIMEOUT_S = 300.0
 DEFAULT_STOP_GRACE_S = 120.0  # launcher.stop_grace_s's default, for a record that does not say
@@ -93,8 +111,6 @@ def _move_early_log(early: Path, run_dir: Path) -> None:
 
 def _read_line(stream, proc: subprocess.Popen, timeout_s: float) -> str:
     """One line from the supervisor, or '' if it exits or times out first."""
-    import selectors
-
     sel = selectors.DefaultSelector()
     sel.register(stream, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout_s
@@ -118,8 +134,6 @@ def stop_run(run_dir: Path, grace_s: float | None, wait_s: float | None = None, 
         print(f"run {record.run_id} already ended: {record.state.value}")
         return ExitCode.OK
     if record.container and not same_namespace(record):  # its pids mean nothing here: through the engine
-        from launcher.run.container import stop_container_run
-
         return stop_container_run(run_dir, store, seen, grace_s, now, by, DEFAULT_STOP_GRACE_S)
     if seen.liveness == "unknown":
         raise LauncherError(
@@ -150,8 +164,6 @@ def _stop_through_supervisor(run_dir: Path, supervisor, grace_s: float | None, g
                              by: str, now: bool) -> RunState | None:  # fmt: skip
     """Ask the live supervisor to stop the run and wait for the recorded end: the terminal state, or None when
     the supervisor died first (checked at every poll: pid and start time)."""
-    from launcher.run.supervisor import SAVE_KILL_GRACE_S, request_stop
-
     identity = {"pid": supervisor.pid, "create_time": supervisor.create_time()}
     try:
         request_stop(run_dir, grace_s, by=by, now=now)
@@ -180,14 +192,14 @@ def _stop_through_supervisor(run_dir: Path, supervisor, grace_s: float | None, g
 
 
 def _clean_up(run_dir: Path, store: RunStore, seen, by: str, now: bool, grace: float, kill_grace: float) -> int:
-    """The supervisor is gone: clean up what it left (after a save on stop, as the supervisor would: one it
-    had asked for before it died is waited for, not asked again, up to ``grace``; then SIGTERM, and SIGKILL
-    after ``kill_grace``), and record it."""
+    """The supervisor is gone: clean up what it left (after a save on stop when the job can save, by the rule
+    the supervisor follows, ``state.stop.job_can_save``: one it had asked for before it died is waited for, not
+    asked again, up to ``grace``; then SIGTERM, and SIGKILL after ``kill_grace``), and record it."""
     record = store.record
     procs = seen.live
     pids = [p.pid for p in procs]
-    asked = (run_dir / SAVE_REQUEST).exists()  # by the supervisor, before it died (or its watchdog)
-    saving = not now and (asked or (bool(procs) and _announced_save(run_dir, procs)))
+    asked = save_asked(run_dir)  # by the supervisor, before it died (or its watchdog)
+    saving = not now and (asked or job_can_save(run_dir, record.state, pids))
     if procs and saving:
         _save_before_cleanup(run_dir, store, procs, grace, by, ask=not asked)
         procs = [p for p in procs if p.is_running()]
@@ -197,9 +209,7 @@ def _clean_up(run_dir: Path, store: RunStore, seen, by: str, now: bool, grace: f
         reason += f", killed after the grace period: {killed}"
     fields: dict = {}
     if saving:
-        from launcher.run.supervisor import saved_checkpoint
-
-        saved = saved_checkpoint(run_dir, read_json_object(run_dir / SAVE_DONE))
+        saved = saved_checkpoint(run_dir, read_saved(run_dir))
         fields = {"saved_checkpoint": saved, "stopped_by": by}
         reason += (f"; checkpoint {saved['path']} saved at step {saved['step']} on the stop" if saved
                    else "; no checkpoint saved on the stop")  # fmt: skip
@@ -211,21 +221,12 @@ def _clean_up(run_dir: Path, store: RunStore, seen, by: str, now: bool, grace: f
     return ExitCode.OK
 
 
-def _announced_save(run_dir: Path, procs: list) -> bool:
-    """The job said it honours a save request (``save_on_stop.json``), and the rank that said so is alive."""
-    ready = read_json_object(run_dir / SAVE_READY)
-    return isinstance(ready, dict) and ready.get("pid") in {p.pid for p in procs}
-
-
 def _save_before_cleanup(run_dir: Path, store: RunStore, procs: list, grace: float, by: str, ask: bool) -> None:
     """Let the job of a run whose supervisor is gone save a checkpoint at the next step and exit, the way the
     supervisor does (``save_request.json``, read by stopsave.py in each rank; written here when ``ask``, else
     the supervisor's own is waited for); wait for its processes to end, up to ``grace`` seconds."""
-    import psutil
-
     if ask:
-        (run_dir / SAVE_DONE).unlink(missing_ok=True)
-        write_json_atomic(run_dir / SAVE_REQUEST, {"time": now_iso(), "why": f"{by}; the supervisor is gone"})
+        ask_to_save(run_dir, f"{by}; the supervisor is gone", anew=True)
         store.event("stopping", signal=None, grace_s=grace, why="launcher stop: the supervisor is gone", save=True,
                     requested_by=by)  # fmt: skip
     print(f"run {store.record.run_id}: the supervisor is gone; the job saves a checkpoint at the next step and "
@@ -233,3 +234,21 @@ def _save_before_cleanup(run_dir: Path, store: RunStore, procs: list, grace: flo
     _, left = psutil.wait_procs(procs, timeout=grace)
     if left:
         store.event("save_timeout", pids=[p.pid for p in left])
+
+
+def resume_run(run_dir: Path, adapter_only: bool = False, foreground: bool = False) -> int:
+    """``launcher resume``: plan, then supervise the new attempt (detached unless ``foreground``)."""
+    plan = plan_resume(run_dir, adapter_only)
+    record = read_record(run_dir)
+    if record.container and container_identity() is None:  # on the host: the run resumes in a container
+        return resume_in_container(run_dir, record, adapter_only)
+    print(f"resuming from {plan.checkpoint} (step {plan.step}, {plan.mode})")
+    if plan.mode == "adapter-only":
+        print("note: optimizer and learning-rate schedule restart; only the adapter and step count are reloaded")
+    overrides = read_yaml_mapping(run_dir / OVERRIDES_FILE) if (run_dir / OVERRIDES_FILE).exists() else {}
+    if isinstance(overrides, str):
+        raise LauncherError(f"{overrides}; it holds the run's KEY=VALUE overrides: restore it to resume")
+    config = load_run_config(run_dir / CONFIG_COPY, overrides)
+    if foreground:
+        return supervise(config, resume=plan)
+    return start_detached(config, resume=plan)

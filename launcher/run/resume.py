@@ -5,6 +5,9 @@ The new attempt runs in the same run directory with the run's own ``config.yaml`
 With ``save_only_model: true`` it holds only the adapter and the trainer state: the HF Trainer then
 reloads the adapter and the step count, while the optimizer (Adam moments) and the learning-rate
 schedule start afresh. The launcher says so and proceeds only with ``--adapter-only``.
+
+Here: the plan (``plan_resume``, a ``ResumePlan``), from the run's record and checkpoints only. The verb that
+carries it out (``resume_run``: in the foreground, detached, or in a new container) is in ``control.py``.
 """
 
 from __future__ import annotations
@@ -15,11 +18,10 @@ from pathlib import Path
 from typing import Literal
 
 from launcher.errors import LauncherError
-from launcher.procs import container_identity
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.reconcile import reconcile
 from launcher.state.record import read_record
-from launcher.state.runs import CONFIG_COPY, OUTPUT_SUBDIR, OVERRIDES_FILE
+from launcher.state.runs import CONFIG_COPY, OUTPUT_SUBDIR
 from launcher.state.states import RESUMABLE
 
 
@@ -70,30 +72,3 @@ def plan_resume(run_dir: Path, adapter_only: bool) -> ResumePlan:
         )
     mode = "exact" if checkpoint.optimizer_state else "adapter-only"
     return ResumePlan(run_dir, checkpoint.path, mode, checkpoint.step)
-
-
-def resume_run(run_dir: Path, adapter_only: bool = False, foreground: bool = False) -> int:
-    """``launcher resume``: plan, then supervise the new attempt (detached unless ``foreground``)."""
-    from launcher.files import read_yaml_mapping
-    from launcher.run.config import load_run_config
-
-    plan = plan_resume(run_dir, adapter_only)
-    record = read_record(run_dir)
-    if record.container and container_identity() is None:  # on the host: the run resumes in a container
-        from launcher.run.container import resume_in_container
-
-        return resume_in_container(run_dir, record, adapter_only)
-    print(f"resuming from {plan.checkpoint} (step {plan.step}, {plan.mode})")
-    if plan.mode == "adapter-only":
-        print("note: optimizer and learning-rate schedule restart; only the adapter and step count are reloaded")
-    overrides = read_yaml_mapping(run_dir / OVERRIDES_FILE) if (run_dir / OVERRIDES_FILE).exists() else {}
-    if isinstance(overrides, str):
-        raise LauncherError(f"{overrides}; it holds the run's KEY=VALUE overrides: restore it to resume")
-    config = load_run_config(run_dir / CONFIG_COPY, overrides)
-    if foreground:
-        from launcher.run.supervisor import supervise
-
-        return supervise(config, resume=plan)
-    from launcher.run.control import start_detached
-
-    return start_detached(config, resume=plan)

@@ -11,10 +11,11 @@ the lock, validated the config and created the run directory. In order, the supe
 4. starts the job in its own session and watches it: every process of the tree is recorded (pid,
    start time), the trainer log is followed (``FINISHING`` after the last optimizer step, ``STALLED``
    when it stops advancing), a heartbeat is kept;
-5. on SIGTERM/SIGINT/SIGHUP (or ``launcher stop``), stops every process group of the job, waits the
-   grace period, kills what is left (during preflight, the checks are left at once and the run ends
-   without a job); the signal is taken with its sender (run/signals.py), which the
-   record names (``stopped_by``, ``stop_sender``);
+5. on SIGTERM/SIGINT/SIGHUP (or ``launcher stop``), asks the job to save a checkpoint at its next step
+   and exit when it can (the stop protocol, state/stop.py), else stops every process group of the job,
+   waits the grace period, kills what is left (during preflight, the checks are left at once and the run
+   ends without a job); the signal is taken with its sender (run/signals.py), which the record names
+   (``stopped_by``, ``stop_sender``);
 6. records the end (exit code or signal, root cause, terminal state from ``states.end_state``) through
    the run's ``RunStore``, runs the acceptance checks when the job exited 0, and only then releases
    the lock.
@@ -30,17 +31,18 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from launcher.backend import child_env
 from launcher.errors import ExitCode, LauncherError
-from launcher.files import read_json_object, share_readable, write_json_atomic
+from launcher.files import share_readable
 from launcher.oomtrack import looks_like_oom
 from launcher.procs import boot_id, container_identity, find_live, identity, self_identity, terminate, tree
 from launcher.run.config import RunConfig, llamafactory_args
 from launcher.run.job import Job, NodeSpec, job_command
 from launcher.run.lock import RunLock
 from launcher.run.restart import not_retried_why, retry_cause
+from launcher.run.resume import ResumePlan
 from launcher.run.rootcause import (
     describe_rank_failure,
     disk_state,
@@ -55,35 +57,19 @@ from launcher.run.tuning import tuning_env
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.reconcile import reconcile
 from launcher.state.record import RunStore, now_iso
-from launcher.state.runs import OUTPUT_SUBDIR, SAVE_DONE, SAVE_READY, SAVE_REQUEST, STOP_REQUEST
 from launcher.state.states import RunState, end_state, run_exit_code
+from launcher.state.stop import (
+    SAVE_KILL_GRACE_S,
+    ask_to_save,
+    clear_save_files,
+    clear_stop_request,
+    job_can_save,
+    read_saved,
+    read_stop_request,
+    saved_checkpoint,
+    skips_save,
+)
 from launcher.state.trainer_log import TrainerLogFollower
-
-if TYPE_CHECKING:
-    from launcher.run.resume import ResumePlan
-
-SAVE_KILL_GRACE_S = 10.0  # after a save on stop that did not end the job in time: SIGTERM, then SIGKILL
-
-
-def request_stop(run_dir: Path, grace_s: float | None, by: str, now: bool = False) -> None:
-    """Leave a stop request for the run's supervisor (read when it receives SIGTERM). ``now`` skips the save."""
-    write_json_atomic(run_dir / STOP_REQUEST, {"time": now_iso(), "grace_s": grace_s, "by": by, "now": now})
-
-
-def saved_checkpoint(run_dir: Path, saved: Any) -> dict[str, Any] | None:
-    """The checkpoint the job reported saving on a stop (``stop_saved.json``'s content), if it is the newest
-    complete one on disk: ``{step, path, optimizer_state}``, the path relative to the run directory."""
-    if not isinstance(saved, dict):
-        return None
-    last = last_complete_checkpoint(run_dir / OUTPUT_SUBDIR)
-    if last is None or last.step != saved.get("step"):
-        return None
-    return {"step": last.step, "path": last.relative_to(run_dir), "optimizer_state": last.optimizer_state}
-
-
-def _read_stop_request(run_dir: Path) -> dict[str, Any] | None:
-    request = read_json_object(run_dir / STOP_REQUEST)
-    return request if isinstance(request, dict) else None
 
 
 def _say(text: str, err: bool = False) -> None:
@@ -180,8 +166,7 @@ class Supervisor:
         cmd = job_command(launcher.distribution, launcher.nproc_per_node, self.run_dir.path, node,
                           entry=launcher.entry)  # fmt: skip
         self.node_rank = node.node_rank
-        for name in (SAVE_REQUEST, SAVE_READY, SAVE_DONE):  # left by an earlier attempt
-            (self.run_dir.path / name).unlink(missing_ok=True)
+        clear_save_files(self.run_dir.path)  # left by an earlier attempt
         self._known = {}
         self._job_since = time.time()
         self._log_start = self.run_dir.log.stat().st_size if self.run_dir.log.exists() else 0
@@ -265,8 +250,7 @@ class Supervisor:
         share_readable(self.run_dir.output)
         self.store.record.progress = dict(follower.summary)
         self._last_step = follower.summary.get("step")
-        saved = read_json_object(self.run_dir.path / SAVE_DONE)
-        return Ending(code, stopped_by, why, saved if isinstance(saved, dict) else None)
+        return Ending(code, stopped_by, why, read_saved(self.run_dir.path))
 
     def _record_failing_too_long(self) -> bool:
         failing = self.store.failing
@@ -282,13 +266,13 @@ class Supervisor:
         """Stop the job: ask it to save a checkpoint and exit (when it can), else SIGTERM and SIGKILL.
         Returns the time by which a save must have ended the job, or None when it was stopped at once."""
         grace = self._launcher.stop_grace_s
-        request = _read_stop_request(self.run_dir.path) if self._stop_signal is not None else None
+        request = read_stop_request(self.run_dir.path) if self._stop_signal is not None else None
         if request and request.get("grace_s") is not None:
             grace = float(request["grace_s"])
-        save = save and not (request or {}).get("now") and self._job_can_save()
+        save = save and not skips_save(request) and self._job_can_save(job)
         if save:
             try:
-                write_json_atomic(self.run_dir.path / SAVE_REQUEST, {"time": now_iso(), "why": what})
+                ask_to_save(self.run_dir.path, what)
             except OSError as err:
                 _say(f"warning: cannot ask the job to save ({err}); stopping it without a save", err=True)
                 save = False
@@ -300,19 +284,17 @@ class Supervisor:
         self._kill_job(job, grace)
         return None
 
-    def _job_can_save(self) -> bool:
-        """The job said it honours a save request (local rank 0 wrote SAVE_READY in this attempt), and it
-        has optimizer steps left to stop at."""
-        if self.store.state is RunState.FINISHING:
-            return False
-        try:
-            return (self.run_dir.path / SAVE_READY).stat().st_mtime >= self._job_since - 1
-        except OSError:
-            return False
+    def _live(self, job: Job) -> list:
+        """The job's processes alive now: its tree, and any recorded one that has left it."""
+        procs = self._remember(job.pid)
+        return procs + [p for p in (find_live(r) for r in self._known.values()) if p is not None and p not in procs]
+
+    def _job_can_save(self, job: Job) -> bool:
+        """The one rule (``state/stop.py``), held against this attempt's live processes."""
+        return job_can_save(self.run_dir.path, self.store.state, (p.pid for p in self._live(job)))
 
     def _kill_job(self, job: Job, grace: float) -> None:
-        procs = self._remember(job.pid)
-        procs += [p for p in (find_live(r) for r in self._known.values()) if p is not None and p not in procs]
+        procs = self._live(job)
         killed = terminate(procs, grace_s=grace)
         # psutil reaped the job's root (our child) while waiting for it; Popen would then read ECHILD as exit 0
         root = next((p for p in procs if p.pid == job.pid), None)
@@ -333,7 +315,7 @@ class Supervisor:
         fields: dict[str, Any] = {"exit_code": exit_code, "signal": sig, "attempt": self.attempt,
                                   "leftover_pids_stopped": leftover_pids, "stopped_by": None, "stop_sender": None,
                                   "saved_checkpoint": None}  # fmt: skip
-        request = _read_stop_request(self.run_dir.path) if stopped_by is not None else None
+        request = read_stop_request(self.run_dir.path) if stopped_by is not None else None
         accepted: bool | None = None
         cause = None
         saved = saved_checkpoint(self.run_dir.path, ending.saved)
@@ -430,7 +412,7 @@ class Supervisor:
     def _record_stop_while_pending(self, when: str) -> int:
         """The end of a run stopped while PENDING (``when``: during preflight, while waiting to restart)."""
         sig = self._stop_signal or signal.SIGTERM
-        request = _read_stop_request(self.run_dir.path)
+        request = read_stop_request(self.run_dir.path)
         state = RunState.CANCELLED if request else RunState.TERMINATED
         received = self._signals.first or Received(sig)
         by = _sender(received, request)
@@ -482,7 +464,7 @@ def _open_run(prepared: Prepared, lock: RunLock, resume: ResumePlan | None) -> t
             store.record_end(seen.state, reason=seen.note, processes=[])
         lf_args = llamafactory_args(config, backend.name, run_dir.output)
         lf_args["resume_from_checkpoint"] = str(resume.checkpoint)
-        (run_dir.path / STOP_REQUEST).unlink(missing_ok=True)
+        clear_stop_request(run_dir.path)
     attempt = store.record.attempt + 1 if resume is not None else 1
     lock.describe(run_dir.run_id, run_dir.path)
     store.transition(

@@ -1,0 +1,127 @@
+"""The stop protocol: the stop request, the save on stop it leads to, the one rule for whether a job can save,
+and the checkpoint it saved. Every reader and writer of these run-folder files is here (their names are in
+``state/runs.py``); the supervisor (``run/supervisor.py``), ``launcher stop`` (``run/control.py``,
+``run/container.py``) and each rank (``stopsave.py``) use them.
+
+- ``stop_request.json`` (``request_stop``): written by ``launcher stop`` before its SIGTERM reaches the
+  supervisor: who asked, the grace, ``now`` (no save: the ranks die of their SIGTERM). Read by the supervisor,
+  and for ``now`` by each rank.
+- ``save_on_stop.json`` (``announce_save``): written by local rank 0 once training began: this job honours a
+  save request. ``job_can_save`` decides from it whether a stop asks the job to save or stops it at once.
+- ``save_request.json`` (``ask_to_save``): written by the supervisor, or by ``launcher stop`` when the
+  supervisor is gone: save a checkpoint at the next step, then exit. Each rank looks for it at every step end.
+- ``stop_saved.json`` (``record_saved``): written by local rank 0 once the requested checkpoint is complete;
+  ``saved_checkpoint`` holds it against the checkpoints on disk.
+
+Layer 1: imports ``files`` and ``state`` only, so that the ranks (layer 3) use the same code as the supervisor.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from launcher.files import read_json_object, write_json_atomic, write_json_or_warn
+from launcher.state.checkpoints import last_complete_checkpoint
+from launcher.state.record import now_iso
+from launcher.state.runs import CHECKPOINT_FOLDER, OUTPUT_SUBDIR, SAVE_DONE, SAVE_READY, SAVE_REQUEST, STOP_REQUEST
+from launcher.state.states import RunState
+
+SAVE_KILL_GRACE_S = 10.0  # after a save on stop that did not end the job in time: SIGTERM, then SIGKILL
+
+
+# --- the stop request: `launcher stop` -> the supervisor (and, for `now`, the ranks) ---------------------------
+
+
+def request_stop(run_dir: Path, grace_s: float | None, by: str, now: bool = False) -> None:
+    """Leave a stop request for the run's supervisor (read when it receives SIGTERM). ``now`` skips the save."""
+    write_json_atomic(run_dir / STOP_REQUEST, {"time": now_iso(), "grace_s": grace_s, "by": by, "now": now})
+
+
+def read_stop_request(run_dir: Path) -> dict[str, Any] | None:
+    """The stop request ``launcher stop`` left, or None (none, or unreadable)."""
+    request = read_json_object(run_dir / STOP_REQUEST)
+    return request if isinstance(request, dict) else None
+
+
+def skips_save(request: dict[str, Any] | None) -> bool:
+    """The stop request is ``launcher stop --now``: no save, the job is stopped at once."""
+    return request is not None and request.get("now") is True
+
+
+def clear_stop_request(run_dir: Path) -> None:
+    """Forget the stop request (a new attempt begins, or the stop it was left for did not happen)."""
+    (run_dir / STOP_REQUEST).unlink(missing_ok=True)
+
+
+# --- the save on stop: the supervisor (or `stop`) asks, the ranks answer ---------------------------------------
+
+
+def clear_save_files(run_dir: Path) -> None:
+    """Forget what an earlier attempt's job announced, was asked and saved: the new attempt starts clean."""
+    for name in (SAVE_REQUEST, SAVE_READY, SAVE_DONE):
+        (run_dir / name).unlink(missing_ok=True)
+
+
+def announce_save(run_dir: Path, step: int) -> None:
+    """In local rank 0 once training began: this job honours a save request (its pid is how ``job_can_save``
+    knows the announcing rank is still alive). A write the disk refuses is a warning, never the rank's end."""
+    write_json_or_warn(run_dir / SAVE_READY, {"pid": os.getpid(), "time": time.time(), "step": step},
+                       "the save-on-stop announcement")  # fmt: skip
+
+
+def job_can_save(run_dir: Path, state: RunState, live_pids: Iterable[int]) -> bool:
+    """Whether a stop asks the job to save a checkpoint and exit, rather than stopping it at once: the job has
+    optimizer steps left to stop at (the run is not ``FINISHING``), and it announced that it honours a save
+    request (``save_on_stop.json``) from a rank that is still alive among ``live_pids``, the job's processes.
+
+    The one rule for the supervisor and for ``launcher stop`` after a lost supervisor. The pid makes an
+    announcement left by an earlier attempt, or by a rank that has since died, count for nothing."""
+    if state is RunState.FINISHING:
+        return False
+    ready = read_json_object(run_dir / SAVE_READY)
+    return isinstance(ready, dict) and ready.get("pid") in set(live_pids)
+
+
+def ask_to_save(run_dir: Path, why: str, anew: bool = False) -> None:
+    """Ask the job to save a checkpoint at the next step and exit (every rank looks at each step end).
+    ``anew``: first forget a save recorded before (``stop`` after a lost supervisor, which cleared nothing).
+
+    Raises:
+        OSError: the request could not be written (the job then is stopped without a save)."""
+    if anew:
+        (run_dir / SAVE_DONE).unlink(missing_ok=True)
+    write_json_atomic(run_dir / SAVE_REQUEST, {"time": now_iso(), "why": why})
+
+
+def save_asked(run_dir: Path) -> bool:
+    """A save on stop was asked for (by the supervisor, its watchdog, or ``launcher stop``)."""
+    return (run_dir / SAVE_REQUEST).exists()
+
+
+def record_saved(run_dir: Path, step: int, signalled: bool) -> None:
+    """In local rank 0 once the requested ``checkpoint-<step>`` is complete: the step, its folder (relative to
+    the run directory) and whether a SIGTERM (rather than the request file) asked for it."""
+    done = {"step": step, "path": str(Path(OUTPUT_SUBDIR) / CHECKPOINT_FOLDER.format(step=step)), "time": time.time(),
+            "signalled": signalled}  # fmt: skip
+    write_json_or_warn(run_dir / SAVE_DONE, done, "the saved checkpoint's record")
+
+
+def read_saved(run_dir: Path) -> dict[str, Any] | None:
+    """What the job recorded saving on the stop (``stop_saved.json``), or None."""
+    saved = read_json_object(run_dir / SAVE_DONE)
+    return saved if isinstance(saved, dict) else None
+
+
+def saved_checkpoint(run_dir: Path, saved: Any) -> dict[str, Any] | None:
+    """The checkpoint the job reported saving on a stop (``stop_saved.json``'s content), if it is the newest
+    complete one on disk: ``{step, path, optimizer_state}``, the path relative to the run directory."""
+    if not isinstance(saved, dict):
+        return None
+    last = last_complete_checkpoint(run_dir / OUTPUT_SUBDIR)
+    if last is None or last.step != saved.get("step"):
+        return None
+    return {"step": last.step, "path": last.relative_to(run_dir), "optimizer_state": last.optimizer_state}
