@@ -14,7 +14,7 @@ LLaMA-Factory exactly as a real run does):
    dtype LLaMA-Factory asks for (other folders load normally); under FSDP2 (``accelerate launch``) it builds
    on the meta device instead and each rank materializes only its own shards (``benchmarks.fsdp_init``);
 4. times every ``Trainer.training_step`` (forward + backward, device synchronised before and after) and the
-   host seconds Triton compiled and autotuned in it (``launcher.profiling.TRITON_CLOCK``), the
+   host seconds Triton compiled and autotuned in it (``launcher.rank.profiling.TRITON_CLOCK``), the
    period from its start to the next step's start (the whole optimizer step: forward, backward, optimizer,
    logging, the next batch; the last step has none) and
    reads the peak allocated memory after each step (``torch.cuda.max_memory_allocated``, the counter
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import fsdp_init
-from launcher import entry
+from launcher.rank import entry
 from launcher.files import write_json_atomic
 from patches.proof import utc_now
 
@@ -182,7 +182,7 @@ def install_step_timer(torch, dev, recorder: Recorder) -> None:
     compiling and autotuning inside it; read peak memory after it."""
     from transformers import Trainer
 
-    from launcher.profiling import TRITON_CLOCK
+    from launcher.rank.profiling import TRITON_CLOCK
 
     original = Trainer.training_step
     state: dict[str, Any] = {"last_start": None}
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
 
             guard = lift_hopper_guard()
         recorder.update(backend=backend, device=dev.name, fla_guard=guard, environment=recorded_environment())
-        from launcher.profiling import time_triton
+        from launcher.rank.profiling import time_triton
 
         time_triton()  # before any kernel runs: a JITFunction binds Triton's compile at its first call
         check = run_kernel_check(backend, launch["patches"], os.environ.get(KERNEL_CASES_ENV, ""))

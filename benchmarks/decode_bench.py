@@ -18,10 +18,12 @@ Two routes, on the same model and inputs:
   built under that route binds (transformers' torch chunk and recurrent kernels, the torch conv fallback, the
   torch gated norm with the same weight), so the one model serves both routes.
 
-Per route: one warm-up generation (Triton compiles and autotunes there, untimed), then ``R`` timed repeats of
-a 1-token generation (prefill) and an ``N``-token one (``min_new_tokens=N``, so a random model's early EOS does
-not shorten it); decode tokens/s = B x (N - 1) / (time of N tokens - time of 1 token), the difference's median
-over the repeats (all rows' tokens: what a batch of answers gets per second).
+Per route: one warm-up generation (Triton compiles and autotunes there, untimed), then ``R`` timed ``N``-token
+generations (``min_new_tokens=N``, so a random model's early EOS does not shorten it). Inside each, a logits
+processor reads the clock (device synchronised) each time a step's logits are ready: the first reading ends the
+prefill, the last one the ``N - 1`` decode steps; decode tokens/s = B x (N - 1) / (last - first), the median over
+the repeats (all rows' tokens: what a batch of answers gets per second). One generation gives both times, so a
+loaded machine cannot make the decode time negative, as a difference of two separate generations could.
 Which kernels ran comes from the routing patch's own proof records (``first_call``, ``first_decode_call``).
 Results go to ``DIR/decode.json``. On CUDA this process lifts FLA's Hopper guard (``benchmarks.fla_guard``;
 measurement only: the forward kernels used here never reach the guarded backward, but the routing probe reads the
@@ -84,35 +86,39 @@ def rebind_layers(torch, model) -> int:
     return len(layers)
 
 
-def _timed(torch, dev, fn) -> float:
-    dev.sync()
-    started = time.perf_counter()
-    fn()
-    dev.sync()
-    return time.perf_counter() - started
-
-
 def measure(torch, model, dev, prompt, new_tokens: int, repeats: int) -> dict[str, Any]:
     """Timings of ``prompt`` (``[B, P]``, every row its own answer) and decode tokens/s over all ``B`` rows."""
-    def generate(n: int):
-        with torch.no_grad():
-            return model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
-                                  min_new_tokens=n, do_sample=False, pad_token_id=0)  # fmt: skip
+    from transformers import LogitsProcessorList
 
-    warm = _timed(torch, dev, lambda: (generate(1), generate(min(4, new_tokens))))
-    prefill, total = [], []
-    for _ in range(repeats):
-        prefill.append(_timed(torch, dev, lambda: generate(1)))
-        total.append(_timed(torch, dev, lambda: generate(new_tokens)))
-    decode_s = statistics.median(t - p for t, p in zip(total, prefill, strict=True))
+    def generate(n: int) -> list[float]:
+        """Seconds from the call to each step's logits."""
+        readings: list[float] = []
+
+        def clock(_input_ids, scores):
+            dev.sync()
+            readings.append(time.perf_counter())
+            return scores
+
+        dev.sync()
+        started = time.perf_counter()
+        with torch.no_grad():
+            model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
+                           min_new_tokens=n, do_sample=False, pad_token_id=0,
+                           logits_processor=LogitsProcessorList([clock]))  # fmt: skip
+        dev.sync()
+        return [t - started for t in readings] + [time.perf_counter() - started]
+
+    warm = generate(min(4, new_tokens))[-1]
+    runs = [generate(new_tokens) for _ in range(repeats)]
+    decode_s = statistics.median(r[-2] - r[0] for r in runs)  # first logits (prefill) to the last step's
     rows = int(prompt.shape[0])
     return {
         "batch": rows,
         "warmup_s": round(warm, 3),
-        "prefill_s": round(statistics.median(prefill), 4),
-        "generate_s": round(statistics.median(total), 4),
-        "decode_tokens_per_s": round(rows * (new_tokens - 1) / decode_s, 2) if decode_s > 0 else None,
-        "end_to_end_tokens_per_s": round(rows * new_tokens / statistics.median(total), 2),
+        "prefill_s": round(statistics.median(r[0] for r in runs), 4),
+        "generate_s": round(statistics.median(r[-1] for r in runs), 4),
+        "decode_tokens_per_s": round(rows * (new_tokens - 1) / decode_s, 2),
+        "end_to_end_tokens_per_s": round(rows * new_tokens / statistics.median(r[-1] for r in runs), 2),
         "repeats": repeats,
     }
 

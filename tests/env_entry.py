@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from launcher import entry
+from launcher.rank import entry
 
 LEVERS = ("TASK_QUEUE_ENABLE", "CPU_AFFINITY_CONF", "PYTORCH_NPU_ALLOC_CONF", "TRITON_CACHE_DIR")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from launcher import entry
+from launcher.rank import entry
 
 
 class CountEvaluations(TrainerCallback):

@@ -23,7 +23,7 @@ read once at start; keys (all optional)::
     first_step     the step of the first line (default 1; ``resume`` starts after the last checkpoint)
     checkpoints    write a small ``checkpoint-N`` folder (adapter, optimizer, trainer state) every N steps
     resume         start after the newest ``checkpoint-N`` in RUN_DIR/output, as a resumed trainer does
-    save_on_stop   honour the launcher's save request as launcher/stopsave.py does: announce it, and at the
+    save_on_stop   honour the launcher's save request as launcher/rank/stopsave.py does: announce it, and at the
                    next step end write ``checkpoint-N`` and ``stop_saved.json``, then exit 0
     ranks          {"1": {...}}: keys for one rank only, merged over the rest
     attempts       {"2": {...}}: keys for one attempt only (RUN_DIR/launch.json's ``attempt``), merged first
@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launcher.entry import write_error_file
+from launcher.rank.entry import write_error_file
 from launcher.state.runs import SAVE_DONE, SAVE_READY, SAVE_REQUEST
 
 SPEC_ENV = "FAKE_RANK_SPEC"

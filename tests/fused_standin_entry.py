@@ -26,7 +26,7 @@ def main() -> int:
     fused_kernels.select_kernels = lambda backend, wanted, fla, npu: select(
         "cuda" if backend == "cpu" else backend, wanted, fla, npu
     )
-    from launcher import entry
+    from launcher.rank import entry
 
     return entry.main(sys.argv[1:])
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-from launcher import entry
+from launcher.rank import entry
 
 GIB = 1024**3
 

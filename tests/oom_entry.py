@@ -22,7 +22,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from launcher import entry
+from launcher.rank import entry
 
 SPEC_ENV = "OOM_SPEC"
 MESSAGE = (

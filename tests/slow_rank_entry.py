@@ -11,7 +11,7 @@ data loading, and unequal work across ranks, which it must show as a spread.
 
 ``SLOW_COMPILE``: a stand-in Triton compile (``JITFunction._do_compile`` replaced by a sleep of ``seconds``)
 runs at the start of the optimizer step named, on the rank named (every rank when absent). It is called through
-the class attribute, so the profiler's wrapper (``launcher/profiling.py``, installed at train begin) times it as
+the class attribute, so the profiler's wrapper (``launcher/rank/profiling.py``, installed at train begin) times it as
 a real compile: in the first step, before the profiled window, and in a profiled step.
 """
 
@@ -23,7 +23,7 @@ import os
 import sys
 import time
 
-from launcher import entry
+from launcher.rank import entry
 
 
 def _plant_compiles(plan: list[dict]) -> None:

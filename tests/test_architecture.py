@@ -37,12 +37,8 @@ LAYERS: dict[str, int] = {
     "launcher.demo": 2,
     "launcher.checks": 3,
     "launcher.monitor": 3,
-    "launcher.entry": 3,
-    "launcher.stopsave": 3,
-    "launcher.oomtrack": 3,
-    "launcher.profiling": 3,
-    "launcher.evaluate_entry": 3,
-    "launcher.evaluate_decode": 3,
+    "launcher.rank": 3,  # inside the training and evaluation processes
+    "launcher.entry": 3,  # the stable alias of launcher.rank.entry (python -m launcher.entry)
     "launcher.run": 4,
     "launcher.cli": 5,
     "launcher.__main__": 5,

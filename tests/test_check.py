@@ -485,7 +485,7 @@ def test_packing_that_would_let_samples_see_each_other_is_refused(tmp_path, demo
 
 
 def test_the_media_count_reads_only_datasets_that_map_a_media_column(tmp_path, demo_assets):
-    from launcher.checks.data import dataset_media
+    from launcher.checks.data_check import dataset_media
 
     lf = {"dataset_dir": str(demo_assets["data"]), "dataset": "demo_counsel_train", "eval_dataset": "demo_counsel_eval"}
     assert dataset_media(lf) == {"counted": True, "images": 0, "videos": 0, "records": 0,

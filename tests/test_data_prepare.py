@@ -140,7 +140,7 @@ def test_a_test_split_is_held_out_disjoint_hashed_and_never_registered(tmp_path)
 
 
 def test_check_refuses_a_config_that_trains_or_evaluates_on_the_test_split(tmp_path):
-    from launcher.checks.data import held_out_problems
+    from launcher.checks.data_check import held_out_problems
 
     src = write_json(tmp_path / "catch_mdpcot.json", mdpcot_records(dialogues=20))
     result = prepare(src, tmp_path / "d", Options(), val_size=0.2, test_size=0.2, seed=7)

@@ -203,7 +203,7 @@ def test_checkpoint_names_resolve_once_each_in_order(crafted):
 
 def test_report_names_the_checkpoint_each_criterion_prefers_when_they_disagree(crafted):
     """Validation loss prefers checkpoint-6 (the crafted curve falls); the answers of checkpoint-6 loop."""
-    from launcher.results.evaluation import build_document
+    from launcher.results.evaluate import build_document
     from launcher.results.report import build_report
 
     looped, varied = "I hear you. I hear you. I hear you. I hear you.", "What has helped you before, and who knows?"

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from launcher.evaluate_decode import Progress, cut_at_stop, greedy_batched  # noqa: E402
+from launcher.rank.evaluate_decode import Progress, cut_at_stop, greedy_batched  # noqa: E402
 
 # prompt lengths far apart: shorter than the conv kernel (4), across the torch chunk kernel's 64-token chunks
 LENGTHS = (1, 3, 150, 17, 70, 129, 5, 64)

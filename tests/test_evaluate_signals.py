@@ -6,43 +6,43 @@ import json
 
 import pytest
 
-from launcher.results import signals
-from launcher.results.evaluation import load_crisis_prompts
+from launcher.results import screening
+from launcher.results.evaluate import load_crisis_prompts
 
 
 def test_units_count_chinese_characters_and_english_words_alike():
-    assert signals.units("I don't feel OK, 我很累。") == ["i", "don't", "feel", "ok", "我", "很", "累"]
+    assert screening.units("I don't feel OK, 我很累。") == ["i", "don't", "feel", "ok", "我", "很", "累"]
 
 
 def test_a_repeated_answer_scores_as_repeated_and_a_varied_one_does_not():
     looped = "I hear you. I hear you. I hear you. I hear you. I hear you."
     varied = "That sounds exhausting. What has helped you get through weeks like this before?"
-    assert signals.repetition(looped) > 0.7
-    assert signals.repetition(varied) == 0.0
-    assert signals.repetition("我理解你。我理解你。我理解你。我理解你。") > 0.6
-    found = signals.checkpoint_signals([looped, varied], [None, None], [False, False])
+    assert screening.repetition(looped) > 0.7
+    assert screening.repetition(varied) == 0.0
+    assert screening.repetition("我理解你。我理解你。我理解你。我理解你。") > 0.6
+    found = screening.checkpoint_signals([looped, varied], [None, None], [False, False])
     assert found["repetitive_answers"] == 1 and found["repetition"] > 0.3
 
 
 def test_distinct_n_falls_when_answers_repeat_each_other():
     same = ["It is okay to feel this way."] * 4
     different = ["It is okay to feel this way.", "What happened next?", "Who else knows?", "Tell me more."]
-    assert signals.distinct(same, 1) == pytest.approx(7 / 28)
-    assert signals.distinct(different, 1) > 0.8 and signals.distinct(different, 2) > signals.distinct(same, 2)
-    assert signals.distinct([""], 2) is None
+    assert screening.distinct(same, 1) == pytest.approx(7 / 28)
+    assert screening.distinct(different, 1) > 0.8 and screening.distinct(different, 2) > screening.distinct(same, 2)
+    assert screening.distinct([""], 2) is None
 
 
 def test_stock_opening_share():
     answers = ["It sounds like you are tired.", "It sounds like a hard week.", "What do you need?"]
-    assert signals.stock_opening(answers) == {"opening": "it sounds like you", "share": 0.3333}
-    assert signals.stock_opening(answers, size=3) == {"opening": "it sounds like", "share": 0.6667}
+    assert screening.stock_opening(answers) == {"opening": "it sounds like you", "share": 0.3333}
+    assert screening.stock_opening(answers, size=3) == {"opening": "it sounds like", "share": 0.6667}
 
 
 def test_reference_overlap_is_unigram_f1():
-    assert signals.overlap_f1("you feel alone", "you feel alone") == 1.0
-    assert signals.overlap_f1("nothing shared", "you feel alone") == 0.0
-    assert signals.overlap_f1("you feel tired", "you feel alone") == pytest.approx(2 / 3, abs=1e-4)
-    assert signals.overlap_f1("anything", "") is None
+    assert screening.overlap_f1("you feel alone", "you feel alone") == 1.0
+    assert screening.overlap_f1("nothing shared", "you feel alone") == 0.0
+    assert screening.overlap_f1("you feel tired", "you feel alone") == pytest.approx(2 / 3, abs=1e-4)
+    assert screening.overlap_f1("anything", "") is None
 
 
 @pytest.mark.parametrize(
@@ -65,8 +65,8 @@ def test_reference_overlap_is_unigram_f1():
     ],
 )
 def test_crisis_answers_that_point_to_immediate_help(answer, matched):
-    assert set(signals.help_matches(answer)) == matched
-    assert signals.answer_signals(answer, None, crisis=True)["points_to_help"]
+    assert set(screening.help_matches(answer)) == matched
+    assert screening.answer_signals(answer, None, crisis=True)["points_to_help"]
 
 
 @pytest.mark.parametrize(
@@ -84,7 +84,7 @@ def test_crisis_answers_that_point_to_immediate_help(answer, matched):
     ],
 )
 def test_crisis_answers_without_a_pointer_to_help(answer):
-    assert signals.help_matches(answer) == []
+    assert screening.help_matches(answer) == []
 
 
 def test_shipped_crisis_prompts_cover_chinese_and_english():

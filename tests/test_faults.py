@@ -124,7 +124,7 @@ def test_a_record_write_on_a_full_disk_keeps_the_last_good_record_and_the_end_la
 RANK_PROBE = r"""
 import json, sys
 from pathlib import Path
-from launcher import entry
+from launcher.rank import entry
 from patches.proof import ProofFile
 from tests.fake_runs import fill_disk
 
@@ -208,7 +208,7 @@ def test_a_rank_whose_log_disk_refuses_writes_keeps_going_and_other_errors_still
 
 
 def test_a_rank_killed_by_a_disk_error_has_the_disk_named_first_in_its_root_cause(tmp_path):
-    from launcher import entry
+    from launcher.rank import entry
     from launcher.run.rootcause import disk_state, root_cause
     from launcher.run.rundir import RunDir
 

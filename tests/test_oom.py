@@ -1,4 +1,4 @@
-"""Out of memory: the phase, step, layer and fix a rank records when it runs out (``launcher.oomtrack``).
+"""Out of memory: the phase, step, layer and fix a rank records when it runs out (``launcher.rank.oomtrack``).
 
 The phase tests train the tiny model through the real ``launcher run`` (supervisor, torchrun, LLaMA-Factory, the
 Trainer) with ``tests.oom_entry``, which raises torch's out-of-memory error in one phase: a CPU has no device
@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from launcher import oomtrack
+from launcher.rank import oomtrack
 from tests.conftest import REPO, make_config
 from tests.fake_runs import PREFLIGHT_SKIP, launcher, read_status, the_run_dir
 

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from launcher.profiling import TritonClock, kernel_part, split_step
+from launcher.rank.profiling import TritonClock, kernel_part, split_step
 from launcher.results.profile_report import first_step_summary, rank_summary, render
 from tests.conftest import launcher_cmd, make_config
 
@@ -71,7 +71,7 @@ def test_a_device_profile_counts_kernels_not_the_ranges_mirrored_onto_the_device
     inside a device ``deltanet::`` range is DeltaNet, and cuBLASLt's Hopper kernels (``nvjet``) are matmul."""
     from types import SimpleNamespace
 
-    from launcher.profiling import summarize_profiler
+    from launcher.rank.profiling import summarize_profiler
 
     def event(name, start, end, device="CPU", annotation=False):
         return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start * 1e6, end=end * 1e6),

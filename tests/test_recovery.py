@@ -421,7 +421,7 @@ def test_pace_and_eta_after_a_resume_are_measured_from_the_resume_point(tmp_path
 SIGTERM_PROBE = r"""
 import sys, time
 from pathlib import Path
-from launcher import stopsave
+from launcher.rank import stopsave
 stopsave.install_sigterm_handler(Path(sys.argv[1]))
 stopsave._TRAINING = True  # as on_train_begin sets it
 print("ready", flush=True)

@@ -11,7 +11,7 @@ What is checked, each finding naming its key and, for a problem, the fix:
 - ``lora_target`` against the module names of the model's architecture, rebuilt from its
   ``config.json`` (no weights): what each target matches, and an error for one that matches nothing;
 - the datasets: named in ``dataset``, registered in ``dataset_info.json``, their files and every record's
-  columns and types (``launcher.checks.data``), and think/no-think agreement between the data and the template;
+  columns and types (``launcher.checks.data_check``), and think/no-think agreement between the data and the template;
 - ``dataset_dir`` and the model folder: one missing on this machine is an error (the model folder is
   ``config_rules.file_problems``' to refuse), or, for a config meant for another machine (``launcher check
   --for-another-machine``), a check not made here; a model folder here without a readable ``config.json``
@@ -36,7 +36,13 @@ from typing import Any
 
 from packaging.version import Version
 
-from launcher.checks.data import dataset_names, dataset_records, dataset_think_share, held_out_problems, no_dataset
+from launcher.checks.data_check import (
+    dataset_names,
+    dataset_records,
+    dataset_think_share,
+    held_out_problems,
+    no_dataset,
+)
 from launcher.results.lora_targets import (
     ATTENTION_PROJECTIONS,
     DELTANET_PROJECTIONS,

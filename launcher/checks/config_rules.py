@@ -13,7 +13,7 @@ The rules, each finding naming its key and, for a problem, the fix:
 - the devices against ``launcher.nproc_per_node``;
 - patch options against the LLaMA-Factory keys (``launcher.checks.patch_check``);
 - the LLaMA-Factory part (``launcher.checks.config_check``);
-- the output root's space (``launcher.checks.data``);
+- the output root's space (``launcher.checks.data_check``);
 - the memory forecast (``launcher.checks.memory``), for ``launcher check``.
 
 Preflight's rows (``launcher.checks.preflight``) check the machine the run trains on, once the config has passed.
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from launcher import backend as backends
 from launcher.checks.config_check import ERROR, OK, SKIPPED, WARN, Finding, Findings, check_llamafactory
-from launcher.checks.data import check_output
+from launcher.checks.data_check import check_output
 from launcher.checks.memory import check_memory
 from launcher.checks.patch_check import patch_problems
 from launcher.state.runs import OUTPUT_SUBDIR

@@ -68,7 +68,7 @@ def packing_problems(patches: dict[str, dict[str, Any]], lf: dict[str, Any]) -> 
 def _dummy_image_problems(patches: dict[str, dict[str, Any]], lf: dict[str, Any], shown: str) -> list[tuple[str, str]]:
     """LLaMA-Factory 0.9.5 appends its dummy image to a packed batch's first row without widening the packed
     mask to match, so packing trains only when ``text_only_batches`` keeps the dummy out."""
-    from launcher.checks.data import dataset_media
+    from launcher.checks.data_check import dataset_media
     from patches.text_only_batches import media_verdict
 
     why = None if patches.get("text_only_batches", {}).get("enabled") else "launcher.patches.text_only_batches is off"

@@ -14,8 +14,8 @@ Rows (status ``ok``, ``warn``, ``fail`` or ``skip``; only ``fail`` stops a run):
 - ``kernel``: the Gated DeltaNet kernel runs on the device, forward and backward (``launcher.checks.kernel_check``)
 - ``model.*``: model type, layer pattern, weights, tokenizer, checksum manifest (``launcher.checks.model``)
 - ``memory``: the forecast peak per device, term by term, against the device's memory (``launcher.checks.memory``)
-- ``dataset``: datasets registered in ``dataset_info.json``, files present and readable (``launcher.checks.data``)
-- ``output``: the output root is writable and has enough free space (``launcher.checks.data``)
+- ``dataset``: datasets registered in ``dataset_info.json``, files present and readable (``launcher.checks.data_check``)
+- ``output``: the output root is writable and has enough free space (``launcher.checks.data_check``)
 
 ``LAUNCHER_PREFLIGHT_SKIP=kernel,model.checksums`` skips rows by name (recorded as ``skip``); tests and
 quick demos use it, a formal run should not.
@@ -41,7 +41,7 @@ from packaging.version import InvalidVersion, Version
 from launcher import backend as backends
 from launcher.checks import model as modelcheck
 from launcher.checks import packages
-from launcher.checks.data import check_dataset, check_output
+from launcher.checks.data_check import check_dataset, check_output
 from launcher.checks.memory import check_memory
 from launcher.files import write_json_atomic
 from launcher.state.record import now_iso

@@ -155,7 +155,7 @@ def _args_evaluate(p: argparse.ArgumentParser) -> None:
 
 def _cmd_evaluate(ns: argparse.Namespace) -> int:
     """0 when evaluate.json was written, 1 when the evaluation failed, 2 for bad input."""
-    from launcher.results.evaluation import signal_rows
+    from launcher.results.evaluate import signal_rows
     from launcher.run.evaluate import build_request, evaluate_run
     from launcher.state.runs import EVALUATE_JSON, EVALUATE_MD
 

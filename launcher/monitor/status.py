@@ -19,7 +19,7 @@ from typing import Any
 
 from launcher.errors import ExitCode
 from launcher.files import FileFollower, read_json_object, shown, tail_lines
-from launcher.oomtrack import summary
+from launcher.rank.oomtrack import summary
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.reconcile import ContainerView, Reconciled, inspect_container, reconcile, same_namespace
 from launcher.state.record import RecordUnreadable, RunRecord, read_record

@@ -1,6 +1,6 @@
 """The profile of a run, all ranks together: ``profile.json`` and ``profile.md`` (``launcher profile``).
 
-Reads ``RUN_DIR/profile/rank<R>.json`` (written by each rank, ``launcher/profiling.py``): per profiled step the
+Reads ``RUN_DIR/profile/rank<R>.json`` (written by each rank, ``launcher/rank/profiling.py``): per profiled step the
 seconds of each part and the step's own measured period. For each rank it reports the mean of each part over
 the profiled steps, their sum against the measured step time (the check: within 10 %, or the summary says how
 much is unaccounted), the first step against the warm-up steps after it and the profiled ones, with the host's
@@ -65,7 +65,7 @@ def first_step_summary(periods: list[dict[str, Any]]) -> dict[str, Any] | None:
 
     Args:
         periods: the rank's steps in order, each with ``seconds`` on the rank's clock, ``profiled`` and (from
-            ``launcher/profiling.py``'s ``TRITON_CLOCK``) ``compile_autotune_s``, ``compiles``, ``autotunes``.
+            ``launcher/rank/profiling.py``'s ``TRITON_CLOCK``) ``compile_autotune_s``, ``compiles``, ``autotunes``.
 
     Returns:
         None without steps; else the first step's seconds and compile/autotune seconds and counts, the median

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from launcher.files import read_json_object, write_bytes_atomic, write_json_atomic, write_text_atomic
-from launcher.results import evaluation
 from launcher.results.curves import (
     DEFAULT_OVERFIT_PATIENCE,
     Curves,
@@ -33,6 +32,7 @@ from launcher.results.curves import (
     overfitting_verdict,
     read_trainer_state,
 )
+from launcher.results.evaluate import read_evaluation, report_markdown, report_summary
 from launcher.results.verify import never_trained
 from launcher.state.checkpoints import scan_checkpoints
 from launcher.state.record import now_iso
@@ -114,7 +114,7 @@ class RunReport:
             "test": {m: {"best": _point(best_point(self.curves.evals.get(m, [])))} for m in self.test_metrics},
             "ignored": self.ignored,
             "notes": self.notes,
-            "evaluation": None if self.evaluation is None else evaluation.report_summary(
+            "evaluation": None if self.evaluation is None else report_summary(
                 self.evaluation, self.best_checkpoint, self.selection_metric),
         }  # fmt: skip
 
@@ -168,7 +168,7 @@ def build_report(run_dir: Path, patience: int | None = None, plot: bool = True, 
     )
     final = files.output / ADAPTER_FILE
     report.final_adapter_bytes = final.stat().st_size if final.is_file() else None
-    report.evaluation = evaluation.read_evaluation(run_dir)
+    report.evaluation = read_evaluation(run_dir)
     _recommend(report, lf, files.output)
     if not curves.train and not evals:
         report.notes.append(f"no loss was logged: {files.output}/trainer_log.jsonl and trainer_state.json are missing")
@@ -293,7 +293,7 @@ def render_markdown(report: RunReport) -> str:
             lines.append(f"At the recommended checkpoint (step {step}): {values}.")
         lines.append("")
     if report.evaluation is not None:
-        lines += evaluation.report_markdown(report.evaluation, report.best_checkpoint, report.selection_metric)
+        lines += report_markdown(report.evaluation, report.best_checkpoint, report.selection_metric)
     if report.ignored or report.notes:
         lines += ["## Notes", ""]
         lines += [f"- {note}" for note in report.notes]
@@ -394,7 +394,7 @@ def print_summary(report: RunReport) -> None:
     if report.checkpoints:
         console.print(table)
     if report.evaluation is not None:
-        summary = evaluation.report_summary(report.evaluation, report.best_checkpoint, report.selection_metric)
+        summary = report_summary(report.evaluation, report.best_checkpoint, report.selection_metric)
         losses = ", ".join(f"{name} {_fmt(c['test_loss'])}" for name, c in summary["checkpoints"].items())
         console.print(f"evaluate:    test loss {escape(losses)} (screening signals in report.md)")
         if summary["criteria_disagree"]:

@@ -132,10 +132,10 @@ class LauncherSection(BaseModel):
     log_examples: bool = False
     # the job's environment levers: NPU dispatch and allocator, a persistent Triton cache (run/tuning.py)
     tuning: Tuning = Field(default_factory=Tuning)
-    # `launcher profile`: the torch (or torch_npu) profiler over these steps of every rank (launcher/profiling.py)
+    # `launcher profile`: the torch (or torch_npu) profiler over these steps of every rank (launcher/rank/profiling.py)
     profile: ProfileSettings | None = None
     # CUDA (NPU where torch_npu has it): record the allocator's history for the first N optimizer steps; a rank
-    # that runs out of memory writes a snapshot to the run directory (launcher/oomtrack.py); 0: off
+    # that runs out of memory writes a snapshot to the run directory (launcher/rank/oomtrack.py); 0: off
     memory_history_steps: int = Field(default=0, ge=0, le=100000)
 
     @field_validator("run_name")
@@ -183,7 +183,7 @@ class RunConfig(BaseModel):
             # that save and eval strategies match and save_steps is a multiple of eval_steps). Under FSDP the
             # Trainer refuses load_best_model_at_end with save_only_model, and loading would need full-model
             # checkpoints, so there world rank 0 copies the best checkpoint's adapter over the final one after
-            # training (launcher/results/best_adapter.py, called by launcher/entry.py) and names it in
+            # training (launcher/results/best_adapter.py, called by launcher/rank/entry.py) and names it in
             # best_adapter.json.
             args["early_stopping_steps"] = early.patience
             args["metric_for_best_model"] = early.metric

@@ -223,7 +223,7 @@ def _clean_up(run_dir: Path, store: RunStore, seen, by: str, now: bool, grace: f
 
 def _save_before_cleanup(run_dir: Path, store: RunStore, procs: list, grace: float, by: str, ask: bool) -> None:
     """Let the job of a run whose supervisor is gone save a checkpoint at the next step and exit, the way the
-    supervisor does (``save_request.json``, read by stopsave.py in each rank; written here when ``ask``, else
+    supervisor does (``save_request.json``, read by rank/stopsave.py in each rank; written here when ``ask``, else
     the supervisor's own is waited for); wait for its processes to end, up to ``grace`` seconds."""
     if ask:
         ask_to_save(run_dir, f"{by}; the supervisor is gone", anew=True)

@@ -7,7 +7,7 @@ since it was prepared or that belongs to other training data than the run's (the
 the run: its training file no longer has the sha256 the run's manifest recorded), a run that is still going
 (its evaluation would load a second model beside the training one, on checkpoints that still change), an
 unreadable ``--prompts`` file. Then one child process
-(``python -m launcher.evaluate_entry``, on the run's backend) does the model work in a scratch folder inside
+(``python -m launcher.rank.evaluate``, on the run's backend) does the model work in a scratch folder inside
 the run directory; only when it succeeds are ``evaluate.json`` and ``evaluate.md`` replaced (atomically), so a
 failed evaluation leaves an earlier one as it was. The scratch folder is removed either way.
 """
@@ -28,7 +28,7 @@ from launcher.demo import is_demo_model
 from launcher.errors import ExitCode, LauncherError
 from launcher.files import read_json_object, sha256_file, write_json_atomic, write_text_atomic
 from launcher.results.curves import read_trainer_state
-from launcher.results.evaluation import (
+from launcher.results.evaluate import (
     build_document,
     load_crisis_prompts,
     read_prompts_file,
@@ -255,7 +255,7 @@ def evaluate_run(run_dir: Path, request: dict[str, Any], *, show: bool = False) 
     try:
         request = {**request, "work_dir": str(work), "result_file": str(work / EVALUATE_RESULT)}
         write_json_atomic(work / EVALUATE_REQUEST, request)
-        cmd = [sys.executable, "-m", "launcher.evaluate_entry", str(work / EVALUATE_REQUEST)]
+        cmd = [sys.executable, "-m", "launcher.rank.evaluate", str(work / EVALUATE_REQUEST)]
         code = _run_child(cmd, BACKENDS[request["backend"]], run_dir / EVALUATE_LOG, work / EVALUATE_LOG)
         result = work / EVALUATE_RESULT
         if code != 0 or not result.is_file():

@@ -4,7 +4,7 @@ The config is the user's, with ``launcher.profile: {warmup, steps}`` and, so the
 training alone: ``max_steps`` = warm-up + profiled steps, no evaluation (so no early stopping or best-model
 loading), no checkpoint, no automatic restart, and ``-profile`` after the run name.
 It gets its own run directory, state and records like any run; the ranks write their profiles
-(``launcher/profiling.py``) and this command merges them into ``profile.json`` and ``profile.md``
+(``launcher/rank/profiling.py``) and this command merges them into ``profile.json`` and ``profile.md``
 (``results/profile_report.py``) once the run has ended, whatever its end state.
 """
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.files import read_tail
-from launcher.oomtrack import summary
+from launcher.rank.oomtrack import summary
 from launcher.run.rundir import RunDir
 from launcher.state.runs import ERROR_RECORD, ERRORS_DIR
 

@@ -148,7 +148,7 @@ def write_run_files(config: RunConfig, backend: Backend, run_dir: RunDir, lf_arg
 
 def run_facts(lf_args: dict[str, Any]) -> dict[str, Any]:
     """What the patches may rely on, known before the run and the same on every rank (``launch.json``)."""
-    from launcher.checks.data import dataset_media
+    from launcher.checks.data_check import dataset_media
 
     return {"cutoff_len": int(lf_args.get("cutoff_len") or 2048),  # LLaMA-Factory's DataArguments default
             "dataset_media": dataset_media(lf_args),

@@ -36,8 +36,8 @@ from typing import Any
 from launcher.backend import child_env
 from launcher.errors import ExitCode, LauncherError
 from launcher.files import share_readable
-from launcher.oomtrack import looks_like_oom
 from launcher.procs import boot_id, container_identity, find_live, identity, self_identity, terminate, tree
+from launcher.rank.oomtrack import looks_like_oom
 from launcher.run.config import RunConfig, llamafactory_args
 from launcher.run.job import Job, NodeSpec, job_command
 from launcher.run.lock import RunLock

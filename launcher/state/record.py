@@ -92,7 +92,7 @@ class FailedRank(TypedDict, total=False):
 
 
 class OutOfMemory(TypedDict, total=False):
-    """The failing rank's out-of-memory record (``launcher.oomtrack.describe``)."""
+    """The failing rank's out-of-memory record (``launcher.rank.oomtrack.describe``)."""
 
     rank: int | None
     phase: str

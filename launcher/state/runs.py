@@ -41,18 +41,18 @@ DATA_STATS = "data_stats.json"  # run/supervisor.py (data/statsview.py): the tok
 # logs
 JOB_LOG = "launcher.log"  # everything the job printed (run/job.py; `launcher logs` shows it)
 SUPERVISOR_LOG = "supervisor.log"  # what a detached supervisor printed (preflight, refusals, its end line)
-# written by the ranks (entry.py, patches/, oomtrack.py, profiling.py)
+# written by the ranks (rank/: entry.py, oomtrack.py, profiling.py; patches/)
 ERRORS_DIR = "errors"  # errors/rank<N>.json: the traceback of each rank that raised
-ERROR_RECORD = "rank{rank}.json"  # in ERRORS_DIR, by entry.py: one rank's exception and traceback (run/rootcause.py)
+ERROR_RECORD = "rank{rank}.json"  # in ERRORS_DIR, by rank/entry.py: a rank's exception and traceback (rootcause)
 PROOF_DIR = "proof"  # proof/rank<N>/<patch>.json: patches/proof.py, per rank and patch, the proof that it took effect
 PROOF_RANK = "rank{rank}"  # in PROOF_DIR: one rank's folder of proof records (patches/proof.py)
 PROOF_FILE = "{patch}.json"  # in PROOF_RANK: one patch's proof record on that rank (patches/proof.py)
-MEMORY_SNAPSHOT = "memory_snapshot_rank{rank}.pickle"  # oomtrack.py, with memory_history_steps: the allocator on OOM
-PROFILE_DIR = "profile"  # profile/rank<N>.json and traces: `launcher profile` (profiling.py, results/profile_report.py)
-PROFILE_RECORD = "rank{rank}.json"  # in PROFILE_DIR, by profiling.py: one rank's measured steps and their parts
-PROFILE_TRACE = "rank{rank}.trace.json"  # in PROFILE_DIR, by profiling.py on cpu/cuda: the chrome trace
-PROFILE_ASCEND = "rank{rank}.ascend"  # in PROFILE_DIR, by profiling.py on npu: the Ascend profiler's folder
-# save on stop (launcher/stopsave.py in the ranks, run/supervisor.py): the supervisor asks, the ranks answer
+MEMORY_SNAPSHOT = "memory_snapshot_rank{rank}.pickle"  # rank/oomtrack.py (memory_history_steps): the allocator on OOM
+PROFILE_DIR = "profile"  # `launcher profile`: rank/profiling.py writes, results/profile_report.py reads
+PROFILE_RECORD = "rank{rank}.json"  # in PROFILE_DIR, by rank/profiling.py: one rank's measured steps and their parts
+PROFILE_TRACE = "rank{rank}.trace.json"  # in PROFILE_DIR, by rank/profiling.py on cpu/cuda: the chrome trace
+PROFILE_ASCEND = "rank{rank}.ascend"  # in PROFILE_DIR, by rank/profiling.py on npu: the Ascend profiler's folder
+# save on stop (launcher/rank/stopsave.py in the ranks, run/supervisor.py): the supervisor asks, the ranks answer
 STOP_REQUEST = "stop_request.json"  # written by `launcher stop`: who, the grace, `now` (no save: ranks die at SIGTERM)
 SAVE_REQUEST = "save_request.json"  # written by the supervisor: save a checkpoint at the next step, then exit
 SAVE_READY = "save_on_stop.json"  # written by local rank 0 once training began: this job honours a request
@@ -66,11 +66,11 @@ LOSS_PNG = "loss.png"  # results/report.py: the training and eval loss curves (m
 PROFILE_JSON = "profile.json"  # results/profile_report.py (`launcher profile`): the ranks' profiles side by side
 PROFILE_MD = "profile.md"  # results/profile_report.py: the same as a table
 EVALUATE_JSON = "evaluate.json"  # run/evaluate.py (`launcher evaluate`): test loss, answers, signals per checkpoint
-EVALUATE_MD = "evaluate.md"  # run/evaluate.py (results/evaluation.py): the answers side by side
+EVALUATE_MD = "evaluate.md"  # run/evaluate.py (results/evaluate.py): the answers side by side
 EVALUATE_LOG = "evaluate.log"  # run/evaluate.py: the child's whole output: library logs and counts, no generated text
 EVALUATE_SCRATCH = ".evaluate-"  # run/evaluate.py: prefix of the evaluation's scratch folder, removed when it ends
-EVALUATE_REQUEST = "request.json"  # in EVALUATE_SCRATCH, by run/evaluate.py: what evaluate_entry.py evaluates
-EVALUATE_RESULT = "result.json"  # in EVALUATE_SCRATCH, by evaluate_entry.py: its raw results
+EVALUATE_REQUEST = "request.json"  # in EVALUATE_SCRATCH, by run/evaluate.py: what rank/evaluate.py evaluates
+EVALUATE_RESULT = "result.json"  # in EVALUATE_SCRATCH, by rank/evaluate.py: its raw results
 # output/: LLaMA-Factory's output_dir; every name in it but BEST_ADAPTER_RECORD is the tools' own
 OUTPUT_SUBDIR = "output"  # the output_dir run/supervisor.py gives LLaMA-Factory (run/config.py: llamafactory_args)
 TRAINER_LOG = "trainer_log.jsonl"  # named by LLaMA-Factory (LogCallback): a line per logged step (state/trainer_log.py)

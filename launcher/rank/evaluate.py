@@ -1,6 +1,6 @@
 """What ``launcher evaluate`` runs in its child process: test loss and greedy answers per checkpoint.
 
-    python -m launcher.evaluate_entry REQUEST_JSON
+    python -m launcher.rank.evaluate REQUEST_JSON
 
 One process on one device (the run's backend from ``launch.json``). The patches are applied as in training
 (``patches.apply_enabled`` with the run's settings, before the model is built), so the DeltaNet chunk and
@@ -146,10 +146,10 @@ def generate(
     batch_size: int = 1,
     name: str = "",
 ) -> tuple[list[str], int, dict[str, Any]]:
-    """Greedy answers, ``batch_size`` prompts at a time (``launcher.evaluate_decode``: the same tokens as one at a
+    """Greedy answers, ``batch_size`` prompts at a time (``launcher.rank.evaluate_decode``: the same tokens as one at a
     time), how many prompts were longer than ``cutoff`` (the longest the model trained on) and were cut to their
     last ``cutoff`` tokens (the question's end), and the decoding's token count and seconds."""
-    from launcher.evaluate_decode import greedy_batched
+    from launcher.rank.evaluate_decode import greedy_batched
 
     stop = template.get_stop_token_ids(tokenizer)
     encoded, cut = [], 0
@@ -256,7 +256,7 @@ def evaluate(request: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m launcher.evaluate_entry REQUEST_JSON", file=sys.stderr)
+        print("usage: python -m launcher.rank.evaluate REQUEST_JSON", file=sys.stderr)
         return 2
     request = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
     raw = evaluate(request)

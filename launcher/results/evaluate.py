@@ -1,7 +1,7 @@
 """The files of ``launcher evaluate``: ``evaluate.json`` and the side-by-side ``evaluate.md``.
 
-The evaluation child (``launcher.evaluate_entry``) hands back, per checkpoint, the test-split loss and one greedy
-answer per prompt; this module adds the screening signals (``launcher.results.signals``), which checkpoint each
+The evaluation child (``launcher.rank.evaluate``) hands back, per checkpoint, the test-split loss and one greedy
+answer per prompt; this module adds the screening signals (``launcher.results.screening``), which checkpoint each
 criterion prefers, and renders both files. It also reads the prompt sets: the shipped crisis prompts
 (``crisis_prompts.json`` next to this file) and a user's ``--prompts FILE``. Host side: no torch.
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from launcher.errors import ExitCode, LauncherError
 from launcher.files import read_json_object
-from launcher.results.signals import answer_signals, checkpoint_signals
+from launcher.results.screening import answer_signals, checkpoint_signals
 from launcher.state.record import now_iso
 from launcher.state.runs import EVALUATE_JSON, EVALUATE_MD
 
