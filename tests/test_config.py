@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from launcher.checks.config_check import validate_llamafactory_args
-from launcher.run.config import ConfigError, llamafactory_args, load_run_config
+from launcher.run.config import ConfigError, load_run_config
 from tests.conftest import make_config
 
 # The seed's formal LLaMA-Factory settings, verbatim from the design brief.
@@ -66,7 +66,7 @@ def test_seed_formal_config_is_expressible_unchanged(tmp_path, model_dir):
     for key, value in lf.items():
         assert config.llamafactory[key] == value
     assert config.launcher.smoke is False
-    args = llamafactory_args(config, "cpu", tmp_path / "x" / "output")
+    args = config.llamafactory_args("cpu", tmp_path / "x" / "output")
     assert validate_llamafactory_args(args) == []
 
 
@@ -121,7 +121,7 @@ def test_output_dir_is_owned_by_the_launcher(tmp_path, model_dir):
     config = load_run_config(write(tmp_path, data))
     assert "output_dir" not in config.llamafactory
     assert any("output_dir" in note and "ignored" in note for note in config.notes)
-    args = llamafactory_args(config, "cpu", tmp_path / "r" / "output")
+    args = config.llamafactory_args("cpu", tmp_path / "r" / "output")
     assert args["output_dir"] == str(tmp_path / "r" / "output")
     assert args["use_cpu"] is True
 
@@ -147,7 +147,7 @@ def test_lora_targets_are_checked_against_the_models_modules(demo_assets):
 
 def test_unknown_llamafactory_keys_are_refused_by_its_parser(tmp_path, demo_assets):
     config = load_run_config(make_config(tmp_path, demo_assets, learning_rat=0.1, lora_rnk=4))
-    args = llamafactory_args(config, "cpu", tmp_path / "x" / "output")
+    args = config.llamafactory_args("cpu", tmp_path / "x" / "output")
     problems = validate_llamafactory_args(args)
     assert len(problems) == 1
     assert "learning_rat" in problems[0] and "lora_rnk" in problems[0]

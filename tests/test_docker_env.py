@@ -326,11 +326,10 @@ def test_every_shipped_config_validates(config: Path, tmp_path: Path) -> None:
     it with the real backend.
     """
     from launcher.checks.config_check import validate_llamafactory_args
-    from launcher.run.config import llamafactory_args
 
     cfg = load_run_config(_with_tmp_model(config, tmp_path))
     pytest.importorskip("llamafactory")
-    assert validate_llamafactory_args(llamafactory_args(cfg, "cpu", tmp_path / "run" / "output")) == []
+    assert validate_llamafactory_args(cfg.llamafactory_args("cpu", tmp_path / "run" / "output")) == []
 
 
 @pytest.mark.parametrize("name", [FORMAL, CUDA_FORMAL])

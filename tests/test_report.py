@@ -17,7 +17,7 @@ from launcher.checks.config_check import validate_llamafactory_args
 from launcher.cli import main
 from launcher.results.curves import Point, load_curves, overfitting_verdict
 from launcher.results.report import build_report
-from launcher.run.config import ConfigError, llamafactory_args, load_run_config
+from launcher.run.config import ConfigError, load_run_config
 from launcher.state import trainer_log
 from launcher.state.runs import LOSS_PNG, REPORT_JSON, REPORT_MD
 from tests.run_fixtures import EARLY_STOPPING, log_lines, make_run, real_demo_run, write_trainer_log
@@ -237,7 +237,7 @@ def es_config(tmp_path, early_stopping, distribution="ddp", **lf) -> object:
 
 
 def mapped(tmp_path, config):
-    return llamafactory_args(config, "cpu", tmp_path / "x" / "output")
+    return config.llamafactory_args("cpu", tmp_path / "x" / "output")
 
 
 def test_early_stopping_maps_to_llamafactory_keys_its_parser_accepts(tmp_path):

@@ -195,8 +195,6 @@ class RunConfig(BaseModel):
 
 
 _RUN_NAME_FALLBACK = re.compile(r"[^A-Za-z0-9._-]")
-# the job's arguments as a function of the config too (the supervisor's calls); checks/ calls the method
-llamafactory_args = RunConfig.llamafactory_args
 
 
 def _pydantic_problems(err: ValidationError, prefix: str) -> list[str]:

@@ -38,7 +38,7 @@ from launcher.errors import ExitCode, LauncherError
 from launcher.files import share_readable
 from launcher.procs import boot_id, container_identity, find_live, identity, self_identity, terminate, tree
 from launcher.rank.oomtrack import looks_like_oom
-from launcher.run.config import RunConfig, llamafactory_args
+from launcher.run.config import RunConfig
 from launcher.run.job import Job, NodeSpec, job_command
 from launcher.run.lock import RunLock
 from launcher.run.restart import not_retried_why, retry_cause
@@ -387,7 +387,7 @@ class Supervisor:
                  "reason": fields.get("reason")}  # fmt: skip
         self._restarts += 1
         self.attempt += 1
-        lf_args = llamafactory_args(config, backend.name, self.run_dir.output)
+        lf_args = config.llamafactory_args(backend.name, self.run_dir.output)
         if checkpoint is not None:
             lf_args["resume_from_checkpoint"] = str(checkpoint.path)
         self.store.transition(
@@ -455,14 +455,14 @@ def _open_run(prepared: Prepared, lock: RunLock, resume: ResumePlan | None) -> t
     if resume is None:
         run_dir = make_run_dir(config.launcher.output_root, config.run_name)
         store = RunStore.create(run_dir.path, run_dir.run_id)
-        lf_args = llamafactory_args(config, backend.name, run_dir.output)
+        lf_args = config.llamafactory_args(backend.name, run_dir.output)
     else:
         run_dir = RunDir(resume.run_dir.name, resume.run_dir)
         store = RunStore.open(run_dir.path)
         if not store.record.terminal:  # e.g. RUNNING with its supervisor gone: record what it really is first
             seen = reconcile(store.record, run_dir.path)
             store.record_end(seen.state, reason=seen.note, processes=[])
-        lf_args = llamafactory_args(config, backend.name, run_dir.output)
+        lf_args = config.llamafactory_args(backend.name, run_dir.output)
         lf_args["resume_from_checkpoint"] = str(resume.checkpoint)
         clear_stop_request(run_dir.path)
     attempt = store.record.attempt + 1 if resume is not None else 1

@@ -72,7 +72,7 @@ EVALUATE_SCRATCH = ".evaluate-"  # run/evaluate.py: prefix of the evaluation's s
 EVALUATE_REQUEST = "request.json"  # in EVALUATE_SCRATCH, by run/evaluate.py: what rank/evaluate.py evaluates
 EVALUATE_RESULT = "result.json"  # in EVALUATE_SCRATCH, by rank/evaluate.py: its raw results
 # output/: LLaMA-Factory's output_dir; every name in it but BEST_ADAPTER_RECORD is the tools' own
-OUTPUT_SUBDIR = "output"  # the output_dir run/supervisor.py gives LLaMA-Factory (run/config.py: llamafactory_args)
+OUTPUT_SUBDIR = "output"  # the output_dir run/supervisor.py gives LLaMA-Factory (RunConfig.llamafactory_args)
 TRAINER_LOG = "trainer_log.jsonl"  # named by LLaMA-Factory (LogCallback): a line per logged step (state/trainer_log.py)
 TRAINER_STATE = "trainer_state.json"  # named by the HF Trainer: step, log history, best checkpoint (checkpoints too)
 ALL_RESULTS = "all_results.json"  # named by the HF Trainer (save_metrics): the final train and eval metrics
