@@ -42,7 +42,7 @@ What this patch does:
 3. wraps ``SFTDataCollatorWith4DAttentionMask.__call__``: on every packed batch it checks that the text
    position ids restart at 0 at every sample start and never go back inside it, and stops the run otherwise.
 
-Nothing is shared between samples, which ``tests/test_packing.py`` shows on the tiny model: each sample's
+Nothing is shared between samples, which ``tests/patches/test_packing.py`` shows on the tiny model: each sample's
 loss and the LoRA gradients of a packed row equal those of the samples run alone (fp32, 1e-4), and a
 planted leak (no convolution reset, or no ``cu_seqlens``) fails that comparison.
 

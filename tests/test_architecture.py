@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.support.common import REPO
 
 ROOTS = ("launcher", "patches", "benchmarks")
 PACKAGE = REPO / "launcher"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from launcher.cli import VERBS, build_parser, main
-from tests.conftest import launcher_cmd
+from tests.support.common import launcher_cmd
 
 
 def test_top_level_help_lists_every_verb():
@@ -32,7 +32,7 @@ def test_host_verbs_find_runs_from_launcher_root_or_a_configs_output_root(tmp_pa
     """Without --root, the runs folder is $LAUNCHER_ROOT, or the output_root of the config given with --config."""
     import os
 
-    from tests.fake_runs import crafted_run, launcher
+    from tests.support.fake_runs import crafted_run, launcher
 
     run_dir = crafted_run(tmp_path, name="r-20261201-101500", state="FAILED", ended="2026-12-01T10:20:00+00:00")
     env = {**os.environ, "LAUNCHER_ROOT": str(run_dir.parent)}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.support.common import REPO
 
 RUNS = REPO / "launcher" / "state" / "runs.py"
 README = REPO / "README.md"

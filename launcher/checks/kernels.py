@@ -42,7 +42,7 @@ How each case is checked:
   prompt's state, against the fp32 torch recurrence: outputs and final state (``launcher.checks.decode_kernels``).
 
 On CPU the "routed" kernel *is* the torch reference, run in bfloat16: the errors are then bfloat16 rounding
-only, small but not zero, so the comparison is live (``tests/test_validate_kernels.py`` shows broken
+only, small but not zero, so the comparison is live (``tests/checks/test_validate_kernels.py`` shows broken
 kernels fail). The ``quick`` suite (small shapes) is the CPU default and what preflight runs; ``full`` is the
 default on accelerators.
 """

@@ -15,7 +15,7 @@ withholds the quoted records (logger-level, so it covers every handler, includin
 ``launcher.log_examples: true`` (read by ``log_examples_wanted``).
 
 Written against llamafactory 0.9.5. Delete when LLaMA-Factory gets a switch for the example dump
-(check ``_get_preprocessed_dataset``). ``tests/test_data_stats.py`` checks a real run's log for a
+(check ``_get_preprocessed_dataset``). ``tests/data/test_data_stats.py`` checks a real run's log for a
 sentinel string from the training data.
 """
 

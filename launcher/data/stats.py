@@ -7,7 +7,7 @@ encodes each template element with one ``tokenizer.encode`` call; here a first p
 samples records those strings, the tokenizer encodes them in one batch (the Rust tokenizer, with no
 per-call Python overhead), and a second pass runs the same LLaMA-Factory code on the cached ids.
 Strings shared by many samples (a long system prompt, repeated history turns) are encoded once per
-chunk. Chunks run in forked worker processes. ``tests/test_data_stats.py`` checks the numbers against
+chunk. Chunks run in forked worker processes. ``tests/data/test_data_stats.py`` checks the numbers against
 LLaMA-Factory's own ``get_dataset`` output.
 
 Per split: length (mean, p50, p90, p95, p99, max; percentiles are observed lengths: at least that share

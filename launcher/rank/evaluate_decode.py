@@ -20,7 +20,7 @@ Why left padding is exact for the hybrid Qwen3.5 model (transformers 5.6.0, ``mo
 - Stopping: ``generate`` marks a row finished at its own stop token and pads it from then on; the row's answer
   here ends at that stop token, so what follows it (pads, or the other rows' steps) is never read.
 
-``tests/test_evaluate_decode.py`` proves it on the tiny model: batched answers equal one-at-a-time answers token
+``tests/rank/test_evaluate_decode.py`` proves it on the tiny model: batched answers equal one-at-a-time answers token
 for token (fp32, CPU), and a planted leak (the padding mask dropped) breaks that equality.
 """
 

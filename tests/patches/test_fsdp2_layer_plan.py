@@ -1,0 +1,85 @@
+"""The layer plan under FSDP2: two gloo ranks train the tiny model through ``launcher run`` with a count, and
+with a memory budget, and both ranks apply one plan.
+
+The CPU has no allocator counters, so ``launcher check`` (rightly) refuses ``memory_budget_gib`` there; the budget
+run passes the check as a count and its ranks run ``tests.support.memory_standin_entry``, which turns the count into a
+budget and gives each rank a stand-in counter whose peak differs by rank, so that the two ranks' own plans differ.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.support.common import make_config
+from tests.support.fake_runs import PREFLIGHT_SKIP, launcher, read_status, the_run_dir
+
+pytestmark = pytest.mark.slow
+
+DECODER = "Qwen3_5DecoderLayer"
+
+
+def _run(tmp_path: Path, demo_assets, env: dict | None = None, **launcher_settings) -> Path:
+    settings = {"nproc_per_node": 2, "distribution": "fsdp2",
+                "patches": {"checkpoint_all_layers": {"uncheckpointed_layers": 1}}, **launcher_settings}  # fmt: skip
+    cfg = make_config(tmp_path, demo_assets, launcher=settings, max_steps=3, per_device_train_batch_size=1,
+                      logging_steps=1)  # fmt: skip
+    env = {**os.environ, "LAUNCHER_PREFLIGHT_SKIP": PREFLIGHT_SKIP, **(env or {})}
+    done = launcher("run", cfg, "--quiet", env=env, timeout=900)
+    run_dir = the_run_dir(tmp_path / "runs")
+    status = read_status(run_dir)
+    assert done.returncode == 0 and status["state"] == "SUCCEEDED", done.stdout[-3000:] + done.stderr[-3000:]
+    return run_dir
+
+
+def _proofs(run_dir: Path) -> list[dict]:
+    return [json.loads((run_dir / "proof" / f"rank{r}" / "checkpoint_all_layers.json").read_text()) for r in (0, 1)]
+
+
+def _modes(census: dict) -> dict[str, str]:
+    """Decoder layer name -> how it ran (FSDP2 renames the class ``FSDP<class>``)."""
+    return {e["name"]: e["observed"] for e in census["layers_detail"] if e["class"].endswith(DECODER)}
+
+
+def _not_checkpointed(census: dict) -> list[str]:
+    return sorted(n for n, mode in _modes(census).items() if mode == "not_checkpointed")
+
+
+def test_two_fsdp2_ranks_measure_in_the_forward_and_apply_one_count_plan(tmp_path, demo_assets):
+    proofs = _proofs(_run(tmp_path, demo_assets))
+    plans = [p["layer_plan"] for p in proofs]
+    for proof, layer_plan in zip(proofs, plans, strict=True):
+        first, second = proof["first_training_step"], proof["second_training_step"]
+        assert first["fsdp"]["version"] == 2 and second["fsdp"]["version"] == 2
+        assert layer_plan["ranks"] == 2 and not layer_plan["errors"]
+        assert all(c["saved_bytes"] > 0 for c in layer_plan["measured_here"].values())
+        assert len(layer_plan["measured_here"]) == 2  # a DeltaNet and a full-attention layer, inside the forward
+        assert _not_checkpointed(first) == sorted(layer_plan["measured_layers"].values())
+        assert _not_checkpointed(second) == layer_plan["uncheckpointed_names"]
+        assert sorted(_modes(second).values()) == ["non_reentrant"] * 3 + ["not_checkpointed"]
+    assert plans[0]["uncheckpointed"] == plans[1]["uncheckpointed"] and sum(plans[0]["uncheckpointed"].values()) == 1
+    assert plans[0]["uncheckpointed_names"] == plans[1]["uncheckpointed_names"]
+    assert plans[0]["detail"]["order"] == plans[1]["detail"]["order"]  # costs agreed per token: one order
+
+
+def test_two_fsdp2_ranks_agree_on_a_budget_plan_and_on_its_correction(tmp_path, demo_assets):
+    """A budget of 100 GiB affords every (tiny) layer on both ranks at step 1. At step 2 rank 0's stand-in peak is
+    below the all-checkpointed one (factor 1: nothing to correct) and rank 1's is 100,000 GiB (its own correction
+    takes every layer back): both ranks take every layer back, although only rank 1 re-planned."""
+    env = {"STANDIN_BUDGET_GIB": "100", "STANDIN_PEAK_GIB": "1.0,0.0;1.0,100000"}
+    proofs = _proofs(_run(tmp_path, demo_assets, env=env, entry="tests.support.memory_standin_entry"))
+    plans = [p["layer_plan"] for p in proofs]
+    names = plans[0]["uncheckpointed_names"]
+    assert len(names) == 4 and plans[1]["uncheckpointed_names"] == names
+    corrections = [p["plan_correction"] for p in proofs]
+    assert corrections[0]["factor"] == 1.0 and "projected_peak_gib" not in corrections[0]
+    assert corrections[1]["factor"] > 1000 and "projected_peak_gib" in corrections[1]
+    for proof, layer_plan, correction in zip(proofs, plans, corrections, strict=True):
+        assert proof["options"] == {"uncheckpointed_layers": None, "memory_budget_gib": 100.0}
+        assert layer_plan["this_rank_chose"] == layer_plan["uncheckpointed"] and layer_plan["ranks"] == 2
+        assert layer_plan["detail"]["budget_gib"] == 100.0 and not layer_plan["errors"]
+        assert _not_checkpointed(proof["second_training_step"]) == sorted(names)  # the plan held at step 2
+        assert correction["keep"] == {} and correction["rechecked"] == names and correction["uncheckpointed_total"] == 0

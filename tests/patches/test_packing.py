@@ -1,0 +1,504 @@
+"""Packing on the hybrid model (CPU, fp32, the tiny demo model with real PEFT LoRA on q/k/v/o).
+
+A packed row is built exactly as LLaMA-Factory 0.9.5's neat packing hands it to the model: samples laid end
+to end, padding after them, the 2D mask numbering the samples turned into the 4D block-diagonal causal mask by
+LLaMA-Factory's own ``prepare_4d_attention_mask``, and position ids restarting at 0 in every sample. Each
+sample's loss and the LoRA gradients of the row must equal those of the samples run alone; the same test with a
+planted leak (the convolution not reset, the chunk kernel run over the whole row) must fail. The slow test runs
+``packing: true`` through ``launcher run`` and real LLaMA-Factory.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import patches
+from patches import packed_rows
+from patches.proof import read_proof
+from tests.support.patch_fixtures import lora_model
+
+pytest_plugins = ["tests.support.patch_fixtures"]
+
+LENGTHS = (11, 23, 17)  # three samples, then padding
+ROW = 64
+ON = {"deltanet_routing": True, "packed_rows": True, "checkpoint_all_layers": False, "chunked_loss": False,
+      "text_only_batches": False, "final_eval_once": False}  # fmt: skip
+
+
+def packing_model(model_dir):
+    """The LoRA model as LLaMA-Factory trains it: ``use_cache`` off (``model_utils/kv_cache.py``)."""
+    model = lora_model(model_dir, lora_b_std=0.05)
+    model.config.use_cache = model.config.text_config.use_cache = False
+    return model
+
+
+def samples(vocab: int):
+    """Three samples: ids, and labels with the first third masked as the prompt."""
+    import torch
+
+    torch.manual_seed(3)
+    out = []
+    for length in LENGTHS:
+        ids = torch.randint(5, vocab, (length,))
+        labels = ids.clone()
+        labels[: length // 3] = -100
+        out.append((ids, labels))
+    return out
+
+
+def packed_row(parts, only: int | None = None):
+    """The row LLaMA-Factory's neat packing builds; ``only`` keeps the labels of one sample."""
+    import torch
+    from llamafactory.data.collator import prepare_4d_attention_mask
+
+    ids = torch.zeros(1, ROW, dtype=torch.long)
+    labels = torch.full((1, ROW), -100)
+    numbered = torch.zeros(1, ROW, dtype=torch.long)
+    position = torch.zeros(1, ROW, dtype=torch.long)
+    at = 0
+    for index, (sample_ids, sample_labels) in enumerate(parts):
+        span = slice(at, at + len(sample_ids))
+        ids[0, span], numbered[0, span] = sample_ids, index + 1
+        position[0, span] = torch.arange(len(sample_ids))
+        if only is None or only == index:
+            labels[0, span] = sample_labels
+        at += len(sample_ids)
+    return {"input_ids": ids, "labels": labels, "attention_mask": prepare_4d_attention_mask(numbered, torch.float32),
+            "position_ids": position[None].expand(4, 1, ROW).clone()}  # fmt: skip
+
+
+def alone(sample):
+    ids, labels = sample
+    return {"input_ids": ids[None], "labels": labels[None], "attention_mask": None}
+
+
+def summed_loss(model, batch):
+    """Sum of the token losses (the row's mean times its supervised tokens) and the LoRA gradients."""
+    model.zero_grad()
+    tokens = int((batch["labels"][:, 1:] != -100).sum())
+    loss = model(**batch).loss * tokens
+    loss.backward()
+    return loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def compare(model, parts) -> tuple[float, float]:
+    """(worst relative difference of the per-sample losses, of the LoRA gradients): packed vs alone."""
+    import torch
+
+    losses = []
+    for index, sample in enumerate(parts):
+        with torch.no_grad():
+            packed = model(**packed_row(parts, only=index)).loss.item()
+            single = model(**alone(sample)).loss.item()
+        losses.append(abs(packed - single) / abs(single))
+    total, grads = summed_loss(model, packed_row(parts))
+    reference = {}
+    for sample in parts:
+        _, sample_grads = summed_loss(model, alone(sample))
+        for name, grad in sample_grads.items():
+            reference[name] = reference.get(name, 0) + grad
+    worst = max(float((grads[n] - reference[n]).norm() / reference[n].norm()) for n in reference)
+    return max(losses), worst
+
+
+@pytest.mark.usefixtures("restore_patches")
+def test_each_packed_sample_equals_the_sample_alone_and_so_do_the_lora_gradients(tmp_path, demo_assets):
+    patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)  # before the model is built, as a run does
+    model = packing_model(demo_assets["model"])
+    parts = samples(model.config.text_config.vocab_size)
+    loss_gap, grad_gap = compare(model, parts)
+    assert loss_gap < 1e-4 and grad_gap < 1e-4, (loss_gap, grad_gap)
+    print(f"packed vs alone: losses within {loss_gap:.1e}, LoRA gradients within {grad_gap:.1e} (relative)")
+    first = read_proof(tmp_path, "packed_rows")["first_packed_call"]
+    assert first["samples_per_row"] == [3] and first["row_length"] == ROW
+    assert first["kernel_label"] == "torch" and first["mask"].endswith("(checked)")
+    attention = read_proof(tmp_path, "packed_rows")["first_packed_attention"]
+    assert attention["kernel"] == packed_rows.MASKED and attention["device"] == "cpu"  # fp32 on CPU: no varlen
+    assert any("lora_A" in n for n, p in model.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.usefixtures("restore_patches")
+def test_with_the_fla_convolution_the_packed_row_hands_it_cu_seqlens(tmp_path, demo_assets, stub_fla):
+    """The ``fused_ops`` route (backend cuda or npu) binds FLA's convolution; a packed row then passes its samples'
+    bounds to that kernel instead of recomputing the first K-1 tokens. The stand-in FLA convolution (fla-core's
+    contract in plain torch, on CPU) convolves each ``cu_seqlens`` span alone."""
+    from patches.fused_kernels import FlaConv
+
+    stub_fla(platform="cuda")
+    from fla.modules.causal_conv1d import CALLS, causal_conv1d
+
+    patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)
+    model = packing_model(demo_assets["model"])
+    conv = FlaConv(causal_conv1d)
+    layers = [m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet"]
+    for layer in layers:
+        layer.causal_conv1d_fn = conv  # what fused_ops binds at construction on an accelerator
+    parts = samples(model.config.text_config.vocab_size)
+    loss_gap, grad_gap = compare(model, parts)
+    assert loss_gap < 1e-4 and grad_gap < 1e-4, (loss_gap, grad_gap)
+    assert CALLS["varlen"] >= len(layers)
+    assert read_proof(tmp_path, "packed_rows")["first_packed_call"]["conv_reset"] == "cu_seqlens (FLA causal_conv1d)"
+
+
+@pytest.mark.usefixtures("restore_patches")
+def test_upstream_deltanet_leaks_state_across_packed_samples(tmp_path, demo_assets):
+    """Without the patch the same comparison fails: the test above can fail."""
+    patches.apply_enabled({**ON, "packed_rows": False}, backend="cpu", proof_dir=tmp_path)
+    model = packing_model(demo_assets["model"])
+    parts = samples(model.config.text_config.vocab_size)
+    loss_gap, grad_gap = compare(model, parts)
+    assert not (loss_gap < 1e-4 and grad_gap < 1e-4) and grad_gap > 5e-4, (loss_gap, grad_gap)
+
+
+@pytest.mark.usefixtures("restore_patches")
+@pytest.mark.parametrize("leak", ["conv_not_reset", "no_cu_seqlens"])
+def test_a_planted_leak_fails_the_comparison(tmp_path, demo_assets, monkeypatch, leak):
+    patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)  # before the model is built, as a run does
+    model = packing_model(demo_assets["model"])
+    parts = samples(model.config.text_config.vocab_size)
+
+    def one_segment(found):
+        rows = tuple((row, 0, found.length, True) for row in range(found.rows))
+        return packed_rows.Segments(found.rows, found.length, rows, found.position)
+
+    name = "segment_causal_conv" if leak == "conv_not_reset" else "chunk_per_segment"
+    real = getattr(packed_rows, name)
+
+    def leaking(*args):  # the same function, told that each row is one sequence
+        return real(*args[:-1], one_segment(args[-1]))
+
+    monkeypatch.setattr(packed_rows, name, leaking)
+    loss_gap, grad_gap = compare(model, parts)
+    assert not (loss_gap < 1e-4 and grad_gap < 1e-4) and grad_gap > 5e-4, (leak, loss_gap, grad_gap)
+
+
+@pytest.mark.usefixtures("restore_patches")
+def test_a_packed_row_that_cannot_be_split_stops_the_run(tmp_path, demo_assets):
+    """A mask shorter than the row (LLaMA-Factory's dummy image appended to a packed batch), a packed row with a
+    cache, and a packing run whose first batch is not packed: each stops with the reason."""
+    import torch
+    from transformers import DynamicCache
+
+    from patches.errors import PatchError
+
+    patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path, facts={"packing": True})
+    with pytest.raises(PatchError, match="no packed batch|without a 4D block mask"):
+        packed_rows._before_first_step(None, None)
+    model = packing_model(demo_assets["model"])
+    row = packed_row(samples(model.config.text_config.vocab_size))
+    with torch.no_grad(), pytest.raises(PatchError, match="mask covers 64 positions but the row has 72 tokens"):
+        model(**{**row, "input_ids": torch.nn.functional.pad(row["input_ids"], (0, 8)), "labels": None,
+                 "position_ids": torch.nn.functional.pad(row["position_ids"], (0, 8))})  # fmt: skip
+    with torch.no_grad(), pytest.raises(PatchError, match="came with a cache"):
+        model(**{**row, "labels": None}, past_key_values=DynamicCache(config=model.config.text_config), use_cache=True)
+
+
+def attention_per_segment(query, key, value, found, scaling=None):
+    """``[B, H, T, D]`` to ``[B, T, H, D]``: causal SDPA over every segment alone, which is what a varlen kernel
+    computes; key heads shared by groups of query heads."""
+    import torch
+    import torch.nn.functional as F
+
+    rows, heads, length, _ = query.shape
+    out = torch.zeros(rows, length, heads, value.shape[-1], dtype=query.dtype, device=query.device)
+    for row, start, end, _ in found.spans:
+        part = F.scaled_dot_product_attention(query[row : row + 1, :, start:end], key[row : row + 1, :, start:end],
+                                              value[row : row + 1, :, start:end], is_causal=True, scale=scaling,
+                                              enable_gqa=True)  # fmt: skip
+        out[row, start:end] = part[0].transpose(0, 1)
+    return out
+
+
+@pytest.mark.usefixtures("restore_patches")
+def test_packed_attention_through_a_varlen_kernel_keeps_samples_apart_and_its_check_catches_a_leak(
+    tmp_path, demo_assets, monkeypatch
+):
+    """The attention layers' varlen route, end to end on the tiny model: with a stand-in kernel (FlashAttention
+    and ``npu_fusion_attention`` do not run on CPU; the stand-in is causal SDPA per segment, their definition)
+    the packed row still equals its samples alone, and the first call's check against the block mask is
+    recorded. A kernel that lets samples see each other (causal over the whole row) stops the run at that check."""
+    from patches.errors import PatchError
+
+    calls = []
+
+    def stand_in(kernel, query, key, value, found, scaling):
+        calls.append(kernel)
+        return attention_per_segment(query, key, value, found, scaling)
+
+    monkeypatch.setattr(packed_rows, "varlen_kernel", lambda query, scaling, dropout: "stand-in varlen")
+    monkeypatch.setattr(packed_rows, "varlen_attention", stand_in)
+    patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)
+    model = packing_model(demo_assets["model"])
+    parts = samples(model.config.text_config.vocab_size)
+    loss_gap, grad_gap = compare(model, parts)
+    assert loss_gap < 1e-4 and grad_gap < 1e-4, (loss_gap, grad_gap)
+    attention = read_proof(tmp_path, "packed_rows")["first_packed_attention"]
+    assert attention["kernel"] == "stand-in varlen" and attention["checked_against"] == packed_rows.MASKED
+    assert attention["relative_l2_difference"] < 1e-5 and calls
+
+    def leaking(kernel, query, key, value, found, scaling):
+        whole = packed_rows.Segments(found.rows, found.length, tuple((r, 0, found.length, True)
+                                     for r in range(found.rows)), found.position)  # fmt: skip
+        return attention_per_segment(query, key, value, whole, scaling)
+
+    packed_rows.restore()
+    monkeypatch.setattr(packed_rows, "varlen_attention", leaking)
+    patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path / "leak")
+    import torch
+
+    with torch.no_grad():  # one sample and padding: a leak cannot show, and the check says which row it saw
+        model(**packed_row(parts[:1]))
+    single = read_proof(tmp_path / "leak", "packed_rows")["first_packed_attention"]
+    assert single["samples_per_row"] == [1] and single["relative_l2_difference"] < 1e-5
+    with torch.no_grad(), pytest.raises(PatchError, match="disagrees with SDPA under the block mask"):
+        model(**packed_row(parts))  # the first row of several samples is checked too
+    record = read_proof(tmp_path / "leak", "packed_rows")
+    assert record["status"] == "failed" and record["first_multi_sample_attention"]["samples_per_row"] == [3]
+
+
+@pytest.mark.parametrize("release", ["2.10", "2.11"])
+def test_the_torch_varlen_call_fits_each_releases_arguments(monkeypatch, release):
+    """torch's ``varlen_attn`` runs only on CUDA: a stand-in with the signature of torch 2.10 (``is_causal``) or
+    2.11 (``window_size``, ``scale``; neither has ``enable_gqa``) checks how it is called and computes causal
+    attention per ``cu_seq_q`` segment, which is its definition; key heads arrive repeated for the query heads."""
+    import torch
+    import torch.nn.attention.varlen as varlen
+    from llamafactory.data.collator import prepare_4d_attention_mask
+
+    seen = {}
+
+    def per_segment(query, key, value, cu, longest, causal, scale):
+        assert causal and cu.dtype == torch.int32 and key.shape[1] == query.shape[1] == 6
+        bounds = cu.tolist()
+        assert longest == max(e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True))
+        out = torch.empty_like(query)
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            part = torch.nn.functional.scaled_dot_product_attention(
+                *(t[start:end].transpose(0, 1)[None] for t in (query, key, value)), is_causal=True, scale=scale
+            )
+            out[start:end] = part[0].transpose(0, 1)
+        seen.update(bounds=bounds, scale=scale)
+        return out
+
+    if release == "2.10":
+
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+            return per_segment(query, key, value, cu_seq_q, max_q, is_causal, None)
+    else:
+
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                        window_size=(-1, -1)):  # fmt: skip
+            return per_segment(query, key, value, cu_seq_q, max_q, window_size == (-1, 0), scale)
+
+    monkeypatch.setattr(varlen, "varlen_attn", varlen_attn)
+    packed_rows.torch_varlen_options.cache_clear()
+    try:
+        options = packed_rows.torch_varlen_options()
+        assert options["gqa"] is False and options["scale"] is (release == "2.11")
+        torch.manual_seed(0)
+        numbered = torch.tensor([[1] * 9 + [2] * 20 + [0] * 3, [1] * 16 + [2] * 16])
+        found = packed_rows.segments(prepare_4d_attention_mask(numbered, torch.float32))
+        query, key, value = torch.randn(2, 6, 32, 8), torch.randn(2, 2, 32, 8), torch.randn(2, 2, 32, 8)
+        ours = packed_rows.varlen_attention(packed_rows.TORCH_VARLEN, query, key, value, found, 8**-0.5)
+        assert seen["bounds"] == [0, 9, 29, 32, 48, 64]
+        expected = attention_per_segment(query, key, value, found, 8**-0.5)
+        torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+    finally:
+        packed_rows.torch_varlen_options.cache_clear()
+
+
+def test_the_npu_varlen_call_passes_tnd_layout_cumulative_lengths_and_the_causal_tile(monkeypatch):
+    """``npu_fusion_attention`` cannot run here (no NPU, no CANN): a stand-in ``torch_npu`` checks the call as
+    Ascend documents it (layout ``TND``, ``actual_seq_qlen``/``actual_seq_kvlen`` the cumulative sample lengths
+    without the leading 0, ``sparse_mode`` 3 with the compressed 2048 x 2048 causal tile, ``head_num`` the query
+    heads, key heads shared) and computes attention by that definition."""
+    import sys
+    import types
+
+    import torch
+    from llamafactory.data.collator import prepare_4d_attention_mask
+
+    seen = {}
+
+    def npu_fusion_attention(query, key, value, head_num, input_layout, *, atten_mask, scale, sparse_mode,
+                             actual_seq_qlen, actual_seq_kvlen):  # fmt: skip
+        seen.update(layout=input_layout, sparse_mode=sparse_mode, ends=list(actual_seq_qlen), heads=head_num)
+        assert actual_seq_kvlen == actual_seq_qlen and actual_seq_qlen[-1] == query.shape[0]
+        assert atten_mask.dtype == torch.bool and atten_mask.shape == (2048, 2048)
+        assert torch.equal(atten_mask, torch.ones(2048, 2048, dtype=torch.bool).triu(1))
+        out = torch.empty(query.shape[0], head_num, value.shape[-1], dtype=query.dtype)
+        for start, end in zip([0, *actual_seq_qlen[:-1]], actual_seq_qlen, strict=True):
+            part = torch.nn.functional.scaled_dot_product_attention(
+                *(t[start:end].transpose(0, 1)[None] for t in (query, key, value)), is_causal=True, scale=scale,
+                enable_gqa=True)  # fmt: skip
+            out[start:end] = part[0].transpose(0, 1)
+        return out, None, None, None, 0, 0, 0
+
+    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu_fusion_attention=npu_fusion_attention))
+    torch.manual_seed(0)
+    numbered = torch.tensor([[1] * 9 + [2] * 20 + [0] * 3, [1] * 16 + [2] * 16])
+    found = packed_rows.segments(prepare_4d_attention_mask(numbered, torch.float32))
+    query, key, value = torch.randn(2, 6, 32, 8), torch.randn(2, 2, 32, 8), torch.randn(2, 2, 32, 8)
+    ours = packed_rows.varlen_attention(packed_rows.NPU_VARLEN, query, key, value, found, 0.3)
+    assert seen == {"layout": "TND", "sparse_mode": 3, "ends": [9, 29, 32, 48, 64], "heads": 6}
+    torch.testing.assert_close(ours, attention_per_segment(query, key, value, found, 0.3), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="FLA's Triton convolution needs CUDA")
+def test_the_fla_convolution_with_cu_seqlens_equals_the_segment_reset_convolution():
+    """The ``fused_ops`` route on a GPU: FLA's ``causal_conv1d`` given the row's ``cu_seqlens`` against the
+    segment-reset torch convolution, at the 27B model's 10,240 channels, bf16, forward and backward."""
+    import torch
+    from fla.modules.causal_conv1d import causal_conv1d
+    from llamafactory.data.collator import prepare_4d_attention_mask
+
+    from patches.fused_kernels import FlaConv
+
+    torch.manual_seed(0)
+    channels, lens = 10240, (700, 1100, 1300, 900)
+    numbered = torch.cat([torch.full((n,), i + 1) for i, n in enumerate(lens)] + [torch.zeros(96, dtype=torch.long)])
+    found = packed_rows.segments(prepare_4d_attention_mask(numbered[None], torch.float32))
+    x = torch.randn(1, numbered.numel(), channels, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(channels, 4, device="cuda") * 0.5).to(torch.bfloat16).requires_grad_(True)
+    grad = torch.randn_like(x)
+    cu, cu_cpu = found.cu_seqlens_tensors("cuda")
+    ours = FlaConv(causal_conv1d).varlen(x, weight, None, "silu", cu, cu_cpu)
+    ours.backward(grad)
+    got = (ours.detach(), x.grad.clone(), weight.grad.clone())
+    x.grad, weight.grad = None, None
+    ref = packed_rows.segment_causal_conv(x.float().transpose(1, 2), weight.float()[:, None], None, found)
+    ref.transpose(1, 2).backward(grad.float())
+    for a, b in zip(got, (ref.transpose(1, 2), x.grad, weight.grad), strict=True):
+        assert float((a.float() - b.float()).norm() / b.float().norm()) < 0.01
+
+
+@pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="FlashAttention's varlen kernel needs CUDA")
+def test_the_cuda_varlen_kernel_equals_the_block_mask_forward_and_backward():
+    """The real ``varlen_attn`` on the 27B attention shape (24 query heads, 4 key heads, head dim 256, bf16)
+    against SDPA under LLaMA-Factory's block mask: outputs and the gradients of q, k, v on real tokens."""
+    import torch
+    from llamafactory.data.collator import prepare_4d_attention_mask
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    numbered = torch.tensor([[1] * 700 + [2] * 1200 + [3] * 100 + [0] * 48, [1] * 2000 + [2] * 48])
+    mask = prepare_4d_attention_mask(numbered, torch.bfloat16).cuda()
+    found = packed_rows.segments(mask)
+    module = types_module = __import__("types").SimpleNamespace(is_causal=True, num_key_value_groups=6, training=True)
+    del types_module
+    query = torch.randn(2, 24, 2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    key = torch.randn(2, 4, 2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    value = torch.randn(2, 4, 2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kernel = packed_rows.varlen_kernel(query, 256**-0.5, 0.0)
+    assert kernel == packed_rows.TORCH_VARLEN, packed_rows.torch_varlen_options()
+    results = []
+    for run in ("varlen", "mask"):
+        if run == "varlen":
+            out = packed_rows.varlen_attention(kernel, query, key, value, found, 256**-0.5)
+        else:
+            out = sdpa_attention_forward(module, query, key, value, mask, scaling=256**-0.5)[0]
+        real = found.real_tokens("cuda").reshape(2, 2048)
+        (out[real].float() ** 2).sum().backward()
+        results.append((out.detach(), [t.grad.clone() for t in (query, key, value)]))
+        for t in (query, key, value):
+            t.grad = None
+    assert packed_rows.agreement(results[0][0], results[1][0], found) < packed_rows.VARLEN_AGREEMENT
+    for ours, reference in zip(results[0][1], results[1][1], strict=True):
+        assert float((ours.float() - reference.float()).norm() / reference.float().norm()) < 5e-2
+
+
+def test_segments_are_read_off_the_mask_with_padding_as_its_own_segment():
+    import torch
+    from llamafactory.data.collator import prepare_4d_attention_mask
+
+    numbered = torch.tensor([[1, 1, 2, 2, 2, 3, 0, 0], [1, 1, 1, 1, 2, 2, 2, 2]])
+    for dtype in (torch.float32, torch.bfloat16):
+        mask = prepare_4d_attention_mask(numbered, dtype)
+        found = packed_rows.segments(mask)
+        assert found.spans == ((0, 0, 2, True), (0, 2, 5, True), (0, 5, 6, True), (0, 6, 8, False),
+                               (1, 0, 4, True), (1, 4, 8, True))  # fmt: skip
+        assert found.samples_per_row() == [3, 2]
+        assert found.cu_seqlens() == [0, 2, 5, 6, 8, 12, 16]
+        assert found.position.tolist() == [[0, 1, 0, 1, 2, 0, 0, 1], [0, 1, 2, 3, 0, 1, 2, 3]]
+        assert packed_rows.block_causal_mismatch(mask, found) == 0
+    leaky = prepare_4d_attention_mask(torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]]), torch.float32)
+    leaky[0, 0, 3, 1] = torch.finfo(torch.float32).min  # a hole inside a sample: not block-diagonal causal
+    assert packed_rows.block_causal_mismatch(leaky, packed_rows.segments(leaky)) == 1
+
+
+def test_the_varlen_call_equals_the_kernel_run_per_sample():
+    """The FLA route (one call, rows flattened to batch 1, ``cu_seqlens``) against the per-sample route; the
+    stand-in varlen kernel is transformers' torch reference split at ``cu_seqlens``, as FLA defines it."""
+    import torch
+    from llamafactory.data.collator import prepare_4d_attention_mask
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    from patches.kernel_recorder import CallLog, KernelRecorder
+
+    seen = []
+
+    def varlen(q, k, v, g, beta, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+        seen.append((q.shape[0], cu_seqlens.tolist(), cu_seqlens_cpu.tolist()))
+        bounds = cu_seqlens.tolist()
+        spans = zip(bounds[:-1], bounds[1:], strict=True)
+        pieces = [torch_chunk_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
+                                               **kwargs)[0] for s, e in spans]  # fmt: skip
+        return torch.cat(pieces, dim=1), None
+
+    def recorder(kernel, label):
+        return KernelRecorder(kernel, label=label, expected_device="cpu", log=CallLog(lambda call: None),
+                              patch="test", backend="cpu")  # fmt: skip
+
+    torch.manual_seed(0)
+    numbered = torch.tensor([[1] * 9 + [2] * 20 + [0] * 3, [1] * 16 + [2] * 16])
+    found = packed_rows.segments(prepare_4d_attention_mask(numbered, torch.float32))
+    q, k = torch.randn(2, 32, 2, 16), torch.randn(2, 32, 2, 16)
+    v, g, beta = torch.randn(2, 32, 2, 16), -torch.rand(2, 32, 2), torch.rand(2, 32, 2)
+    fla = packed_rows.chunk_per_segment(recorder(varlen, "fla"), q, k, v, g, beta, found)
+    per_sample = packed_rows.chunk_per_segment(recorder(torch_chunk_gated_delta_rule, "torch"), q, k, v, g, beta,
+                                               found)  # fmt: skip
+    assert seen == [(1, [0, 9, 29, 32, 48, 64], [0, 9, 29, 32, 48, 64])]
+    torch.testing.assert_close(fla, per_sample, rtol=1e-5, atol=1e-6)
+    assert fla.shape == v.shape
+
+
+def test_the_segment_convolution_equals_the_convolution_of_each_sample_alone():
+    import torch
+    from llamafactory.data.collator import prepare_4d_attention_mask
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv1d(6, 6, kernel_size=4, groups=6, padding=3, bias=True)
+    x = torch.randn(2, 6, 12)
+    numbered = torch.tensor([[1] * 5 + [2] * 2 + [3] * 5, [1] * 1 + [2] * 8 + [0] * 3])
+    found = packed_rows.segments(prepare_4d_attention_mask(numbered, torch.float32))
+    ours = packed_rows.segment_causal_conv(x, conv.weight, conv.bias, found)
+    with torch.no_grad():
+        alone = torch.zeros_like(ours)
+        for row, start, end, _ in found.spans:
+            sample = conv(x[row : row + 1, :, start:end])[0, :, : end - start]
+            alone[row, :, start:end] = torch.nn.functional.silu(sample)
+    torch.testing.assert_close(ours, alone, rtol=1e-6, atol=1e-6)
+    rows, cols, offsets = found.heads(4, "cpu")
+    assert cols.tolist() == [0, 1, 2, 5, 6, 7, 8, 9, 0, 1, 2, 3, 9, 10, 11] and offsets.max().item() == 2
+
+
+@pytest.mark.slow
+def test_packing_trains_through_the_launcher_with_the_packed_path_proven(tmp_path, demo_assets):
+    """``packing: true`` through ``launcher run`` and real LLaMA-Factory 0.9.5 on CPU: the launcher turns it into
+    neat packing, the collator's position ids restart per sample, the DeltaNet layers run the packed path."""
+    import yaml
+
+    from tests.support.common import launcher_cmd, make_config, only_run_dir
+
+    cfg = make_config(tmp_path, demo_assets, packing=True, max_steps=2, save_strategy="no", eval_steps=2)
+    proc = launcher_cmd("run", cfg, "--quiet")
+    run_dir = only_run_dir(tmp_path / "runs")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert yaml.safe_load((run_dir / "llamafactory.yaml").read_text())["neat_packing"] is True
+    record = read_proof(run_dir / "proof", "packed_rows")
+    assert record["status"] == "applied" and record["packing"] is True
+    batch, call, step = record["first_packed_batch"], record["first_packed_call"], record["first_training_step"]
+    assert batch["row_length"] == 256 and max(batch["samples_per_row"]) >= 2, batch  # (cutoff_len - 1) + 1
+    assert batch["position_ids"].startswith("restart at 0")
+    assert call["samples_per_row"] == batch["samples_per_row"] and call["kernel_label"] == "torch"
+    assert step["packed_deltanet_calls"] >= 3  # the demo model's three DeltaNet layers, at least once each

@@ -1,0 +1,57 @@
+"""A training entry for a CPU rank that stands in for a device reporting its memory: the real ``launcher.entry``
+with a memory budget instead of the config's count, and a stand-in allocator counter.
+
+    STANDIN_BUDGET_GIB=100 STANDIN_PEAK_GIB="1.0,0.0;1.0,100000" python -m tests.support.memory_standin_entry RUN_DIR
+
+``launcher check`` refuses ``memory_budget_gib`` on the CPU (nothing reports a peak there), so the config asks for
+``uncheckpointed_layers`` and this entry turns it into ``memory_budget_gib: STANDIN_BUDGET_GIB`` before the
+patches apply. The counter holds 0.5 GiB and reports, after its N-th ``reset_peak_memory_stats``, the N-th peak of
+this rank's list in ``STANDIN_PEAK_GIB`` (ranks separated by ``;``; the last value holds after the list ends).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from launcher.rank import entry
+
+GIB = 1024**3
+
+
+class StandInCounter:
+    def __init__(self, peaks_gib: list[float]) -> None:
+        self.peaks = peaks_gib
+        self.resets = 0
+
+    def reset_peak_memory_stats(self) -> None:
+        self.resets += 1
+
+    def memory_allocated(self) -> int:
+        return int(0.5 * GIB)
+
+    def max_memory_allocated(self) -> int:
+        return int(self.peaks[min(max(self.resets, 1), len(self.peaks)) - 1] * GIB)
+
+
+def main() -> int:
+    import patches
+    from patches import checkpoint_all_layers
+
+    rank = int(os.environ.get("RANK", "0"))
+    peaks = [float(x) for x in os.environ["STANDIN_PEAK_GIB"].split(";")[rank].split(",")]
+    counter = StandInCounter(peaks)
+    checkpoint_all_layers._memory = lambda backend: counter
+    apply_enabled = patches.apply_enabled
+
+    def with_a_budget(settings, **kwargs):
+        budget = float(os.environ["STANDIN_BUDGET_GIB"])
+        options = {**settings["checkpoint_all_layers"], "uncheckpointed_layers": None, "memory_budget_gib": budget}
+        return apply_enabled({**settings, "checkpoint_all_layers": options}, **kwargs)
+
+    patches.apply_enabled = with_a_budget
+    return entry.main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
