@@ -295,3 +295,12 @@ def test_every_package_says_what_lives_there_and_what_it_may_import():
     for init in PACKAGE.glob("*/__init__.py"):
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
         assert "import" in doc and len(doc.splitlines()) >= 2, init
+
+
+def test_the_entry_alias_keeps_the_names_wrappers_use():
+    """``launcher.entry`` moved to ``launcher.rank.entry``; configs and rank wrappers still find it as before."""
+    from launcher import entry
+    from launcher.rank import entry as rank_entry
+
+    assert (entry.main, entry.write_error_file, entry.LAUNCH_FILE) == (
+        rank_entry.main, rank_entry.write_error_file, rank_entry.LAUNCH_FILE)

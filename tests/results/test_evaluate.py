@@ -245,7 +245,7 @@ def test_several_checkpoints_load_the_base_model_once(prepared_run, monkeypatch,
     from peft import PeftModel
     from transformers import PreTrainedModel
 
-    from launcher import evaluate_entry
+    from launcher.rank import evaluate as evaluate_entry
     from launcher.run.evaluate import build_request
 
     bases, adapters = [], []

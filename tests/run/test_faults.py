@@ -643,7 +643,7 @@ def test_list_shows_what_status_shows_for_a_lost_supervisor_and_a_rebooted_host(
 @pytest.mark.slow
 def test_a_foreground_run_whose_terminal_closes_ends_terminated_and_exits_129(tmp_path, demo_assets):
     from tests.support.fake_runs import read_status, wait_for_growth, wait_for_run_dir
-    from tests.test_supervision import hang_up, in_pty
+    from tests.support.terminal import hang_up, in_pty
 
     cfg, env = fake_config(tmp_path, demo_assets, {"lines": 100000, "interval": 0.2, "total_steps": 100000})
     err = tmp_path / "stderr.txt"

@@ -33,7 +33,7 @@ whose errors nobody sees).
 
 Every rank writes RUN_DIR/fake_ranks/rank<N>.json (pid, process group, session) once it is set up, so a
 test can find the processes it must check. Like ``launcher.entry``, an exception is recorded with
-``launcher.entry.write_error_file`` (RUN_DIR/errors/rank<N>.json) before it propagates.
+``launcher.rank.entry.write_error_file`` (RUN_DIR/errors/rank<N>.json) before it propagates.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 # A stand-in for the CANN base image (quay.io/ascend/cann:8.5.0-910b-ubuntu22.04-py3.11), for building
-# the npu target where no registry is reachable (tests/test_npu_standin.py). It has only what the npu
+# the npu target where no registry is reachable (tests/containers/test_npu_standin.py). It has only what the npu
 # target's build and entrypoint touch:
 # - Python 3.11 at /usr/local/python3.11.14/bin, first on PATH, where the CANN image has its own build
 #   (here a link to Debian's /usr/bin/python3.11 from the local base image);
