@@ -22,8 +22,8 @@ from launcher.cli import run_verbs, tool_verbs, view_verbs
 from launcher.cli.registry import Verb
 from launcher.errors import LauncherError
 
-_ORDER = ("run", "start", "status", "logs", "stop", "list", "resume", "check", "preflight", "profile", "verify",
-          "report", "evaluate", "validate-kernels", "demo-assets", "data")  # fmt: skip
+_ORDER = ("run", "start", "submit", "status", "logs", "stop", "list", "resume", "check", "preflight", "profile",
+          "verify", "report", "evaluate", "validate-kernels", "demo-assets", "data")  # fmt: skip
 _ALL = {v.name: v for v in (*run_verbs.VERBS, *view_verbs.VERBS, *tool_verbs.VERBS)}
 VERBS: tuple[Verb, ...] = tuple(_ALL[n] for n in _ORDER) + tuple(v for v in _ALL.values() if v.hidden)
 
@@ -58,7 +58,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-_TAKES_OVERRIDES = {"run", "start", "check", "preflight", "profile", "_supervise"}
+_TAKES_OVERRIDES = {"run", "start", "submit", "check", "preflight", "profile", "_supervise"}
 
 
 _OPTIONS_WITH_VALUES = ("--json", "--handshake-fd", "--resume")

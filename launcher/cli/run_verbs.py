@@ -226,6 +226,40 @@ def _cmd_resume(ns: argparse.Namespace) -> int:
     return resume_run(run_dir(ns), adapter_only=ns.adapter_only, foreground=ns.foreground)
 
 
+def _args_submit(p: argparse.ArgumentParser) -> None:
+    add_config_arg(p)
+    p.add_argument("--nodes", type=int, required=True, metavar="N", help="nodes (one task, one launcher each)")
+    p.add_argument("--partition", default=None, metavar="P", help="Slurm partition (sbatch --partition)")
+    p.add_argument("--time", default=None, metavar="T",
+                   help="Slurm time limit (sbatch --time, e.g. 1-00:00:00); the run is stopped with a checkpoint "
+                        "saved stop_grace_s + 60 s before it")  # fmt: skip
+    p.add_argument("--runtime", choices=("host", "apptainer", "docker"), default="host",
+                   help="what srun starts on each node: the installed launcher (host, the default: sites without a "
+                        "container runtime), or the project's image through apptainer or docker (--image)")  # fmt: skip
+    p.add_argument("--image", default=None, help="the project's image: an .sif file (apptainer) or an image name")
+    p.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
+                   help="one more #SBATCH line, e.g. --sbatch=--account=ml (repeatable)")  # fmt: skip
+
+
+def _cmd_submit(ns: argparse.Namespace) -> int:
+    from launcher.run.config import load_run_config
+    from launcher.run.slurm import submit
+
+    config = load_run_config(ns.config, overrides_of(ns))
+    return submit(config, ns.nodes, partition=ns.partition, time_limit=ns.time, runtime=ns.runtime, image=ns.image,
+                  extra=tuple(ns.sbatch))  # fmt: skip
+
+
+def _args_slurm_node(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", type=Path, help="the run folder `launcher submit` made")
+
+
+def _cmd_slurm_node(ns: argparse.Namespace) -> int:
+    from launcher.run.slurm import run_node
+
+    return run_node(ns.run_dir.resolve())
+
+
 VERBS: tuple[Verb, ...] = (
     Verb("run", "train in the foreground: validate, create a run directory, supervise the job to its end",
          "launcher run configs/demo_cpu.yaml\n  launcher run configs/qwen3_5_27b_lora_soulchat.yaml\n\n"
@@ -238,6 +272,13 @@ VERBS: tuple[Verb, ...] = (
          _args_profile, _cmd_profile),
     Verb("start", "start a run in the background (survives the SSH session) and return at once",
          "launcher start configs/qwen3_5_27b_lora_soulchat.yaml", add_config_arg, _cmd_start),
+    Verb("submit", "submit a run to Slurm: an sbatch script in a new run folder, one launcher per node by srun",
+         "launcher submit configs/demo_cpu.yaml --nodes 2\n"
+         "  launcher submit configs/qwen3_5_27b_lora_soulchat.yaml --nodes 2 --partition npu --time 1-00:00:00\n"
+         "  launcher submit CONFIG --nodes 2 --runtime apptainer --image deltanet-npu.sif\n"
+         "  launcher status RUN_DIR   (the run state and the Slurm job's state)\n"
+         "  launcher stop RUN_DIR     (a checkpoint on every node, then exit; scancel after the grace)",
+         _args_submit, _cmd_submit),
     Verb("stop", "stop a run: a checkpoint at the next step, then exit; SIGTERM and SIGKILL after the grace period",
          "launcher stop\n  launcher stop demo-cpu-20261130-101500 --grace 300\n  launcher stop --now\n"
          "  launcher stop --root outputs/runs RUN   (on the host, for a run in a container: through the Docker "
@@ -265,6 +306,8 @@ VERBS: tuple[Verb, ...] = (
          _args_preflight, _cmd_preflight),
     Verb("_supervise", "internal: the detached supervisor started by `launcher start`", "",
          _args_supervise, _cmd_supervise, hidden=True),
+    Verb("_slurm-node", "internal: one node's launcher of a submitted run, started by srun", "",
+         _args_slurm_node, _cmd_slurm_node, hidden=True),
     Verb("_kernel-check", "internal: preflight's DeltaNet kernel check, run in a child process", "",
          _args_kernel_check, _cmd_kernel_check, hidden=True),
 )  # fmt: skip

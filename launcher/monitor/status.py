@@ -138,6 +138,9 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "container": record.container,
         "container_state": seen.container_state,
         **_container_now(record, seen),
+        "slurm": record.slurm,
+        "slurm_state": None if seen.slurm_view is None else seen.slurm_view.state,
+        "slurm_status": None if seen.slurm_view is None else seen.slurm_view.describe(),
     }  # fmt: skip
 
 
@@ -269,6 +272,8 @@ def render(info: dict[str, Any]) -> str:
         rows.append(("reason", info["reason"].strip().splitlines()[-1]))
     if info["container"]:
         rows.append(("container", f"{info['container_name']} ({info['container_status']})"))
+    if info.get("slurm_status"):
+        rows.append(("slurm", info["slurm_status"]))
     log = info["trainer_log"]
     if skipped := info.get("trainer_log_long_lines_skipped"):
         log += f" ({skipped} line(s) over {MAX_LINE_BYTES:,} bytes skipped: damaged)"

@@ -111,6 +111,15 @@ def stop_container_run(run_dir: Path, store: RunStore, seen: Reconciled, grace_s
     return _report_stop(run_dir, store, record, container.name, by)
 
 
+def stopped_line(ended: RunRecord) -> str:
+    """How a stopped run ended, in one line: its state, who stopped it, the checkpoint saved on the stop."""
+    saved = ended.saved_checkpoint
+    line = f"run {ended.run_id} ended {ended.state.value}; stopped by {ended.stopped_by}"
+    if saved:
+        line += f"; checkpoint {saved.get('path')} saved at step {saved.get('step')} on the stop"
+    return line
+
+
 def _report_stop(run_dir: Path, store: RunStore, record: RunRecord, name: str, by: str) -> int:
     """The container has stopped: say how the run ended (its supervisor recorded it), or record what it is."""
     try:
@@ -118,11 +127,7 @@ def _report_stop(run_dir: Path, store: RunStore, record: RunRecord, name: str, b
     except RecordUnreadable:
         ended = None
     if ended is not None and ended.terminal:
-        saved = ended.saved_checkpoint
-        line = f"run {record.run_id} ended {ended.state.value}; stopped by {ended.stopped_by}"
-        if saved:
-            line += f"; checkpoint {saved.get('path')} saved at step {saved.get('step')} on the stop"
-        print(line)
+        print(stopped_line(ended))
         return ExitCode.OK
     seen = reconcile(read_record(run_dir), run_dir)
     store.record_end(seen.state if seen.state.terminal else RunState.NODE_LOST, processes=[],

@@ -31,6 +31,7 @@ from launcher.procs import container_identity, find_live, terminate
 from launcher.run.config import RunConfig, load_run_config
 from launcher.run.container import resume_in_container, stop_container_run
 from launcher.run.resume import ResumePlan, plan_resume
+from launcher.run.slurm import stop_slurm_run
 from launcher.run.supervisor import supervise
 from launcher.state.reconcile import reconcile, same_namespace
 from launcher.state.record import RecordUnreadable, RunStore, read_record
@@ -133,6 +134,8 @@ def stop_run(run_dir: Path, grace_s: float | None, wait_s: float | None = None, 
     if record.terminal and not seen.live:
         print(f"run {record.run_id} already ended: {record.state.value}")
         return ExitCode.OK
+    if (record.slurm or {}).get("job_id"):  # its processes live on the job's nodes: through Slurm
+        return stop_slurm_run(run_dir, store, grace_s, now, by, DEFAULT_STOP_GRACE_S)
     if record.container and not same_namespace(record):  # its pids mean nothing here: through the engine
         return stop_container_run(run_dir, store, seen, grace_s, now, by, DEFAULT_STOP_GRACE_S)
     if seen.liveness == "unknown":

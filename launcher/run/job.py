@@ -9,11 +9,13 @@ run's log file, and from there to the terminal when the supervisor runs in the f
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +44,36 @@ class NodeSpec:
             master_addr=env.get("MASTER_ADDR", master_addr or "127.0.0.1"),
             master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else master_port,
         )
+
+
+    @classmethod
+    def from_slurm(cls, env: Mapping[str, str]) -> NodeSpec:
+        """Inside a Slurm job step (one task per node): the node count and this node's index from Slurm
+        (SLURM_JOB_NUM_NODES, SLURM_NODEID); the rendezvous from MASTER_ADDR and MASTER_PORT when the batch
+        script set them, else the allocation's first host and a port derived from the job id."""
+        try:
+            nnodes = int(env.get("SLURM_JOB_NUM_NODES") or env["SLURM_NNODES"])
+            node_rank = int(env["SLURM_NODEID"])
+            job_id = int(env["SLURM_JOB_ID"])
+        except (KeyError, ValueError) as err:
+            raise ValueError(f"not inside a Slurm job step ({err} missing or not a number)") from None
+        addr = env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""))
+        port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else slurm_port(job_id)
+        return cls(nnodes=nnodes, node_rank=node_rank, master_addr=addr or "127.0.0.1", master_port=port)
+
+
+def slurm_port(job_id: int) -> int:
+    """The rendezvous port of a Slurm job: the batch script's ``20000 + SLURM_JOB_ID % 20000``."""
+    return 20000 + job_id % 20000
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm host list: ``n[1-2]`` -> ``n1``, ``gpu[007,9]`` -> ``gpu007``, ``a,b`` -> ``a``."""
+    match = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", nodelist.strip())
+    if not match:
+        return ""
+    prefix, ranges = match.group(1), match.group(2)
+    return prefix + (re.split(r"[-,]", ranges)[0] if ranges else "")
 
 
 def free_port() -> int:

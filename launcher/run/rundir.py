@@ -130,7 +130,8 @@ def write_run_files(config: RunConfig, backend: Backend, run_dir: RunDir, lf_arg
 
     path = run_dir.path
     if attempt == 1:
-        shutil.copyfile(config.source, path / CONFIG_COPY)
+        if Path(config.source).resolve() != (path / CONFIG_COPY).resolve():  # a submitted run's copy is its source
+            shutil.copyfile(config.source, path / CONFIG_COPY)
         if config.overrides:  # the command line's KEY=VALUE, applied on top of config.yaml (resume does too)
             write_text_atomic(path / OVERRIDES_FILE, dump_yaml(config.overrides))
     lf_yaml = attempt_name(LF_YAML, attempt)

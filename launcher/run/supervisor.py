@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -114,6 +115,7 @@ class Supervisor:
     poll_s: float = 1.0
     attempt: int = 1
     node_rank: int = 0
+    watch_stop_request: bool = False  # a Slurm run: the stop request file alone stops the run (run/slurm.py)
     _signals: StopSignals = field(default_factory=StopSignals)
     # where this attempt's job began: its log output and error files only (a resumed run shares them)
     _job_since: float = 0.0
@@ -206,7 +208,13 @@ class Supervisor:
         last_beat = 0.0
         stopped_by, why = None, None
         save_deadline: float | None = None
+        asked_self = False
         while (code := job.poll()) is None:
+            if self.watch_stop_request and not asked_self and self._stop_signal is None \
+                    and read_stop_request(self.run_dir.path) is not None:  # fmt: skip
+                asked_self = True  # taken as a SIGTERM with the request's sender, as `launcher stop` sends it
+                os.kill(os.getpid(), signal.SIGTERM)
+                self._signals.wait(0.1)
             if stopped_by is None and self._stop_signal is not None:
                 stopped_by = self._stop_signal
                 save_deadline = self._begin_stop(job, f"received {signal.Signals(stopped_by).name}")
@@ -450,9 +458,38 @@ class Supervisor:
 # --- entry points -----------------------------------------------------------------------------------
 
 
-def _open_run(prepared: Prepared, lock: RunLock, resume: ResumePlan | None) -> tuple[RunDir, RunStore, int]:
+def _adopt(prepared: Prepared, path: Path) -> tuple[RunDir, RunStore, dict[str, Any], Any]:
+    """Node 0 of a submitted run (run/slurm.py) supervises in the folder ``launcher submit`` made. A job Slurm
+    requeued finds an earlier attempt there: recorded ``NODE_LOST`` unless it recorded an end, and continued
+    from the last complete checkpoint (the checkpoint, or None)."""
+    run_dir = RunDir(path.name, path)
+    store = RunStore.open(path)
+    lf_args = prepared.config.llamafactory_args(prepared.backend.name, run_dir.output)
+    if store.record.started is None:  # the first attempt
+        return run_dir, store, lf_args, None
+    if not store.record.terminal:
+        store.record_end(RunState.NODE_LOST, processes=[],
+                         reason="Slurm requeued the job before this attempt recorded an end (a node was lost)")
+    checkpoint = last_complete_checkpoint(run_dir.output)
+    if checkpoint is not None:
+        lf_args["resume_from_checkpoint"] = str(checkpoint.path)
+    clear_stop_request(path)
+    return run_dir, store, lf_args, checkpoint
+
+
+def _open_run(prepared: Prepared, lock: RunLock, resume: ResumePlan | None,
+              adopt: Path | None = None) -> tuple[RunDir, RunStore, int]:  # fmt: skip
     config, backend = prepared.config, prepared.backend
-    if resume is None:
+    resumed_from, resume_mode = None, None
+    if resume is not None:
+        resumed_from, resume_mode = str(resume.checkpoint.relative_to(resume.run_dir)), resume.mode
+    if adopt is not None:
+        run_dir, store, lf_args, checkpoint = _adopt(prepared, adopt)
+        if checkpoint is not None:
+            resumed_from = checkpoint.relative_to(run_dir.path)
+            resume_mode = "exact" if checkpoint.optimizer_state else "adapter-only"
+        attempt = store.record.attempt + 1 if store.record.started is not None else 1
+    elif resume is None:
         run_dir = make_run_dir(config.launcher.output_root, config.run_name)
         store = RunStore.create(run_dir.path, run_dir.run_id)
         lf_args = config.llamafactory_args(backend.name, run_dir.output)
@@ -465,19 +502,18 @@ def _open_run(prepared: Prepared, lock: RunLock, resume: ResumePlan | None) -> t
         lf_args = config.llamafactory_args(backend.name, run_dir.output)
         lf_args["resume_from_checkpoint"] = str(resume.checkpoint)
         clear_stop_request(run_dir.path)
-    attempt = store.record.attempt + 1 if resume is not None else 1
+    if adopt is None:
+        attempt = store.record.attempt + 1 if resume is not None else 1
     lock.describe(run_dir.run_id, run_dir.path)
     store.transition(
         RunState.PENDING, event=None, smoke=config.launcher.smoke, backend=backend.name, attempt=attempt,
         supervisor=self_identity(), boot_id=boot_id(), container=container_identity(), run_dir=str(run_dir.path),
         exit_code=None, signal=None, stop_signal=None, reason=None, ended=None, failed_rank=None,
         acceptance=None, leftover_pids_stopped=[], stopped_by=None, stop_sender=None, run_exit_code=None,
-        saved_checkpoint=None,
-        resumed_from=str(resume.checkpoint.relative_to(run_dir.path)) if resume else None,
-        resume_mode=resume.mode if resume else None,
+        saved_checkpoint=None, resumed_from=resumed_from, resume_mode=resume_mode, hostname=socket.gethostname(),
     )  # fmt: skip
-    store.event("created" if resume is None else "resumed", config=str(config.source), attempt=attempt,
-                checkpoint=str(resume.checkpoint) if resume else None)  # fmt: skip
+    store.event("created" if resume is None and attempt == 1 else "resumed", config=str(config.source),
+                attempt=attempt, checkpoint=resumed_from)  # fmt: skip
     write_run_files(config, backend, run_dir, lf_args, attempt=attempt)
     store.reserve()  # room for the end record should the disk fill up during the run
     return run_dir, store, attempt
@@ -523,11 +559,15 @@ class Handshake:
 
 
 def supervise(config: RunConfig, *, echo: bool = True, handshake: Handshake | None = None,
-              resume: ResumePlan | None = None) -> int:  # fmt: skip
+              resume: ResumePlan | None = None, adopt: Path | None = None,
+              watch_stop_request: bool = False) -> int:  # fmt: skip
     """Run one supervised run to its end and return its exit code.
 
     ``handshake`` gets its line once the run directory exists, or once the run was refused; ``launcher
     start`` waits for it.
+    ``adopt``: supervise in this existing run folder (node 0 of a run ``launcher submit`` made);
+    ``watch_stop_request``: a stop request written into the run folder stops the run without a signal (each
+    node of a Slurm run: ``launcher stop`` runs on another host, run/slurm.py).
 
     Raises:
         LauncherError: the run was refused before it existed (lock busy, live processes, bad config).
@@ -540,7 +580,7 @@ def supervise(config: RunConfig, *, echo: bool = True, handshake: Handshake | No
         for warning in warnings:
             print(f"warning: {warning}", file=sys.stderr)
         prepared = prepare(config)
-        run_dir, store, attempt = _open_run(prepared, lock, resume)
+        run_dir, store, attempt = _open_run(prepared, lock, resume, adopt)
     except LauncherError as err:
         lock.release()
         handshake.refuse(err)
@@ -551,7 +591,8 @@ def supervise(config: RunConfig, *, echo: bool = True, handshake: Handshake | No
         if echo:
             print(f"run {run_dir.run_id}\n  run dir:     {run_dir.path}\n  trainer log: {run_dir.trainer_log}"
                   f"\n  job log:     {run_dir.log}", flush=True)  # fmt: skip
-        return Supervisor(prepared, run_dir, store, echo=echo, attempt=attempt).run()
+        return Supervisor(prepared, run_dir, store, echo=echo, attempt=attempt,
+                          watch_stop_request=watch_stop_request).run()
     except BaseException as err:  # record any supervisor failure before giving up the lock
         if not store.record.terminal:
             state = RunState.FAILED_SETUP if store.state is RunState.PENDING else RunState.FAILED

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from launcher.procs import boot_id, find_live, namespace_started, pid_namespace
 from launcher.state.record import RunRecord
+from launcher.state.slurmjob import SlurmJobView, query_job
 from launcher.state.states import RunState
 
 Liveness = Literal["live", "gone", "unknown"]
@@ -41,6 +42,7 @@ class Reconciled:
     liveness: Liveness = "live"
     container_state: str | None = None  # the engine's word, "gone", or None when unknown
     container_view: ContainerView | None = None  # the engine's whole answer, when it was asked
+    slurm_view: SlurmJobView | None = None  # Slurm's answer for a submitted run (``launcher submit``)
 
     @property
     def live_pids(self) -> list[int]:
@@ -136,6 +138,8 @@ def same_namespace(record: RunRecord) -> bool:
 
 def reconcile(record: RunRecord, run_dir: Path) -> Reconciled:
     """Hold ``record`` (read from ``run_dir``) against this host, its processes and the Docker engine."""
+    if (record.slurm or {}).get("job_id"):
+        return _reconcile_slurm(record)
     here = same_namespace(record)
     live = [p for p in (find_live(r, str(record.run_id)) for r in record.processes) if p is not None] if here else []
     result = Reconciled(record.state, record.state, live=live, liveness="live" if here else "unknown")
@@ -179,4 +183,24 @@ def reconcile(record: RunRecord, run_dir: Path) -> Reconciled:
         result.note = "the supervisor is gone" + (
             f"; {len(live)} training process(es) still alive (`launcher stop` cleans them up)" if live else ""
         )
+    return result
+
+
+def _reconcile_slurm(record: RunRecord) -> Reconciled:
+    """A run submitted to Slurm: its processes live on the job's nodes, so liveness comes from Slurm. A job
+    Slurm ended (or forgot) while the record says live: ``NODE_LOST`` when Slurm says a node failed, else
+    ``SUPERVISOR_LOST`` (node 0's launcher ended without recording an end)."""
+    view = query_job((record.slurm or {})["job_id"])  # shown by `launcher status` in its own row
+    result = Reconciled(record.state, record.state, liveness="live", slurm_view=view)
+    if view.live is None:
+        result.liveness = "unknown"
+        result.note = f"Slurm {view.describe()}"
+    elif view.live:
+        pass  # queued or running: the record says how far the run is
+    elif not record.terminal:
+        result.liveness = "gone"
+        result.state = RunState.NODE_LOST if view.state == "NODE_FAIL" else RunState.SUPERVISOR_LOST
+        result.note = f"Slurm {view.describe()}, and the run recorded no end"
+    else:
+        result.liveness = "gone"
     return result

@@ -190,6 +190,8 @@ class RunRecord:
     saved_checkpoint: SavedCheckpoint | None = None  # {step, path} saved on a stop (save on stop)
     stop_grace_s: float | None = None  # the save-on-stop grace, for `launcher stop` once the supervisor is gone
     attempts: list[Attempt] = field(default_factory=list)  # earlier attempts: state, cause, steps lost
+    # a run submitted to Slurm (`launcher submit`): job_id, nodes, partition, time, runtime, image, script
+    slurm: dict[str, Any] | None = None
 
     @property
     def terminal(self) -> bool:

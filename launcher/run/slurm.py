@@ -1,0 +1,304 @@
+"""A run submitted to Slurm: ``launcher submit``, each node's launcher, and ``launcher stop`` through Slurm.
+
+``launcher submit CONFIG --nodes N`` creates the run folder (on storage every node sees), records the run
+``PENDING`` with its Slurm job, writes the batch script (``slurm.sbatch``) and hands it to ``sbatch``. The
+script starts one task per node with ``srun``; each task is ``launcher _slurm-node RUN_DIR``, run by one of:
+
+- ``host``: the installed launcher (the Python that ran ``submit``), for sites without a container runtime;
+- ``apptainer``: ``apptainer exec IMAGE launcher ...`` (Apptainer or Singularity, the usual HPC runtime);
+- ``docker``: ``docker run --network host --init IMAGE launcher ...`` with the run folder mounted at its path.
+
+A site chooses with ``--runtime`` (and ``--image``). Each node's launcher takes ``nnodes``, ``node_rank``,
+``master_addr`` and ``master_port`` from Slurm's variables (``NodeSpec.from_slurm``). Node 0 supervises in the
+run folder itself (its trainer log, adapter and record: what ``launcher status`` shows); node N >= 1 keeps its
+own record, lock and job log under ``nodes/nodeN/`` inside it.
+
+Stopping: ``launcher stop`` writes the stop request into every node's run folder; each node's supervisor sees
+it (``Supervisor.watch_stop_request``) and stops its job the usual way, a checkpoint saved at the next step.
+No Slurm signal is used for that: ``scancel --signal`` reaches every process of a step (torchrun and the ranks
+too, not only the supervisor). Only when the run has not ended after the grace does ``scancel JOB`` end it
+(Slurm's SIGTERM to every process, SIGKILL after KillWait). A job still waiting in the queue is cancelled at
+once. A time limit (``--time``) works the same way: ``#SBATCH --signal=B:USR1@S`` makes Slurm signal the
+batch shell S seconds before the limit, and its trap runs ``launcher stop`` on the run.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from launcher import SOURCE_ROOT
+from launcher.errors import ExitCode, LauncherError
+from launcher.run.config import RunConfig, dump_yaml, load_run_config
+from launcher.run.container import stopped_line
+from launcher.run.job import NodeSpec
+from launcher.run.lock import LOCK_NAME, LockBusy, is_locked, read_owner
+from launcher.run.rundir import make_run_dir
+from launcher.state.checkpoints import last_complete_checkpoint
+from launcher.state.record import RecordUnreadable, RunStore, read_record
+from launcher.state.runs import (
+    CONFIG_COPY,
+    NODE_ROOT,
+    NODES_DIR,
+    OUTPUT_SUBDIR,
+    OVERRIDES_FILE,
+    SBATCH_SCRIPT,
+    SLURM_OUT,
+    list_runs,
+)
+from launcher.state.slurmjob import query_job
+from launcher.state.states import RunState
+from launcher.state.stop import read_saved, request_stop, saved_checkpoint
+
+RUNTIMES = ("host", "apptainer", "docker")
+END_MARGIN_S = 60.0  # after the grace: each node's supervisor stops what is left and writes its end record
+TIME_LIMIT_MARGIN_S = 60.0  # the batch shell is told this much (plus the grace) before Slurm's time limit
+
+
+# --- the batch script -------------------------------------------------------------------------------------
+
+
+def task_command(runtime: str, image: str | None, run_dir: Path) -> list[str]:
+    """What ``srun`` starts once per node: ``launcher _slurm-node RUN_DIR``, in the chosen runtime."""
+    node_cmd = ["_slurm-node", str(run_dir)]
+    if runtime == "host":
+        return [sys.executable, "-m", "launcher", *node_cmd]
+    if not image:
+        raise LauncherError(f"--runtime {runtime} needs --image (the project's image)", ExitCode.USAGE)
+    root = str(run_dir.parent)
+    if runtime == "apptainer":
+        return ["apptainer", "exec", "--bind", f"{root}:{root}", image, "launcher", *node_cmd]
+    # docker: host networking for the rendezvous, an init that forwards signals, Slurm's variables passed on,
+    # devices left to the container runtime (compose's settings do the same for one node)
+    env = ["SLURM_JOB_ID", "SLURM_NODEID", "SLURM_JOB_NUM_NODES", "SLURM_JOB_NODELIST", "SLURM_RESTART_COUNT",
+           "MASTER_ADDR", "MASTER_PORT"]  # fmt: skip
+    return ["docker", "run", "--rm", "--init", "--network", "host", "--ipc", "host", "--volume", f"{root}:{root}",
+            *(x for name in env for x in ("--env", name)), image, "launcher", *node_cmd]  # fmt: skip
+
+
+def batch_script(run_id: str, run_dir: Path, nodes: int, task: list[str], *, partition: str | None = None,
+                 time_limit: str | None = None, requeue: bool = False, grace_s: float = 120.0,
+                 extra: tuple[str, ...] = ()) -> str:  # fmt: skip
+    """The sbatch script: one task per node, the rendezvous address from Slurm, the stop on a time limit."""
+    sb = [f"--job-name={run_id}", f"--nodes={nodes}", "--ntasks-per-node=1", f"--output={run_dir / SLURM_OUT}",
+          "--open-mode=append", f"--chdir={os.getcwd()}", "--requeue" if requeue else "--no-requeue"]  # fmt: skip
+    if partition:
+        sb.append(f"--partition={partition}")
+    if time_limit:
+        sb.append(f"--time={time_limit}")
+        sb.append(f"--signal=B:USR1@{int(grace_s + TIME_LIMIT_MARGIN_S)}")
+    sb += list(extra)
+    path = os.pathsep.join(p for p in (str(SOURCE_ROOT), os.environ.get("PYTHONPATH")) if p)
+    stop = shlex.join([sys.executable, "-m", "launcher", "stop", str(run_dir)])
+    lines = [
+        "#!/bin/bash",
+        f"# written by `launcher submit` for run {run_id}; the run folder: {run_dir}",
+        *(f"#SBATCH {option}" for option in sb),
+        "set -u",
+        f"export PYTHONPATH={shlex.quote(path)}",
+        "# the rendezvous: node 0 of the allocation (its NodeAddr), a port from the job id",
+        'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        'addr=$(scontrol show node "$first" -o | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)',
+        'export MASTER_ADDR=${addr:-$first}',
+        "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+        f'echo "slurm job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}): {nodes} node(s) on '
+        f'$SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR:$MASTER_PORT"',
+        "# the time limit (--signal=B:USR1@S): the same stop as `launcher stop`, a checkpoint saved on every node",
+        f"stop_run() {{ {stop} & }}",
+        "trap stop_run USR1",
+        f"srun --nodes={nodes} --ntasks-per-node=1 --kill-on-bad-exit=0 {shlex.join(task)} &",
+        "step=$!",
+        'code=0; wait "$step" || code=$?',
+        'while kill -0 "$step" 2>/dev/null; do wait "$step"; code=$?; done  # a trap interrupted the wait',
+        'echo "slurm job $SLURM_JOB_ID: srun ended with $code"',
+        'exit "$code"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# --- submit -----------------------------------------------------------------------------------------------
+
+
+def submit(config: RunConfig, nodes: int, partition: str | None = None, time_limit: str | None = None,
+           runtime: str = "host", image: str | None = None, extra: tuple[str, ...] = ()) -> int:  # fmt: skip
+    """``launcher submit``: the run folder, its PENDING record with the Slurm job, the batch script, sbatch."""
+    if nodes < 1:
+        raise LauncherError(f"--nodes {nodes}: at least 1", ExitCode.USAGE)
+    if runtime not in RUNTIMES:
+        raise LauncherError(f"--runtime {runtime!r}: one of {', '.join(RUNTIMES)}", ExitCode.USAGE)
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise LauncherError("no sbatch on this machine: `launcher submit` runs where Slurm's client commands do "
+                            "(a login node)", ExitCode.USAGE)  # fmt: skip
+    root = config.launcher.output_root
+    if is_locked(root):  # node 0's launcher takes this lock: a live run here would refuse it
+        raise LockBusy(root / LOCK_NAME, read_owner(root))
+    run_dir = make_run_dir(root, config.run_name)
+    path = run_dir.path
+    shutil.copyfile(config.source, path / CONFIG_COPY)
+    if config.overrides:
+        (path / OVERRIDES_FILE).write_text(dump_yaml(config.overrides))
+    task = task_command(runtime, image, path)
+    launcher = config.launcher
+    script = batch_script(run_dir.run_id, path, nodes, task, partition=partition, time_limit=time_limit,
+                          requeue=launcher.restart is not None, grace_s=launcher.stop_grace_s, extra=extra)  # fmt: skip
+    (path / SBATCH_SCRIPT).write_text(script)
+    slurm: dict[str, Any] = {"nodes": nodes, "partition": partition, "time": time_limit, "runtime": runtime,
+                             "image": image, "script": SBATCH_SCRIPT, "job_id": None}  # fmt: skip
+    store = RunStore.create(path, run_dir.run_id)
+    store.transition(RunState.PENDING, event=None, run_dir=str(path), stop_grace_s=launcher.stop_grace_s,
+                     slurm=slurm, node={"nnodes": nodes})  # fmt: skip
+    done = subprocess.run([sbatch, "--parsable", str(path / SBATCH_SCRIPT)], capture_output=True, text=True,
+                          check=False)  # fmt: skip
+    if done.returncode != 0:
+        why = (done.stderr or done.stdout).strip()
+        store.record_end(RunState.FAILED_SETUP, reason=f"sbatch refused the job: {why}", processes=[])
+        raise LauncherError(f"sbatch refused the job ({why}); the script is {path / SBATCH_SCRIPT}", ExitCode.FAILED)
+    job_id = done.stdout.strip().split(";")[0]
+    store.save(slurm={**slurm, "job_id": job_id})
+    store.event("submitted", job_id=job_id, nodes=nodes, partition=partition, runtime=runtime)
+    print(f"submitted run {run_dir.run_id} as Slurm job {job_id} ({nodes} node(s), runtime {runtime})\n"
+          f"  run dir:     {path}\n  batch:       {path / SBATCH_SCRIPT}\n  slurm out:   {path / SLURM_OUT}\n"
+          f"follow it with:\n  launcher status {path} --watch\n  launcher logs {path} -f\n"
+          f"stop it with:\n  launcher stop {path}")  # fmt: skip
+    return ExitCode.OK
+
+
+# --- each node ------------------------------------------------------------------------------------------
+
+
+def node_root(run_dir: Path, node_rank: int) -> Path:
+    """Node ``node_rank`` >= 1's runs folder inside the run folder."""
+    return run_dir / NODES_DIR / NODE_ROOT.format(node=node_rank)
+
+
+def node_run_dirs(run_dir: Path) -> list[Path]:
+    """The run folders of nodes 1.. of this run (every attempt's)."""
+    nodes = run_dir / NODES_DIR
+    folders = sorted(nodes.glob(NODE_ROOT.format(node="*"))) if nodes.is_dir() else []
+    return [run for folder in folders for run in list_runs(folder)]
+
+
+def run_node(run_dir: Path) -> int:
+    """``launcher _slurm-node RUN_DIR``: this node's launcher of a submitted run, placed by Slurm's variables.
+
+    Node 0 supervises in the run folder itself; a requeued job (``launcher.restart``) resumes there from the
+    last complete checkpoint as the next attempt, the earlier attempt recorded ``NODE_LOST`` if it recorded no
+    end. Node N >= 1 supervises in ``nodes/nodeN/``, resuming from the same checkpoint.
+    """
+    from launcher.run.supervisor import supervise
+
+    node = NodeSpec.from_slurm(os.environ)
+    os.environ.update(NNODES=str(node.nnodes), NODE_RANK=str(node.node_rank), MASTER_ADDR=node.master_addr,
+                      MASTER_PORT=str(node.master_port))  # fmt: skip
+    overrides = _overrides(run_dir)
+    record = read_record(run_dir)
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    checkpoint = last_complete_checkpoint(run_dir / OUTPUT_SUBDIR) if restarts else None
+    print(f"node {node.node_rank} of {node.nnodes}: rendezvous {node.master_addr}:{node.master_port}"
+          + (f"; Slurm restart {restarts}, resuming from {checkpoint.path}" if checkpoint else ""), flush=True)
+    if node.node_rank > 0:
+        overrides["launcher.output_root"] = str(node_root(run_dir, node.node_rank))
+        overrides["launcher.run_name"] = f"{record.run_id}-node{node.node_rank}"
+        if checkpoint is not None:
+            overrides["resume_from_checkpoint"] = str(checkpoint.path)
+    else:
+        overrides["launcher.output_root"] = str(run_dir.parent)  # the lock node 0 takes is the run folder's
+    config = load_run_config(run_dir / CONFIG_COPY, overrides)
+    policy = config.launcher.restart
+    if restarts and (policy is None or restarts > policy.max_restarts):
+        return _refuse_restart(run_dir, node.node_rank, restarts, policy.max_restarts if policy else 0)
+    if node.node_rank > 0:
+        return supervise(config, echo=False, watch_stop_request=True)
+    return supervise(config, echo=False, adopt=run_dir, watch_stop_request=True)
+
+
+def _refuse_restart(run_dir: Path, node_rank: int, restarts: int, max_restarts: int) -> int:
+    """Slurm requeued the job more often than ``launcher.restart.max_restarts`` allows: node 0 records the
+    earlier attempt's end (``NODE_LOST``) and no attempt starts."""
+    why = f"Slurm requeued the job (restart {restarts}); launcher.restart.max_restarts is {max_restarts}"
+    print(f"node {node_rank}: {why}: not restarted", flush=True)
+    if node_rank == 0:
+        store = RunStore.open(run_dir)
+        if not store.record.terminal:
+            store.record_end(RunState.NODE_LOST, processes=[], reason=f"{why}; not restarted")
+    return ExitCode.FAILED
+
+
+def _overrides(run_dir: Path) -> dict[str, Any]:
+    from launcher.files import read_yaml_mapping
+
+    if not (run_dir / OVERRIDES_FILE).exists():
+        return {}
+    values = read_yaml_mapping(run_dir / OVERRIDES_FILE)
+    if isinstance(values, str):
+        raise LauncherError(f"{values}; it holds the run's KEY=VALUE overrides")
+    return dict(values)
+
+
+# --- stop -------------------------------------------------------------------------------------------------
+
+
+def stop_slurm_run(run_dir: Path, store: RunStore, grace_s: float | None, now: bool, by: str,
+                   default_grace_s: float) -> int:  # fmt: skip
+    """Stop a submitted run: cancel a queued job; else the stop request on every node, then wait for node 0's
+    record, and ``scancel`` only after the grace."""
+    record = store.record
+    job_id = str((record.slurm or {}).get("job_id"))
+    view = query_job(job_id)
+    scancel = shutil.which("scancel")
+    if view.live is None or scancel is None:
+        raise LauncherError(f"run {record.run_id} is Slurm job {job_id}, and Slurm does not answer here "
+                            f"({view.describe()}); nothing was stopped", ExitCode.FAILED)  # fmt: skip
+    if not view.live:
+        if not record.terminal:
+            store.record_end(RunState.NODE_LOST if view.state == "NODE_FAIL" else RunState.SUPERVISOR_LOST,
+                             reason=f"Slurm {view.describe()}, and the run recorded no end; recorded by {by}",
+                             processes=[])  # fmt: skip
+        print(f"run {record.run_id}: Slurm {view.describe()}; nothing to stop; recorded {store.state.value}")
+        return ExitCode.OK
+    if record.state is RunState.PENDING and record.supervisor is None:  # still in the queue: nothing started
+        subprocess.run([scancel, job_id], check=False)
+        store.record_end(RunState.CANCELLED, stopped_by=by, processes=[],
+                         reason=f"cancelled by {by} while Slurm {view.describe()} (scancel {job_id})")  # fmt: skip
+        print(f"run {record.run_id}: Slurm job {job_id} cancelled in the queue; recorded CANCELLED")
+        return ExitCode.OK
+    grace = grace_s if grace_s is not None else (record.stop_grace_s or default_grace_s)
+    by = f"{by} through Slurm (job {job_id})"
+    for folder in (run_dir, *node_run_dirs(run_dir)):
+        request_stop(folder, grace_s, by=by, now=now)
+    what = "no save" if now else "a checkpoint at the next step, then exit"
+    limit = grace + END_MARGIN_S
+    print(f"stopping run {record.run_id} (Slurm job {job_id}): stop requested on every node ({what}); "
+          f"scancel after {limit:.0f} s", flush=True)  # fmt: skip
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        ended = _ended(run_dir)
+        if ended is not None:
+            print(stopped_line(ended))
+            return ExitCode.OK
+        time.sleep(0.5)
+    subprocess.run([scancel, job_id], check=False)
+    saved = saved_checkpoint(run_dir, read_saved(run_dir))
+    if not (now_record := read_record(run_dir)).terminal:
+        store = RunStore.open(run_dir)
+        store.record_end(RunState.CANCELLED, stopped_by=by, saved_checkpoint=saved, processes=[],
+                         reason=f"not ended {limit:.0f} s after the stop request: scancel {job_id}")  # fmt: skip
+    print(f"run {now_record.run_id}: not ended after {limit:.0f} s; scancel {job_id}; recorded "
+          f"{read_record(run_dir).state.value}")  # fmt: skip
+    return ExitCode.FAILED
+
+
+def _ended(run_dir: Path):
+    try:
+        record = read_record(run_dir)
+    except RecordUnreadable:
+        return None
+    return record if record.terminal else None
+

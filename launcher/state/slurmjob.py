@@ -1,0 +1,84 @@
+"""What Slurm says of a run's batch job (host side, no torch): ``scontrol show job -o JOB``, read as text.
+
+A run submitted with ``launcher submit`` records its Slurm job id (``RunRecord.slurm``); ``reconcile`` asks
+here for the job's state, so that ``launcher status`` shows it next to the run state (a job waiting in the
+queue: ``PENDING`` with Slurm's reason) and a job Slurm has ended without the run recording an end is seen as
+such (``NODE_FAIL``: the run is ``NODE_LOST``). Nothing here writes.
+
+Without accounting storage ``sacct`` does not answer, and an ended job stays visible to ``scontrol`` only for
+MinJobAge seconds: after that its state is ``gone``.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+# Slurm's job states in which the job's processes may be alive, or will be (queued, requeued)
+SLURM_LIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING",
+                        "SIGNALING", "STAGE_OUT", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD"})  # fmt: skip
+GONE = "gone"  # Slurm no longer knows the job (ended more than MinJobAge ago)
+_FIELD = re.compile(r"(\w+)=(\S*)")
+
+
+@dataclass
+class SlurmJobView:
+    """Slurm's answer: ``state`` (its word, ``gone``, or None when no Slurm answers here), the reason a pending
+    job waits, the nodes, the exit code (``0:0``), and why nothing answered (``error``)."""
+
+    job_id: str
+    state: str | None = None
+    reason: str | None = None
+    nodes: str | None = None
+    exit_code: str | None = None
+    error: str | None = None
+
+    @property
+    def live(self) -> bool | None:
+        """True while queued or running; False once ended or gone; None when unknown."""
+        return None if self.state is None else self.state in SLURM_LIVE
+
+    def describe(self) -> str:
+        """``job 42 RUNNING on n[1-2]``, ``job 42 PENDING (Resources)``, ``job 42 gone from Slurm's memory``."""
+        if self.state is None:
+            return f"job {self.job_id}: state unknown ({self.error or 'no answer from Slurm'})"
+        if self.state == GONE:
+            return f"job {self.job_id}: no longer known to Slurm (ended)"
+        text = f"job {self.job_id} {self.state}"
+        if self.state == "PENDING" and self.reason and self.reason != "None":
+            text += f" ({self.reason})"
+        elif self.nodes and self.nodes != "(null)":
+            text += f" on {self.nodes}"
+        if self.state not in SLURM_LIVE and self.exit_code:
+            text += f", exit {self.exit_code}"
+        return text
+
+
+def parse_show_job(job_id: str, text: str) -> SlurmJobView:
+    """``scontrol show job -o``'s one line (``Key=Value`` pairs) as a view."""
+    fields = dict(_FIELD.findall(text))
+    return SlurmJobView(job_id, state=fields.get("JobState"), reason=fields.get("Reason"),
+                        nodes=fields.get("NodeList"), exit_code=fields.get("ExitCode"))  # fmt: skip
+
+
+def query_job(job_id: str | int, timeout_s: float = 10.0) -> SlurmJobView:
+    """Ask Slurm (``scontrol``) about ``job_id``."""
+    job = str(job_id)
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        return SlurmJobView(job, error="no scontrol on this machine")
+    try:
+        done = subprocess.run([scontrol, "show", "job", "-o", job], capture_output=True, text=True,
+                              timeout=timeout_s, check=False)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return SlurmJobView(job, error=str(err))
+    if done.returncode != 0:
+        if "Invalid job id" in done.stderr:
+            return SlurmJobView(job, state=GONE)
+        said = (done.stderr or done.stdout).strip().splitlines()
+        return SlurmJobView(job, error=said[-1] if said else f"scontrol exit {done.returncode}")
+    # a requeued job's array of lines: the last one is the current
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    return parse_show_job(job, lines[-1] if lines else "")

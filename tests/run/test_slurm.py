@@ -1,0 +1,80 @@
+"""`launcher submit` without a cluster: the batch script, Slurm's variables -> the node spec, the record's job
+id and `status` showing Slurm's state (a fake sbatch and scontrol on PATH). The real cluster: tests/slurm/."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from launcher.run.job import NodeSpec, first_host, slurm_port
+from launcher.run.slurm import batch_script, task_command
+from launcher.state.slurmjob import parse_show_job
+from tests.support.common import launcher_cmd, make_config, only_run_dir
+
+
+def test_slurm_variables_place_the_node():
+    env = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]"}
+    node = NodeSpec.from_slurm(env)
+    assert node == NodeSpec(nnodes=2, node_rank=1, master_addr="gpu07", master_port=slurm_port(4242))
+    node = NodeSpec.from_slurm({**env, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"})
+    assert (node.master_addr, node.master_port) == ("10.0.0.1", 29500)
+    assert [first_host(x) for x in ("n[1-2]", "a,b", "x[3,5]", "solo")] == ["n1", "a", "x3", "solo"]
+    with pytest.raises(ValueError, match="not inside a Slurm job step"):
+        NodeSpec.from_slurm({})
+
+
+def test_the_batch_script_runs_one_launcher_per_node(tmp_path):
+    run_dir = tmp_path / "runs" / "demo-1"
+    task = task_command("host", None, run_dir)
+    script = batch_script("demo-1", run_dir, 2, task, partition="npu", time_limit="1-00:00:00", grace_s=120)
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=1" in script
+    assert "#SBATCH --partition=npu" in script and "#SBATCH --time=1-00:00:00" in script
+    assert "#SBATCH --signal=B:USR1@180" in script  # the grace plus the margin before the time limit
+    assert f"#SBATCH --output={run_dir / 'slurm.out'}" in script and "#SBATCH --no-requeue" in script
+    assert "srun --nodes=2 --ntasks-per-node=1" in script and f"_slurm-node {run_dir}" in script
+    assert "trap stop_run USR1" in script and " stop " in script  # the time limit stops the run as `launcher stop` does
+    assert "MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))" in script
+    requeue = batch_script("demo-1", run_dir, 2, task, requeue=True)
+    assert "#SBATCH --requeue" in requeue and "#SBATCH --signal" not in requeue
+    docker = task_command("docker", "deltanet:npu", run_dir)
+    assert docker[:2] == ["docker", "run"] and "--network" in docker and "deltanet:npu" in docker
+    assert task_command("apptainer", "x.sif", run_dir)[:2] == ["apptainer", "exec"]
+    with pytest.raises(Exception, match="needs --image"):
+        task_command("apptainer", None, run_dir)
+
+
+def test_scontrol_answer_is_read():
+    view = parse_show_job("7", "JobId=7 JobName=x UserId=root(0) JobState=PENDING Reason=Resources Dependency=(null) "
+                               "NodeList=(null) ExitCode=0:0")  # fmt: skip
+    assert view.live and view.describe() == "job 7 PENDING (Resources)"
+    done = parse_show_job("7", "JobId=7 JobState=NODE_FAIL Reason=NodeDown NodeList=n[1-2] ExitCode=0:0")
+    assert done.live is False and "NODE_FAIL" in done.describe()
+
+
+def _fake_slurm(bin_dir: Path, state: str) -> None:
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho '4242;cluster'\n")
+    answer = f"JobId=4242 JobState={state} Reason=Priority NodeList=(null)"
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho '{answer}'\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+
+
+def test_submit_records_the_job_and_status_shows_its_queue_state(tmp_path, demo_assets, monkeypatch):
+    _fake_slurm(tmp_path / "bin", "PENDING")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    cfg = make_config(tmp_path, demo_assets)
+    done = launcher_cmd("submit", cfg, "--nodes", "2", "--partition", "cpu")
+    assert done.returncode == 0, done.stdout + done.stderr
+    run_dir = only_run_dir(tmp_path / "runs")
+    record = json.loads((run_dir / "status.json").read_text())
+    assert record["state"] == "PENDING" and record["slurm"]["job_id"] == "4242"
+    assert record["slurm"]["nodes"] == 2 and record["slurm"]["partition"] == "cpu"
+    assert (run_dir / "slurm.sbatch").is_file() and (run_dir / "config.yaml").is_file()
+    shown = launcher_cmd("status", run_dir)
+    assert "PENDING" in shown.stdout and "job 4242 PENDING (Priority)" in shown.stdout, shown.stdout
+    as_json = json.loads(launcher_cmd("status", run_dir, "--json").stdout)
+    assert as_json["slurm_state"] == "PENDING" and as_json["liveness"] == "live"

@@ -1,0 +1,97 @@
+"""A real Slurm cluster (scripts/slurm-cluster.sh: slurmctld and two slurmd nodes on this host) runs the
+CPU demo on 2 nodes with gloo: `launcher submit`, `status`, `stop`; only with LAUNCHER_SLURM_TESTS=1.
+
+Both nodes are this host, so node 0 and node 1 share the filesystem as on shared storage: node 0 supervises
+in the run folder, node 1 under its nodes/node1/ (its own record and lock).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.support.common import REPO, launcher_cmd, make_config, only_run_dir
+from tests.support.fake_runs import wait_for
+
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.skipif(os.environ.get("LAUNCHER_SLURM_TESTS") != "1",
+                       reason="needs a real Slurm cluster: LAUNCHER_SLURM_TESTS=1 (bash scripts/slurm-cluster.sh "
+                              "install && bash scripts/slurm-cluster.sh start)"),  # fmt: skip
+]
+SCRIPT = REPO / "scripts" / "slurm-cluster.sh"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> str:
+    """The cluster started (idempotent); its SLURM_CONF."""
+    done = subprocess.run(["bash", str(SCRIPT), "start"], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout.strip().rsplit("SLURM_CONF=", 1)[-1]
+
+
+@pytest.fixture
+def slurm_env(cluster, monkeypatch) -> str:
+    monkeypatch.setenv("SLURM_CONF", cluster)
+    return cluster
+
+
+def _status(run_dir: Path) -> dict:
+    done = launcher_cmd("status", run_dir, "--json", timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout)
+
+
+def _submit(tmp_path: Path, demo_assets, **lf) -> Path:
+    cfg = make_config(tmp_path, demo_assets, launcher={"nnodes": 2}, **lf)
+    done = launcher_cmd("submit", cfg, "--nodes", "2", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "as Slurm job" in done.stdout
+    return only_run_dir(tmp_path / "runs")
+
+
+def _ended(run_dir: Path, timeout: float = 600) -> dict:
+    wait_for("the run to end", lambda: json.loads((run_dir / "status.json").read_text())["state"]
+             in ("SUCCEEDED", "FAILED", "CANCELLED", "TERMINATED", "NODE_LOST", "FAILED_SETUP", "SUPERVISOR_LOST",
+                 "FAILED_ACCEPTANCE"), timeout=timeout, every=1)  # fmt: skip
+    return json.loads((run_dir / "status.json").read_text())
+
+
+def test_two_nodes_train_the_demo_to_succeeded(slurm_env, tmp_path, demo_assets):
+    run_dir = _submit(tmp_path, demo_assets, max_steps=2, save_steps=2, eval_steps=2)
+    record = json.loads((run_dir / "status.json").read_text())
+    job_id = record["slurm"]["job_id"]
+    assert job_id and (run_dir / "slurm.sbatch").is_file()
+    first = _status(run_dir)
+    assert first["slurm_state"] in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "COMPLETED"), first
+    end = _ended(run_dir)
+    out = (run_dir / "slurm.out").read_text() if (run_dir / "slurm.out").exists() else ""
+    assert end["state"] == "SUCCEEDED", (end, out[-3000:], (run_dir / "launcher.log").read_text()[-3000:])
+    assert end["node"]["nnodes"] == 2 and end["node"]["node_rank"] == 0
+    assert "--node-rank" in end["command"]
+    assert (run_dir / "output" / "adapter_model.safetensors").is_file()
+    (node1,) = [p for p in (run_dir / "nodes" / "node1").iterdir() if (p / "status.json").is_file()]
+    wait_for("node 1's end", lambda: json.loads((node1 / "status.json").read_text())["state"] == "SUCCEEDED",
+             timeout=60)  # fmt: skip
+    verify = launcher_cmd("verify", run_dir)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    wait_for("Slurm's COMPLETED", lambda: _status(run_dir)["slurm_state"] == "COMPLETED", timeout=60, every=1)
+    shown = launcher_cmd("status", run_dir).stdout
+    assert f"job {job_id} COMPLETED" in shown and "SUCCEEDED" in shown
+
+
+def test_stop_saves_a_checkpoint_on_both_nodes(slurm_env, tmp_path, demo_assets):
+    run_dir = _submit(tmp_path, demo_assets, max_steps=400, save_steps=1000, eval_steps=1000, logging_steps=1)
+    wait_for("training steps", lambda: (_status(run_dir).get("step") or 0) >= 2, timeout=400, every=1)
+    done = launcher_cmd("stop", run_dir, "--grace", "120", timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    end = json.loads((run_dir / "status.json").read_text())
+    assert end["state"] == "CANCELLED", end
+    saved = end["saved_checkpoint"]
+    assert saved and (run_dir / saved["path"] / "adapter_model.safetensors").is_file(), end
+    assert "through Slurm" in end["stopped_by"]
+    assert "saved at step" in done.stdout
