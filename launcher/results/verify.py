@@ -124,7 +124,8 @@ class _Context:
 
     def _load_layout(self) -> None:
         candidates: list[tuple[str, Any]] = [("--model", self.model_dir)]
-        candidates.append(("manifest.json model.path", ((self.files.manifest or {}).get("model") or {}).get("path")))
+        manifest = self.files.manifest
+        candidates.append(("manifest.json model.path", manifest.model.get("path") if manifest else None))
         candidates.append(("llamafactory.yaml model_name_or_path", self.files.lf_args.get("model_name_or_path")))
         candidates.append(
             ("adapter_config.json base_model_name_or_path", (self.adapter.config or {}).get("base_model_name_or_path"))
