@@ -327,6 +327,8 @@ def type_problem(value: Any, hint: Any) -> str | None:
         if not isinstance(value, dict):
             return f"{kind_of(value)}, not an object"
         keys = get_type_hints(hint)
+        if missing := sorted(hint.__required_keys__ - value.keys()):  # a TypedDict of total=True: what readers index
+            return f"no key {missing[0]!r}"
         return next((f"{k!r}: {p}" for k, v in value.items() if k in keys and (p := type_problem(v, keys[k]))), None)
     if hint is float:  # JSON has one number type
         ok = isinstance(value, int | float) and not isinstance(value, bool)
