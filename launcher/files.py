@@ -10,6 +10,8 @@ Nothing here knows about runs; every other module writes and reads its files thr
   what a refusing disk will not take instead of raising it into the training loop.
 - ``append_line``: one line appended and fsynced (``events.jsonl``).
 - ``read_json_bounded``: JSON from a file of at most so many bytes and so deep, or ``Unreadable`` saying why;
+  ``read_typed``: the same as a typed record (a dataclass; ``typed`` for a value already parsed, ``type_problem``
+  for one value against a type), and ``unreadable``: the one line that says why not;
   ``read_json_object``/``read_yaml_mapping``: a mapping, or a one-line description of why not.
 - ``shown``: text from outside (a command line, an exception, a path) with its control characters escaped.
 - ``read_tail``: the last bytes of a growing file without reading the rest.
@@ -22,6 +24,7 @@ container wrote.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import json
@@ -31,11 +34,12 @@ import re
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints, is_typeddict
 
 from launcher.errors import ExitCode, LauncherError
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def _umask() -> int:
@@ -291,6 +295,107 @@ def read_json_bounded(path: Path, max_bytes: int = MAX_JSON_BYTES, max_depth: in
         raise Unreadable("not UTF-8 text") from None
     except (json.JSONDecodeError, RecursionError) as err:
         raise Unreadable(f"not JSON: {shown(str(err))}") from None
+
+
+def type_problem(value: Any, hint: Any) -> str | None:
+    """Why ``value`` is not of the type ``hint`` (the subset the records use: None, str, int, float, bool,
+    Any, unions, ``list[X]``, ``dict[str, X]``, TypedDicts), or None when it is.
+
+    A typed check of our own rather than pydantic: ``launcher status`` must not pay pydantic's import
+    (docs/benchmarks.md). Depth is bounded by the reader (``read_json_bounded``), so the recursion is too.
+    """
+    if hint is Any:
+        return None
+    if hint is None or hint is type(None):
+        return None if value is None else f"{kind_of(value)}, not null"
+    origin = get_origin(hint)
+    if origin is Union or str(origin) == "<class 'types.UnionType'>":
+        options = get_args(hint)
+        problems = [type_problem(value, h) for h in options]
+        return None if None in problems else next(p for p in problems if p)
+    if origin is list:
+        if not isinstance(value, list):
+            return f"{kind_of(value)}, not a list"
+        (item,) = get_args(hint)
+        return next((f"item {i}: {p}" for i, v in enumerate(value) if (p := type_problem(v, item))), None)
+    if origin is dict:
+        if not isinstance(value, dict):
+            return f"{kind_of(value)}, not an object"
+        item = get_args(hint)[1]
+        return next((f"{k!r}: {p}" for k, v in value.items() if (p := type_problem(v, item))), None)
+    if is_typeddict(hint):
+        if not isinstance(value, dict):
+            return f"{kind_of(value)}, not an object"
+        keys = get_type_hints(hint)
+        if missing := sorted(hint.__required_keys__ - value.keys()):  # a TypedDict of total=True: what readers index
+            return f"no key {missing[0]!r}"
+        return next((f"{k!r}: {p}" for k, v in value.items() if k in keys and (p := type_problem(v, keys[k]))), None)
+    if hint is float:  # JSON has one number type
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, hint)
+    return None if ok else f"{kind_of(value)}, not {getattr(hint, '__name__', hint)}"
+
+
+def kind_of(value: Any) -> str:
+    """``value`` as a short JSON excerpt, for a message saying what was found instead."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 40 else f"{type(value).__name__} {text[:37]}..."
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def typed(data: Any, model: type[T]) -> T:
+    """``data`` (a parsed JSON value) as an instance of ``model``, a dataclass whose field types are the subset
+    ``type_problem`` checks. Keys the model does not declare are ignored (a newer writer stays readable), fields
+    with a default may be missing; every key it declares must have its type.
+
+    Raises:
+        Unreadable: not an object, a field of the wrong type, or a field without a default missing.
+    """
+    if not isinstance(data, dict):
+        raise Unreadable(f"{kind_of(data)}, not an object")
+    hints = _HINTS.get(model)
+    if hints is None:
+        hints = _HINTS[model] = {f.name: get_type_hints(model)[f.name] for f in dataclasses.fields(model)}
+    values = {k: v for k, v in data.items() if k in hints}
+    for key, value in values.items():
+        if why := type_problem(value, hints[key]):
+            raise Unreadable(f"field {key!r}: {why}")
+    missing = [f.name for f in dataclasses.fields(model) if f.name not in values
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # fmt: skip
+    if missing:
+        raise Unreadable(f"no field {missing[0]!r}")
+    return model(**values)
+
+
+def read_typed(path: Path, model: type[T], max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH) -> T:
+    """The record in ``path`` as a ``model`` (``read_json_bounded``, then ``typed``).
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        Unreadable: as ``read_json_bounded`` and ``typed``; ``unreadable(path, err)`` is the one line to show.
+    """
+    return typed(read_json_bounded(path, max_bytes, max_depth), model)
+
+
+def read_optional(path: Path, model: type[T], max_bytes: int = MAX_JSON_BYTES,
+                  max_depth: int = MAX_JSON_DEPTH) -> tuple[T | None, str | None]:  # fmt: skip
+    """``read_typed`` for a record that may be absent: ``(record, None)``; ``(None, None)`` when there is no
+    file; ``(None, "unreadable: PATH (why)")`` when there is one that cannot be read as a ``model``."""
+    try:
+        return read_typed(path, model, max_bytes, max_depth), None
+    except FileNotFoundError:
+        return None, None
+    except Unreadable as err:
+        return None, unreadable(path, err)
+
+def unreadable(path: Path, why: Any) -> str:
+    """The one line for a record that cannot be read: ``unreadable: PATH (why)``."""
+    return f"unreadable: {shown(path)} ({shown(why)})"
 
 
 def shown(text: Any) -> str:

@@ -21,14 +21,14 @@ sentinel string from the training data.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from launcher.state.runs import CONFIG_COPY, LAUNCH_FILE
+from launcher.state.runfiles import read_launch
+from launcher.state.runs import CONFIG_COPY
 
 LOG_EXAMPLES_KEY = "log_examples"  # launcher.log_examples in the run config
 WITHHELD = "text withheld; set launcher.log_examples: true to print it"
@@ -124,12 +124,9 @@ def log_examples_wanted(run_dir: Path) -> bool:
     Read from ``launch.json`` when the launcher writes the key there, else from the run's copy of the
     config (``config.yaml``); absent or unreadable means no.
     """
-    try:
-        launch = json.loads((run_dir / LAUNCH_FILE).read_text())
-        if isinstance(launch, dict) and LOG_EXAMPLES_KEY in launch:
-            return launch[LOG_EXAMPLES_KEY] is True
-    except (OSError, ValueError):
-        pass
+    launch, _ = read_launch(run_dir)
+    if launch is not None and launch.log_examples is not None:
+        return launch.log_examples
     try:
         config = yaml.safe_load((run_dir / CONFIG_COPY).read_text())
     except (OSError, yaml.YAMLError):

@@ -12,13 +12,31 @@ final evaluation files (``eval_results.json``) still describe the last step's we
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher.files import write_bytes_atomic, write_json_atomic
+from launcher.files import read_optional, write_bytes_atomic, write_json_atomic
 from launcher.state.runs import ADAPTER_CONFIG, ADAPTER_FILE, BEST_ADAPTER_RECORD, TRAINER_STATE
 
 ADAPTER_FILES = (ADAPTER_FILE, ADAPTER_CONFIG)
+
+
+@dataclass(frozen=True)
+class KeptAdapter:
+    """``best_adapter.json``: which checkpoint's adapter ``keep_best_adapter`` copied to the top of ``output/``."""
+
+    checkpoint: str | None = None
+    metric: float | None = None
+    files: list[str] = field(default_factory=list)
+    last_step: int | None = None
+    note: str | None = None
+
+
+def read_kept_adapter(output: Path) -> tuple[KeptAdapter | None, str | None]:
+    """``best_adapter.json`` in ``output`` (None when missing), and ``unreadable: PATH (why)`` when it cannot be
+    read."""
+    return read_optional(output / BEST_ADAPTER_RECORD, KeptAdapter)
 
 
 def wanted(lf: dict[str, Any]) -> bool:

@@ -11,11 +11,12 @@ Generated text goes only into these two files (and to the terminal with ``--show
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from launcher.errors import ExitCode, LauncherError
-from launcher.files import read_json_object
+from launcher.files import Unreadable, read_json_bounded, typed
 from launcher.results.screening import answer_signals, checkpoint_signals
 from launcher.state.record import now_iso
 from launcher.state.runs import EVALUATE_JSON, EVALUATE_MD
@@ -135,10 +136,57 @@ def build_document(request: dict[str, Any], raw: dict[str, Any]) -> dict[str, An
     }  # fmt: skip
 
 
+class Opening(TypedDict):
+    share: float | None
+
+
+class CrisisCount(TypedDict):
+    prompts: int
+    pointed_to_help: int
+
+
+class Signals(TypedDict):
+    """``screening.checkpoint_signals``: what the signal table shows (every key indexed)."""
+
+    answers: int
+    length: float | None
+    distinct_1: float | None
+    distinct_2: float | None
+    repetition: float | None
+    repetitive_answers: int
+    stock_opening: Opening
+    reference_overlap: float | None
+    crisis: CrisisCount
+
+
+class EvaluatedCheckpoint(TypedDict):
+    name: str
+    step: int | None
+    signals: Signals
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """``evaluate.json`` as ``report`` reads it: the checkpoints and their signals (the tables index every key
+    declared here, so a file without one is unreadable rather than a KeyError); other keys are ignored."""
+
+    checkpoints: list[EvaluatedCheckpoint] = field(default_factory=list)
+    preferred: dict[str, str | None] = field(default_factory=dict)
+    test_split: dict[str, Any] | None = None
+    note: str | None = None
+    created: str | None = None
+
+
 def read_evaluation(run_dir: Path) -> dict[str, Any] | None:
-    """``evaluate.json`` of a run, or None when ``launcher evaluate`` has not run (or its file is unreadable)."""
-    data = read_json_object(Path(run_dir) / EVALUATE_JSON)
-    return data if isinstance(data, dict) and data.get("checkpoints") else None
+    """``evaluate.json`` of a run, checked against ``Evaluation``, or None when ``launcher evaluate`` has not run
+    (or its file is unreadable: the report then has no evaluation section)."""
+    path = Path(run_dir) / EVALUATE_JSON
+    try:
+        data = read_json_bounded(path)
+        evaluation = typed(data, Evaluation)
+    except (FileNotFoundError, Unreadable):
+        return None
+    return data if evaluation.checkpoints else None
 
 
 def _fmt(value: Any) -> str:

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher.files import read_json_object, write_bytes_atomic, write_json_atomic, write_text_atomic
+from launcher.files import write_bytes_atomic, write_json_atomic, write_text_atomic
+from launcher.results.best_adapter import read_kept_adapter
 from launcher.results.curves import (
     DEFAULT_OVERFIT_PATIENCE,
     Curves,
@@ -33,18 +34,16 @@ from launcher.results.curves import (
     read_trainer_state,
 )
 from launcher.results.evaluate import read_evaluation, report_markdown, report_summary
-from launcher.results.verify import never_trained
+from launcher.results.verify import never_trained, read_verdict
 from launcher.state.checkpoints import scan_checkpoints
 from launcher.state.record import now_iso
 from launcher.state.runfiles import eval_dataset_names, load_run_files, selection_metric_name
 from launcher.state.runs import (
     ADAPTER_FILE,
-    BEST_ADAPTER_RECORD,
     LOSS_PNG,
     OUTPUT_SUBDIR,
     REPORT_JSON,
     REPORT_MD,
-    VERIFY_FILE,
 )
 
 
@@ -150,12 +149,12 @@ def build_report(run_dir: Path, patience: int | None = None, plot: bool = True, 
     patience = patience or int(lf.get("early_stopping_steps") or DEFAULT_OVERFIT_PATIENCE)
     found, ignored = scan_checkpoints(files.output)
     checkpoints = [CheckpointRow(c.relative_to(run_dir), c.step, c.weights_bytes) for c in found]
-    verify = read_json_object(run_dir / VERIFY_FILE)
+    verify, _ = read_verdict(run_dir)
     report = RunReport(
         run_dir=run_dir,
         run_id=files.run_id,
         state=files.status.state.value if files.status is not None else None,
-        verify=None if isinstance(verify, str) else ("PASS" if verify.get("passed") else "FAIL"),
+        verify=None if verify is None else ("PASS" if verify.passed else "FAIL"),
         selection_metric=metric,
         best=best_point(evals),
         test_metrics=tests,
@@ -187,11 +186,11 @@ def _recommend(report: RunReport, lf: dict[str, Any], output: Path) -> None:
         return
     state, _ = read_trainer_state(output)
     loaded_best = bool(lf.get("load_best_model_at_end")) and (state or {}).get("best_model_checkpoint")
-    kept = read_json_object(output / BEST_ADAPTER_RECORD) if (output / BEST_ADAPTER_RECORD).is_file() else None
-    if isinstance(kept, dict) and kept.get("checkpoint"):
-        report.final_note = f"= {kept['checkpoint']} (best adapter kept by the launcher)"
-        report.notes.append(f"the final adapter in output/ is {kept['checkpoint']}'s, copied by the launcher after "
-                            f"training (FSDP2; best {metric} {kept.get('metric')}); eval_results.json is the last step's")
+    kept, _ = read_kept_adapter(output)
+    if kept is not None and kept.checkpoint:
+        report.final_note = f"= {kept.checkpoint} (best adapter kept by the launcher)"
+        report.notes.append(f"the final adapter in output/ is {kept.checkpoint}'s, copied by the launcher after "
+                            f"training (FSDP2; best {metric} {kept.metric}); eval_results.json is the last step's")
     elif loaded_best:
         name = Path(str(state["best_model_checkpoint"])).name
         report.final_note = f"= {name} (load_best_model_at_end)"

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher.files import read_json_object, write_json_atomic
+from launcher.files import read_json_object, read_optional, write_json_atomic
 from launcher.results.adapter import read_lora_adapter
 from launcher.results.curves import Curves, best_point, load_curves, read_trainer_state
 from launcher.results.lora_targets import (
@@ -124,7 +124,8 @@ class _Context:
 
     def _load_layout(self) -> None:
         candidates: list[tuple[str, Any]] = [("--model", self.model_dir)]
-        candidates.append(("manifest.json model.path", ((self.files.manifest or {}).get("model") or {}).get("path")))
+        manifest = self.files.manifest
+        candidates.append(("manifest.json model.path", manifest.model.get("path") if manifest else None))
         candidates.append(("llamafactory.yaml model_name_or_path", self.files.lf_args.get("model_name_or_path")))
         candidates.append(
             ("adapter_config.json base_model_name_or_path", (self.adapter.config or {}).get("base_model_name_or_path"))
@@ -496,13 +497,27 @@ def verify_run(run_dir: Path, *, exit_code: int | None = None, model_dir: Path |
     return report
 
 
+@dataclass(frozen=True)
+class VerifyRecord:
+    """``verify.json`` as its readers see it (``VerifyReport.to_dict`` writes more): the verdict and when."""
+
+    passed: bool | None = None
+    created: str | None = None
+    run_id: str | None = None
+
+
+def read_verdict(run_dir: Path) -> tuple[VerifyRecord | None, str | None]:
+    """``verify.json`` (None when missing), and ``unreadable: PATH (why)`` when it cannot be read."""
+    return read_optional(run_dir / VERIFY_FILE, VerifyRecord)
+
+
 def _write(report: VerifyReport, run_dir: Path) -> None:
     """Write ``verify.json``; a FAIL never replaces an earlier PASS (the run was accepted; what fails now
     is damage done since, reported in ``verify.recheck.json`` instead)."""
-    earlier = read_json_object(run_dir / VERIFY_FILE)
-    if not report.passed and isinstance(earlier, dict) and earlier.get("passed") is True:
+    earlier, _ = read_verdict(run_dir)  # an unreadable one is replaced
+    if not report.passed and earlier is not None and earlier.passed is True:
         report.written = run_dir / RECHECK_FILE
-        report.kept = (f"{VERIFY_FILE} keeps the PASS of {earlier.get('created')}: the run was accepted then, "
+        report.kept = (f"{VERIFY_FILE} keeps the PASS of {earlier.created}: the run was accepted then, "
                        "so what fails now changed since (damaged or edited files); this check is in "
                        f"{RECHECK_FILE}")  # fmt: skip
     else:

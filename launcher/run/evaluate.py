@@ -36,7 +36,7 @@ from launcher.results.evaluate import (
 )
 from launcher.results.report import build_report
 from launcher.state.checkpoints import scan_checkpoints
-from launcher.state.runfiles import eval_dataset_names, load_run_files
+from launcher.state.runfiles import Manifest, eval_dataset_names, load_run_files, read_launch
 from launcher.state.runs import (
     ADAPTER_FILE,
     CHECKPOINT_FOLDER,
@@ -116,13 +116,13 @@ def _best(run_dir: Path, by_step):
     return next((c for c in by_step.values() if name and Path(name).name == c.path.name), None)
 
 
-def find_test_split(lf: dict[str, Any], manifest: dict[str, Any] | None) -> dict[str, Any]:
+def find_test_split(lf: dict[str, Any], manifest: Manifest | None) -> dict[str, Any]:
     """The held-out test split of the run's training data: its ``NAME.prepare.json`` record, checked.
 
     Raises:
         LauncherError: the training data has no test split, or the file is missing or changed since prepare.
     """
-    recorded = ((manifest or {}).get("data") or {}).get("dataset_dir")
+    recorded = manifest.data.get("dataset_dir") if manifest else None
     dataset_dir = Path(str(recorded or lf.get("dataset_dir", "data")))
     names = [n.strip() for n in str(lf.get("dataset") or "").split(",") if n.strip()]
     info = read_json_object(dataset_dir / "dataset_info.json")
@@ -154,10 +154,10 @@ def find_test_split(lf: dict[str, Any], manifest: dict[str, Any] | None) -> dict
     )
 
 
-def _require_trained_on(name: str, train_file: Path, manifest: dict[str, Any] | None, test: Path) -> None:
+def _require_trained_on(name: str, train_file: Path, manifest: Manifest | None, test: Path) -> None:
     """The test split on disk was held out of the very file the run trained on: that file is unchanged since
     the run (its sha256 in the run's manifest), so the prepare that wrote both is the run's."""
-    trained = (((manifest or {}).get("data") or {}).get("files") or {}).get(name) or {}
+    trained = manifest.data.get("files", {}).get(name, {}) if manifest else {}
     if not trained.get("sha256"):
         raise _usage(f"the run's manifest.json records no sha256 of its training file for {name}, so {test} "
                      "cannot be shown to be held out of what it trained on; evaluate a run this launcher "
@@ -197,11 +197,12 @@ def build_request(run_dir: Path, *, checkpoints: str, prompts_file: Path | None,
                      f"--batch-size {DEFAULT_BATCH_SIZE} (the default), or 1 for one prompt at a time")  # fmt: skip
     files = load_run_files(run_dir)
     require_ended(run_dir)
-    launch = read_json_object(run_dir / LAUNCH_FILE)
-    if isinstance(launch, str) or not files.lf_args:
-        problem = launch if isinstance(launch, str) else "; ".join(files.problems) or "no LLaMA-Factory arguments"
+    launch, problem = read_launch(run_dir)
+    if launch is None or not files.lf_args:
+        problem = problem or (f"{run_dir / LAUNCH_FILE} is missing" if launch is None else None)
+        problem = problem or "; ".join(files.problems) or "no LLaMA-Factory arguments"
         raise _usage(f"{run_dir} cannot be evaluated: {problem} (evaluate a run that `launcher run` started)")
-    backend = str(launch.get("backend", "cpu"))
+    backend = launch.backend
     if backend not in BACKENDS:
         raise _usage(f"{run_dir / LAUNCH_FILE}: backend {backend!r} is not one of {', '.join(BACKENDS)}")
     extra = read_prompts_file(prompts_file) if prompts_file is not None else []
@@ -210,8 +211,8 @@ def build_request(run_dir: Path, *, checkpoints: str, prompts_file: Path | None,
         "run_id": files.run_id,
         "run_dir": str(run_dir),
         "backend": backend,
-        "patches": launch.get("patches") or {},
-        "facts": launch.get("facts") or {},
+        "patches": launch.patches,
+        "facts": launch.facts,
         "log_examples": log_examples_wanted(run_dir),
         "lf_args": files.lf_args,
         "checkpoints": choose_checkpoints(run_dir, checkpoints),

@@ -16,13 +16,24 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from launcher.errors import ExitCode, LauncherError
-from launcher.files import make_folder, read_json_object, shown, write_json_atomic
+from launcher.files import make_folder, read_json_object, shown, type_problem, write_json_atomic
 from launcher.procs import boot_id, find_live, pid_namespace, self_identity
-from launcher.state.record import Identity, now_iso, type_problem
+from launcher.state.record import Identity, now_iso
 
 LOCK_NAME = "launcher.lock"
 OWNER_NAME = "launcher.lock.owner.json"
 OWNER_MAX_BYTES = 64 << 10  # the holder writes a few hundred bytes
+
+
+class Owner(Identity, total=False):
+    """The lock's owner file (``RunLock.write_owner``): the holder's identity, its run and where; a file with a
+    key of another type gives no hint (``read_owner``)."""
+
+    run_id: str | None
+    run_dir: str | None
+    hostname: str
+    boot_id: str | None
+    since: str
 
 
 class LockBusy(LauncherError):
@@ -104,7 +115,7 @@ def read_owner(root: Path) -> dict[str, Any]:
     (an earlier run's file, read in the instant before a new holder rewrites it). A holder in another
     pid namespace (another container) cannot be checked from here and is taken at its word."""
     data = read_json_object(root / OWNER_NAME, max_bytes=OWNER_MAX_BYTES)
-    if isinstance(data, str) or type_problem(data, Identity):  # unreadable or of the wrong shape: no hint
+    if isinstance(data, str) or type_problem(data, Owner):  # unreadable or of the wrong shape: no hint
         return {}
     if data.get("pid_ns") not in (None, pid_namespace()):
         return data

@@ -6,16 +6,17 @@ only in the summary torch elastic prints, and the useful traceback is the rank's
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
-from launcher.files import read_tail
+from launcher.files import read_optional, read_tail
 from launcher.rank.oomtrack import summary
 from launcher.run.rundir import RunDir
+from launcher.state.record import OutOfMemory
 from launcher.state.runs import ERROR_RECORD, ERRORS_DIR
 
 _RANK_FAILURE = re.compile(
@@ -50,39 +51,61 @@ def describe_rank_failure(failed: dict[str, Any]) -> str:
     return f"rank {failed['rank']} (pid {failed['pid']}) exit code {failed['exit_code']}"
 
 
-def first_error_record(run_dir: RunDir, since: float = 0.0) -> dict[str, Any] | None:
+class DiskRefusal(TypedDict, total=False):
+    """``files.disk_error``: the disk's refusal of a write."""
+
+    errno: str
+    path: str | None
+    free_bytes: int | None
+    message: str | None
+
+
+@dataclass(frozen=True)
+class ErrorRecord:
+    """``errors/rank<N>.json`` (``rank/entry.py: write_error_file``): a rank's exception and traceback."""
+
+    rank: int | None = None
+    time: float = 0.0
+    pid: int | None = None
+    type: str | None = None
+    message: str | None = None
+    traceback: str = ""
+    disk: DiskRefusal | None = None
+    out_of_memory: OutOfMemory | None = None
+
+
+ERROR_RECORD_MAX_BYTES = 4 << 20  # a traceback of a few KB; a record past this is damaged or planted
+ERROR_RECORD_MAX_DEPTH = 8
+
+
+def first_error_record(run_dir: RunDir, since: float = 0.0) -> ErrorRecord | None:
     """The error record (``errors/rank<N>.json``, written by ``entry.write_error_file``) of the first rank that
-    failed at or after ``since``, or None."""
+    failed at or after ``since``, or None. A record that cannot be read as one is passed over."""
     records = []
     for path in (run_dir.path / ERRORS_DIR).glob(ERROR_RECORD.format(rank="*")):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if isinstance(record, dict) and float(record.get("time", 0)) >= since:  # not an earlier attempt's
+        record, _ = read_optional(path, ErrorRecord, ERROR_RECORD_MAX_BYTES, ERROR_RECORD_MAX_DEPTH)
+        if record is not None and record.time >= since:  # not an earlier attempt's
             records.append(record)
-    return min(records, key=lambda r: r.get("time", 0)) if records else None
+    return min(records, key=lambda r: r.time) if records else None
 
 
 def out_of_memory(run_dir: RunDir, since: float = 0.0) -> dict[str, Any] | None:
     """The first failing rank's out-of-memory record (phase, step, layer, memory, fix) and its rank, if it ran out."""
     first = first_error_record(run_dir, since)
-    found = first.get("out_of_memory") if first else None
-    return {"rank": first.get("rank"), **found} if isinstance(found, dict) else None
+    return {"rank": first.rank, **first.out_of_memory} if first and first.out_of_memory is not None else None
 
 
 def root_cause(run_dir: RunDir, max_lines: int = 30, since: float = 0.0, log_start: int = 0) -> str | None:
     """Why the job failed: the first failing rank's error file, else the log's last traceback."""
     first = first_error_record(run_dir, since)
     if first is not None:
-        lines = str(first.get("traceback", "")).rstrip().splitlines()
-        disk = first.get("disk") if isinstance(first.get("disk"), dict) else None
+        lines = first.traceback.rstrip().splitlines()
+        disk = first.disk
         head = (f"the disk refused a write: {disk.get('errno')} ({disk.get('message')}) writing {disk.get('path')}, "
                 f"{disk.get('free_bytes')} bytes free\n" if disk else "")  # fmt: skip
-        oom = first.get("out_of_memory")
-        if isinstance(oom, dict):
-            head = summary(oom) + "\n" + head
-        return f"rank {first.get('rank')}: {head}" + "\n".join(lines[-max_lines:])
+        if first.out_of_memory is not None:
+            head = summary(first.out_of_memory) + "\n" + head
+        return f"rank {first.rank}: {head}" + "\n".join(lines[-max_lines:])
     return last_traceback(run_dir.log, max_lines=max_lines, start=log_start)
 
 

@@ -61,6 +61,8 @@ from launcher.state.record import RunStore, now_iso
 from launcher.state.states import RunState, end_state, run_exit_code
 from launcher.state.stop import (
     SAVE_KILL_GRACE_S,
+    SaveDone,
+    StopRequest,
     ask_to_save,
     clear_save_files,
     clear_stop_request,
@@ -88,11 +90,11 @@ def _say(text: str, err: bool = False) -> None:
             pass
 
 
-def _sender(received: Received, request: dict[str, Any] | None) -> str:
+def _sender(received: Received, request: StopRequest | None) -> str:
     """Who sent the stop signal: ``launcher stop`` names itself in its request; else what the kernel said
     about the signal's sender (run/signals.py)."""
     if request:
-        return str(request.get("by") or "launcher stop")
+        return request.by or "launcher stop"
     return received.describe()
 
 
@@ -103,7 +105,7 @@ class Ending:
     code: int
     stopped_by: int | None  # the stop signal the supervisor received
     why: str | None = None  # the supervisor stopped the job itself: "stall" or "record"
-    saved: dict[str, Any] | None = None  # the checkpoint saved on the stop: {step, path}
+    saved: SaveDone | None = None  # what the job recorded saving on the stop (stop_saved.json)
 
 
 @dataclass
@@ -275,8 +277,8 @@ class Supervisor:
         Returns the time by which a save must have ended the job, or None when it was stopped at once."""
         grace = self._launcher.stop_grace_s
         request = read_stop_request(self.run_dir.path) if self._stop_signal is not None else None
-        if request and request.get("grace_s") is not None:
-            grace = float(request["grace_s"])
+        if request and request.grace_s is not None:
+            grace = request.grace_s
         save = save and not skips_save(request) and self._job_can_save(job)
         if save:
             try:
@@ -285,7 +287,7 @@ class Supervisor:
                 _say(f"warning: cannot ask the job to save ({err}); stopping it without a save", err=True)
                 save = False
         self.store.event("stopping", signal=self._stop_signal, grace_s=grace, why=what, save=save,
-                         requested_by=request.get("by") if request else None)  # fmt: skip
+                         requested_by=request.by if request else None)  # fmt: skip
         if save:
             _say(f"stopping: the job saves a checkpoint at the next step and exits (up to {grace:g} s)", err=True)
             return time.monotonic() + grace
@@ -334,7 +336,7 @@ class Supervisor:
             fields["stopped_by"] = _sender(self._signals.first or Received(stopped_by), request)
             fields["stop_sender"] = (self._signals.first or Received(stopped_by)).to_dict()
             fields["reason"] = (
-                f"stopped by `launcher stop` ({request.get('by')})"
+                f"stopped by `launcher stop` ({request.by})"
                 if request
                 else f"received {signal.Signals(stopped_by).name} ({fields['stopped_by']}); the job was stopped"
             )

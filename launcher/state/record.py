@@ -25,10 +25,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypedDict, Union, get_args, get_origin, get_type_hints, is_typeddict
+from typing import Any, TypedDict, get_type_hints
 
 from launcher.errors import ExitCode, LauncherError
-from launcher.files import Unreadable, append_line, read_json_bounded, shown, write_json_atomic
+from launcher.files import Unreadable, append_line, read_json_bounded, type_problem, unreadable, write_json_atomic
 from launcher.state.runs import EVENTS_FILE, OUTPUT_SUBDIR, RESERVE_FILE, STATUS_FILE, TRAINER_LOG
 from launcher.state.states import TERMINAL, RunState, check_transition
 
@@ -51,7 +51,7 @@ class RecordUnreadable(LauncherError):
     one error per run."""
 
     def __init__(self, path: Path, why: str):
-        super().__init__(f"unreadable: {shown(path)} ({shown(why)})", ExitCode.FAILED)
+        super().__init__(unreadable(path, why), ExitCode.FAILED)
         self.path = path
 
 
@@ -245,51 +245,6 @@ def _field_types() -> dict[str, Any]:
     if not _FIELD_TYPES:
         _FIELD_TYPES.update(get_type_hints(RunRecord))
     return _FIELD_TYPES
-
-
-def type_problem(value: Any, hint: Any) -> str | None:
-    """Why ``value`` is not of the type ``hint`` (the subset the records use: None, str, int, float, bool,
-    Any, unions, ``list[X]``, ``dict[str, X]``, TypedDicts), or None when it is.
-
-    A typed check of our own rather than pydantic: ``launcher status`` must not pay pydantic's import
-    (docs/benchmarks.md). Depth is bounded by the reader (``MAX_RECORD_DEPTH``), so the recursion is too.
-    """
-    if hint is Any:
-        return None
-    if hint is None or hint is type(None):
-        return None if value is None else f"{_kind(value)}, not null"
-    origin = get_origin(hint)
-    if origin is Union or str(origin) == "<class 'types.UnionType'>":
-        options = get_args(hint)
-        problems = [type_problem(value, h) for h in options]
-        return None if None in problems else next(p for p in problems if p)
-    if origin is list:
-        if not isinstance(value, list):
-            return f"{_kind(value)}, not a list"
-        (item,) = get_args(hint)
-        return next((f"item {i}: {p}" for i, v in enumerate(value) if (p := type_problem(v, item))), None)
-    if origin is dict:
-        if not isinstance(value, dict):
-            return f"{_kind(value)}, not an object"
-        item = get_args(hint)[1]
-        return next((f"{k!r}: {p}" for k, v in value.items() if (p := type_problem(v, item))), None)
-    if is_typeddict(hint):
-        if not isinstance(value, dict):
-            return f"{_kind(value)}, not an object"
-        keys = get_type_hints(hint)
-        return next((f"{k!r}: {p}" for k, v in value.items() if k in keys and (p := type_problem(v, keys[k]))), None)
-    if hint is float:  # JSON has one number type
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-    elif hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, hint)
-    return None if ok else f"{_kind(value)}, not {getattr(hint, '__name__', hint)}"
-
-
-def _kind(value: Any) -> str:
-    text = json.dumps(value, default=str)
-    return text if len(text) <= 40 else f"{type(value).__name__} {text[:37]}..."
 
 
 def read_record(run_dir: Path) -> RunRecord:

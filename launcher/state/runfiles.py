@@ -1,5 +1,6 @@
 """Read a run's own record files in one go (host side): the LLaMA-Factory YAML the job used, the run record and
-the manifest, and what the YAML says about evaluation. The names come from the map, ``launcher.state.runs``.
+the manifest (typed: ``Launch``, ``Manifest``), and what the YAML says about evaluation. The names come from the
+map, ``launcher.state.runs``.
 
 Nothing here needs torch.
 """
@@ -8,11 +9,57 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
-from launcher.files import read_json_object, read_yaml_mapping
+from launcher.files import read_optional, read_yaml_mapping
 from launcher.state.record import RecordUnreadable, RunRecord, read_record
 from launcher.state.runs import LAUNCH_FILE, LF_YAML, MANIFEST_FILE, OUTPUT_SUBDIR
+
+# launch.json and manifest.json hold a few KB and nest 4 levels; past these bounds one is damaged or planted
+SIDE_RECORD_MAX_BYTES = 4 << 20
+SIDE_RECORD_MAX_DEPTH = 16
+
+
+@dataclass(frozen=True)
+class Launch:
+    """``launch.json`` (run/rundir.py): what each rank's entry reads; keys not declared here are ignored."""
+
+    patches: dict[str, dict[str, Any]] = field(default_factory=dict)
+    backend: str = "cpu"
+    llamafactory_yaml: str | None = None  # this attempt's LLaMA-Factory YAML (a resume writes its own)
+    attempt: int = 1
+    log_examples: bool | None = None
+    facts: dict[str, Any] = field(default_factory=dict)
+    profile: dict[str, Any] | None = None
+    memory_history_steps: int | None = None
+
+
+class ModelPrint(TypedDict, total=False):
+    path: str
+    present: bool
+
+
+class DataFile(TypedDict, total=False):
+    file: str
+    sha256: str
+
+
+class DataPrint(TypedDict, total=False):
+    dataset_dir: str
+    files: dict[str, DataFile]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """``manifest.json`` (run/rundir.py), the parts the readers use: the model's and the data's fingerprints."""
+
+    model: ModelPrint = field(default_factory=dict)  # type: ignore[assignment]
+    data: DataPrint = field(default_factory=dict)  # type: ignore[assignment]
+
+
+def read_launch(run_dir: Path) -> tuple[Launch | None, str | None]:
+    """``launch.json`` (None when missing), and ``unreadable: PATH (why)`` when it cannot be read."""
+    return read_optional(run_dir / LAUNCH_FILE, Launch, SIDE_RECORD_MAX_BYTES, SIDE_RECORD_MAX_DEPTH)
 
 
 @dataclass
@@ -22,7 +69,7 @@ class RunFiles:
     path: Path
     lf_args: dict[str, Any] = field(default_factory=dict)
     status: RunRecord | None = None
-    manifest: dict[str, Any] | None = None
+    manifest: Manifest | None = None
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -37,10 +84,11 @@ class RunFiles:
 def load_run_files(run_dir: Path) -> RunFiles:
     """Read the LLaMA-Factory YAML the job used, ``status.json`` and ``manifest.json``; never raises."""
     files = RunFiles(path=run_dir)
-    launch = read_json_object(run_dir / LAUNCH_FILE)
+    launch, problem = read_launch(run_dir)
+    if problem:
+        files.problems.append(problem)
     # a resumed run writes llamafactory.attemptN.yaml; launch.json names the latest attempt's file
-    lf_name = launch.get("llamafactory_yaml") if isinstance(launch, dict) else None
-    lf = read_yaml_mapping(run_dir / str(lf_name or LF_YAML))
+    lf = read_yaml_mapping(run_dir / ((launch and launch.llamafactory_yaml) or LF_YAML))
     if isinstance(lf, str):
         files.problems.append(lf)
     else:
@@ -49,11 +97,10 @@ def load_run_files(run_dir: Path) -> RunFiles:
         files.status = read_record(run_dir)
     except RecordUnreadable as err:
         files.problems.append(str(err))
-    manifest = read_json_object(run_dir / MANIFEST_FILE)
-    if isinstance(manifest, str):
-        files.problems.append(manifest)
-    else:
-        files.manifest = manifest
+    files.manifest, problem = read_optional(run_dir / MANIFEST_FILE, Manifest, SIDE_RECORD_MAX_BYTES,
+                                            SIDE_RECORD_MAX_DEPTH)  # fmt: skip
+    if problem or files.manifest is None:
+        files.problems.append(problem or f"{run_dir / MANIFEST_FILE} is missing")
     return files
 
 

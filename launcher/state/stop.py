@@ -21,16 +21,65 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher.files import read_json_object, write_json_atomic, write_json_or_warn
+from launcher.files import read_optional, write_json_atomic, write_json_or_warn
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.record import now_iso
 from launcher.state.runs import CHECKPOINT_FOLDER, OUTPUT_SUBDIR, SAVE_DONE, SAVE_READY, SAVE_REQUEST, STOP_REQUEST
 from launcher.state.states import RunState
 
 SAVE_KILL_GRACE_S = 10.0  # after a save on stop that did not end the job in time: SIGTERM, then SIGKILL
+STOP_FILE_MAX_BYTES = 64 << 10  # each of these files holds a few fields; past this one is damaged or planted
+STOP_FILE_MAX_DEPTH = 4
+
+
+# --- the records, as their readers see them (``launcher.files.read_typed``: other keys are ignored) ---------------
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """``stop_request.json``."""
+
+    time: str | None = None
+    grace_s: float | None = None
+    by: str | None = None
+    now: bool = False
+
+
+@dataclass(frozen=True)
+class SaveReady:
+    """``save_on_stop.json``: the announcing rank's pid."""
+
+    pid: int | None = None
+    time: float | None = None
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """``save_request.json`` (the ranks only look whether it exists)."""
+
+    time: str | None = None
+    why: str | None = None
+
+
+@dataclass(frozen=True)
+class SaveDone:
+    """``stop_saved.json``: the step saved, its folder relative to the run directory."""
+
+    step: int | None = None
+    path: str | None = None
+    time: float | None = None
+    signalled: bool | None = None
+
+
+def _read(path: Path, model: Any) -> Any:
+    """One of the files above, or None when it is missing or unreadable (then it asks nothing: a damaged stop
+    request is no request, a damaged announcement no promise to save, a damaged save record no saved step)."""
+    return read_optional(path, model, STOP_FILE_MAX_BYTES, STOP_FILE_MAX_DEPTH)[0]
 
 
 # --- the stop request: `launcher stop` -> the supervisor (and, for `now`, the ranks) ---------------------------
@@ -41,15 +90,14 @@ def request_stop(run_dir: Path, grace_s: float | None, by: str, now: bool = Fals
     write_json_atomic(run_dir / STOP_REQUEST, {"time": now_iso(), "grace_s": grace_s, "by": by, "now": now})
 
 
-def read_stop_request(run_dir: Path) -> dict[str, Any] | None:
+def read_stop_request(run_dir: Path) -> StopRequest | None:
     """The stop request ``launcher stop`` left, or None (none, or unreadable)."""
-    request = read_json_object(run_dir / STOP_REQUEST)
-    return request if isinstance(request, dict) else None
+    return _read(run_dir / STOP_REQUEST, StopRequest)
 
 
-def skips_save(request: dict[str, Any] | None) -> bool:
+def skips_save(request: StopRequest | None) -> bool:
     """The stop request is ``launcher stop --now``: no save, the job is stopped at once."""
-    return request is not None and request.get("now") is True
+    return request is not None and request.now
 
 
 def clear_stop_request(run_dir: Path) -> None:
@@ -82,8 +130,8 @@ def job_can_save(run_dir: Path, state: RunState, live_pids: Iterable[int]) -> bo
     announcement left by an earlier attempt, or by a rank that has since died, count for nothing."""
     if state is RunState.FINISHING:
         return False
-    ready = read_json_object(run_dir / SAVE_READY)
-    return isinstance(ready, dict) and ready.get("pid") in set(live_pids)
+    ready: SaveReady | None = _read(run_dir / SAVE_READY, SaveReady)
+    return ready is not None and ready.pid is not None and ready.pid in set(live_pids)
 
 
 def ask_to_save(run_dir: Path, why: str, anew: bool = False) -> None:
@@ -110,18 +158,17 @@ def record_saved(run_dir: Path, step: int, signalled: bool) -> None:
     write_json_or_warn(run_dir / SAVE_DONE, done, "the saved checkpoint's record")
 
 
-def read_saved(run_dir: Path) -> dict[str, Any] | None:
-    """What the job recorded saving on the stop (``stop_saved.json``), or None."""
-    saved = read_json_object(run_dir / SAVE_DONE)
-    return saved if isinstance(saved, dict) else None
+def read_saved(run_dir: Path) -> SaveDone | None:
+    """What the job recorded saving on the stop (``stop_saved.json``), or None (none, or unreadable)."""
+    return _read(run_dir / SAVE_DONE, SaveDone)
 
 
-def saved_checkpoint(run_dir: Path, saved: Any) -> dict[str, Any] | None:
-    """The checkpoint the job reported saving on a stop (``stop_saved.json``'s content), if it is the newest
-    complete one on disk: ``{step, path, optimizer_state}``, the path relative to the run directory."""
-    if not isinstance(saved, dict):
+def saved_checkpoint(run_dir: Path, saved: SaveDone | None) -> dict[str, Any] | None:
+    """The checkpoint the job reported saving on a stop (``read_saved``), if it is the newest complete one on
+    disk: ``{step, path, optimizer_state}``, the path relative to the run directory."""
+    if saved is None or saved.step is None:
         return None
     last = last_complete_checkpoint(run_dir / OUTPUT_SUBDIR)
-    if last is None or last.step != saved.get("step"):
+    if last is None or last.step != saved.step:
         return None
     return {"step": last.step, "path": last.relative_to(run_dir), "optimizer_state": last.optimizer_state}

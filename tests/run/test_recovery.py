@@ -491,6 +491,7 @@ def test_a_job_can_save_when_a_live_rank_announced_it_and_steps_are_left(tmp_pat
 
 def test_the_save_files_round_trip_and_a_new_attempt_clears_them(tmp_path):
     from launcher.state.stop import (
+        StopRequest,
         ask_to_save,
         clear_save_files,
         clear_stop_request,
@@ -505,8 +506,8 @@ def test_the_save_files_round_trip_and_a_new_attempt_clears_them(tmp_path):
 
     request_stop(tmp_path, 5.0, by="launcher stop (test)", now=True)
     request = read_stop_request(tmp_path)
-    assert request is not None and request["grace_s"] == 5.0 and request["by"] == "launcher stop (test)"
-    assert skips_save(request) and not skips_save(None) and not skips_save({"now": False})
+    assert request is not None and request.grace_s == 5.0 and request.by == "launcher stop (test)"
+    assert skips_save(request) and not skips_save(None) and not skips_save(StopRequest(now=False))
     clear_stop_request(tmp_path)
     assert read_stop_request(tmp_path) is None
     assert not save_asked(tmp_path)
@@ -514,7 +515,7 @@ def test_the_save_files_round_trip_and_a_new_attempt_clears_them(tmp_path):
     assert save_asked(tmp_path)
     record_saved(tmp_path, 4, signalled=False)
     saved = read_saved(tmp_path)
-    assert saved is not None and saved["step"] == 4 and saved["path"] == "output/checkpoint-4"
+    assert saved is not None and saved.step == 4 and saved.path == "output/checkpoint-4"
     assert saved_checkpoint(tmp_path, saved) is None  # no complete checkpoint-4 on disk
     ask_to_save(tmp_path, "launcher stop; the supervisor is gone", anew=True)  # forgets the save recorded before
     assert read_saved(tmp_path) is None and save_asked(tmp_path)

@@ -241,3 +241,53 @@ def test_every_host_verb_answers_damaged_side_records_without_a_traceback(tmp_pa
                 if verb == "list":
                     assert "good" in out and "bad" in out, (*where, out)
         path.unlink()
+
+
+# each side record with fields of the wrong type (and a depth bomb inside a field): what its typed model refuses
+DEEP = json.loads("[" * 40 + "]" * 40)
+WRONG_TYPED = {
+    "launch.json": {"llamafactory_yaml": ["x"], "patches": [1], "backend": 5},
+    "manifest.json": {"model": "x", "data": [1]},
+    "save_on_stop.json": {"pid": [1], "step": "x"},
+    "stop_saved.json": {"step": "x", "path": {"a": 1}},
+    "stop_request.json": {"now": "yes", "grace_s": "x", "by": [1]},
+    "save_request.json": {"why": DEEP},
+    "verify.json": {"passed": "x", "created": [1]},
+    "evaluate.json": {"checkpoints": [{"a": 1}], "prompts": 5},
+    "output/best_adapter.json": {"checkpoint": {"a": 1}, "metric": "x"},
+    "errors/rank0.json": {"rank": "x", "time": "x", "traceback": 5, "out_of_memory": 5, "disk": [1]},
+    "output/trainer_log.jsonl": '{"current_steps": "x", "total_steps": 2}\n[1]\n{"loss": [1], "current_steps": 1}\n',
+    "../launcher.lock.owner.json": {"pid": [1], "run_id": 5, "since": DEEP},
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRONG_TYPED))
+def test_every_host_verb_answers_a_wrong_typed_side_record(tmp_path: Path, capsys, name: str) -> None:
+    """A side record whose fields have the wrong type: every host verb answers without a traceback, in at most one
+    line on stderr, with a documented exit code; no file changes but the verb's own outputs; `list` lists both
+    runs; a verb that names the file names it as ``unreadable: PATH (why)``."""
+    root = tmp_path / "runs"
+    run = crafted_run(tmp_path, name="bad", state="SUCCEEDED", exit_code=0)
+    crafted_run(tmp_path, name="good", state="FAILED", exit_code=1)
+    path = (run / name).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    content = WRONG_TYPED[name]
+    content = (content if isinstance(content, str) else json.dumps(content)).encode()
+    for verb in VERBS:
+        path.write_bytes(content)
+        for output in OUTPUTS - {name}:
+            (run / output).unlink(missing_ok=True)
+        before = snapshot(root)
+        args = {"list": ["list", "--root", str(root)], "report": ["report", str(run), "--no-plot"]}
+        code = main(args.get(verb, [verb, str(run)]))
+        out, err = capsys.readouterr()
+        where = (name, verb)
+        assert code in DOCUMENTED, (*where, code, err[-2000:])
+        assert "Traceback" not in out + err and err.count("\n") <= 1, (*where, err[-2000:])
+        assert name in OUTPUTS or path.read_bytes() == content, where
+        changed = {k for k, v in snapshot(root).items() if before.get(k) != v}
+        assert changed <= {f"bad/{o}" for o in OUTPUTS}, (*where, changed)
+        if str(path) in err:  # an answer about the file (the good path's output names some files too)
+            assert f"unreadable: {path} (" in err, (*where, out, err)
+        if verb == "list":
+            assert "good" in out and "bad" in out, (*where, out)
