@@ -137,6 +137,8 @@ exit codes of `launcher run` (and `launcher resume --foreground`):
   3          refused: another run holds the lock or its processes are alive (no run started)
   4          FAILED_ACCEPTANCE: the job exited 0 but an acceptance check failed
   5          OUT_OF_MEMORY: a rank was killed as out of memory
+  6, 7       SUPERVISOR_LOST, NODE_LOST: recorded from outside (status, list): the supervisor died
+             without an end record; a Slurm run's node was lost
   128 + N    CANCELLED / TERMINATED: stopped by signal N (143: SIGTERM from `launcher stop` or
              `docker stop`, 130: Ctrl-C, 129: the terminal closed)"""
 
