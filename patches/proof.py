@@ -9,7 +9,6 @@ step, are merged into it by the same process. Each rank writes only its own fold
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from dataclasses import dataclass
@@ -78,11 +77,13 @@ class ProofFile:
         self._write()
 
     def read(self) -> dict[str, Any]:
-        """The record as it is on disk, or ``{}`` when none was written yet."""
+        """The record as it is on disk, or ``{}`` when none was written yet or it is not a readable record
+        (read bounded, ``files.read_json_bounded``: the next update writes it whole again)."""
         try:
-            return json.loads(self.path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
+            record = files.read_json_bounded(self.path)
+        except (FileNotFoundError, files.Unreadable):
             return {}
+        return record if isinstance(record, dict) else {}
 
     def update(self, **fields: Any) -> None:
         """Merge ``fields`` into the top level of the record."""

@@ -11,12 +11,11 @@ window, where the cold compiles land), the distinct sequence lengths; across ran
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
-from launcher.files import write_json_atomic, write_text_atomic
+from launcher.files import read_json_bounded, write_json_atomic, write_text_atomic
 from launcher.state.runs import PROFILE_ASCEND, PROFILE_DIR, PROFILE_JSON, PROFILE_MD, PROFILE_RECORD, PROFILE_TRACE
 
 PARTS = ("deltanet", "glue", "attention", "matmul", "other_compute", "communication", "optimizer",
@@ -104,10 +103,17 @@ def build_report(run_dir: Path) -> dict[str, Any]:
     found = [p for p in (run_dir / PROFILE_DIR).glob(PROFILE_RECORD.format(rank="*")) if p.stem[4:].isdigit()]
     for path in sorted(found, key=lambda p: int(p.stem[4:])):
         try:
-            records.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
+            record = read_json_bounded(path)
+        except (OSError, ValueError):  # files.Unreadable is a ValueError
             continue
-    ranks = [rank_summary(r) for r in records]
+        if isinstance(record, dict):
+            records.append(record)
+    ranks = []
+    for record in records:
+        try:
+            ranks.append(rank_summary(record))
+        except (AttributeError, KeyError, TypeError, ValueError, statistics.StatisticsError):
+            continue  # a damaged rank record: that rank is left out, as an unreadable one is
     times = [r["work_s"] for r in ranks if r["work_s"] is not None]
     spread = None
     if len(times) > 1:  # collectives make every rank's step as long as the slowest's: compare the work

@@ -159,3 +159,20 @@ def test_the_largest_other_compute_kernels_are_listed_under_the_table():
             "other_compute_top": [{"kernel": "direct_copy_kernel_cuda", "ms_per_step": 57.25}]}  # fmt: skip
     text = render({"ranks": [rank]})
     assert "Largest kernels in other compute, rank 0" in text and "- 57.2 ms `direct_copy_kernel_cuda`" in text
+
+
+def test_damaged_rank_profiles_are_left_out_of_the_report_not_a_traceback(tmp_path):
+    """A rank record that is not JSON, too deep, not a mapping or wrong-typed leaves that rank out; the good
+    rank's summary stays."""
+    from launcher.results.profile_report import build_report
+
+    folder = tmp_path / "profile"
+    folder.mkdir()
+    good = {"rank": 0, "profiled_steps": [{"data": 0.1}], "periods": [{"step": 1, "seconds": 1.0, "profiled": True}]}
+    (folder / "rank0.json").write_text(json.dumps(good))
+    (folder / "rank1.json").write_text("{not json")
+    (folder / "rank2.json").write_text("[" * 5000 + "]" * 5000)
+    (folder / "rank3.json").write_text("[1, 2]")
+    (folder / "rank4.json").write_text(json.dumps({"rank": 4, "profiled_steps": "x", "periods": 5}))
+    report = build_report(tmp_path)
+    assert [r["rank"] for r in report["ranks"]] == [0]

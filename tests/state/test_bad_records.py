@@ -291,3 +291,16 @@ def test_every_host_verb_answers_a_wrong_typed_side_record(tmp_path: Path, capsy
             assert f"unreadable: {path} (" in err, (*where, out, err)
         if verb == "list":
             assert "good" in out and "bad" in out, (*where, out)
+
+
+@pytest.mark.parametrize("damage", ["{not json", "[" * 5000 + "]" * 5000, "[1, 2]", "\udcff"])
+def test_a_damaged_proof_record_is_written_whole_again_at_the_next_update(tmp_path, damage):
+    """The rank reads its proof record back before merging an update; a damaged one counts as none."""
+    from patches.proof import ProofFile
+
+    proof = ProofFile(tmp_path / "proof", "demo_patch", 0)
+    proof.path.parent.mkdir(parents=True)
+    proof.path.write_bytes(damage.encode("utf-8", "surrogateescape"))
+    assert proof.read() == {}
+    proof.update(applied=True)
+    assert json.loads(proof.path.read_text())["applied"] is True
