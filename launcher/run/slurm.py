@@ -216,7 +216,8 @@ def run_node(run_dir: Path) -> int:
         return _refuse_restart(run_dir, node.node_rank, restarts, policy.max_restarts if policy else 0)
     if node.node_rank > 0:
         return supervise(config, echo=False, watch_stop_request=True)
-    return supervise(config, echo=False, adopt=run_dir, watch_stop_request=True)
+    return supervise(config, echo=False, adopt=run_dir, watch_stop_request=True,
+                     slurm_job=os.environ.get("SLURM_JOB_ID"))
 
 
 def _refuse_restart(run_dir: Path, node_rank: int, restarts: int, max_restarts: int) -> int:

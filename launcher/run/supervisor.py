@@ -58,6 +58,7 @@ from launcher.run.tuning import tuning_env
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.reconcile import reconcile
 from launcher.state.record import RunStore, now_iso
+from launcher.state.slurmjob import lost_node
 from launcher.state.states import RunState, end_state, run_exit_code
 from launcher.state.stop import (
     SAVE_KILL_GRACE_S,
@@ -118,6 +119,7 @@ class Supervisor:
     attempt: int = 1
     node_rank: int = 0
     watch_stop_request: bool = False  # a Slurm run: the stop request file alone stops the run (run/slurm.py)
+    slurm_job: str | None = None  # a Slurm run's job id: node 0 asks Slurm whether a failed end was a lost node
     _signals: StopSignals = field(default_factory=StopSignals)
     # where this attempt's job began: its log output and error files only (a resumed run shares them)
     _job_since: float = 0.0
@@ -150,6 +152,8 @@ class Supervisor:
             while True:
                 ending = self._run_attempt()
                 state, fields, cause = self._conclude(ending)
+                if self._lost_node(state, fields):  # the whole job is gone with the node: no restart here
+                    state, cause = RunState.NODE_LOST, None
                 policy = self._launcher.restart
                 if cause and policy is not None and self._restarts < policy.max_restarts:
                     if self._restart(state, fields, cause, policy.backoff_s):
@@ -384,6 +388,21 @@ class Supervisor:
         fields["run_exit_code"] = run_exit_code(state, exit_code=exit_code, signal=sig, stop_signal=stopped_by)
         return state, fields, retry
 
+    def _lost_node(self, state: RunState, fields: dict[str, Any]) -> bool:
+        """Node 0 of a Slurm run whose job did not succeed and was not stopped by ``launcher stop``: when Slurm
+        says the job lost a node (``NODE_FAIL``, a node down or not responding; asked for up to
+        ``NODE_LOST_WAIT_S``), the end is ``NODE_LOST`` with the node named, what node 0 saw kept after it."""
+        if self.slurm_job is None or self.node_rank != 0 or state in (
+                RunState.SUCCEEDED, RunState.CANCELLED, RunState.FAILED_ACCEPTANCE):  # fmt: skip
+            return False
+        said = lost_node(self.slurm_job, os.environ.get("SLURM_JOB_NODELIST"))
+        if said is None:
+            return False
+        fields["reason"] = f"a node of the run was lost: {said}; node 0 saw: {state.value}, {fields.get('reason')}"
+        fields["run_exit_code"] = run_exit_code(RunState.NODE_LOST)
+        self.store.event("node_lost", slurm_job=self.slurm_job, said=said, seen=state.value)
+        return True
+
     def _restart(self, state: RunState, fields: dict[str, Any], cause: str, backoff_s: float) -> bool:
         """Record this attempt's failure and start over from the last complete checkpoint as the next attempt,
         after ``backoff_s``; False when a stop arrived meanwhile (the run is then PENDING)."""
@@ -562,14 +581,15 @@ class Handshake:
 
 def supervise(config: RunConfig, *, echo: bool = True, handshake: Handshake | None = None,
               resume: ResumePlan | None = None, adopt: Path | None = None,
-              watch_stop_request: bool = False) -> int:  # fmt: skip
+              watch_stop_request: bool = False, slurm_job: str | None = None) -> int:  # fmt: skip
     """Run one supervised run to its end and return its exit code.
 
     ``handshake`` gets its line once the run directory exists, or once the run was refused; ``launcher
     start`` waits for it.
     ``adopt``: supervise in this existing run folder (node 0 of a run ``launcher submit`` made);
     ``watch_stop_request``: a stop request written into the run folder stops the run without a signal (each
-    node of a Slurm run: ``launcher stop`` runs on another host, run/slurm.py).
+    node of a Slurm run: ``launcher stop`` runs on another host, run/slurm.py); ``slurm_job``: that run's
+    Slurm job id (node 0 records ``NODE_LOST`` when Slurm says the job lost a node).
 
     Raises:
         LauncherError: the run was refused before it existed (lock busy, live processes, bad config).
@@ -594,7 +614,7 @@ def supervise(config: RunConfig, *, echo: bool = True, handshake: Handshake | No
             print(f"run {run_dir.run_id}\n  run dir:     {run_dir.path}\n  trainer log: {run_dir.trainer_log}"
                   f"\n  job log:     {run_dir.log}", flush=True)  # fmt: skip
         return Supervisor(prepared, run_dir, store, echo=echo, attempt=attempt,
-                          watch_stop_request=watch_stop_request).run()
+                          watch_stop_request=watch_stop_request, slurm_job=slurm_job).run()
     except BaseException as err:  # record any supervisor failure before giving up the lock
         if not store.record.terminal:
             state = RunState.FAILED_SETUP if store.state is RunState.PENDING else RunState.FAILED

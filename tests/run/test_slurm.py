@@ -11,7 +11,7 @@ import pytest
 
 from launcher.run.job import NodeSpec, first_host, slurm_port
 from launcher.run.slurm import batch_script, task_command
-from launcher.state.slurmjob import parse_show_job
+from launcher.state.slurmjob import lost_node, lost_nodes, parse_show_job
 from tests.support.common import launcher_cmd, make_config, only_run_dir
 
 
@@ -52,6 +52,26 @@ def test_scontrol_answer_is_read():
     assert view.live and view.describe() == "job 7 PENDING (Resources)"
     done = parse_show_job("7", "JobId=7 JobState=NODE_FAIL Reason=NodeDown NodeList=n[1-2] ExitCode=0:0")
     assert done.live is False and "NODE_FAIL" in done.describe()
+
+
+def test_a_lost_node_is_read_from_scontrol(tmp_path, monkeypatch):
+    states = {"n1": "MIXED", "n2": "DOWN+NOT_RESPONDING", "n3": "IDLE*", "n4": "ALLOCATED+DRAIN"}
+    assert lost_nodes(states) == {"n2": "DOWN+NOT_RESPONDING", "n3": "IDLE*"}
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(
+        "#!/bin/sh\n"
+        'if [ "$2" = job ]; then echo "JobId=5 JobState=RUNNING Reason=None NodeList=n[1-2]"; exit 0; fi\n'
+        'echo "NodeName=n1 Arch=x State=MIXED CPUTot=2"; echo "NodeName=n2 Arch=x State=$(cat ' + str(tmp_path / "n2")
+        + ') CPUTot=2"\n')  # fmt: skip
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    (tmp_path / "n2").write_text("MIXED")
+    assert lost_node("5", wait_s=0.5, poll_s=0.1) is None  # nothing lost: asked until the wait is over
+    (tmp_path / "n2").write_text("MIXED+NOT_RESPONDING")
+    assert lost_node("5", wait_s=0) == "Slurm job 5 RUNNING; node n2 MIXED+NOT_RESPONDING"
+    (tmp_path / "n2").write_text("DOWN+NOT_RESPONDING")  # the allocation names the node the job no longer does
+    assert lost_node("5", nodes="n[1-2]", wait_s=0) == "Slurm job 5 RUNNING; node n2 DOWN+NOT_RESPONDING"
 
 
 def _fake_slurm(bin_dir: Path, state: str) -> None:

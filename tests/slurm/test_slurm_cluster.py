@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.support.common import REPO, launcher_cmd, make_config, only_run_dir
@@ -26,10 +29,17 @@ pytestmark = [
 SCRIPT = REPO / "scripts" / "slurm-cluster.sh"
 
 
+def _cluster_dir() -> str:
+    """The cluster's folder: SLURM_CLUSTER_DIR, else SLURM_CONF's, else the script's default."""
+    conf = os.environ.get("SLURM_CONF")
+    return os.environ.get("SLURM_CLUSTER_DIR") or (str(Path(conf).parent) if conf else "")
+
+
 @pytest.fixture(scope="module")
 def cluster() -> str:
     """The cluster started (idempotent); its SLURM_CONF."""
-    done = subprocess.run(["bash", str(SCRIPT), "start"], capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(["bash", str(SCRIPT), "start", _cluster_dir()], capture_output=True, text=True, timeout=120,
+                          check=False)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout.strip().rsplit("SLURM_CONF=", 1)[-1]
 
@@ -95,3 +105,63 @@ def test_stop_saves_a_checkpoint_on_both_nodes(slurm_env, tmp_path, demo_assets)
     assert saved and (run_dir / saved["path"] / "adapter_model.safetensors").is_file(), end
     assert "through Slurm" in end["stopped_by"]
     assert "saved at step" in done.stdout
+
+
+def _job_processes(job_id: str) -> list[psutil.Process]:
+    """Every live process of Slurm job ``job_id`` on this host (its environment names the job), with the node."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("SLURM_JOB_ID") == job_id and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def _node_of(proc: psutil.Process) -> str | None:
+    try:
+        return proc.environ().get("SLURMD_NODENAME")
+    except (psutil.Error, OSError):
+        return None
+
+
+def _scontrol(*args: str) -> str:
+    return subprocess.run(["scontrol", "show", *args, "-o"], capture_output=True, text=True, check=False).stdout
+
+
+def test_a_node_lost_mid_run_ends_node_lost(slurm_env, tmp_path, demo_assets):
+    run_dir = _submit(tmp_path, demo_assets, max_steps=400, save_steps=1000, eval_steps=1000, logging_steps=1)
+    job_id = json.loads((run_dir / "status.json").read_text())["slurm"]["job_id"]
+    trainer_log = run_dir / "output" / "trainer_log.jsonl"
+    wait_for("a trainer-log line", lambda: trainer_log.is_file() and trainer_log.read_text().strip(), timeout=400,
+             every=1)  # fmt: skip
+    pid = int(subprocess.run(["bash", str(SCRIPT), "pid", "n2", _cluster_dir()], capture_output=True, text=True,
+                             check=True).stdout)  # fmt: skip
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    seen = []
+    try:
+        def ended():
+            seen.append((round(time.monotonic() - killed_at, 1), json.loads((run_dir / "status.json").read_text())
+                         ["state"], _scontrol("job", job_id).split("JobState=")[-1].split()[0],
+                         [line.split("State=")[1].split()[0] for line in _scontrol("node").splitlines()]))
+            return seen[-1][1] in ("SUCCEEDED", "FAILED", "CANCELLED", "TERMINATED", "NODE_LOST", "SUPERVISOR_LOST")
+        wait_for("the run's end", ended, timeout=300, every=1)
+        end = json.loads((run_dir / "status.json").read_text())
+        print("seen after the kill (s, run state, job state, node states):", *seen, sep="\n")
+        # node 0 (n1) leaves nothing behind; n2's processes outlive its slurmd (proctrack/linuxproc, one host)
+        wait_for("node 0's processes to end", lambda: not [p for p in _job_processes(job_id) if _node_of(p) == "n1"],
+                 timeout=120, every=1)  # fmt: skip
+    finally:
+        for proc in _job_processes(job_id):
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        subprocess.run(["bash", str(SCRIPT), "stop", _cluster_dir()], capture_output=True, timeout=120, check=False)
+        subprocess.run(["bash", str(SCRIPT), "start", _cluster_dir()], capture_output=True, timeout=120, check=False)
+    wait_for("no process of the run", lambda: not _job_processes(job_id), timeout=60, every=1)
+    assert end["state"] == "NODE_LOST", (end, seen)
+    assert end["run_exit_code"] == 7, end
+    assert "n2" in end["reason"], end
