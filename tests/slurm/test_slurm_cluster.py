@@ -1,5 +1,6 @@
 """A real Slurm cluster (scripts/slurm-cluster.sh: slurmctld and two slurmd nodes on this host) runs the
-CPU demo on 2 nodes with gloo: `launcher submit`, `status`, `stop`; only with LAUNCHER_SLURM_TESTS=1.
+CPU demo on 2 nodes with gloo: `launcher submit`, `status`, `stop`, a node lost mid-run (n2's slurmd
+SIGKILLed: NODE_LOST, and the requeue after it); only with LAUNCHER_SLURM_TESTS=1.
 
 Both nodes are this host, so node 0 and node 1 share the filesystem as on shared storage: node 0 supervises
 in the run folder, node 1 under its nodes/node1/ (its own record and lock).
@@ -130,9 +131,9 @@ def _scontrol(*args: str) -> str:
     return subprocess.run(["scontrol", "show", *args, "-o"], capture_output=True, text=True, check=False).stdout
 
 
-def test_a_node_lost_mid_run_ends_node_lost(slurm_env, tmp_path, demo_assets):
-    run_dir = _submit(tmp_path, demo_assets, max_steps=400, save_steps=1000, eval_steps=1000, logging_steps=1)
-    job_id = json.loads((run_dir / "status.json").read_text())["slurm"]["job_id"]
+def _kill_n2_mid_run(run_dir: Path, job_id: str) -> tuple[dict, list]:
+    """SIGKILL n2's slurmd once training has logged a step; wait for node 0's end record: (the record, what
+    was seen each second after the kill: seconds, run state, job state, node states)."""
     trainer_log = run_dir / "output" / "trainer_log.jsonl"
     wait_for("a trainer-log line", lambda: trainer_log.is_file() and trainer_log.read_text().strip(), timeout=400,
              every=1)  # fmt: skip
@@ -141,27 +142,76 @@ def test_a_node_lost_mid_run_ends_node_lost(slurm_env, tmp_path, demo_assets):
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     seen = []
-    try:
-        def ended():
-            seen.append((round(time.monotonic() - killed_at, 1), json.loads((run_dir / "status.json").read_text())
-                         ["state"], _scontrol("job", job_id).split("JobState=")[-1].split()[0],
-                         [line.split("State=")[1].split()[0] for line in _scontrol("node").splitlines()]))
-            return seen[-1][1] in ("SUCCEEDED", "FAILED", "CANCELLED", "TERMINATED", "NODE_LOST", "SUPERVISOR_LOST")
-        wait_for("the run's end", ended, timeout=300, every=1)
-        end = json.loads((run_dir / "status.json").read_text())
-        print("seen after the kill (s, run state, job state, node states):", *seen, sep="\n")
-        # node 0 (n1) leaves nothing behind; n2's processes outlive its slurmd (proctrack/linuxproc, one host)
-        wait_for("node 0's processes to end", lambda: not [p for p in _job_processes(job_id) if _node_of(p) == "n1"],
-                 timeout=120, every=1)  # fmt: skip
-    finally:
-        for proc in _job_processes(job_id):
+
+    def ended():
+        seen.append((round(time.monotonic() - killed_at, 1), json.loads((run_dir / "status.json").read_text())
+                     ["state"], _scontrol("job", job_id).split("JobState=")[-1].split()[0],
+                     [line.split("State=")[1].split()[0] for line in _scontrol("node").splitlines()]))  # fmt: skip
+        return seen[-1][1] in ("SUCCEEDED", "FAILED", "CANCELLED", "TERMINATED", "NODE_LOST", "SUPERVISOR_LOST")
+
+    wait_for("the run's end", ended, timeout=300, every=1)
+    print("seen after the kill (s, run state, job state, node states):", *seen, sep="\n")
+    return json.loads((run_dir / "status.json").read_text()), seen
+
+
+def _kill_job_processes(job_id: str, node: str | None = None) -> None:
+    for proc in _job_processes(job_id):
+        if node is None or _node_of(proc) == node:
             try:
                 proc.kill()
             except psutil.Error:
                 pass
-        subprocess.run(["bash", str(SCRIPT), "stop", _cluster_dir()], capture_output=True, timeout=120, check=False)
-        subprocess.run(["bash", str(SCRIPT), "start", _cluster_dir()], capture_output=True, timeout=120, check=False)
+
+
+def _restart_cluster() -> None:
+    """Leave the cluster up and idle, n2 back (ReturnToService=2)."""
+    subprocess.run(["bash", str(SCRIPT), "stop", _cluster_dir()], capture_output=True, timeout=120, check=False)
+    subprocess.run(["bash", str(SCRIPT), "start", _cluster_dir()], capture_output=True, timeout=120, check=False)
+
+
+def test_a_node_lost_mid_run_ends_node_lost(slurm_env, tmp_path, demo_assets):
+    run_dir = _submit(tmp_path, demo_assets, max_steps=400, save_steps=1000, eval_steps=1000, logging_steps=1)
+    job_id = json.loads((run_dir / "status.json").read_text())["slurm"]["job_id"]
+    try:
+        end, seen = _kill_n2_mid_run(run_dir, job_id)
+        # node 0 (n1) leaves nothing behind; n2's processes outlive its slurmd (proctrack/linuxproc, one host)
+        wait_for("node 0's processes to end", lambda: not [p for p in _job_processes(job_id) if _node_of(p) == "n1"],
+                 timeout=120, every=1)  # fmt: skip
+    finally:
+        _kill_job_processes(job_id)
+        _restart_cluster()
     wait_for("no process of the run", lambda: not _job_processes(job_id), timeout=60, every=1)
     assert end["state"] == "NODE_LOST", (end, seen)
     assert end["run_exit_code"] == 7, end
-    assert "n2" in end["reason"], end
+    assert "node n2 " in end["reason"], end
+    events = (run_dir / "events.jsonl").read_text()
+    assert '"event": "node_lost"' in events
+
+
+def test_a_node_lost_is_requeued_and_resumed(slurm_env, tmp_path, demo_assets):
+    """launcher.restart: the job is --requeue; the lost node's attempt ends NODE_LOST, Slurm requeues the job
+    (eligible about 2 minutes later), and once n2 is back attempt 2 resumes from the checkpoint saved on the
+    SIGTERM."""
+    cfg = make_config(tmp_path, demo_assets, launcher={"nnodes": 2, "restart": {"max_restarts": 1, "backoff_s": 0}},
+                      max_steps=400, save_steps=1000, eval_steps=1000, logging_steps=1)  # fmt: skip
+    done = launcher_cmd("submit", cfg, "--nodes", "2", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    run_dir = only_run_dir(tmp_path / "runs")
+    job_id = json.loads((run_dir / "status.json").read_text())["slurm"]["job_id"]
+    assert "--requeue" in (run_dir / "slurm.sbatch").read_text()
+    try:
+        end, seen = _kill_n2_mid_run(run_dir, job_id)
+        assert end["state"] == "NODE_LOST" and end["saved_checkpoint"], (end, seen)
+        _kill_job_processes(job_id, "n2")  # before n2 comes back: the requeued job starts on it
+        subprocess.run(["/usr/sbin/slurmd", "-N", "n2", "-f", slurm_env], check=True, timeout=60)
+        record = wait_for("attempt 2 running", lambda: (r := json.loads((run_dir / "status.json").read_text()))
+                          ["attempt"] == 2 and r["state"] == "RUNNING" and r, timeout=300, every=1)  # fmt: skip
+        assert record["resumed_from"] == end["saved_checkpoint"]["path"], record
+        stop = launcher_cmd("stop", run_dir, "--grace", "120", timeout=300)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        final = json.loads((run_dir / "status.json").read_text())
+        assert final["state"] == "CANCELLED" and final["attempt"] == 2, final
+    finally:
+        _kill_job_processes(job_id)
+        _restart_cluster()
+    wait_for("no process of the run", lambda: not _job_processes(job_id), timeout=60, every=1)
