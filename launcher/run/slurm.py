@@ -70,7 +70,8 @@ def task_command(runtime: str, image: str | None, run_dir: Path) -> list[str]:
     if runtime == "host":
         return [sys.executable, "-m", "launcher", *node_cmd]
     if not image:
-        raise LauncherError(f"--runtime {runtime} needs --image (the project's image)", ExitCode.USAGE)
+        raise LauncherError(f"--runtime {runtime} needs --image (the project's image: an .sif file for apptainer, "
+                            "an image name for docker)", ExitCode.USAGE)  # fmt: skip
     root = str(run_dir.parent)
     if runtime == "apptainer":
         return ["apptainer", "exec", "--bind", f"{root}:{root}", image, "launcher", *node_cmd]
@@ -129,9 +130,10 @@ def submit(config: RunConfig, nodes: int, partition: str | None = None, time_lim
            runtime: str = "host", image: str | None = None, extra: tuple[str, ...] = ()) -> int:  # fmt: skip
     """``launcher submit``: the run folder, its PENDING record with the Slurm job, the batch script, sbatch."""
     if nodes < 1:
-        raise LauncherError(f"--nodes {nodes}: at least 1", ExitCode.USAGE)
+        raise LauncherError(f"--nodes {nodes}: a run needs at least 1 node (e.g. --nodes 2)", ExitCode.USAGE)
     if runtime not in RUNTIMES:
         raise LauncherError(f"--runtime {runtime!r}: one of {', '.join(RUNTIMES)}", ExitCode.USAGE)
+    task_command(runtime, image, config.launcher.output_root)  # its refusals before any folder exists
     sbatch = shutil.which("sbatch")
     if sbatch is None:
         raise LauncherError("no sbatch on this machine: `launcher submit` runs where Slurm's client commands do "

@@ -98,3 +98,19 @@ def test_submit_records_the_job_and_status_shows_its_queue_state(tmp_path, demo_
     assert "PENDING" in shown.stdout and "job 4242 PENDING (Priority)" in shown.stdout, shown.stdout
     as_json = json.loads(launcher_cmd("status", run_dir, "--json").stdout)
     assert as_json["slurm_state"] == "PENDING" and as_json["liveness"] == "live"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--nodes", "0"], "--nodes 0: a run needs at least 1 node"),
+    (["--nodes", "2", "--runtime", "docker"], "--runtime docker needs --image"),
+    (["--nodes", "2", "--runtime", "podman"], "invalid choice: 'podman'"),  # argparse's own line
+])  # fmt: skip
+def test_bad_submit_arguments_are_one_message_and_leave_no_run_folder(tmp_path, demo_assets, monkeypatch, args,
+                                                                      message):  # fmt: skip
+    _fake_slurm(tmp_path / "bin", "PENDING")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    cfg = make_config(tmp_path, demo_assets)
+    done = launcher_cmd("submit", cfg, *args)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert message in done.stderr and done.stderr.count("error:") == 1, done.stderr
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
