@@ -1,10 +1,13 @@
-"""The session fixture every wing shares: the tiny demo model and data, built once (helpers: tests/support/)."""
+"""The session fixtures every wing shares: the tiny demo model and data, built once; the real Docker engine and
+the cpu image (tests/support/engine.py). Helpers: tests/support/."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+
+from tests.support.engine import cpu_image, engine  # noqa: F401  (session fixtures, registered here)
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,10 @@ too, not only the supervisor). Only when the run has not ended after the grace d
 (Slurm's SIGTERM to every process, SIGKILL after KillWait). A job still waiting in the queue is cancelled at
 once. A time limit (``--time``) works the same way: ``#SBATCH --signal=B:USR1@S`` makes Slurm signal the
 batch shell S seconds before the limit, and its trap runs ``launcher stop`` on the run.
+
+A lost node: node 0 records ``NODE_LOST`` (the node named, see ``state/slurmjob.py``); with
+``launcher.restart`` the job is submitted ``--requeue`` and node 0 asks Slurm to requeue it (``requeue``), so
+the next attempt resumes from the last complete checkpoint, up to ``max_restarts`` times.
 """
 
 from __future__ import annotations
@@ -192,7 +196,8 @@ def run_node(run_dir: Path) -> int:
 
     Node 0 supervises in the run folder itself; a requeued job (``launcher.restart``) resumes there from the
     last complete checkpoint as the next attempt, the earlier attempt recorded ``NODE_LOST`` if it recorded no
-    end. Node N >= 1 supervises in ``nodes/nodeN/``, resuming from the same checkpoint.
+    end. Node N >= 1 supervises in ``nodes/nodeN/``, resuming from the same checkpoint. When node 0 ends
+    ``NODE_LOST`` with restarts left, it asks Slurm to requeue the job (``requeue``).
     """
     from launcher.run.supervisor import supervise
 
@@ -218,8 +223,41 @@ def run_node(run_dir: Path) -> int:
         return _refuse_restart(run_dir, node.node_rank, restarts, policy.max_restarts if policy else 0)
     if node.node_rank > 0:
         return supervise(config, echo=False, watch_stop_request=True)
-    return supervise(config, echo=False, adopt=run_dir, watch_stop_request=True,
-                     slurm_job=os.environ.get("SLURM_JOB_ID"))
+    job_id = os.environ.get("SLURM_JOB_ID")
+    code = supervise(config, echo=False, adopt=run_dir, watch_stop_request=True, slurm_job=job_id)
+    if job_id and wants_requeue(read_record(run_dir).state, restarts, policy.max_restarts if policy else None):
+        requeue(job_id)
+    return code
+
+
+def wants_requeue(end: RunState, restarts: int, max_restarts: int | None) -> bool:
+    """Node 0's attempt ended ``end`` after ``restarts`` Slurm requeues: requeue again? Only for a lost node,
+    only with ``launcher.restart`` (``max_restarts``), and only while restarts remain."""
+    return end is RunState.NODE_LOST and max_restarts is not None and restarts < max_restarts
+
+
+def requeue(job_id: str, timeout_s: float = 30.0) -> bool:
+    """Node 0 asks Slurm to requeue its job (``scontrol requeue``) after recording ``NODE_LOST``.
+
+    Slurm requeues a ``--requeue`` job by itself only when the job ends ``NODE_FAIL``. A node whose whole
+    container or machine died takes its tasks with it, so ``srun`` sees them exit and the job ends as a failed
+    step, not a node failure, before slurmctld has called the node DOWN: without this no attempt 2 would come.
+    Slurm stops what is left of the job and queues it again; ``SLURM_RESTART_COUNT`` counts the attempts.
+    When Slurm had already requeued the job, scontrol refuses, and that is fine."""
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        print(f"node 0: no scontrol here; Slurm job {job_id} is not requeued", flush=True)
+        return False
+    print(f"node 0: a node was lost; scontrol requeue {job_id} (launcher.restart)", flush=True)
+    try:
+        done = subprocess.run([scontrol, "requeue", job_id], capture_output=True, text=True, timeout=timeout_s,
+                              check=False)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"node 0: scontrol requeue {job_id} did not answer ({e})", flush=True)
+        return False
+    if done.returncode != 0:
+        print(f"node 0: scontrol requeue {job_id}: {(done.stderr or done.stdout).strip()}", flush=True)
+    return done.returncode == 0
 
 
 def _refuse_restart(run_dir: Path, node_rank: int, restarts: int, max_restarts: int) -> int:

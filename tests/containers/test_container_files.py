@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -278,14 +280,58 @@ def test_install_is_online_unless_a_wheelhouse_is_named(tmp_path: Path, monkeypa
 # --- scripts, CI and docs -----------------------------------------------------------------------------
 
 
-def test_ci_starts_and_stops_the_engine_around_the_readme_test_command() -> None:
-    ci = (ROOT / ".ci" / "run").read_text()
-    start, test = ci.index("docker-engine.sh start"), ci.index("bash scripts/test.sh")
-    assert ci.index("docker-engine.sh install") < start < test
-    assert "trap 'bash scripts/docker-engine.sh stop" in ci and "export LAUNCHER_DOCKER_TESTS=1" in ci
+def _ci_copy(tmp_path: Path, test_sh: str) -> Path:
+    """A copy of .ci/run beside stand-ins for the scripts it calls, each logging its arguments and the test
+    switches it sees."""
+    root = tmp_path / "clone"
+    (root / ".ci").mkdir(parents=True)
+    shutil.copy2(ROOT / ".ci" / "run", root / ".ci" / "run")
+    (root / "scripts").mkdir()
+    log = 'echo "$(basename "$0") $* docker=${LAUNCHER_DOCKER_TESTS:-} slurm=${LAUNCHER_SLURM_TESTS:-}" >> "$CI_LOG"\n'
+    for name in ("setup-env.sh", "docker-engine.sh", "slurm-cluster.sh"):
+        (root / "scripts" / name).write_text("#!/bin/bash\n" + log)
+    (root / "scripts" / "test.sh").write_text("#!/bin/bash\n" + log + 'echo "addopts=$PYTEST_ADDOPTS" >> "$CI_LOG"\n'
+                                              + test_sh)  # fmt: skip
+    return root
 
 
-@pytest.mark.parametrize("script", ["docker-engine.sh", "docker-base-image.sh"])
+def _run_ci(root: Path, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    log = root / "ci.log"
+    done = subprocess.run(["bash", str(root / ".ci" / "run")], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CI_LOG": str(log), **env})  # fmt: skip
+    return done, log.read_text().splitlines()
+
+
+@pytest.mark.parametrize("need", ["0", "999999"], ids=["disk-enough", "disk-short"])
+def test_ci_runs_the_readme_tests_with_the_engine_and_slurm_only_with_the_disk_for_them(tmp_path: Path,
+                                                                                        need: str) -> None:  # fmt: skip
+    root = _ci_copy(tmp_path, "exit 3\n")
+    where = tmp_path / "engine" / "not-made-yet"  # measured on its nearest existing folder, created by no one
+    done, calls = _run_ci(root, CI_ENGINE_DISK_GIB=need, CI_DOCKER_ROOT=str(where))
+    assert done.returncode == 3, done.stdout + done.stderr  # the tests' exit code is CI's
+    assert not where.parent.exists()
+    assert done.stdout.startswith("ci: free disk at the start: ") and "ci: free disk at the end: " in done.stdout
+    if need == "0":
+        assert [c.split()[:2] for c in calls] == [["setup-env.sh", "docker="], ["docker-engine.sh", "install"],
+                                                  ["docker-engine.sh", "start"], ["slurm-cluster.sh", "install"],
+                                                  ["test.sh", "docker=1"], ["addopts=", "--durations=30"],
+                                                  ["docker-engine.sh", "stop"]]  # fmt: skip
+        assert calls[4].endswith("docker=1 slurm=1") and "did NOT run" not in done.stdout
+    else:
+        assert [c.split()[0] for c in calls] == ["setup-env.sh", "test.sh", "addopts="]
+        assert calls[1].endswith("docker= slurm=")
+        notice = "ci: the real-engine and Slurm tests did NOT run: "
+        assert done.stdout.count(notice) == 2 and "they need 999999 (CI_ENGINE_DISK_GIB)" in done.stdout
+
+
+def test_ci_interrupts_tests_that_outrun_its_limit_so_they_report(tmp_path: Path) -> None:
+    """Past CI_TEST_TIMEOUT_S the tests get SIGINT (pytest then prints its summary) and CI fails with 124."""
+    root = _ci_copy(tmp_path, 'trap \'echo interrupted >> "$CI_LOG"; exit 2\' INT\nwhile :; do sleep 0.1; done\n')
+    done, calls = _run_ci(root, CI_DOCKER="0", CI_TEST_TIMEOUT_S="1")
+    assert done.returncode == 124 and calls[-1] == "interrupted", (done.stdout + done.stderr, calls)
+
+
+@pytest.mark.parametrize("script", ["docker-engine.sh", "docker-base-image.sh", "slurm-cluster.sh"])
 def test_engine_scripts_parse_and_read_the_mirror_at_run_time(script: str) -> None:
     path = ROOT / "scripts" / script
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0

@@ -33,13 +33,10 @@ import pytest
 import yaml
 
 from tests.support import fake_runs
+from tests.support.engine import BASE_IMAGE, ENABLE, IMAGE, ROOT, docker_cli, project_context
 
-ROOT = Path(__file__).resolve().parents[2]
-ENABLE = "LAUNCHER_DOCKER_TESTS"
 # nothing tolerated: an engine error, or a status answer that is not JSON, is what these tests look at
 wait_for = partial(fake_runs.wait_for, tolerate=())
-BASE_IMAGE = "local/debian-python:bookworm"
-IMAGE = "deltanet-launcher:cpu"
 CONTAINER = "deltanet-train-cpu"
 NONROOT = (1000, 1000)
 DEMO = yaml.safe_load((ROOT / "configs" / "demo_cpu.yaml").read_text())
@@ -52,66 +49,6 @@ pytestmark = [
         "(bash scripts/docker-engine.sh install && bash scripts/docker-engine.sh start; .ci/run does both)",
     ),
 ]
-
-
-def docker_cli() -> str:
-    """Debian's client (it has BuildKit and finds the compose v2 plugin); any `docker` otherwise."""
-    return "/usr/bin/docker" if os.access("/usr/bin/docker", os.X_OK) else (shutil.which("docker") or "docker")
-
-
-def git_commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return out.stdout.strip() if out.returncode == 0 else ""
-
-
-def project_context(dest: Path) -> Path:
-    """A build context of its own: the project's files (tracked and new, as git sees them), no wheels."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.splitlines()  # fmt: skip
-    for name in listed:
-        if (ROOT / name).is_file() and not name.startswith("wheelhouse/"):
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, dest / name)
-    (dest / "wheelhouse").mkdir(exist_ok=True)
-    return dest
-
-
-# --- session: engine, base image, wheelhouse, image ---------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def engine():
-    """The docker SDK client of a live engine; a failure (never a skip) when none answers."""
-    import docker
-    from docker.errors import DockerException
-
-    try:
-        client = docker.from_env(timeout=30)
-        client.ping()
-    except DockerException as e:
-        pytest.fail(f"{ENABLE}=1 but no Docker engine answers ({e}); start one: bash scripts/docker-engine.sh start")
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="session")
-def cpu_image(engine) -> str:
-    """The cpu image, built once per session with no registry, as the README says: the cpu wheelhouse made
-    here (docker/wheelhouse.py download), then ``scripts/build-image.sh cpu`` (the wheelhouse checked for the
-    image's platform, the local base image, the offline build)."""
-    started = time.monotonic()
-    download = [sys.executable, "docker/wheelhouse.py", "download", "requirements-cpu.lock", "wheelhouse/cpu"]
-    out = subprocess.run(download, cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    env = {**os.environ, "PATH": f"{Path(docker_cli()).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "PYTHON": sys.executable, "LAUNCHER_GIT_COMMIT": git_commit()}  # fmt: skip
-    for name in ("CPU_BASE_IMAGE", "WHEELHOUSE", "REGISTRY_MIRROR"):
-        env.pop(name, None)
-    out = subprocess.run(["bash", "scripts/build-image.sh", "cpu"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=1800)  # fmt: skip
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    print(f"\n[containers] base + wheelhouse + cpu image ready in {time.monotonic() - started:.0f}s")
-    return IMAGE
 
 
 # --- per test: host folders and compose ---------------------------------------------------------------

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.containers.test_containers import BASE_IMAGE, ENABLE, ROOT, docker_cli, engine, project_context  # noqa: F401
+from tests.support.engine import BASE_IMAGE, ENABLE, ROOT, docker_cli, project_context
 
 STANDIN = "local/cann-standin:8.5.0-py3.11"
 IMAGE = "deltanet-launcher:npu-standin"
@@ -37,7 +37,7 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def npu_image(engine, tmp_path_factory) -> dict[str, object]:  # noqa: F811  (the imported fixture)
+def npu_image(engine, tmp_path_factory) -> dict[str, object]:
     timings: dict[str, float] = {}
     t0 = time.monotonic()
     subprocess.run(["bash", "scripts/docker-base-image.sh", BASE_IMAGE], cwd=ROOT, check=True, timeout=900)

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from launcher.run.job import NodeSpec, first_host, slurm_port
-from launcher.run.slurm import batch_script, task_command
+from launcher.run.slurm import batch_script, requeue, task_command, wants_requeue
 from launcher.state.slurmjob import lost_node, lost_nodes, parse_show_job
+from launcher.state.states import RunState
 from tests.support.common import launcher_cmd, make_config, only_run_dir
 
 
@@ -44,6 +45,32 @@ def test_the_batch_script_runs_one_launcher_per_node(tmp_path):
     assert task_command("apptainer", "x.sif", run_dir)[:2] == ["apptainer", "exec"]
     with pytest.raises(Exception, match="needs --image"):
         task_command("apptainer", None, run_dir)
+
+
+@pytest.mark.parametrize(("end", "restarts", "max_restarts", "wanted"), [
+    (RunState.NODE_LOST, 0, 1, True),
+    (RunState.NODE_LOST, 1, 2, True),
+    (RunState.NODE_LOST, 1, 1, False),  # the restarts are spent
+    (RunState.NODE_LOST, 0, None, False),  # no launcher.restart
+    (RunState.FAILED, 0, 2, False),  # a failure of the training itself is not requeued
+    (RunState.CANCELLED, 0, 2, False),
+])  # fmt: skip
+def test_node_0_requeues_only_a_lost_node_while_restarts_remain(end, restarts, max_restarts, wanted):
+    assert wants_requeue(end, restarts, max_restarts) is wanted
+
+
+def test_requeue_asks_scontrol_and_survives_a_refusal_or_no_slurm(tmp_path, monkeypatch, capsys):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    refuse = '[ "$2" = 42 ] || { echo "Job is pending execution" >&2; exit 1; }\n'
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "asked"}\n{refuse}')
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    assert requeue("42") is True
+    assert requeue("43") is False and "Job is pending execution" in capsys.readouterr().out
+    assert (tmp_path / "asked").read_text().splitlines() == ["requeue 42", "requeue 43"]
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    assert requeue("42") is False and "no scontrol here" in capsys.readouterr().out
 
 
 def test_scontrol_answer_is_read():
