@@ -8,8 +8,12 @@ set -euo pipefail
 install -o munge -g munge -m 400 /etc/deltanet-slurm/munge.key /etc/munge/munge.key
 install -d -o munge -g munge /run/munge
 runuser -u munge -- /usr/sbin/munged --force
-for _ in $(seq 1 40); do
+for try in $(seq 1 40); do
     munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break
+    ((try < 40)) || {
+        echo "slurm-node-entry: munged does not answer (munge -n | unmunge)" >&2
+        exit 1
+    }
     sleep 0.25
 done
 

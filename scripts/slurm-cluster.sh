@@ -7,7 +7,7 @@
 #   bash scripts/slurm-cluster.sh start [DIR]    # the node image, munged here, the three containers; waits
 #                                                # until both nodes are idle. A stopped or killed member is
 #                                                # started again, a changed setup recreates all three
-#   bash scripts/slurm-cluster.sh stop [DIR]     # removes the three containers
+#   bash scripts/slurm-cluster.sh stop [DIR]     # removes the three containers (and the munged `start` started)
 #   bash scripts/slurm-cluster.sh status [DIR]   # exit 0 if both nodes answer
 #
 # Containers: deltanet-slurm-ctl (slurmctld), deltanet-slurm-n1 and deltanet-slurm-n2 (slurmd -N n1 / n2);
@@ -89,7 +89,8 @@ both_idle() {
     local dir=$1 states
     states=$(SLURM_CONF="$dir/slurm.conf" timeout 10 sinfo -h -N -o '%N %T' 2>/dev/null) || return 1
     for node in "${NODES[@]}"; do
-        grep -Eq "^${node} (idle|allocated|mixed)" <<<"$states" || return 1
+        # `idle*`, `mixed*`: Slurm's mark of a node that does not answer
+        grep -Eq "^${node} (idle|allocated|mixed)$" <<<"$states" || return 1
     done
 }
 
@@ -115,6 +116,7 @@ start_munge() {
     fi
     install -d -o munge -g munge /run/munge
     runuser -u munge -- /usr/sbin/munged --force
+    touch "$1/munged.started" # `stop` stops the munged that `start` started, no other
     local deadline=$((SECONDS + 20))
     until munge -n 2>/dev/null | unmunge >/dev/null 2>&1; do
         ((SECONDS < deadline)) || die "munged does not answer (munge -n | unmunge)"
@@ -128,7 +130,7 @@ node_image() {
         die "no image $BASE_IMAGE to build the nodes on: bash scripts/build-image.sh cpu (or set SLURM_CLUSTER_IMAGE)"
     if [[ $("$DOCKER" image inspect -f '{{index .Config.Labels "deltanet.slurm.base"}}' "$NODE_IMAGE" 2>/dev/null) != "$base" ]]; then
         echo "slurm-cluster: building $NODE_IMAGE on $BASE_IMAGE (apt: slurmctld slurmd slurm-client munge)" >&2
-        "$DOCKER" build --quiet -f "$HERE/docker/slurm-node.Dockerfile" --build-arg "BASE=$BASE_IMAGE" \
+        timeout 900 "$DOCKER" build --quiet -f "$HERE/docker/slurm-node.Dockerfile" --build-arg "BASE=$BASE_IMAGE" \
             --label "deltanet.slurm.base=$base" -t "$NODE_IMAGE" "$HERE/docker" >/dev/null
     fi
     "$DOCKER" image inspect -f '{{.Id}}' "$NODE_IMAGE"
@@ -167,8 +169,8 @@ cmd_start() {
     local image setup
     image=$(node_image)
     write_conf "$dir"
-    start_munge
-    setup="image=$image dir=$dir shared=$shared"
+    start_munge "$dir"
+    setup="image=$image dir=$dir shared=$shared conf=$(md5sum <"$dir/slurm.conf" | cut -c1-12) key=$(md5sum <"$KEY" | cut -c1-12)"
     if [[ $("$DOCKER" inspect -f '{{index .Config.Labels "deltanet.slurm.setup"}}' "$PREFIX-ctl" 2>/dev/null) != "$setup" ]]; then
         rm -rf "${dir:?}/state" "${dir:?}/spool" # a new setup: no jobs or node state of an earlier one
         mkdir -p "$dir/state" "$dir/spool"
@@ -191,9 +193,16 @@ cmd_start() {
 }
 
 cmd_stop() {
-    cluster_dir "${1:-}" >/dev/null
-    "$DOCKER" rm -f "$PREFIX-ctl" "${NODES[@]/#/$PREFIX-}" >/dev/null 2>&1 || true
-    echo "slurm-cluster: stopped (munged keeps running: other users of munge may need it)"
+    local dir
+    dir=$(cluster_dir "${1:-}")
+    timeout 120 "$DOCKER" rm -f "$PREFIX-ctl" "${NODES[@]/#/$PREFIX-}" >/dev/null 2>&1 || true
+    if [[ -e $dir/munged.started && -s /run/munge/munged.pid ]]; then
+        kill "$(cat /run/munge/munged.pid)" 2>/dev/null || true
+        rm -f "$dir/munged.started"
+        echo "slurm-cluster: stopped (and the munged that start started)"
+    else
+        echo "slurm-cluster: stopped"
+    fi
 }
 
 cmd_status() {

@@ -225,7 +225,12 @@ def run_node(run_dir: Path) -> int:
         return supervise(config, echo=False, watch_stop_request=True)
     job_id = os.environ.get("SLURM_JOB_ID")
     code = supervise(config, echo=False, adopt=run_dir, watch_stop_request=True, slurm_job=job_id)
-    if job_id and wants_requeue(read_record(run_dir).state, restarts, policy.max_restarts if policy else None):
+    try:
+        end = read_record(run_dir).state
+    except RecordUnreadable as e:  # the end is what supervise returned; no requeue on a record not read
+        print(f"node 0: {e}; Slurm job {job_id} is not requeued", flush=True)
+        return code
+    if job_id and wants_requeue(end, restarts, policy.max_restarts if policy else None):
         requeue(job_id)
     return code
 
@@ -256,7 +261,9 @@ def requeue(job_id: str, timeout_s: float = 30.0) -> bool:
         print(f"node 0: scontrol requeue {job_id} did not answer ({e})", flush=True)
         return False
     if done.returncode != 0:
-        print(f"node 0: scontrol requeue {job_id}: {(done.stderr or done.stdout).strip()}", flush=True)
+        print(f"node 0: scontrol requeue {job_id} refused: {(done.stderr or done.stdout).strip()}", flush=True)
+    else:
+        print(f"node 0: Slurm job {job_id} requeued", flush=True)
     return done.returncode == 0
 
 

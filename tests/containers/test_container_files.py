@@ -297,8 +297,11 @@ def _ci_copy(tmp_path: Path, test_sh: str) -> Path:
 
 def _run_ci(root: Path, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
     log = root / "ci.log"
+    # not what the CI run around this test set: its switches, its pytest options, its CI_* knobs
+    outer = {k: v for k, v in os.environ.items() if not k.startswith("CI_")
+             and k not in ("LAUNCHER_DOCKER_TESTS", "LAUNCHER_SLURM_TESTS", "PYTEST_ADDOPTS")}  # fmt: skip
     done = subprocess.run(["bash", str(root / ".ci" / "run")], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "CI_LOG": str(log), **env})  # fmt: skip
+                          env={**outer, "CI_LOG": str(log), **env})  # fmt: skip
     return done, log.read_text().splitlines()
 
 
@@ -307,16 +310,19 @@ def test_ci_runs_the_readme_tests_with_the_engine_and_slurm_only_with_the_disk_f
                                                                                         need: str) -> None:  # fmt: skip
     root = _ci_copy(tmp_path, "exit 3\n")
     where = tmp_path / "engine" / "not-made-yet"  # measured on its nearest existing folder, created by no one
-    done, calls = _run_ci(root, CI_ENGINE_DISK_GIB=need, CI_DOCKER_ROOT=str(where))
+    # switches set outside: the no-engine path must turn them off
+    done, calls = _run_ci(root, CI_ENGINE_DISK_GIB=need, CI_DOCKER_ROOT=str(where), LAUNCHER_DOCKER_TESTS="1",
+                          LAUNCHER_SLURM_TESTS="1")  # fmt: skip
     assert done.returncode == 3, done.stdout + done.stderr  # the tests' exit code is CI's
     assert not where.parent.exists()
     assert done.stdout.startswith("ci: free disk at the start: ") and "ci: free disk at the end: " in done.stdout
     if need == "0":
-        assert [c.split()[:2] for c in calls] == [["setup-env.sh", "docker="], ["docker-engine.sh", "install"],
-                                                  ["docker-engine.sh", "start"], ["slurm-cluster.sh", "install"],
-                                                  ["test.sh", "docker=1"], ["addopts=", "--durations=30"],
-                                                  ["docker-engine.sh", "stop"]]  # fmt: skip
-        assert calls[4].endswith("docker=1 slurm=1") and "did NOT run" not in done.stdout
+        steps = [" ".join(c.split()[:2]) for c in calls[1:]]
+        assert steps == ["docker-engine.sh install", "docker-engine.sh start", "slurm-cluster.sh install",
+                         "test.sh docker=1", "addopts= --durations=30", "slurm-cluster.sh stop",
+                         "docker-engine.sh stop"]  # fmt: skip
+        assert calls[0].startswith("setup-env.sh ") and calls[4].endswith("docker=1 slurm=1")
+        assert "did NOT run" not in done.stdout
     else:
         assert [c.split()[0] for c in calls] == ["setup-env.sh", "test.sh", "addopts="]
         assert calls[1].endswith("docker= slurm=")
@@ -324,11 +330,18 @@ def test_ci_runs_the_readme_tests_with_the_engine_and_slurm_only_with_the_disk_f
         assert done.stdout.count(notice) == 2 and "they need 999999 (CI_ENGINE_DISK_GIB)" in done.stdout
 
 
+def test_ci_refuses_a_disk_gate_that_is_not_a_whole_number(tmp_path: Path) -> None:
+    done, calls = _run_ci(_ci_copy(tmp_path, "exit 0\n"), CI_ENGINE_DISK_GIB="16.5")
+    assert done.returncode == 2 and "ci: CI_ENGINE_DISK_GIB=16.5: give a whole number of GiB" in done.stderr
+    assert [c.split()[0] for c in calls] == ["setup-env.sh"]
+
+
 def test_ci_interrupts_tests_that_outrun_its_limit_so_they_report(tmp_path: Path) -> None:
     """Past CI_TEST_TIMEOUT_S the tests get SIGINT (pytest then prints its summary) and CI fails with 124."""
     root = _ci_copy(tmp_path, 'trap \'echo interrupted >> "$CI_LOG"; exit 2\' INT\nwhile :; do sleep 0.1; done\n')
     done, calls = _run_ci(root, CI_DOCKER="0", CI_TEST_TIMEOUT_S="1")
     assert done.returncode == 124 and calls[-1] == "interrupted", (done.stdout + done.stderr, calls)
+    assert done.stdout.count("ci: the real-engine and Slurm tests did NOT run: CI_DOCKER=0") == 2
 
 
 @pytest.mark.parametrize("script", ["docker-engine.sh", "docker-base-image.sh", "slurm-cluster.sh"])

@@ -66,8 +66,8 @@ def test_requeue_asks_scontrol_and_survives_a_refusal_or_no_slurm(tmp_path, monk
     (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "asked"}\n{refuse}')
     (bin_dir / "scontrol").chmod(0o755)
     monkeypatch.setenv("PATH", str(bin_dir))
-    assert requeue("42") is True
-    assert requeue("43") is False and "Job is pending execution" in capsys.readouterr().out
+    assert requeue("42") is True and "node 0: Slurm job 42 requeued" in capsys.readouterr().out
+    assert requeue("43") is False and "requeue 43 refused: Job is pending execution" in capsys.readouterr().out
     assert (tmp_path / "asked").read_text().splitlines() == ["requeue 42", "requeue 43"]
     monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
     assert requeue("42") is False and "no scontrol here" in capsys.readouterr().out
