@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test suite on a CPU machine: sets up .venv first, then runs pytest.
-#   bash scripts/test.sh                 everything (what CI runs; about 53 min on 2 cores with CI's engine)
+#   bash scripts/test.sh                 everything (what CI runs; about 43 min on 2 cores with CI's engine)
 #   bash scripts/test.sh --fast          all but the tests marked slow, which train the tiny model through
 #                                        real processes (about 4 min on 2 cores): the run for each edit
 #   bash scripts/test.sh --fast -k stop  extra arguments go to pytest
