@@ -56,7 +56,7 @@ from launcher.state.runs import (
     SLURM_OUT,
     list_runs,
 )
-from launcher.state.slurmjob import query_job
+from launcher.state.slurmjob import query_job, run_scontrol
 from launcher.state.states import RunState
 from launcher.state.stop import read_saved, request_stop, saved_checkpoint
 
@@ -249,16 +249,10 @@ def requeue(job_id: str, timeout_s: float = 30.0) -> bool:
     step, not a node failure, before slurmctld has called the node DOWN: without this no attempt 2 would come.
     Slurm stops what is left of the job and queues it again; ``SLURM_RESTART_COUNT`` counts the attempts.
     When Slurm had already requeued the job, scontrol refuses, and that is fine."""
-    scontrol = shutil.which("scontrol")
-    if scontrol is None:
-        print(f"node 0: no scontrol here; Slurm job {job_id} is not requeued", flush=True)
-        return False
     print(f"node 0: a node was lost; scontrol requeue {job_id} (launcher.restart)", flush=True)
-    try:
-        done = subprocess.run([scontrol, "requeue", job_id], capture_output=True, text=True, timeout=timeout_s,
-                              check=False)  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired) as e:
-        print(f"node 0: scontrol requeue {job_id} did not answer ({e})", flush=True)
+    done = run_scontrol(["requeue", job_id], timeout_s)
+    if isinstance(done, str):
+        print(f"node 0: scontrol requeue {job_id} did not run ({done}); the job is not requeued", flush=True)
         return False
     if done.returncode != 0:
         print(f"node 0: scontrol requeue {job_id} refused: {(done.stderr or done.stdout).strip()}", flush=True)

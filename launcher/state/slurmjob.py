@@ -76,14 +76,9 @@ def parse_show_job(job_id: str, text: str) -> SlurmJobView:
 def query_job(job_id: str | int, timeout_s: float = 10.0) -> SlurmJobView:
     """Ask Slurm (``scontrol``) about ``job_id``."""
     job = str(job_id)
-    scontrol = shutil.which("scontrol")
-    if scontrol is None:
-        return SlurmJobView(job, error="no scontrol on this machine")
-    try:
-        done = subprocess.run([scontrol, "show", "job", "-o", job], capture_output=True, text=True,
-                              timeout=timeout_s, check=False)  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return SlurmJobView(job, error=str(err))
+    done = run_scontrol(["show", "job", "-o", job], timeout_s)
+    if isinstance(done, str):
+        return SlurmJobView(job, error=done)
     if done.returncode != 0:
         if "Invalid job id" in done.stderr:
             return SlurmJobView(job, state=GONE)
@@ -94,16 +89,20 @@ def query_job(job_id: str | int, timeout_s: float = 10.0) -> SlurmJobView:
     return parse_show_job(job, lines[-1] if lines else "")
 
 
-def _scontrol_show(what: str, name: str, timeout_s: float) -> str | None:
+def run_scontrol(args: list[str], timeout_s: float) -> subprocess.CompletedProcess | str:
+    """``scontrol ARGS``: its completed process, or why it did not run (no scontrol here, no answer in time)."""
     scontrol = shutil.which("scontrol")
     if scontrol is None:
-        return None
+        return "no scontrol on this machine"
     try:
-        done = subprocess.run([scontrol, "show", what, "-o", name], capture_output=True, text=True,
-                              timeout=timeout_s, check=False)  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout if done.returncode == 0 else None
+        return subprocess.run([scontrol, *args], capture_output=True, text=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return str(err)
+
+
+def _scontrol_show(what: str, name: str, timeout_s: float) -> str | None:
+    done = run_scontrol(["show", what, "-o", name], timeout_s)
+    return done.stdout if not isinstance(done, str) and done.returncode == 0 else None
 
 
 def node_states(nodes: str, timeout_s: float = 10.0) -> dict[str, str]:
