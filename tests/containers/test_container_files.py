@@ -351,6 +351,18 @@ def test_engine_scripts_parse_and_read_the_mirror_at_run_time(script: str) -> No
     assert not re.search(r"https?://", path.read_text()), "no mirror or host address in the scripts"
 
 
+def test_slurm_cluster_script_refuses_a_bad_verb_or_shared_folder_in_one_line(tmp_path: Path) -> None:
+    script = str(ROOT / "scripts" / "slurm-cluster.sh")
+    verb = subprocess.run(["bash", script, "begin"], capture_output=True, text=True, timeout=60)
+    assert verb.returncode == 1 and "usage:" in verb.stderr and "start [DIR]" in verb.stderr
+    missing = tmp_path / "no-such-folder"
+    start = subprocess.run(["bash", script, "start", str(tmp_path / "cluster")], capture_output=True, text=True,
+                           timeout=60, env={**os.environ, "SLURM_SHARED_DIR": str(missing)})  # fmt: skip
+    assert start.returncode == 1, start.stdout + start.stderr
+    assert f"slurm-cluster: SLURM_SHARED_DIR={missing} is not a folder" in start.stderr
+    assert not missing.exists() and not (tmp_path / "cluster" / "slurm.conf").exists()  # nothing written
+
+
 def test_engine_status_says_when_no_engine_answers(tmp_path: Path) -> None:
     env = {"PATH": "/usr/bin:/bin", "DOCKER_HOST": f"unix://{tmp_path}/none.sock"}
     out = subprocess.run(["bash", str(ROOT / "scripts" / "docker-engine.sh"), "status"], capture_output=True,
