@@ -2,6 +2,7 @@
 
     python -m benchmarks.decode_bench --out DIR [--shape 27b|tiny] [--backend cuda|cpu] [--new-tokens N]
                                       [--prompt-tokens P] [--repeats R] [--batch-sizes 1,8,32]
+                                      [--routes routed,torch] [--compare K] [--compare-tokens N]
 
 What ``launcher evaluate`` does per batch of answers, measured: ``B`` prompts of ``P`` random token ids each
 (prefill: the chunk kernel), then ``N`` new tokens per row by greedy ``generate`` (each one a recurrent-kernel step
@@ -25,9 +26,11 @@ prefill, the last one the ``N - 1`` decode steps; decode tokens/s = B x (N - 1) 
 the repeats (all rows' tokens: what a batch of answers gets per second). One generation gives both times, so a
 loaded machine cannot make the decode time negative, as a difference of two separate generations could.
 Which kernels ran comes from the routing patch's own proof records (``first_call``, ``first_decode_call``).
-Results go to ``DIR/decode.json``. On CUDA this process lifts FLA's Hopper guard (``benchmarks.fla_guard``;
-measurement only: the forward kernels used here never reach the guarded backward, but the routing probe reads the
-flag).
+``--compare K``: ``K`` prompts of different lengths answered in one left-padded batch and one at a time by
+``launcher evaluate``'s own decoding, on the routed model, and the count of answers that agree token for token
+(``routes.routed.compare``). Results go to ``DIR/decode.json``. On CUDA this process lifts FLA's Hopper guard
+(``benchmarks.fla_guard``; measurement only: the forward kernels used here never reach the guarded backward, but
+the routing probe reads the flag).
 """
 
 from __future__ import annotations
@@ -123,8 +126,32 @@ def measure(torch, model, dev, prompt, new_tokens: int, repeats: int) -> dict[st
     }
 
 
+def compare_batched(torch, model, dev, rows: int, prompt_tokens: int, new_tokens: int) -> dict[str, Any]:
+    """Greedy answers to ``rows`` prompts of different lengths (``prompt_tokens / 2`` to ``prompt_tokens``), all in
+    one left-padded batch and one at a time, through ``launcher evaluate``'s own decoding
+    (``launcher.rank.evaluate_decode.greedy_batched``): how many answers are the same token for token, and where
+    each other one first differs."""
+    from launcher.rank.evaluate_decode import greedy_batched
+
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(max(1, prompt_tokens // 2), prompt_tokens + 1, (rows,), generator=gen).tolist()
+    prompts = [torch.randint(10, 500, (n,), generator=gen).tolist() for n in lengths]
+    eos = model.generation_config.eos_token_id
+    stop = list(eos) if isinstance(eos, (list, tuple)) else [0 if eos is None else int(eos)]
+    common = {"max_new_tokens": new_tokens, "stop": stop, "pad_id": 0, "device": dev.name}
+    batched = greedy_batched(torch, model, prompts, batch_size=rows, **common)
+    single = greedy_batched(torch, model, prompts, batch_size=1, **common)
+    differ = [next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b),
+                   None if len(x) == len(y) else min(len(x), len(y)))
+              for x, y in zip(batched, single, strict=True)]  # fmt: skip
+    return {"rows": rows, "new_tokens": new_tokens, "prompt_lengths": lengths, "stop": stop,
+            "exact_matches": sum(d is None for d in differ), "first_difference_at": differ,
+            "answer_lengths": [len(x) for x in batched]}  # fmt: skip
+
+
 def run(out: Path, shape: str, backend: str, new_tokens: int, prompt_tokens: int, repeats: int,
-        batch_sizes: tuple[int, ...] = (1,)) -> dict[str, Any]:  # fmt: skip
+        batch_sizes: tuple[int, ...] = (1,), routes: tuple[str, ...] = ROUTES, compare: int = 0,
+        compare_tokens: int = 32) -> dict[str, Any]:  # fmt: skip
     import torch
 
     from benchmarks.bench_assets import write_model_dir
@@ -151,7 +178,7 @@ def run(out: Path, shape: str, backend: str, new_tokens: int, prompt_tokens: int
     result["parameters"] = sum(p.numel() for p in model.parameters())
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, 500, (max(batch_sizes), prompt_tokens), generator=gen).to(dev.name)
-    for route in ROUTES:
+    for route in routes:
         if route != "routed":
             routing = apply_route(route, backend, proof_root / route)
             rebind_layers(torch, model)
@@ -170,6 +197,10 @@ def run(out: Path, shape: str, backend: str, new_tokens: int, prompt_tokens: int
         found["chunk_kernel"] = (proof.get("first_call") or {}).get("kernel")
         found["recurrent_kernel"] = (proof.get("first_decode_call") or {}).get("kernel")
         found["first_decode_call"] = proof.get("first_decode_call")
+        if compare and route == "routed":
+            found["compare"] = compare_batched(torch, model, dev, compare, prompt_tokens, compare_tokens)
+            print(f"decode_bench: {route}: batch of {compare} against one at a time: "
+                  f"{found['compare']['exact_matches']} of {compare} answers the same", flush=True)  # fmt: skip
         result["routes"][route] = found
         print(f"decode_bench: {route}: {found['decode_tokens_per_s']} tokens/s decoding "
               f"({found['recurrent_kernel']}), prefill {found['prefill_s']} s", flush=True)  # fmt: skip
@@ -177,7 +208,7 @@ def run(out: Path, shape: str, backend: str, new_tokens: int, prompt_tokens: int
              if "peak_allocated_gib" in b]  # fmt: skip
     if peaks:
         result["peak_allocated_gib"] = max(peaks)
-    routed, fallback = (result["routes"][r]["decode_tokens_per_s"] for r in ROUTES)
+    routed, fallback = (result["routes"].get(r, {}).get("decode_tokens_per_s") for r in ROUTES)
     result["speedup_decode"] = round(routed / fallback, 2) if routed and fallback else None
     (out / "decode.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
@@ -193,13 +224,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, metavar="R")
     parser.add_argument("--batch-sizes", default="1", metavar="LIST",
                         help="comma-separated prompts per generate call, e.g. 1,8,32 (default 1)")  # fmt: skip
+    parser.add_argument("--routes", default=",".join(ROUTES), metavar="LIST",
+                        help=f"comma-separated, of {', '.join(ROUTES)} (default both)")  # fmt: skip
+    parser.add_argument("--compare", type=int, default=0, metavar="K",
+                        help="also answer K prompts of different lengths in one batch and one at a time (routed) "
+                             "and count the answers that are the same token for token (default 0: off)")  # fmt: skip
+    parser.add_argument("--compare-tokens", type=int, default=32, metavar="N",
+                        help="new tokens per answer in the --compare check (default 32)")  # fmt: skip
     ns = parser.parse_args(argv)
+    routes = tuple(r.strip() for r in ns.routes.split(",") if r.strip())
+    if not routes or set(routes) - set(ROUTES) or len(set(routes)) != len(routes):
+        parser.error(f"--routes {ns.routes!r}: give {' or '.join(ROUTES)} or both, separated by a comma")
+    if ns.compare < 0 or ns.compare_tokens < 1:
+        parser.error(f"--compare {ns.compare} / --compare-tokens {ns.compare_tokens}: use 0 or more prompts and at "
+                     "least 1 token, e.g. --compare 8 --compare-tokens 32")  # fmt: skip
     if ns.new_tokens < 2 or ns.prompt_tokens < 1 or ns.repeats < 1:
         parser.error("--new-tokens must be at least 2, --prompt-tokens and --repeats at least 1")
     items = [s.strip() for s in ns.batch_sizes.split(",") if s.strip()]
     if not items or not all(s.isdigit() and int(s) > 0 for s in items):
         parser.error(f"--batch-sizes {ns.batch_sizes!r}: give positive integers separated by commas, e.g. 1,8,32")
-    run(ns.out, ns.shape, ns.backend, ns.new_tokens, ns.prompt_tokens, ns.repeats, tuple(int(s) for s in items))
+    run(ns.out, ns.shape, ns.backend, ns.new_tokens, ns.prompt_tokens, ns.repeats, tuple(int(s) for s in items),
+        routes, ns.compare, ns.compare_tokens)
     print(f"decode_bench: written {ns.out / 'decode.json'}")
     return 0
 

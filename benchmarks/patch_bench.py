@@ -8,7 +8,8 @@ LLaMA-Factory 0.9.5's own behaviour), ``budget120`` (``checkpoint_all_layers.mem
 ``glue-off`` (``fused_ops`` and ``lora_input_cast`` off: the product before the fused glue), ``fused-nolora``
 (``lora_input_cast`` off), ``budget120-glue-off``, ``spread`` and ``spread-pad256`` (samples of about 1,000 to 4,096 tokens, the second padded to a multiple of
 256), ``ctx32k`` and ``ctx64k`` (cutoff 8x and 16x), ``on-warm`` (``on`` again, its first step with the Triton
-cache the earlier variants filled: ``TRITON_CACHE_DIR`` is ``DIR/triton-cache`` for every variant), ``profile``
+cache the earlier variants filled: ``TRITON_CACHE_DIR`` is ``DIR/triton-cache`` for every variant unless the caller
+sets it), ``profile``
 (``on``'s config through ``launcher profile`` instead of ``launcher run``: 5 steps, the last ``5 - --warmup``
 of them profiled), ``spread-packed`` (the spread's samples with ``packing: true``: rows of 4,096 tokens holding
 several samples each; the packing issue's target is 1.5x the supervised tokens/s of ``spread``),
@@ -88,7 +89,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # (forecast about 181 GiB, will not fit); preflight's memory row would refuse the second, so it is skipped there,
     # and the run must end OUT_OF_MEMORY with the phase recorded (results.json: forecast, out_of_memory)
     "forecast-fits": {"steps": 3},
-    "forecast-oom": {"cutoff_factor": 32, "steps": 3, "preflight_skip": "memory"},
+    # with the allocator's history recorded for its first 2 steps, so the OOM leaves memory_snapshot_rank0.pickle
+    "forecast-oom": {"cutoff_factor": 32, "steps": 3, "preflight_skip": "memory",
+                     "launcher": {"memory_history_steps": 2}},
 }
 VARIANT_PATCHES = {name: v.get("patches", {}) for name, v in VARIANTS.items()}
 CUTOFF = {"27b": 4096, "tiny": 256}
@@ -161,6 +164,7 @@ def run_config(out: Path, variant: str, shape: str, backend: str, steps: int) ->
             "entry": "benchmarks.bench_entry",
             "stop_grace_s": 20,
             "patches": VARIANT_PATCHES[variant],
+            **VARIANTS[variant].get("launcher", {}),
         },
         "model_name_or_path": str(out / "model"),
         "dataset_dir": str(folder),
@@ -272,6 +276,7 @@ def summarize(run_dir: Path, warmup: int) -> dict[str, Any]:
         "exit_code": status.get("exit_code"),
         "reason": status.get("reason"),
         "out_of_memory": status.get("out_of_memory"),
+        "memory_snapshots": {p.name: p.stat().st_size for p in sorted(run_dir.glob("memory_snapshot_rank*.pickle"))},
         "steps_recorded": len(steps),
         "warmup_steps": min(warmup, len(steps)),
     }
@@ -441,7 +446,8 @@ def bench_env(out: Path, shape: str, extra: dict[str, str] | None = None) -> dic
         "TOKENIZERS_PARALLELISM": "false",
         "LAUNCHER_PREFLIGHT_SKIP": PREFLIGHT_SKIP,
         "BENCH_KERNEL_CASES": KERNEL_CASES[shape],
-        "TRITON_CACHE_DIR": str(out / "triton-cache"),  # kept across variants: on-warm reads it
+        # kept across variants (on-warm reads it); one set by the caller wins, so invocations can share a cache
+        "TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR") or str(out / "triton-cache"),
         **(extra or {}),
     }
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)

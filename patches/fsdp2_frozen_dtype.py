@@ -21,12 +21,16 @@ in ``accelerate.accelerator``):
    original parameter dtype" for any group that mixes them (pytorch PR #154103 relaxed it to trainable parameters
    only, first in 2.8); the NPU and CUDA images pin torch 2.7.1. ``shared`` leaves them in the layer's unit
    (torch >= 2.8 only);
-3. on the ``cpu`` backend, lets accelerate take FSDP at all: ``AcceleratorState.__init__`` (accelerate/state.py)
+3. ``embedding_units: true`` (the default): the frozen input and output embeddings (when not tied) become FSDP2
+   units of their own before accelerate makes the root unit, so neither stays gathered through the decoder layers'
+   backward (in the root's unit both do: 4.74 GiB for the 27B shape); the output embedding is gathered once per
+   step for all loss chunks (``_embedding_units`` says how). ``false`` leaves them in the root unit;
+4. on the ``cpu`` backend, lets accelerate take FSDP at all: ``AcceleratorState.__init__`` (accelerate/state.py)
    turns ``ACCELERATE_USE_FSDP`` into ``DistributedType.FSDP`` only for accelerator device types, so a CPU job with
    ``distribution: fsdp2`` silently ran DDP over gloo. torch's ``fully_shard`` works on a CPU mesh over gloo, so
    in an FSDP2 rank on ``cpu`` only the state is switched to FSDP with the plugin the Accelerator built; NPU and
    CUDA ranks never take this branch;
-4. records per rank (``fsdp2_census``): the dtype and local bytes of the frozen and the trainable shards, and for
+5. records per rank (``fsdp2_census``): the dtype and local bytes of the frozen and the trainable shards, and for
    each FSDP2 unit its local bytes against the whole unit's.
 
 Under ``distribution: ddp`` nothing calls the wrapped function and the record says so.
@@ -58,11 +62,13 @@ FUNCTION = "fsdp2_prepare_model"
 
 
 class Options(BaseModel):
-    """``launcher.patches.fsdp2_frozen_dtype``: ``trainable_units`` own (a unit per layer's LoRA) or shared."""
+    """``launcher.patches.fsdp2_frozen_dtype``: ``trainable_units`` own (a unit per layer's LoRA) or shared;
+    ``embedding_units``: the frozen input and output embeddings as FSDP2 units of their own (else in the root's)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     enabled: bool = True
     trainable_units: Literal["own", "shared"] = "own"
+    embedding_units: bool = True
 
 
 _state: dict[str, Any] = {}
@@ -92,18 +98,26 @@ def _upcast_trainable(model) -> list[str]:
     return names
 
 
+def _unit_kwargs(accelerator) -> dict[str, Any]:
+    """``fully_shard``'s arguments as accelerate gives them to its own units (mesh, mixed precision, offload)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    plugin = accelerator.state.fsdp_plugin
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    return {"reshard_after_forward": plugin.reshard_after_forward, "offload_policy": plugin.cpu_offload,
+            "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+            "mesh": mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None}
+
+
 def _own_units(accelerator, model) -> int:
     """One FSDP2 unit per wrapped layer for the submodules that own its trainable parameters."""
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     plugin = accelerator.state.fsdp_plugin
     plugin.set_auto_wrap_policy(model)
     policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
-    mesh = getattr(accelerator, "torch_device_mesh", None)
-    kwargs = {"reshard_after_forward": plugin.reshard_after_forward, "offload_policy": plugin.cpu_offload,
-              "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
-              "mesh": mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None}
+    kwargs = _unit_kwargs(accelerator)
     layers = [m for m in model.modules() if policy is not None and m is not model and policy(m)]
     units = 0
     for layer in layers:
@@ -113,6 +127,69 @@ def _own_units(accelerator, model) -> int:
             fully_shard(owners, **kwargs)
             units += 1
     return units
+
+
+def _embedding_units(accelerator, model) -> list[str]:
+    """The frozen input and (untied) output embeddings as FSDP2 units of their own.
+
+    In the root unit they stay gathered from the first forward to the end of the backward (4.74 GiB for the 27B
+    shape with one process, and on every rank whatever the rank count). As units of their own: the input
+    embedding is gathered for its forward only; the output embedding is gathered once per step, at the loss, and
+    stays gathered through the loss's chunks (``reshard_after_forward`` and ``reshard_after_backward`` off) until the
+    gradient of its input is complete (``_release_after_loss``), so one all-gather serves every chunk's forward,
+    recompute and backward, and the decoder layers' backward runs without it."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    kwargs = _unit_kwargs(accelerator)
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if getattr(inputs, "weight", None) is getattr(outputs, "weight", False):
+        return []  # tied: one weight cannot belong to two units; both stay in the root's
+    made = []
+    for role, module in (("input", inputs), ("output", outputs)):
+        if getattr(module, "weight", None) is None or isinstance(module, FSDPModule):
+            continue
+        if any(p.requires_grad for p in module.parameters()):
+            continue  # trained (modules_to_save): float32, and gathered through the backward anyway
+        if role == "input":
+            fully_shard(module, **kwargs)
+        else:
+            fully_shard(module, **{**kwargs, "reshard_after_forward": False})
+            _release_after_loss(module)
+        made.append(role)
+    return made
+
+
+def _release_after_loss(head) -> None:
+    """Keep ``head``'s unit gathered from its first call in a training forward until the gradient of that call's
+    input (the tensor the loss chunks are views of) is complete, then reshard it; after a call without gradients
+    (evaluation) reshard at once."""
+    import weakref
+
+    import torch
+
+    head.set_reshard_after_backward(False)
+    armed: dict[str, Any] = {"base": None}
+
+    def release(grad):
+        head.reshard()
+        return grad
+
+    def before(module, args):
+        inside_backward = torch._C._current_graph_task_id() != -1  # the checkpointed chunks' recompute
+        if not args or not torch.is_grad_enabled() or inside_backward:
+            return
+        base = args[0]._base if args[0]._base is not None else args[0]
+        if not base.requires_grad or (armed["base"] is not None and armed["base"]() is base):
+            return
+        armed["base"] = weakref.ref(base)
+        base.register_hook(release)
+
+    def after(module, args, output):
+        if not torch.is_grad_enabled():
+            head.reshard()
+
+    head.register_forward_pre_hook(before)
+    head.register_forward_hook(after)
 
 
 def _guard_upcast(model) -> dict[str, Any]:
@@ -139,6 +216,7 @@ def _make_prepare(original):
         mixed = accelerator.mixed_precision != "no"
         upcast = _upcast_trainable(model) if mixed else []
         units = _own_units(accelerator, model) if _state["trainable_units"] == "own" else 0
+        embeddings = _embedding_units(accelerator, model) if _state["embedding_units"] else []
         seen = _guard_upcast(model)
         try:
             prepared = original(accelerator, model)
@@ -147,7 +225,8 @@ def _make_prepare(original):
         _state["proof"].update(preparation={
             "mixed_precision": accelerator.mixed_precision, "upcast_to_float32": len(upcast),
             "upcast_examples": upcast[:4], "whole_model_upcast_skipped": seen["intercepted"],
-            "trainable_units": units, "distributed_type": accelerator.distributed_type.value,
+            "trainable_units": units, "embedding_units": embeddings,
+            "distributed_type": accelerator.distributed_type.value,
             **shard_census(prepared), "recorded_at": utc_now()})  # fmt: skip
         return prepared
 
@@ -183,7 +262,8 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
     """Wrap accelerate's ``fsdp2_prepare_model`` (and on ``cpu`` the state's FSDP gate); idempotent."""
     wrap_once(importlib.import_module(MODULE), FUNCTION, NAME, _make_prepare)  # a module global, not a method
     cpu = backend == "cpu" and fsdp2_rank()
-    _state.update(active=True, proof=proof, trainable_units=options["trainable_units"], cpu=cpu)
+    _state.update(active=True, proof=proof, trainable_units=options["trainable_units"],
+                  embedding_units=options["embedding_units"], cpu=cpu)
     if cpu:
         _lift_cpu_gate()
     return {"replaced": [f"{MODULE}.{FUNCTION}", *([f"{STATE_MODULE}.AcceleratorState.__init__"] if cpu else [])],

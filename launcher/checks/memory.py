@@ -9,8 +9,11 @@ and their options), with the few calibration constants below, each named with th
 The terms (GiB per device):
 
 - ``weights``: every parameter in the load dtype; under FSDP2 divided over the ranks, and in float32 when
-  accelerate 1.11 upcasts the frozen base (``fsdp2_frozen_dtype`` off); FSDP2 also holds, gathered in bf16,
-  the root unit (embedding, ``lm_head``, the vision tower outside its blocks) and two decoder layers at a time;
+  accelerate 1.11 upcasts the frozen base (``fsdp2_frozen_dtype`` off);
+- ``FSDP2 gathered units``: what FSDP2 holds gathered in bf16 beside the shards. With ``fsdp2_frozen_dtype``'s
+  ``embedding_units`` (the default, untied embeddings): the root unit's rest (final norm, the vision tower outside
+  its blocks) and either two decoder layers (in their backward) or ``lm_head`` (at the loss), whichever phase
+  peaks higher; otherwise the whole root unit (embedding, ``lm_head``, the rest) and two decoder layers;
 - ``lora``: the LoRA parameters (float32), their gradients and Adam's two moments: 16 bytes a parameter;
 - ``checkpointed inputs``: what every checkpointed decoder layer keeps for its backward, its input;
 - ``un-checkpointed layers``: the saved activations of the layers the run leaves un-checkpointed (LLaMA-Factory's
@@ -70,7 +73,9 @@ BACKWARD_OVER_COUNTED = 2.18
 LOSS_BYTES_PER_LOGIT = 12
 EVAL_LOSS_BYTES_PER_LOGIT = 6  # no gradient in evaluation: the bf16 logits and their float32 copy
 # FSDP2 gathers the next decoder layer while one runs (prefetch): two layers' bf16 weights at a time. With one
-# process the FSDP2 run measured 60.36 GiB against 55.09 single-device, the root unit and a layer gathered.
+# process the FSDP2 run measured 60.36 GiB against 55.09 single-device with the embeddings in the root unit (the
+# root and a layer gathered), 57.55 GiB with them as units of their own (lm_head gathered at the loss:
+# fsdp2-embedding-units-h200.json).
 FSDP_GATHERED_LAYERS = 2
 # The caching allocator's reserved memory beyond the allocated peak: not recorded in the H200 runs. The layer
 # plan leaves 1 GiB under a budget for fragmentation and the optimizer step (patches/checkpoint_budget.py); the
@@ -215,6 +220,7 @@ def parameter_counts(shape: ModelShape) -> dict[str, int]:
     return {
         "total": total,
         "root": root,
+        "embedding": shape.vocab * shape.hidden,  # one of embed_tokens / lm_head
         "largest_layer": max(per_kind.values()),
         "vision_block": block,
         **{f"layer:{k}": v for k, v in per_kind.items()},
@@ -243,6 +249,7 @@ class RunShape:
     ranks: int
     fsdp2: bool
     fp32_frozen: bool  # accelerate 1.11's float32 upcast of the frozen base (fsdp2 without fsdp2_frozen_dtype)
+    embedding_units: bool  # fsdp2_frozen_dtype's embedding_units: the embeddings as FSDP2 units of their own
     uncheckpointed: dict[str, int]  # layers left un-checkpointed per kind, before a budget plan
     budget_gib: float | None
     chunk_tokens: int | None  # None: the whole logits
@@ -280,6 +287,7 @@ def run_shape(
     else:
         left = {}
     chunked = patches.get("chunked_loss", {})
+    frozen_dtype = patches.get("fsdp2_frozen_dtype", {})
     glue = patches.get("fused_ops", {}).get("enabled", True) and patches.get("lora_input_cast", {}).get("enabled", True)
     return RunShape(
         tokens=cutoff * batch,
@@ -287,7 +295,8 @@ def run_shape(
         act_bytes=act_bytes,
         ranks=ranks,
         fsdp2=fsdp2,
-        fp32_frozen=fsdp2 and half and not patches.get("fsdp2_frozen_dtype", {}).get("enabled", True),
+        fp32_frozen=fsdp2 and half and not frozen_dtype.get("enabled", True),
+        embedding_units=fsdp2 and frozen_dtype.get("enabled", True) and frozen_dtype.get("embedding_units", True),
         uncheckpointed={k: v for k, v in left.items() if v},
         budget_gib=ckpt.get("memory_budget_gib"),
         chunk_tokens=int(chunked.get("chunk_tokens", 512)) if chunked.get("enabled", True) else None,
@@ -392,11 +401,16 @@ def forecast(shape: ModelShape, run: RunShape, lora_params: int, device_gib: flo
             else "launcher.distribution: fsdp2 over several devices (shards the frozen weights)"
         )
     }
+    per_layer = {k: _counted_per_token(shape, k, b) * run.tokens / GIB for k in shape.kinds()}
+    working, gathered = _working_phase(shape, run, counts, per_layer)
     if run.fsdp2:
-        terms["FSDP2 gathered units"] = (counts["root"] + FSDP_GATHERED_LAYERS * counts["largest_layer"]) * 2 / GIB
+        terms["FSDP2 gathered units"] = gathered
         fixes["FSDP2 gathered units"] = (
-            "no option shrinks it (the root unit, embedding and lm_head, is gathered "
-            "whole); use a device with more memory"
+            "no option shrinks it (two decoder layers, or lm_head at the loss, gathered whole); "
+            "use a device with more memory"
+            if run.embedding_units and not shape.tied
+            else "launcher.patches.fsdp2_frozen_dtype.embedding_units: true (else the root unit, embedding and "
+            "lm_head, stays gathered through the step)"
         )
     terms["lora"] = lora_params * 16 / shards / GIB
     fixes["lora"] = "a lower lora_rank or fewer lora_target modules"
@@ -404,7 +418,6 @@ def forecast(shape: ModelShape, run: RunShape, lora_params: int, device_gib: flo
     terms["checkpointed inputs"] = run.tokens * layers * shape.hidden * b / GIB
     fixes["checkpointed inputs"] = "a lower cutoff_len or per_device_train_batch_size"
     real = REAL_OVER_COUNTED * (FUSED_GLUE_LAYER_SHARE if run.fused_glue else 1.0)
-    per_layer = {k: _counted_per_token(shape, k, b) * run.tokens / GIB for k in shape.kinds()}
     left = dict(run.uncheckpointed)
     notes = []
     if run.budget_gib is not None:
@@ -415,19 +428,13 @@ def forecast(shape: ModelShape, run: RunShape, lora_params: int, device_gib: flo
         "fewer un-checkpointed layers (a lower checkpoint_all_layers."
         "memory_budget_gib or uncheckpointed_layers; checkpoint_all_layers: true)"
     )
-    backward = BACKWARD_OVER_COUNTED * max(per_layer.values())
-    loss_tokens = run.tokens if run.chunk_tokens is None else min(run.chunk_tokens, run.tokens)
-    loss = LOSS_BYTES_PER_LOGIT * loss_tokens * shape.vocab / GIB
-    if loss > backward:
-        terms["loss"] = loss
-        fixes["loss"] = (
-            "launcher.patches.chunked_loss: true (never holds the whole logits)"
-            if run.chunk_tokens is None
-            else "a lower launcher.patches.chunked_loss.chunk_tokens"
-        )
-    else:
-        terms["backward working set"] = backward
-        fixes["backward working set"] = "a lower cutoff_len or per_device_train_batch_size"
+    name, terms[name] = working
+    fixes["loss"] = (
+        "launcher.patches.chunked_loss: true (never holds the whole logits)"
+        if run.chunk_tokens is None
+        else "a lower launcher.patches.chunked_loss.chunk_tokens"
+    )
+    fixes["backward working set"] = "a lower cutoff_len or per_device_train_batch_size"
     step = sum(terms.values())
     held = terms["weights"] + terms.get("FSDP2 gathered units", 0.0) + terms["lora"]
     eval_peak = held
@@ -449,6 +456,30 @@ def forecast(shape: ModelShape, run: RunShape, lora_params: int, device_gib: flo
     return Forecast(terms, step, eval_peak, save_peak, slack, device_gib, notes, fixes)
 
 
+def _working_phase(
+    shape: ModelShape, run: RunShape, counts: dict[str, int], per_layer: dict[str, float]
+) -> tuple[tuple[str, float], float]:
+    """``((name, GiB), gathered GiB)``: the working set of the step's peak phase, the decoder layers' backward or
+    the loss (they are not held at the same time), and what FSDP2 holds gathered in that phase (0 without FSDP2).
+
+    With the embeddings as units of their own, the backward phase holds two decoder layers and the loss phase
+    ``lm_head``, so the peak phase is the larger sum; in the root unit both embeddings are held in either."""
+    backward = BACKWARD_OVER_COUNTED * max(per_layer.values())
+    loss_tokens = run.tokens if run.chunk_tokens is None else min(run.chunk_tokens, run.tokens)
+    loss = LOSS_BYTES_PER_LOGIT * loss_tokens * shape.vocab / GIB
+    layers = FSDP_GATHERED_LAYERS * counts["largest_layer"] * 2 / GIB
+    if not run.fsdp2:
+        gathered = {"backward": 0.0, "loss": 0.0}
+    elif run.embedding_units and not shape.tied:
+        rest = (counts["root"] - 2 * counts["embedding"]) * 2 / GIB
+        gathered = {"backward": rest + layers, "loss": rest + counts["embedding"] * 2 / GIB}
+    else:
+        gathered = {"backward": counts["root"] * 2 / GIB + layers, "loss": counts["root"] * 2 / GIB + layers}
+    if loss + gathered["loss"] > backward + gathered["backward"]:
+        return ("loss", loss), gathered["loss"]
+    return ("backward working set", backward), gathered["backward"]
+
+
 def _budget_plan(
     shape: ModelShape, run: RunShape, per_layer: dict[str, float], terms: dict[str, float], counts: dict[str, int]
 ) -> tuple[dict[str, int], str]:
@@ -462,10 +493,8 @@ def _budget_plan(
         for k in kinds
         if kinds[k]
     }
-    loss_tokens = run.tokens if run.chunk_tokens is None else min(run.chunk_tokens, run.tokens)
-    activations = terms["checkpointed inputs"] + max(
-        BACKWARD_OVER_COUNTED * max(per_layer.values()), LOSS_BYTES_PER_LOGIT * loss_tokens * shape.vocab / GIB
-    )
+    (_, working), _ = _working_phase(shape, run, counts, per_layer)
+    activations = terms["checkpointed inputs"] + working
     held = terms["weights"] + terms.get("FSDP2 gathered units", 0.0) + terms["lora"]
     chosen = plan(costs, budget_gib=run.budget_gib, peak_gib=held + activations, held_gib=held).uncheckpointed
     shown = ", ".join(f"{n} {k}" for k, n in chosen.items()) or "none"

@@ -42,3 +42,25 @@ def test_decode_bench_refuses_batch_sizes_that_are_not_positive_integers(tmp_pat
     with pytest.raises(SystemExit):
         decode_bench.main(["--out", str(tmp_path), "--batch-sizes", sizes])
     assert f"--batch-sizes {sizes!r}: give positive integers" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("restore_patches")
+def test_decode_bench_compares_a_batch_with_one_at_a_time_and_runs_only_the_routes_asked(tmp_path):
+    """On the CPU in fp32 a left-padded batch of prompts of different lengths gives every answer of one-at-a-time
+    decoding token for token (the H200 run in bf16 reports its own count)."""
+    assert decode_bench.main(["--out", str(tmp_path), "--shape", "tiny", "--backend", "cpu", "--new-tokens", "3",
+                              "--prompt-tokens", "12", "--repeats", "1", "--routes", "routed",
+                              "--compare", "4", "--compare-tokens", "6"]) == 0  # fmt: skip
+    result = json.loads((tmp_path / "decode.json").read_text())
+    assert set(result["routes"]) == {"routed"} and result["speedup_decode"] is None
+    compare = result["routes"]["routed"]["compare"]
+    assert compare["rows"] == 4 and len(set(compare["prompt_lengths"])) > 1
+    assert compare["exact_matches"] == 4 and compare["first_difference_at"] == [None] * 4, compare
+
+
+@pytest.mark.parametrize(("args", "message"), [(["--routes", "fast"], "--routes 'fast'"),
+                                               (["--compare", "-1"], "--compare -1")])  # fmt: skip
+def test_decode_bench_refuses_a_bad_route_or_compare(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit):
+        decode_bench.main(["--out", str(tmp_path), *args])
+    assert message in capsys.readouterr().err

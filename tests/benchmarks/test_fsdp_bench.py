@@ -95,8 +95,10 @@ def test_tiny_benchmark_shards_over_two_gloo_processes(tmp_path):
             assert rank["environment"]["WORLD_SIZE"] == str(world)
             build = rank["model_build"]
             assert build["how"].startswith("built on the meta device, sharded by accelerate")
-            # 4 decoder layers, 1 vision block, the root, and the layer's 8 LoRA modules in a unit of their own
-            assert build["fsdp_units"] == 4 + 1 + 1 + 8 and not build["left_on_meta"] and build["lora_layers_reset"] == 4
+            # 4 decoder layers, 1 vision block, the root, the layers' 8 LoRA modules in a unit of their own, and the
+            # input and output embeddings (fsdp2_frozen_dtype.embedding_units)
+            assert build["fsdp_units"] == 4 + 1 + 1 + 8 + 2 and not build["left_on_meta"]
+            assert build["lora_layers_reset"] == 4
             assert build["bytes_full_model"] >= results["model_parameters"]["total"] * 4
             assert build["bytes_materialized"] <= build["bytes_full_model"] * (1.0 if world == 1 else 0.55)
     assert (

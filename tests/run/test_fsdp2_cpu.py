@@ -96,6 +96,9 @@ def test_two_gloo_ranks_shard_stop_resume_keep_the_best_and_match_one_process(tm
     assert records[0]["cpu_fsdp"] == {"distributed_type": "FSDP", "was": "MULTI_CPU"}
     units = preparations[0]["units"]
     assert sum(".layers." in name and name.split(".")[-1].isdigit() for name in units) == 4  # the decoder layers
+    # the frozen input and output embeddings are units of their own (split like the rest, below)
+    assert all(p["embedding_units"] == ["input", "output"] for p in preparations)
+    assert any(n.endswith("embed_tokens") for n in units) and any(n.endswith("lm_head") for n in units), list(units)
     for name, unit in units.items():
         local = [p["units"][name]["local_bytes"] for p in preparations]
         assert sum(local) == unit["full_bytes"] and max(local) <= 0.55 * unit["full_bytes"] + 64, (name, local)
