@@ -134,10 +134,12 @@ def _embedding_units(accelerator, model) -> list[str]:
 
     In the root unit they stay gathered from the first forward to the end of the backward (4.74 GiB for the 27B
     shape with one process, and on every rank whatever the rank count). As units of their own: the input
-    embedding is gathered for its forward only; the output embedding is gathered once per step, at the loss, and
-    stays gathered through the loss's chunks (``reshard_after_forward`` and ``reshard_after_backward`` off) until the
-    gradient of its input is complete (``_release_after_loss``), so one all-gather serves every chunk's forward,
-    recompute and backward, and the decoder layers' backward runs without it."""
+    embedding is gathered for its forward only (``set_unshard_in_backward(False)``: its frozen weight takes no part
+    in the backward, although PEFT makes its output require a gradient); the output embedding is gathered once per
+    forward, at the loss, and stays gathered through the loss's chunks (``reshard_after_forward`` and
+    ``reshard_after_backward`` off) until the gradient of its input is complete (``_release_after_loss``), so one
+    all-gather serves every chunk's forward, recompute and backward, and the decoder layers' backward runs without
+    it."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     kwargs = _unit_kwargs(accelerator)
@@ -152,17 +154,19 @@ def _embedding_units(accelerator, model) -> list[str]:
             continue  # trained (modules_to_save): float32, and gathered through the backward anyway
         if role == "input":
             fully_shard(module, **kwargs)
+            if hasattr(module, "set_unshard_in_backward"):  # where this torch has it; else gathered in backward too
+                module.set_unshard_in_backward(False)
         else:
             fully_shard(module, **{**kwargs, "reshard_after_forward": False})
-            _release_after_loss(module)
+            _release_after_loss(module, model)
         made.append(role)
     return made
 
 
-def _release_after_loss(head) -> None:
+def _release_after_loss(head, model) -> None:
     """Keep ``head``'s unit gathered from its first call in a training forward until the gradient of that call's
-    input (the tensor the loss chunks are views of) is complete, then reshard it; after a call without gradients
-    (evaluation) reshard at once."""
+    input (the tensor the loss chunks are views of) is complete, then reshard it; in a forward of ``model`` without
+    gradients (evaluation), from its first call to the end of that forward (one gather for every loss chunk)."""
     import weakref
 
     import torch
@@ -189,7 +193,7 @@ def _release_after_loss(head) -> None:
             head.reshard()
 
     head.register_forward_pre_hook(before)
-    head.register_forward_hook(after)
+    model.register_forward_hook(after)
 
 
 def _guard_upcast(model) -> dict[str, Any]:

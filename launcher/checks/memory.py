@@ -402,15 +402,15 @@ def forecast(shape: ModelShape, run: RunShape, lora_params: int, device_gib: flo
         )
     }
     per_layer = {k: _counted_per_token(shape, k, b) * run.tokens / GIB for k in shape.kinds()}
-    working, gathered = _working_phase(shape, run, counts, per_layer)
+    working, gathered, gathered_most = _working_phase(shape, run, counts, per_layer)
     if run.fsdp2:
         terms["FSDP2 gathered units"] = gathered
         fixes["FSDP2 gathered units"] = (
-            "no option shrinks it (two decoder layers, or lm_head at the loss, gathered whole); "
-            "use a device with more memory"
-            if run.embedding_units and not shape.tied
-            else "launcher.patches.fsdp2_frozen_dtype.embedding_units: true (else the root unit, embedding and "
+            "launcher.patches.fsdp2_frozen_dtype.embedding_units: true (else the root unit, embedding and "
             "lm_head, stays gathered through the step)"
+            if not run.embedding_units and not shape.tied
+            else "no option shrinks it (two decoder layers, or lm_head at the loss, gathered whole); "
+            "use a device with more memory"
         )
     terms["lora"] = lora_params * 16 / shards / GIB
     fixes["lora"] = "a lower lora_rank or fewer lora_target modules"
@@ -439,6 +439,7 @@ def forecast(shape: ModelShape, run: RunShape, lora_params: int, device_gib: flo
     held = terms["weights"] + terms.get("FSDP2 gathered units", 0.0) + terms["lora"]
     eval_peak = held
     if run.eval_tokens:
+        eval_held = terms["weights"] + gathered_most + terms["lora"]  # evaluation: layers, then lm_head at the loss
         eval_loss = (
             EVAL_LOSS_BYTES_PER_LOGIT
             * (run.eval_tokens if run.chunk_tokens is None else min(run.chunk_tokens, run.eval_tokens))
@@ -446,7 +447,7 @@ def forecast(shape: ModelShape, run: RunShape, lora_params: int, device_gib: flo
             / GIB
         )
         one_layer = max(per_layer.values()) * run.eval_tokens / run.tokens
-        eval_peak = held + max(eval_loss, one_layer) + 2 * run.eval_tokens * shape.hidden * b / GIB
+        eval_peak = eval_held + max(eval_loss, one_layer) + 2 * run.eval_tokens * shape.hidden * b / GIB
         fixes["evaluation"] = "a lower per_device_eval_batch_size"
     # the final save gathers each full tensor on the device under FSDP2 (the embedding is the largest)
     save_peak = held + (shape.vocab * shape.hidden * 2 / GIB if run.fsdp2 else 0.0)
@@ -458,9 +459,10 @@ def forecast(shape: ModelShape, run: RunShape, lora_params: int, device_gib: flo
 
 def _working_phase(
     shape: ModelShape, run: RunShape, counts: dict[str, int], per_layer: dict[str, float]
-) -> tuple[tuple[str, float], float]:
-    """``((name, GiB), gathered GiB)``: the working set of the step's peak phase, the decoder layers' backward or
-    the loss (they are not held at the same time), and what FSDP2 holds gathered in that phase (0 without FSDP2).
+) -> tuple[tuple[str, float], float, float]:
+    """``((name, GiB), gathered GiB, most gathered GiB)``: the working set of the step's peak phase, the decoder
+    layers' backward or the loss (they are not held at the same time), what FSDP2 holds gathered in that phase, and
+    the most it holds gathered in either (0 without FSDP2).
 
     With the embeddings as units of their own, the backward phase holds two decoder layers and the loss phase
     ``lm_head``, so the peak phase is the larger sum; in the root unit both embeddings are held in either."""
@@ -475,9 +477,10 @@ def _working_phase(
         gathered = {"backward": rest + layers, "loss": rest + counts["embedding"] * 2 / GIB}
     else:
         gathered = {"backward": counts["root"] * 2 / GIB + layers, "loss": counts["root"] * 2 / GIB + layers}
+    most = max(gathered.values())
     if loss + gathered["loss"] > backward + gathered["backward"]:
-        return ("loss", loss), gathered["loss"]
-    return ("backward working set", backward), gathered["backward"]
+        return ("loss", loss), gathered["loss"], most
+    return ("backward working set", backward), gathered["backward"], most
 
 
 def _budget_plan(
@@ -493,7 +496,7 @@ def _budget_plan(
         for k in kinds
         if kinds[k]
     }
-    (_, working), _ = _working_phase(shape, run, counts, per_layer)
+    (_, working), _, _ = _working_phase(shape, run, counts, per_layer)
     activations = terms["checkpointed inputs"] + working
     held = terms["weights"] + terms.get("FSDP2 gathered units", 0.0) + terms["lora"]
     chosen = plan(costs, budget_gib=run.budget_gib, peak_gib=held + activations, held_gib=held).uncheckpointed

@@ -8,7 +8,8 @@ parameters (hidden 1,024, intermediate 2,816, 3 DeltaNet and 1 full-attention la
 trains (r8 on q/k/v/o, every layer checkpointed, AdamW), at 256 and 1,024 tokens, whole logits:
 
 - the peak of allocated bytes, read from torch's profiler (its CPU memory timeline), is what the forecast models:
-  within 10 %, the tolerance of the H200 points (test_memory_forecast.py);
+  within 10 %, the tolerance of the H200 points (test_memory_forecast.py), and so is the part beyond the weights
+  (checkpointed inputs, the loss, LoRA and Adam: 18 % of the peak at 256 tokens, 47 % at 1,024);
 - the peak resident-set delta, in a process without the profiler (its records would count), adds what the host
   allocator keeps beyond the allocated bytes (measured here: 1.05 to 1.32 GiB against 0.84 allocated at 1,024
   tokens), which the forecast budgets as its slack (1 GiB + 5 %): the delta must lie between 95 % of the forecast
@@ -30,6 +31,7 @@ from tests.checks.test_memory_forecast import _config
 pytestmark = pytest.mark.slow
 
 GIB = 1024**3
+REPO = Path(__file__).resolve().parents[2]
 SCALE = {"hidden_size": 1024, "intermediate_size": 2816, "head_dim": 128, "num_attention_heads": 8,
          "num_key_value_heads": 2, "linear_key_head_dim": 128, "linear_num_key_heads": 4,
          "linear_num_value_heads": 8, "linear_value_head_dim": 128, "vocab_size": 32768}  # fmt: skip
@@ -48,7 +50,7 @@ def model_118m(tmp_path_factory, demo_assets) -> Path:
 
 
 def _probe(model: Path, *args: str) -> dict:
-    done = subprocess.run([sys.executable, "-m", "tests.support.memory_probe", str(model), *args],
+    done = subprocess.run([sys.executable, "-m", "tests.support.memory_probe", str(model), *args], cwd=REPO,
                           capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -68,6 +70,9 @@ def test_the_forecast_matches_the_allocated_peak_of_cpu_lora_steps(model_118m, t
         allocated = measured["allocated_peak"][str(tokens)] / GIB
         print(f"\n{tokens} tokens: forecast {forecast.peak:.3f} GiB, allocated peak {allocated:.3f} GiB")
         assert abs(forecast.peak - allocated) <= 0.10 * allocated, (tokens, forecast.to_dict(), measured)
+        # and the terms beyond the weights on their own (the weights are most of the peak here)
+        beyond, weights = allocated - forecast.terms["weights"], forecast.terms["weights"]
+        assert abs((forecast.peak - weights) - beyond) <= 0.10 * beyond, (tokens, forecast.to_dict(), measured)
 
 
 def test_the_resident_set_of_a_cpu_lora_step_lies_within_the_forecast_and_its_slack(model_118m, tmp_path):
