@@ -235,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     routes = tuple(r.strip() for r in ns.routes.split(",") if r.strip())
     if not routes or set(routes) - set(ROUTES) or len(set(routes)) != len(routes):
         parser.error(f"--routes {ns.routes!r}: give {' or '.join(ROUTES)} or both, separated by a comma")
+    if ns.compare and "routed" not in routes:
+        parser.error(f"--compare {ns.compare} answers on the routed model, but --routes is {ns.routes!r}: "
+                     "add routed to --routes, or leave --compare out")  # fmt: skip
     if ns.compare < 0 or ns.compare_tokens < 1:
         parser.error(f"--compare {ns.compare} / --compare-tokens {ns.compare_tokens}: use 0 or more prompts and at "
                      "least 1 token, e.g. --compare 8 --compare-tokens 32")  # fmt: skip

@@ -24,7 +24,7 @@ in ``accelerate.accelerator``):
 3. ``embedding_units: true`` (the default): the frozen input and output embeddings (when not tied) become FSDP2
    units of their own before accelerate makes the root unit, so neither stays gathered through the decoder layers'
    backward (in the root's unit both do: 4.74 GiB for the 27B shape); the output embedding is gathered once per
-   step for all loss chunks (``_embedding_units`` says how). ``false`` leaves them in the root unit;
+   forward for all loss chunks (``_embedding_units`` says how). ``false`` leaves them in the root unit;
 4. on the ``cpu`` backend, lets accelerate take FSDP at all: ``AcceleratorState.__init__`` (accelerate/state.py)
    turns ``ACCELERATE_USE_FSDP`` into ``DistributedType.FSDP`` only for accelerator device types, so a CPU job with
    ``distribution: fsdp2`` silently ran DDP over gloo. torch's ``fully_shard`` works on a CPU mesh over gloo, so

@@ -59,8 +59,10 @@ def test_decode_bench_compares_a_batch_with_one_at_a_time_and_runs_only_the_rout
 
 
 @pytest.mark.parametrize(("args", "message"), [(["--routes", "fast"], "--routes 'fast'"),
-                                               (["--compare", "-1"], "--compare -1")])  # fmt: skip
+                                               (["--compare", "-1"], "--compare -1"),
+                                               (["--compare", "4", "--routes", "torch"], "add routed to --routes")])
 def test_decode_bench_refuses_a_bad_route_or_compare(tmp_path, capsys, args, message):
-    with pytest.raises(SystemExit):
-        decode_bench.main(["--out", str(tmp_path), *args])
-    assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as ended:
+        decode_bench.main(["--out", str(tmp_path / "out"), *args])
+    assert ended.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # nothing written
