@@ -82,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     argv, overrides = _take_overrides(argv, chosen)
     ns = build_parser(only=chosen if chosen in _ALL else None).parse_args(argv)
     ns.overrides = overrides
+    # before the config's libraries make threads that would take a stop signal (`resume`: with --foreground)
+    if _ALL[ns.verb].supervises and getattr(ns, "foreground", True):
+        from launcher.run.signals import hold_stop_signals
+
+        hold_stop_signals()
     try:
         return int(ns._run(ns))
     except LauncherError as err:

@@ -17,7 +17,9 @@ from launcher.state.runs import DEFAULT_RUNS_ROOT, ROOT_ENV, default_root, run_d
 class Verb:
     """One ``launcher`` verb: its help, examples, argparse lines and what it runs.
 
-    ``run`` returns the exit code; a ``LauncherError`` it raises is printed once by ``main``.
+    ``run`` returns the exit code; a ``LauncherError`` it raises is printed once by ``main``. ``supervises``: the
+    verb supervises a run in this process, so ``main`` holds the stop signals before anything else is loaded
+    (``run/signals.py``).
     """
 
     name: str
@@ -26,6 +28,7 @@ class Verb:
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
     hidden: bool = False
+    supervises: bool = False
 
 
 def add_root_arg(p: argparse.ArgumentParser) -> None:

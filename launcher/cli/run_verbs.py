@@ -263,13 +263,13 @@ def _cmd_slurm_node(ns: argparse.Namespace) -> int:
 VERBS: tuple[Verb, ...] = (
     Verb("run", "train in the foreground: validate, create a run directory, supervise the job to its end",
          "launcher run configs/demo_cpu.yaml\n  launcher run configs/qwen3_5_27b_lora_soulchat.yaml\n\n"
-         + EXIT_CODE_TABLE, _args_run, _cmd_run),
+         + EXIT_CODE_TABLE, _args_run, _cmd_run, supervises=True),
     Verb("profile", "a short supervised run that profiles N steps after W warm-up steps on every rank: "
          "profile.md says where a step's time goes",
          "launcher profile configs/demo_cpu.yaml\n"
          "  launcher profile configs/qwen3_5_27b_lora_soulchat.yaml --steps 3 --warmup 2\n"
          "  (on the NPU server: docker compose run --rm train launcher profile configs/CONFIG.yaml)",
-         _args_profile, _cmd_profile),
+         _args_profile, _cmd_profile, supervises=True),
     Verb("start", "start a run in the background (survives the SSH session) and return at once",
          "launcher start configs/qwen3_5_27b_lora_soulchat.yaml", add_config_arg, _cmd_start),
     Verb("submit", "submit a run to Slurm: an sbatch script in a new run folder, one launcher per node by srun",
@@ -288,7 +288,7 @@ VERBS: tuple[Verb, ...] = (
          "launcher resume demo-cpu-20261130-101500\n  launcher resume RUN --adapter-only\n"
          "  launcher resume --root outputs/runs RUN   (on the host, for a run in a container: in a new container "
          "made from the run's own)",
-         _args_resume, _cmd_resume),
+         _args_resume, _cmd_resume, supervises=True),
     Verb("check", "validate a run config (launcher section and LLaMA-Factory's own parser) without training",
          "launcher check configs/qwen3_5_27b_lora_soulchat.yaml\n"
          "  launcher check configs/qwen3_5_27b_lora_soulchat.yaml --for-another-machine   (on a laptop: the "
@@ -305,9 +305,9 @@ VERBS: tuple[Verb, ...] = (
          "  launcher preflight configs/qwen3_5_27b_lora_soulchat.yaml --device-memory 64",
          _args_preflight, _cmd_preflight),
     Verb("_supervise", "internal: the detached supervisor started by `launcher start`", "",
-         _args_supervise, _cmd_supervise, hidden=True),
+         _args_supervise, _cmd_supervise, hidden=True, supervises=True),
     Verb("_slurm-node", "internal: one node's launcher of a submitted run, started by srun", "",
-         _args_slurm_node, _cmd_slurm_node, hidden=True),
+         _args_slurm_node, _cmd_slurm_node, hidden=True, supervises=True),
     Verb("_kernel-check", "internal: preflight's DeltaNet kernel check, run in a child process", "",
          _args_kernel_check, _cmd_kernel_check, hidden=True),
 )  # fmt: skip

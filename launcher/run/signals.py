@@ -10,22 +10,29 @@ between polls), which hands back the kernel's ``siginfo_t``: the sender's pid an
   (``docker stop``, ``docker compose stop``) or someone on the host;
 - any other pid: that process, with its command line (psutil) and the sender's uid.
 
+A process-directed signal goes to any thread that does not block it, and a thread starts with the mask of
+the thread that made it. The libraries a supervisor loads make threads of their own (numpy's BLAS pool,
+pyarrow's allocator: four by the time the job runs), so a supervising verb calls ``hold_stop_signals()``
+first, while the process has one thread: every thread made after blocks the stop signals too, and
+``sigtimedwait`` is the one way they are taken.
+
 A blocked signal stays blocked across fork and exec, so the job is spawned inside ``unblocked()``, which
-restores the mask the supervisor had (the job's processes must die of SIGTERM as before). A signal that
-arrives in that window, or in a thread that does not block it, still reaches the plain handler installed
-alongside, which records the signal with an unknown sender: never lost, only less precisely named.
+restores the mask the process had before the hold (the job's processes must die of SIGTERM as before). A
+signal that arrives in that window still reaches the plain handler installed alongside, which records the
+signal with an unknown sender: never lost, only less precisely named.
 
 Work that blocks without polling (preflight: its checks, the kernel check's child process it waits for)
-runs inside ``interrupting()``: there the signals are delivered to a handler that keeps the signal and
-raises ``StopRequested``, which ends that work at once (``subprocess.run`` kills its child on the way out).
-Such a signal's sender is known only from a stop request (``launcher stop`` names itself), not from the
-kernel.
+runs inside ``interrupting()``: the signals stay blocked, a watcher thread takes them with ``sigtimedwait``
+(sender and all) and wakes the main thread with ``WAKE_SIGNAL``, whose handler raises ``StopRequested``
+there; that ends the work at once (a blocking wait is interrupted; ``subprocess.run`` kills its child on the
+way out).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,6 +44,19 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # si_code of a signal the kernel itself sent (Linux, include/uapi/asm-generic/siginfo.h); not in the signal module
 SI_KERNEL = 0x80
 _CMDLINE_CHARS = 160
+# sent by ``interrupting``'s watcher to the main thread only (pthread_kill): not a stop signal, so never blocked
+WAKE_SIGNAL = signal.SIGUSR1
+_WATCH_POLL_S = 0.1  # how often the watcher looks whether the work it guards has ended
+_BEFORE_HOLD: list[set[int]] = []  # the signal mask the process had before hold_stop_signals
+
+
+def hold_stop_signals() -> None:
+    """Block the stop signals in the calling thread, for good: call it first in a process that will supervise,
+    before it loads anything that makes threads, so that every thread it makes blocks them too. The mask from
+    before, less the stop signals, is what ``StopSignals.unblocked`` gives the job: its processes die of them
+    even when a process that held them (a foreground ``launcher resume``) started this one."""
+    if not _BEFORE_HOLD:
+        _BEFORE_HOLD.append(signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS) - set(STOP_SIGNALS))
 
 
 class StopRequested(BaseException):  # noqa: N818  (not an error: how blocking work is left on a stop)
@@ -101,6 +121,7 @@ class StopSignals:
         self.first: Received | None = None
         self._handlers: dict[int, Any] = {}
         self._mask: set[int] | None = None
+        self._raising = False  # inside ``interrupting``: a wake-up raises StopRequested
 
     def _keep(self, received: Received) -> None:
         if self.first is None:
@@ -109,9 +130,15 @@ class StopSignals:
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self._keep(Received(signum))
 
+    def _on_wake(self, _signum: int, _frame: Any) -> None:  # in the main thread, from ``interrupting``'s watcher
+        if self._raising and self.first is not None:
+            raise StopRequested(self.first.signum)
+
     def __enter__(self) -> StopSignals:
         self._handlers = {s: signal.signal(s, self._on_signal) for s in self.signals}
-        self._mask = signal.pthread_sigmask(signal.SIG_BLOCK, self.signals)
+        self._handlers[WAKE_SIGNAL] = signal.signal(WAKE_SIGNAL, self._on_wake)  # while entered: a late one is harmless
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, self.signals)
+        self._mask = _BEFORE_HOLD[0] if _BEFORE_HOLD else mask
         return self
 
     def __exit__(self, *_exc: Any) -> None:
@@ -136,31 +163,34 @@ class StopSignals:
 
     @contextmanager
     def interrupting(self) -> Iterator[None]:
-        """Run blocking work here: a stop signal (also one already pending) raises ``StopRequested`` in it."""
+        """Run blocking work here, in the main thread: a stop signal (also one already pending) raises
+        ``StopRequested`` in it. The signals stay blocked (a thread the work makes inherits the block); a
+        watcher thread takes them, with their sender, and wakes the main thread."""
         self._drain()
         if self.first is not None:
             raise StopRequested(self.first.signum)
+        main, done = threading.get_ident(), threading.Event()
 
-        active = [True]  # once the block ends, a signal that is still on its way is kept, never raised
+        def watch() -> None:
+            while not done.is_set():
+                if self.wait(_WATCH_POLL_S) is not None:
+                    signal.pthread_kill(main, WAKE_SIGNAL)
+                    return
 
-        def stop(signum: int, _frame: Any) -> None:
-            self._keep(Received(signum))
-            if active[0]:
-                raise StopRequested(signum)
-
-        previous = {s: signal.signal(s, stop) for s in self.signals}
+        watcher = threading.Thread(target=watch, name="stop-signal-watcher", daemon=True)
+        self._raising = True
+        watcher.start()
         try:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signals)
             yield
         finally:
-            active[0] = False
-            signal.pthread_sigmask(signal.SIG_BLOCK, self.signals)
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+            self._raising = False  # a wake-up still on its way finds this and does nothing
+            done.set()
+            watcher.join()
 
     @contextmanager
     def unblocked(self) -> Iterator[None]:
-        """Spawn children here: they start with the mask the supervisor had before ``__enter__``."""
+        """Spawn children here: they start with the mask the process had before ``hold_stop_signals`` (or, without
+        the hold, before ``__enter__``)."""
         self._drain()  # a pending signal would be delivered to the plain handler at the unblock
         if self._mask is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)

@@ -697,6 +697,77 @@ def test_stop_signals_are_taken_with_their_sender_and_children_start_unblocked()
     assert signal.getsignal(signal.SIGINT) is int_handler
 
 
+# run in a process of its own, as a supervising verb is: the hold comes first, while it has one thread
+INTERRUPTED = r"""
+import json, os, signal, subprocess, sys, threading, time
+from launcher.run.signals import StopRequested, StopSignals, hold_stop_signals
+
+hold_stop_signals()
+
+def blocked(tid):
+    line = next(x for x in open(f"/proc/self/task/{tid}/status") if x.startswith("SigBlk:"))
+    return int(line.split()[1], 16)
+
+out = {}
+with StopSignals() as stops:
+    try:
+        with stops.interrupting():
+            made = threading.Thread(target=time.sleep, args=(60,), daemon=True)
+            made.start()
+            out["made_thread_mask"] = blocked(made.native_id)
+            sender = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(os.getpid()), "stop-sender"])
+            out["sender"] = sender.pid
+            subprocess.run(["sleep", "600"])  # blocking work, as preflight's kernel check in its child process
+        out["raised"] = False
+    except StopRequested:
+        out["raised"] = True
+    finally:
+        sender.kill()
+    out["first"] = stops.first.to_dict()
+    with stops.unblocked():
+        child = subprocess.Popen(["sleep", "60"])
+    line = next(x for x in open(f"/proc/{child.pid}/status") if x.startswith("SigBlk:"))
+    out["job_mask"] = int(line.split()[1], 16)
+    child.kill()
+print(json.dumps(out))
+"""
+STOPS = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGHUP - 1))
+
+
+def test_a_stop_during_blocking_work_ends_it_names_its_sender_and_every_thread_blocks_the_signals():
+    """``interrupting`` (preflight's guard): a SIGTERM ends a blocking wait at once and is taken with its sender;
+    a thread the work makes blocks the stop signals (it could otherwise take one and hide who sent it); the
+    job is spawned with none blocked."""
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED, SENDER], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    assert out["raised"] and out["first"]["pid"] == out["sender"] and out["first"]["signal"] == signal.SIGTERM, out
+    assert out["made_thread_mask"] & STOPS == STOPS, out
+    assert out["job_mask"] & STOPS == 0, out
+
+
+@pytest.mark.slow
+def test_every_thread_of_a_foreground_supervisor_blocks_the_stop_signals_and_its_job_none(tmp_path, demo_assets):
+    """The libraries a supervisor loads make threads (numpy's, pyarrow's); one that did not block SIGTERM could
+    take a `docker stop` and leave its sender unnamed. The main thread blocks them too, but for the moments it
+    waits in sigtimedwait (which unblocks them while it waits)."""
+    from tests.support.fake_runs import launcher_bg, rank_processes, wait_for_run_dir
+
+    cfg, env = fake_config(tmp_path, demo_assets, {"lines": 100000, "interval": 0.2, "total_steps": 100000})
+    supervisor = launcher_bg("run", cfg, "--quiet", env=env, log=tmp_path / "run.out")
+    try:
+        run_dir = wait_for_run_dir(tmp_path / "runs")
+        (job,) = rank_processes(run_dir, 1)  # the job runs: preflight and its threads are done
+        threads = sorted(int(t.name) for t in Path(f"/proc/{supervisor.pid}/task").iterdir())
+        masks = {tid: _blocked_mask(tid) for tid in threads if tid != supervisor.pid}
+        assert len(masks) >= 1 and all(m & STOPS == STOPS for m in masks.values()), masks
+        assert _blocked_mask(job.pid) & STOPS == 0
+    finally:
+        supervisor.terminate()
+        supervisor.wait(timeout=120)
+
+
 @pytest.mark.slow
 def test_the_record_names_the_process_that_sent_sigterm_to_a_foreground_run(tmp_path, demo_assets):
     from tests.support.fake_runs import launcher_bg, rank_processes, read_status, spawn, wait_for_run_dir

@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from launcher.state.checkpoints import last_complete_checkpoint
+from launcher.state.runs import SAVE_READY
 from tests.support.common import REPO, launcher_cmd, make_config, only_run_dir
 from tests.support.engine import ENABLE, docker_cli
 from tests.support.fake_runs import wait_for
@@ -161,7 +162,10 @@ def test_a_lost_node_ends_node_lost_is_requeued_resumed_and_stopped_with_a_save(
         second = wait_for("attempt 2 running", lambda: (r := _record(run_dir))["attempt"] == 2
                           and r["state"] == "RUNNING" and r, timeout=300, every=1)  # fmt: skip
         assert second["resumed_from"] == str(last.path.relative_to(run_dir)), (second, last)
-        wait_for("a step of attempt 2", lambda: (_status(run_dir).get("step") or 0) > last.step, timeout=200, every=1)
+        # attempt 2's training began: its local rank 0 announced that it saves on a stop (the supervisor cleared
+        # attempt 1's announcement before it recorded RUNNING). Not the status's step: the trainer log still holds
+        # the steps attempt 1 logged past its last checkpoint, and a stop before this announcement saves nothing
+        wait_for("attempt 2 training", lambda: (run_dir / SAVE_READY).is_file(), timeout=200, every=1)
         stop = launcher_cmd("stop", run_dir, "--grace", "120", timeout=300)
         assert stop.returncode == 0, stop.stdout + stop.stderr
     finally:
