@@ -7,7 +7,9 @@
 ``--devices 1`` (one count): the one-device comparison of issue 28 instead, ``ONE_DEVICE`` variants in one
 invocation: the single-device path (``ddp``, one process), ``fsdp2`` with one process and ``fsdp2-budget120``,
 ``fsdp2`` with ``checkpoint_all_layers: {memory_budget_gib: 120}`` (``DEFAULT_VARIANTS``; the budget variant only on
-cuda and npu, whose allocators report a peak: on the CPU it is left out unless asked for by name);
+cuda and npu, whose allocators report a peak: on the CPU it is left out unless asked for by name); by name only,
+``fsdp2-root-embeddings``: ``fsdp2`` with ``fsdp2_frozen_dtype.embedding_units: false``, the embeddings in the root
+unit, to measure that option against its default in one invocation;
 ``targets`` holds FSDP2's peak against ``PEAK_MAX_GIB`` and its tokens/s against ``SPEED_MIN`` x the
 single-device path's.
 
@@ -57,6 +59,8 @@ ONE_DEVICE: dict[str, tuple[str, dict[str, Any]]] = {
     "single": ("ddp", {}),
     "fsdp2": ("fsdp2", {}),
     "fsdp2-budget120": ("fsdp2", {"checkpoint_all_layers": {"memory_budget_gib": 120}}),
+    # the embeddings left in accelerate's root unit (gathered for the whole step): the patch's option against it
+    "fsdp2-root-embeddings": ("fsdp2", {"fsdp2_frozen_dtype": {"embedding_units": False}}),
 }
 DEFAULT_VARIANTS = ("single", "fsdp2", "fsdp2-budget120")
 NEEDS_PEAK = ("fsdp2-budget120",)  # a memory budget needs an allocator that reports its peak: not the CPU's

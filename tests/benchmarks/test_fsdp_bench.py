@@ -76,6 +76,13 @@ def test_one_device_targets_compare_fsdp2_with_the_single_device_path(tmp_path):
     assert config["launcher"]["patches"]["checkpoint_all_layers"] == {"memory_budget_gib": 120}
     assert fsdp_bench.bench_config(tmp_path, "tiny", "cuda", 6, 1, "on", variant="single")["launcher"][
         "distribution"] == "ddp"  # fmt: skip
+    bench_assets.write_model_dir(tmp_path / "model", "tiny")
+    rooted = tmp_path / "rooted.yaml"  # the option the patch validates, against its default in one invocation
+    rooted.write_text(yaml.safe_dump(fsdp_bench.bench_config(tmp_path, "tiny", "cuda", 6, 1, "on",
+                                                             variant="fsdp2-root-embeddings")))  # fmt: skip
+    loaded = load_run_config(rooted)
+    assert loaded.launcher.distribution == "fsdp2"
+    assert loaded.patches["fsdp2_frozen_dtype"]["embedding_units"] is False
 
 
 @pytest.mark.slow
