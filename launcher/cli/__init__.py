@@ -21,6 +21,7 @@ from launcher import __version__
 from launcher.cli import run_verbs, tool_verbs, view_verbs
 from launcher.cli.registry import Verb
 from launcher.errors import LauncherError
+from launcher.run.signals import StopRequested, hold_stop_signals, release_stop_signals
 
 _ORDER = ("run", "start", "submit", "status", "logs", "stop", "list", "resume", "check", "preflight", "profile",
           "verify", "report", "evaluate", "validate-kernels", "demo-assets", "data")  # fmt: skip
@@ -84,14 +85,17 @@ def main(argv: list[str] | None = None) -> int:
     ns.overrides = overrides
     # before the config's libraries make threads that would take a stop signal (`resume`: with --foreground)
     if _ALL[ns.verb].supervises and getattr(ns, "foreground", True):
-        from launcher.run.signals import hold_stop_signals
-
         hold_stop_signals()
+    else:
+        release_stop_signals()
     try:
         return int(ns._run(ns))
     except LauncherError as err:
         _print_error(f"error: {err}")
         return err.exit_code
+    except StopRequested as stop:  # before the run existed (run/signals.py: the hold's guard)
+        _print_error(f"stopped by {signal.Signals(stop.args[0]).name} before a run was made; nothing was started")
+        return 128 + int(stop.args[0])
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `launcher status | head`: the reader had enough; no traceback

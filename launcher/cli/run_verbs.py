@@ -82,6 +82,7 @@ def _args_supervise(p: argparse.ArgumentParser) -> None:
 def _cmd_supervise(ns: argparse.Namespace) -> int:
     from launcher.run.config import load_run_config
     from launcher.run.resume import ResumePlan
+    from launcher.run.signals import StopRequested
     from launcher.run.supervisor import Handshake, supervise
 
     handshake = Handshake(os.fdopen(ns.handshake_fd, "w"))
@@ -89,6 +90,10 @@ def _cmd_supervise(ns: argparse.Namespace) -> int:
         config = load_run_config(ns.config, overrides_of(ns))  # changed since `start` read it: say so
     except LauncherError as err:
         handshake.refuse(err)
+        raise
+    except StopRequested as stop:  # `main` says so and exits 128 + the signal; `start` hears it first
+        handshake.refuse(LauncherError(f"stopped by signal {stop.args[0]} before the run was made",
+                                       128 + int(stop.args[0])))  # fmt: skip
         raise
     resume = ResumePlan.from_json(ns.resume) if ns.resume else None
     return supervise(config, echo=False, handshake=handshake, resume=resume)

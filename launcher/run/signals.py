@@ -14,7 +14,10 @@ A process-directed signal goes to any thread that does not block it, and a threa
 the thread that made it. The libraries a supervisor loads make threads of their own (numpy's BLAS pool,
 pyarrow's allocator: four by the time the job runs), so a supervising verb calls ``hold_stop_signals()``
 first, while the process has one thread: every thread made after blocks the stop signals too, and
-``sigtimedwait`` is the one way they are taken.
+``sigtimedwait`` is the one way they are taken. Until the run's folder is made (``end_hold_guard``, in
+``supervise``), a watcher thread takes them: a stop then ends the command at once (``StopRequested``, exit
+128 + the signal), with no run made, as it did before the hold. Any other ``launcher`` process starts with
+them unblocked, whatever it inherited (preflight's kernel check is a child of a supervisor).
 
 A blocked signal stays blocked across fork and exec, so the job is spawned inside ``unblocked()``, which
 restores the mask the process had before the hold (the job's processes must die of SIGTERM as before). A
@@ -24,8 +27,8 @@ signal with an unknown sender: never lost, only less precisely named.
 Work that blocks without polling (preflight: its checks, the kernel check's child process it waits for)
 runs inside ``interrupting()``: the signals stay blocked, a watcher thread takes them with ``sigtimedwait``
 (sender and all) and wakes the main thread with ``WAKE_SIGNAL``, whose handler raises ``StopRequested``
-there; that ends the work at once (a blocking wait is interrupted; ``subprocess.run`` kills its child on the
-way out).
+there, once; that ends the work at once (a blocking wait is interrupted; ``subprocess.run`` kills its child
+on the way out).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -48,15 +51,33 @@ _CMDLINE_CHARS = 160
 WAKE_SIGNAL = signal.SIGUSR1
 _WATCH_POLL_S = 0.1  # how often the watcher looks whether the work it guards has ended
 _BEFORE_HOLD: list[set[int]] = []  # the signal mask the process had before hold_stop_signals
+_GUARD: list[_Watcher] = []  # the hold's watcher, until the run's folder is made
 
 
 def hold_stop_signals() -> None:
-    """Block the stop signals in the calling thread, for good: call it first in a process that will supervise,
-    before it loads anything that makes threads, so that every thread it makes blocks them too. The mask from
-    before, less the stop signals, is what ``StopSignals.unblocked`` gives the job: its processes die of them
-    even when a process that held them (a foreground ``launcher resume``) started this one."""
+    """Block the stop signals in the calling (main) thread, for good: call it first in a process that will
+    supervise, before it loads anything that makes threads, so that every thread it makes blocks them too. The
+    mask from before, less the stop signals, is what ``StopSignals.unblocked`` gives the job: its processes die
+    of them even when a process that held them started this one. Until ``end_hold_guard``, a stop signal
+    raises ``StopRequested`` in the main thread (the command ends; nothing was started)."""
     if not _BEFORE_HOLD:
         _BEFORE_HOLD.append(signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS) - set(STOP_SIGNALS))
+        _GUARD.append(_Watcher(STOP_SIGNALS).start())
+
+
+def end_hold_guard() -> None:
+    """The run's folder is about to be made: from here a stop signal waits for the supervisor's ``StopSignals``
+    (which records it). Raises ``StopRequested`` when the guard took one (its wake-up may not have come yet)."""
+    while _GUARD:
+        received = _GUARD.pop().stop()
+        if received is not None:
+            raise StopRequested(received.signum)
+
+
+def release_stop_signals() -> None:
+    """A ``launcher`` process that does not supervise: the stop signals unblocked, whatever it inherited (a
+    child of a supervisor that held them, such as preflight's kernel check, must die of them)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 class StopRequested(BaseException):  # noqa: N818  (not an error: how blocking work is left on a stop)
@@ -111,6 +132,47 @@ def from_siginfo(info: Any) -> Received:
     return Received(int(info.si_signo), pid=pid, uid=int(info.si_uid), code=int(info.si_code), cmdline=cmdline)
 
 
+class _Watcher:
+    """A thread that takes the stop signals (blocked everywhere) with ``sigtimedwait`` and wakes the main thread
+    with ``WAKE_SIGNAL``, whose handler raises ``StopRequested`` there, once. Made and started in the main
+    thread (only it may set a handler); the handler stays set after ``stop`` (a late wake-up does nothing)."""
+
+    def __init__(self, signals: tuple[int, ...], keep: Callable[[Received], None] | None = None):
+        self.signals, self._keep = signals, keep
+        self.received: Received | None = None
+        self._armed = True
+        self._main = threading.get_ident()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="stop-signal-watcher", daemon=True)
+
+    def start(self) -> _Watcher:
+        signal.signal(WAKE_SIGNAL, self._on_wake)
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._done.is_set():
+            info = signal.sigtimedwait(self.signals, _WATCH_POLL_S)
+            if info is not None:
+                self.received = from_siginfo(info)
+                if self._keep is not None:
+                    self._keep(self.received)
+                signal.pthread_kill(self._main, WAKE_SIGNAL)
+                return
+
+    def _on_wake(self, _signum: int, _frame: Any) -> None:  # in the main thread
+        if self._armed and self.received is not None:
+            self._armed = False
+            raise StopRequested(self.received.signum)
+
+    def stop(self) -> Received | None:
+        """End the watch; the signal it took, if one came."""
+        self._armed = False
+        self._done.set()
+        self._thread.join()
+        return self.received
+
+
 class StopSignals:
     """While entered: SIGTERM, SIGINT and SIGHUP are blocked and taken by ``wait``; the first one is kept
     (``first``). On exit, signals still pending are taken (they would otherwise be delivered to the handlers
@@ -121,7 +183,6 @@ class StopSignals:
         self.first: Received | None = None
         self._handlers: dict[int, Any] = {}
         self._mask: set[int] | None = None
-        self._raising = False  # inside ``interrupting``: a wake-up raises StopRequested
 
     def _keep(self, received: Received) -> None:
         if self.first is None:
@@ -130,13 +191,9 @@ class StopSignals:
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self._keep(Received(signum))
 
-    def _on_wake(self, _signum: int, _frame: Any) -> None:  # in the main thread, from ``interrupting``'s watcher
-        if self._raising and self.first is not None:
-            raise StopRequested(self.first.signum)
-
     def __enter__(self) -> StopSignals:
         self._handlers = {s: signal.signal(s, self._on_signal) for s in self.signals}
-        self._handlers[WAKE_SIGNAL] = signal.signal(WAKE_SIGNAL, self._on_wake)  # while entered: a late one is harmless
+        self._handlers[WAKE_SIGNAL] = signal.getsignal(WAKE_SIGNAL)  # ``interrupting``'s watchers set it
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, self.signals)
         self._mask = _BEFORE_HOLD[0] if _BEFORE_HOLD else mask
         return self
@@ -169,23 +226,11 @@ class StopSignals:
         self._drain()
         if self.first is not None:
             raise StopRequested(self.first.signum)
-        main, done = threading.get_ident(), threading.Event()
-
-        def watch() -> None:
-            while not done.is_set():
-                if self.wait(_WATCH_POLL_S) is not None:
-                    signal.pthread_kill(main, WAKE_SIGNAL)
-                    return
-
-        watcher = threading.Thread(target=watch, name="stop-signal-watcher", daemon=True)
-        self._raising = True
-        watcher.start()
+        watcher = _Watcher(self.signals, keep=self._keep).start()
         try:
             yield
         finally:
-            self._raising = False  # a wake-up still on its way finds this and does nothing
-            done.set()
-            watcher.join()
+            watcher.stop()
 
     @contextmanager
     def unblocked(self) -> Iterator[None]:

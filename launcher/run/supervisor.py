@@ -53,7 +53,7 @@ from launcher.run.rootcause import (
 )
 from launcher.run.rundir import RunDir, make_run_dir, write_run_files
 from launcher.run.setup import Prepared, check_earlier_runs, prepare
-from launcher.run.signals import Received, StopRequested, StopSignals
+from launcher.run.signals import Received, StopRequested, StopSignals, end_hold_guard
 from launcher.run.tuning import tuning_env
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.reconcile import reconcile
@@ -602,10 +602,16 @@ def supervise(config: RunConfig, *, echo: bool = True, handshake: Handshake | No
         for warning in warnings:
             print(f"warning: {warning}", file=sys.stderr)
         prepared = prepare(config)
+        end_hold_guard()  # from here a stop signal waits for the supervisor, which records it in the run
         run_dir, store, attempt = _open_run(prepared, lock, resume, adopt)
     except LauncherError as err:
         lock.release()
         handshake.refuse(err)
+        raise
+    except StopRequested as stop:  # before the run existed: nothing to record (the hold's guard, run/signals.py)
+        lock.release()
+        handshake.refuse(LauncherError(f"stopped by {signal.Signals(stop.args[0]).name} before the run was made; "
+                                       "nothing was started", 128 + int(stop.args[0])))  # fmt: skip
         raise
     try:
         handshake.send(ok=True, run_id=run_dir.run_id, run_dir=str(run_dir.path), trainer_log=str(run_dir.trainer_log),

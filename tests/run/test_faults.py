@@ -700,9 +700,10 @@ def test_stop_signals_are_taken_with_their_sender_and_children_start_unblocked()
 # run in a process of its own, as a supervising verb is: the hold comes first, while it has one thread
 INTERRUPTED = r"""
 import json, os, signal, subprocess, sys, threading, time
-from launcher.run.signals import StopRequested, StopSignals, hold_stop_signals
+from launcher.run.signals import StopRequested, StopSignals, end_hold_guard, hold_stop_signals
 
 hold_stop_signals()
+end_hold_guard()  # as supervise does before it makes the run folder
 
 def blocked(tid):
     line = next(x for x in open(f"/proc/self/task/{tid}/status") if x.startswith("SigBlk:"))
@@ -745,6 +746,40 @@ def test_a_stop_during_blocking_work_ends_it_names_its_sender_and_every_thread_b
     assert out["raised"] and out["first"]["pid"] == out["sender"] and out["first"]["signal"] == signal.SIGTERM, out
     assert out["made_thread_mask"] & STOPS == STOPS, out
     assert out["job_mask"] & STOPS == 0, out
+
+
+# `launcher run` whose config takes long to load (a stand-in for a slow LLaMA-Factory import or model folder)
+SLOW_LOAD = r"""
+import sys, time
+import launcher.run.config as config
+from launcher.cli import main
+
+def slow_load(*args, **kwargs):
+    print("loading", flush=True)
+    time.sleep(600)
+
+config.load_run_config = slow_load
+sys.exit(main(["run", sys.argv[1]]))
+"""
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_before_the_run_is_made_ends_the_command_at_once_and_makes_nothing(tmp_path, stop):
+    """A supervising verb holds the stop signals from its first line; until the run folder is made a watcher
+    takes them, so a stop (docker stop, Ctrl-C) during the config's load still ends the command at once, with
+    its exit code and one line, and no run. The load is a stand-in that sleeps (the real one takes seconds)."""
+    runs = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_LOAD, str(tmp_path / "cfg.yaml")], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout.readline() == "loading\n"
+        proc.send_signal(stop)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + stop, (proc.returncode, err)
+    assert err.strip() == f"stopped by {stop.name} before a run was made; nothing was started", err
+    assert not runs.exists()
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from launcher.run.slurm import node_run_dirs
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.runs import SAVE_READY
 from tests.support.common import REPO, launcher_cmd, make_config, only_run_dir
@@ -144,6 +145,8 @@ def test_a_lost_node_ends_node_lost_is_requeued_resumed_and_stopped_with_a_save(
     output = run_dir / "output"
     try:
         wait_for("a complete checkpoint", lambda: last_complete_checkpoint(output), timeout=300, every=1)
+        attempt_1_nodes = set(node_run_dirs(run_dir))
+        assert len(attempt_1_nodes) == 1, attempt_1_nodes
         killed = subprocess.run([docker_cli(), "kill", "deltanet-slurm-n2"], capture_output=True, text=True,
                                 timeout=120, check=False)  # fmt: skip
         assert killed.returncode == 0, killed.stderr
@@ -162,10 +165,15 @@ def test_a_lost_node_ends_node_lost_is_requeued_resumed_and_stopped_with_a_save(
         second = wait_for("attempt 2 running", lambda: (r := _record(run_dir))["attempt"] == 2
                           and r["state"] == "RUNNING" and r, timeout=300, every=1)  # fmt: skip
         assert second["resumed_from"] == str(last.path.relative_to(run_dir)), (second, last)
-        # attempt 2's training began: its local rank 0 announced that it saves on a stop (the supervisor cleared
-        # attempt 1's announcement before it recorded RUNNING). Not the status's step: the trainer log still holds
-        # the steps attempt 1 logged past its last checkpoint, and a stop before this announcement saves nothing
-        wait_for("attempt 2 training", lambda: (run_dir / SAVE_READY).is_file(), timeout=200, every=1)
+        # attempt 2's training began on both nodes: each node's local rank 0 announced that it saves on a stop
+        # (node 0's supervisor cleared attempt 1's announcement before it recorded RUNNING; node 1 supervises
+        # attempt 2 in a new run folder). Not the status's step: the trainer log still holds the steps attempt 1
+        # logged past its last checkpoint, and a node whose job has not announced is stopped without a save
+        def training_on_both_nodes() -> bool:
+            fresh = [d for d in node_run_dirs(run_dir) if d not in attempt_1_nodes]
+            return len(fresh) == 1 and all((d / SAVE_READY).is_file() for d in (run_dir, *fresh))
+
+        wait_for("attempt 2 training on both nodes", training_on_both_nodes, timeout=200, every=1)
         stop = launcher_cmd("stop", run_dir, "--grace", "120", timeout=300)
         assert stop.returncode == 0, stop.stdout + stop.stderr
     finally:
