@@ -28,7 +28,8 @@ loaded machine cannot make the decode time negative, as a difference of two sepa
 Which kernels ran comes from the routing patch's own proof records (``first_call``, ``first_decode_call``).
 ``--compare K``: ``K`` prompts of different lengths answered in one left-padded batch and one at a time by
 ``launcher evaluate``'s own decoding, on the routed model, and the count of answers that agree token for token
-(``routes.routed.compare``). Results go to ``DIR/decode.json``. On CUDA this process lifts FLA's Hopper guard
+(``routes.routed.compare``); where one differs, the one-at-a-time logits after the shared tokens say whether it
+was a near tie (top-2 margin in bf16 steps of the top logit, the rank of the batch's token there). Results go to ``DIR/decode.json``. On CUDA this process lifts FLA's Hopper guard
 (``benchmarks.fla_guard``; measurement only: the forward kernels used here never reach the guarded backward, but
 the routing probe reads the flag).
 """
@@ -144,9 +145,42 @@ def compare_batched(torch, model, dev, rows: int, prompt_tokens: int, new_tokens
     differ = [next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b),
                    None if len(x) == len(y) else min(len(x), len(y)))
               for x, y in zip(batched, single, strict=True)]  # fmt: skip
+    margins = [None if at is None or at >= min(len(b), len(o)) else
+               difference_margin(torch, model, dev, prompt + o[:at], b[at], o[at])
+               for prompt, b, o, at in zip(prompts, batched, single, differ, strict=True)]  # fmt: skip
+    ties = [m for m in margins if m is not None]
     return {"rows": rows, "new_tokens": new_tokens, "prompt_lengths": lengths, "stop": stop,
             "exact_matches": sum(d is None for d in differ), "first_difference_at": differ,
-            "answer_lengths": [len(x) for x in batched]}  # fmt: skip
+            "answer_lengths": [len(x) for x in batched], "first_difference_margins": margins,
+            "differences_at_a_near_tie": sum(m["near_tie"] for m in ties),
+            "near_tie_steps": NEAR_TIE_STEPS}  # fmt: skip
+
+
+NEAR_TIE_STEPS = 4  # a first difference at a top-2 margin of at most this many bf16 steps of the top logit
+
+
+def bf16_step(value: float) -> float:
+    """The spacing of bfloat16 numbers at ``value`` (8 significant bits): what one rounding can move a logit."""
+    import math
+
+    return 2.0 ** (math.floor(math.log2(max(abs(value), 2.0**-126))) - 7)
+
+
+def difference_margin(torch, model, dev, context: list[int], batched: int, single: int) -> dict[str, Any]:
+    """Where a batched answer first leaves the one-at-a-time answer: the logits one at a time gives after the
+    shared ``context`` (its top two, their margin in bf16 steps of the top logit, the rank there of the token the
+    batch chose). A margin of a few steps is a tie that rounding in a differently shaped batch can flip."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([context], device=dev.name), logits_to_keep=1).logits[0, -1].float()
+    top = torch.topk(logits, 2)
+    first, second = (float(v) for v in top.values)
+    margin = first - second
+    step = bf16_step(first)
+    return {"at_context_tokens": len(context), "single_token": single, "batched_token": batched,
+            "top_tokens": [int(i) for i in top.indices], "top2_margin": round(margin, 6),
+            "bf16_step": step, "margin_in_bf16_steps": round(margin / step, 2),
+            "batched_token_rank": int((logits > logits[batched]).sum()) + 1,
+            "near_tie": margin <= NEAR_TIE_STEPS * step}  # fmt: skip
 
 
 def run(out: Path, shape: str, backend: str, new_tokens: int, prompt_tokens: int, repeats: int,
