@@ -160,14 +160,18 @@ class _Watcher:
                 signal.pthread_kill(self._main, WAKE_SIGNAL)
                 return
 
+    def disarm(self) -> bool:
+        """No ``StopRequested`` from this watch any more; whether one could still have come (one at most)."""
+        armed, self._armed = self._armed, False
+        return armed
+
     def _on_wake(self, _signum: int, _frame: Any) -> None:  # in the main thread
-        if self._armed and self.received is not None:
-            self._armed = False
+        if self.received is not None and self.disarm():
             raise StopRequested(self.received.signum)
 
     def stop(self) -> Received | None:
         """End the watch; the signal it took, if one came."""
-        self._armed = False
+        self.disarm()
         self._done.set()
         self._thread.join()
         return self.received
@@ -183,6 +187,7 @@ class StopSignals:
         self.first: Received | None = None
         self._handlers: dict[int, Any] = {}
         self._mask: set[int] | None = None
+        self._watcher: _Watcher | None = None  # ``interrupting``'s, while it runs
 
     def _keep(self, received: Received) -> None:
         if self.first is None:
@@ -190,6 +195,9 @@ class StopSignals:
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self._keep(Received(signum))
+        # inside ``interrupting`` without the hold, a thread that does not block the signal may take it
+        if self._watcher is not None and self._watcher.disarm():
+            raise StopRequested(signum)
 
     def __enter__(self) -> StopSignals:
         self._handlers = {s: signal.signal(s, self._on_signal) for s in self.signals}
@@ -226,11 +234,12 @@ class StopSignals:
         self._drain()
         if self.first is not None:
             raise StopRequested(self.first.signum)
-        watcher = _Watcher(self.signals, keep=self._keep).start()
+        self._watcher = _Watcher(self.signals, keep=self._keep).start()
         try:
             yield
         finally:
-            watcher.stop()
+            self._watcher.stop()
+            self._watcher = None
 
     @contextmanager
     def unblocked(self) -> Iterator[None]:
