@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import fsdp_init
-from launcher.rank import entry
 from launcher.files import write_json_atomic
+from launcher.rank import entry
 from patches.proof import utc_now
 
 KERNEL_CASES_ENV = "BENCH_KERNEL_CASES"

@@ -29,9 +29,9 @@ Which kernels ran comes from the routing patch's own proof records (``first_call
 ``--compare K``: ``K`` prompts of different lengths answered in one left-padded batch and one at a time by
 ``launcher evaluate``'s own decoding, on the routed model, and the count of answers that agree token for token
 (``routes.routed.compare``); where one differs, the one-at-a-time logits after the shared tokens say whether it
-was a near tie (top-2 margin in bf16 steps of the top logit, the rank of the batch's token there). Results go to ``DIR/decode.json``. On CUDA this process lifts FLA's Hopper guard
-(``benchmarks.fla_guard``; measurement only: the forward kernels used here never reach the guarded backward, but
-the routing probe reads the flag).
+was a near tie (top-2 margin in bf16 steps of the top logit, the rank of the batch's token there). Results go to
+``DIR/decode.json``. On CUDA this process lifts FLA's Hopper guard (``benchmarks.fla_guard``; measurement only:
+the forward kernels used here never reach the guarded backward, but the routing probe reads the flag).
 """
 
 from __future__ import annotations

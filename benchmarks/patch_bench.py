@@ -6,10 +6,10 @@
 Variants (``VARIANTS``, run in the order given): ``on`` (the product's defaults), ``off`` (every patch off:
 LLaMA-Factory 0.9.5's own behaviour), ``budget120`` (``checkpoint_all_layers.memory_budget_gib: 120``),
 ``glue-off`` (``fused_ops`` and ``lora_input_cast`` off: the product before the fused glue), ``fused-nolora``
-(``lora_input_cast`` off), ``budget120-glue-off``, ``spread`` and ``spread-pad256`` (samples of about 1,000 to 4,096 tokens, the second padded to a multiple of
-256), ``ctx32k`` and ``ctx64k`` (cutoff 8x and 16x), ``on-warm`` (``on`` again, its first step with the Triton
-cache the earlier variants filled: ``TRITON_CACHE_DIR`` is ``DIR/triton-cache`` for every variant unless the caller
-sets it), ``profile``
+(``lora_input_cast`` off), ``budget120-glue-off``, ``spread`` and ``spread-pad256`` (samples of about 1,000 to 4,096
+tokens, the second padded to a multiple of 256), ``ctx32k`` and ``ctx64k`` (cutoff 8x and 16x), ``on-warm`` (``on``
+again, its first step with the Triton cache the earlier variants filled: ``TRITON_CACHE_DIR`` is ``DIR/triton-cache``
+for every variant unless the caller sets it), ``profile``
 (``on``'s config through ``launcher profile`` instead of ``launcher run``: 5 steps, the last ``5 - --warmup``
 of them profiled), ``spread-packed`` (the spread's samples with ``packing: true``: rows of 4,096 tokens holding
 several samples each; the packing issue's target is 1.5x the supervised tokens/s of ``spread``),

@@ -278,7 +278,8 @@ def _finish_measuring(model) -> None:
                       held_gib=_state["held_gib"], seq_len=seq_len, cutoff_len=_state.get("cutoff_len"))  # fmt: skip
         agreed = agree_counts(chosen.uncheckpointed, kinds, backend)
         record.update(asdict(chosen), uncheckpointed=agreed, this_rank_chose=chosen.uncheckpointed,
-                      uncheckpointed_names=apply_plan(model, agreed), first_step_raw_peak_gib=round(raw_peak, 3))  # fmt: skip
+                      uncheckpointed_names=apply_plan(model, agreed),
+                      first_step_raw_peak_gib=round(raw_peak, 3))  # fmt: skip
         _state["budget_plan"] = {"costs": costs, "chosen": agreed, "first_peak": first_peak, "kinds": kinds,
                                  "seq_len": seq_len, "names": record["uncheckpointed_names"]}  # fmt: skip
     record["uncheckpointed_total"] = len(record.get("uncheckpointed_names", []))

@@ -25,12 +25,12 @@ What this patch does:
    it reads the samples off the mask's diagonal and sub-diagonal (``segments``), checks once per process
    that the mask is exactly block-diagonal causal, and runs the layer with the convolution reset at every
    sample start (``segment_causal_conv``: the row's convolution, then the first ``K - 1`` tokens of every
-   sample computed again from that sample alone; where the layer is bound to FLA's convolution by the
-   ``fused_ops`` patch, that kernel takes the row's ``cu_seqlens`` instead) and the routed chunk kernel per sample: FLA's kernel once, with
-   the row's ``cu_seqlens`` (the rows flattened to batch 1, as FLA requires); the torch reference once per
-   sample. Other masks go to the upstream forward unchanged (unpacked training, generation). A packed row
-   with a cache (generation) or whose mask is not as long as the row (LLaMA-Factory's dummy image appended
-   to a packed batch) stops the run.
+   sample computed again from that sample alone; where the layer is bound to FLA's convolution by the ``fused_ops``
+   patch, that kernel takes the row's ``cu_seqlens`` instead) and the routed chunk kernel per sample: FLA's kernel
+   once, with the row's ``cu_seqlens`` (the rows flattened to batch 1, as FLA requires); the torch reference once per
+   sample. Other masks go to the upstream forward unchanged (unpacked training, generation). A packed row with a cache
+   (generation) or whose mask is not as long as the row (LLaMA-Factory's dummy image appended to a packed batch) stops
+   the run.
 2. routes the full-attention layers of a packed row (``Qwen3_5Attention``, the MoE twin; through the ``sdpa``
    entry of transformers' attention functions, which the layers look up at every call) to a varlen kernel
    where the device has one: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention with ``cu_seqlens``)

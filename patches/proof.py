@@ -1,10 +1,10 @@
 """Proof records: one JSON file per rank and patch, ``PROOF_DIR/rank<RANK>/<patch>.json``.
 
 Every write goes to a temporary file in the same folder, is fsynced, and replaces the record with
-``os.replace``, so a reader (``launcher status`` on the host) never sees half a file; a write the disk refuses
-is a warning (``launcher.files.write_json_or_warn``), and the next one writes the whole record again. A record starts when
-the patch is applied (or found disabled) and later facts, such as the first kernel call or the first training
-step, are merged into it by the same process. Each rank writes only its own folder, so ranks never race.
+``os.replace``, so a reader (``launcher status`` on the host) never sees half a file; a write the disk refuses is a
+warning (``launcher.files.write_json_or_warn``), and the next one writes the whole record again. A record starts when
+the patch is applied (or found disabled) and later facts, such as the first kernel call or the first training step,
+are merged into it by the same process. Each rank writes only its own folder, so ranks never race.
 """
 
 from __future__ import annotations

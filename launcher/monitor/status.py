@@ -259,11 +259,12 @@ def render(info: dict[str, Any]) -> str:
     if saved := info.get("saved_checkpoint"):
         rows.append(("saved", f"step {saved.get('step')} on the stop: {saved.get('path')}"))
     for a in info.get("attempts") or []:  # earlier attempts, restarted automatically (launcher.restart)
-        rows.append((f"attempt {a.get('attempt')}", f"{a.get('state')}: {a.get('cause')}; resumed from step "
-                                                    f"{a.get('resumed_step')}, {a.get('steps_lost')} step(s) lost"))  # fmt: skip
+        lost = f"resumed from step {a.get('resumed_step')}, {a.get('steps_lost')} step(s) lost"
+        rows.append((f"attempt {a.get('attempt')}", f"{a.get('state')}: {a.get('cause')}; {lost}"))
     for f in info.get("record_write_failures") or []:
         until = f.get("until") or "still failing"
-        rows.append(("record", f"{f.get('failed_writes')} write(s) failed {f.get('since')} .. {until}: {f.get('error')}"))
+        failed = f"{f.get('failed_writes')} write(s) failed {f.get('since')} .. {until}"
+        rows.append(("record", f"{failed}: {f.get('error')}"))
     if oom := info.get("out_of_memory"):  # the phase, step and layer the rank ran out of memory in, and the fix
         rows.append(("memory", f"rank {oom.get('rank')}: {summary(oom)}"))
         if oom.get("snapshot"):

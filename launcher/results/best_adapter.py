@@ -55,6 +55,7 @@ def keep_best_adapter(output: Path) -> dict[str, Any] | None:
         write_bytes_atomic(output / name, (folder / name).read_bytes())
     record = {"checkpoint": folder.name, "metric": state.get("best_metric"), "files": list(ADAPTER_FILES),
               "last_step": state.get("global_step"),
-              "note": "the adapter in output/ is this checkpoint's; eval_results.json describes the last step"}  # fmt: skip
+              "note": "the adapter in output/ is this checkpoint's; eval_results.json describes the last step",
+              }  # fmt: skip
     write_json_atomic(output / BEST_ADAPTER_RECORD, record)
     return record

@@ -21,7 +21,8 @@ from launcher.state.runs import PROFILE_ASCEND, PROFILE_DIR, PROFILE_JSON, PROFI
 PARTS = ("deltanet", "glue", "attention", "matmul", "other_compute", "communication", "optimizer",
          "data_loading", "optimizer_host", "compile_autotune", "host_gaps")  # fmt: skip
 LABELS = {
-    "deltanet": "DeltaNet kernels", "glue": "conv, norms, SwiGLU kernels", "attention": "attention", "matmul": "matmul", "other_compute": "other compute",
+    "deltanet": "DeltaNet kernels", "glue": "conv, norms, SwiGLU kernels", "attention": "attention", "matmul": "matmul",
+    "other_compute": "other compute",
     "communication": "communication", "optimizer": "optimizer (device)", "data_loading": "data loading (device idle)",
     "optimizer_host": "optimizer (host, device idle)", "compile_autotune": "kernel compile / autotune",
     "host_gaps": "other host-side gaps (device idle)",

@@ -41,7 +41,8 @@ def npu_image(engine, tmp_path_factory) -> dict[str, object]:
     timings: dict[str, float] = {}
     t0 = time.monotonic()
     subprocess.run(["bash", "scripts/docker-base-image.sh", BASE_IMAGE], cwd=ROOT, check=True, timeout=900)
-    standin = [docker_cli(), "build", "-f", "tests/support/files/cann-standin.Dockerfile", "-t", STANDIN, "tests/support/files"]
+    files = "tests/support/files"
+    standin = [docker_cli(), "build", "-f", f"{files}/cann-standin.Dockerfile", "-t", STANDIN, files]
     out = subprocess.run(standin, cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "DOCKER_BUILDKIT": "1"})  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -154,7 +154,8 @@ dist.init_process_group("gloo")
 kinds = {"deltanet": 3, "attention": 1}
 # rank 0 saw 40 tokens and timed the DeltaNet layer as dearer; rank 1 saw 20 tokens, the attention layer dearer,
 # and could not measure the DeltaNet layer at all
-costs = ({"deltanet": LayerCost("deltanet", 3, 4000, 0.004, 40), "attention": LayerCost("attention", 1, 4000, 0.002, 40)}
+costs = ({"deltanet": LayerCost("deltanet", 3, 4000, 0.004, 40),
+          "attention": LayerCost("attention", 1, 4000, 0.002, 40)}
          if rank == 0 else {"attention": LayerCost("attention", 1, 2400, 0.003, 20)})
 agreed, seq = agree_costs(costs, kinds, 40 if rank == 0 else 20, "cpu")
 by_count = plan(agreed, count=2).uncheckpointed

@@ -179,7 +179,8 @@ def test_the_layer_plan_is_measured_in_the_first_step_and_holds_from_the_second(
     first, second = proof["first_training_step"], proof["second_training_step"]
     # the first step measures the first layer of each kind inside the model's forward, un-checkpointed
     measured = sorted(layer_plan["measured_layers"].values())
-    assert measured == ["base_model.model.model.language_model.layers.0", "base_model.model.model.language_model.layers.3"]
+    layers = "base_model.model.model.language_model.layers"
+    assert measured == [f"{layers}.0", f"{layers}.3"]
     first_modes = {e["name"]: e["observed"] for e in first["layers_detail"] if e["class"] == "Qwen3_5DecoderLayer"}
     assert sorted(n for n, mode in first_modes.items() if mode == "not_checkpointed") == measured
     assert sorted(first_modes.values()).count("non_reentrant") == 2

@@ -414,7 +414,8 @@ def _tree_hashes(folder: Path) -> dict[str, str]:
 
 class DiskRun:
     """``launcher run`` with its runs folder on a small private tmpfs: fake ranks acting as ``spec`` says, or
-    (``real``) the tiny model through the real entry, held between steps as ``spec`` says (tests/support/fault_entry.py)."""
+    (``real``) the tiny model through the real entry, held between steps as ``spec`` says
+    (tests/support/fault_entry.py)."""
 
     def __init__(self, tmp_path: Path, demo_assets, spec: dict, real: bool = False, **settings):
         self.mount, self.copy = tmp_path / "disk", tmp_path / "after"
@@ -422,8 +423,8 @@ class DiskRun:
         self.copy.mkdir()
         root = str(self.mount / "runs")
         if real:
-            cfg = make_config(tmp_path, demo_assets, launcher={"entry": "tests.support.fault_entry", "output_root": root,
-                                                               **settings})  # fmt: skip
+            cfg = make_config(tmp_path, demo_assets,
+                              launcher={"entry": "tests.support.fault_entry", "output_root": root, **settings})
             env = {**os.environ, "FAULT_SPEC": json.dumps(spec), "PYTHONPATH": str(REPO)}
         else:
             cfg, env = fake_config(tmp_path, demo_assets, {"quiet": True, **spec}, output_root=root, **settings)

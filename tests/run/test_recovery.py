@@ -192,7 +192,8 @@ def test_a_rank_killed_at_step_5_is_restarted_from_the_checkpoint_and_succeeds(t
     restart = {"max_restarts": 2, "backoff_s": 0}
     cfg, env = tiny_config(tmp_path, demo_assets, {"entry": "tests.support.fault_entry", "restart": restart})
     env["FAULT_SPEC"] = json.dumps({"kill_at_step": 5, "attempt": 1, "rank": 0, "signal": 9})
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")) if p)
+    here = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
     proc = launcher("run", cfg, "--quiet", env=env, timeout=900)
     run_dir = the_run_dir(tmp_path / "runs")
     status = read_status(run_dir)
