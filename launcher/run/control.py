@@ -31,6 +31,7 @@ from launcher.procs import container_identity, find_live, terminate
 from launcher.run.config import RunConfig, load_run_config
 from launcher.run.container import resume_in_container, stop_container_run
 from launcher.run.resume import ResumePlan, plan_resume
+from launcher.run.signals import drop_hold
 from launcher.run.slurm import stop_slurm_run
 from launcher.run.supervisor import supervise
 from launcher.state.reconcile import reconcile, same_namespace
@@ -244,6 +245,7 @@ def resume_run(run_dir: Path, adapter_only: bool = False, foreground: bool = Fal
     plan = plan_resume(run_dir, adapter_only)
     record = read_record(run_dir)
     if record.container and container_identity() is None:  # on the host: the run resumes in a container
+        drop_hold()  # a --foreground resume held the stop signals for a supervisor this process will not be
         return resume_in_container(run_dir, record, adapter_only)
     print(f"resuming from {plan.checkpoint} (step {plan.step}, {plan.mode})")
     if plan.mode == "adapter-only":

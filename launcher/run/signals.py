@@ -74,6 +74,14 @@ def end_hold_guard() -> None:
             raise StopRequested(received.signum)
 
 
+def drop_hold() -> None:
+    """This process will not supervise after all (``launcher resume --foreground`` on the host of a container run:
+    the run resumes in a new container): the hold ends and the stop signals act as they did before it (Ctrl-C is a
+    KeyboardInterrupt again). A stop the guard took before raises ``StopRequested`` (nothing was started yet)."""
+    end_hold_guard()
+    release_stop_signals()
+
+
 def release_stop_signals() -> None:
     """A ``launcher`` process that does not supervise: the stop signals unblocked, whatever it inherited (a
     child of a supervisor that held them, such as preflight's kernel check, must die of them)."""

@@ -783,6 +783,28 @@ def test_a_stop_before_the_run_is_made_ends_the_command_at_once_and_makes_nothin
     assert not runs.exists()
 
 
+DROPPED = r"""
+import os, signal, time
+from launcher.run.signals import STOP_SIGNALS, drop_hold, hold_stop_signals
+
+hold_stop_signals()
+drop_hold()  # as `launcher resume --foreground` on the host of a container run does
+print(sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []) & set(STOP_SIGNALS)), flush=True)
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(60)
+except KeyboardInterrupt:
+    print("KeyboardInterrupt", flush=True)
+"""
+
+
+def test_a_process_that_will_not_supervise_after_all_drops_the_hold():
+    """``launcher resume --foreground`` on the host resumes a container run in a new container and only waits
+    for it: Ctrl-C is a KeyboardInterrupt there again (exit 130, the container goes on), not a held signal."""
+    done = subprocess.run([sys.executable, "-c", DROPPED], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.stdout.split("\n")[:2] == ["[]", "KeyboardInterrupt"], (done.stdout, done.stderr[-2000:])
+
+
 @pytest.mark.slow
 def test_every_thread_of_a_foreground_supervisor_blocks_the_stop_signals_and_its_job_none(tmp_path, demo_assets):
     """The libraries a supervisor loads make threads (numpy's, pyarrow's); one that did not block SIGTERM could
