@@ -83,19 +83,19 @@ def main(argv: list[str] | None = None) -> int:
     argv, overrides = _take_overrides(argv, chosen)
     ns = build_parser(only=chosen if chosen in _ALL else None).parse_args(argv)
     ns.overrides = overrides
-    # before the config's libraries make threads that would take a stop signal (`resume`: with --foreground)
-    if _ALL[ns.verb].supervises and getattr(ns, "foreground", True):
-        hold_stop_signals()
-    else:
-        release_stop_signals()
     try:
+        # before the config's libraries make threads that would take a stop signal (`resume`: with --foreground)
+        if _ALL[ns.verb].supervises and getattr(ns, "foreground", True):
+            hold_stop_signals()
+        else:
+            release_stop_signals()
         return int(ns._run(ns))
     except LauncherError as err:
         _print_error(f"error: {err}")
         return err.exit_code
     except StopRequested as stop:  # before the run existed (run/signals.py: the hold's guard)
-        _print_error(f"stopped by {signal.Signals(stop.args[0]).name} before a run was made; nothing was started")
-        return 128 + int(stop.args[0])
+        _print_error(stop.before_the_run())
+        return 128 + stop.signum
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `launcher status | head`: the reader had enough; no traceback

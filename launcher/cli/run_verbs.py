@@ -80,23 +80,24 @@ def _args_supervise(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_supervise(ns: argparse.Namespace) -> int:
-    from launcher.run.config import load_run_config
-    from launcher.run.resume import ResumePlan
     from launcher.run.signals import StopRequested
-    from launcher.run.supervisor import Handshake, supervise
+    from launcher.run.supervisor import Handshake
 
     handshake = Handshake(os.fdopen(ns.handshake_fd, "w"))
-    try:
+    try:  # `start` waits for one line: why the run was refused, or that it exists (a second refusal is not sent)
+        from launcher.run.config import load_run_config
+        from launcher.run.resume import ResumePlan
+        from launcher.run.supervisor import supervise
+
         config = load_run_config(ns.config, overrides_of(ns))  # changed since `start` read it: say so
+        resume = ResumePlan.from_json(ns.resume) if ns.resume else None
+        return supervise(config, echo=False, handshake=handshake, resume=resume)
     except LauncherError as err:
         handshake.refuse(err)
         raise
-    except StopRequested as stop:  # `main` says so and exits 128 + the signal; `start` hears it first
-        handshake.refuse(LauncherError(f"stopped by signal {stop.args[0]} before the run was made",
-                                       128 + int(stop.args[0])))  # fmt: skip
+    except StopRequested as stop:  # `main` says so here and exits 128 + the signal; `start` fails with the line
+        handshake.refuse(LauncherError(stop.before_the_run(), ExitCode.FAILED))
         raise
-    resume = ResumePlan.from_json(ns.resume) if ns.resume else None
-    return supervise(config, echo=False, handshake=handshake, resume=resume)
 
 
 def _args_check(p: argparse.ArgumentParser) -> None:

@@ -89,8 +89,16 @@ def release_stop_signals() -> None:
 
 
 class StopRequested(BaseException):  # noqa: N818  (not an error: how blocking work is left on a stop)
-    """Raised inside ``StopSignals.interrupting`` when a stop signal arrives. A BaseException, so that a
-    check's ``except Exception`` (a crashed check is a failed row) does not swallow it."""
+    """Raised inside ``StopSignals.interrupting`` (or the hold's guard) when a stop signal arrives. A
+    BaseException, so that a check's ``except Exception`` (a crashed check is a failed row) does not swallow it."""
+
+    @property
+    def signum(self) -> int:
+        return int(self.args[0])
+
+    def before_the_run(self) -> str:
+        """The one line for a stop that came before the run was made."""
+        return f"stopped by {signal.Signals(self.signum).name} before a run was made; nothing was started"
 
 
 @dataclass(frozen=True)

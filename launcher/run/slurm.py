@@ -199,9 +199,12 @@ def run_node(run_dir: Path) -> int:
     end. Node N >= 1 supervises in ``nodes/nodeN/``, resuming from the same checkpoint. When node 0 ends
     ``NODE_LOST`` with restarts left, it asks Slurm to requeue the job (``requeue``).
     """
+    from launcher.run.signals import end_hold_guard
     from launcher.run.supervisor import supervise
 
     node = NodeSpec.from_slurm(os.environ)
+    if node.node_rank == 0:  # its run folder exists (submit made it): a stop from here is the supervisor's to record
+        end_hold_guard()
     os.environ.update(NNODES=str(node.nnodes), NODE_RANK=str(node.node_rank), MASTER_ADDR=node.master_addr,
                       MASTER_PORT=str(node.master_port))  # fmt: skip
     overrides = _overrides(run_dir)

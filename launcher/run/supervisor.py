@@ -604,14 +604,10 @@ def supervise(config: RunConfig, *, echo: bool = True, handshake: Handshake | No
         prepared = prepare(config)
         end_hold_guard()  # from here a stop signal waits for the supervisor, which records it in the run
         run_dir, store, attempt = _open_run(prepared, lock, resume, adopt)
-    except LauncherError as err:
+    except (LauncherError, StopRequested) as err:  # a stop: before the run existed (the hold's guard, signals.py)
         lock.release()
-        handshake.refuse(err)
-        raise
-    except StopRequested as stop:  # before the run existed: nothing to record (the hold's guard, run/signals.py)
-        lock.release()
-        handshake.refuse(LauncherError(f"stopped by {signal.Signals(stop.args[0]).name} before the run was made; "
-                                       "nothing was started", 128 + int(stop.args[0])))  # fmt: skip
+        stopped = not isinstance(err, LauncherError)
+        handshake.refuse(LauncherError(err.before_the_run(), ExitCode.FAILED) if stopped else err)
         raise
     try:
         handshake.send(ok=True, run_id=run_dir.run_id, run_dir=str(run_dir.path), trainer_log=str(run_dir.trainer_log),
