@@ -195,7 +195,8 @@ def test_a_ranks_exit_code_or_signal_is_recorded(tmp_path, demo_assets, spec, np
 
 def test_stalled_progress_then_sigterm_records_terminated_within_the_grace(tmp_path, demo_assets):
     resume = tmp_path / "resume"
-    spec = {"lines": 8, "interval": 0.3, "stall_after": 4, "resume_file": str(resume), "then": "sleep"}
+    # 60 lines: after the resume the job runs about 17 s before it stalls again, a window a loaded machine sees
+    spec = {"lines": 60, "interval": 0.3, "stall_after": 4, "resume_file": str(resume), "then": "sleep"}
     grace = 60.0
     cfg, env = fake_config(tmp_path, demo_assets, spec, stall_minutes=0.05, stop_grace_s=grace)  # 3 s
     supervisor = launcher_bg("run", cfg, "--quiet", env=env, log=tmp_path / "run.out")
