@@ -148,11 +148,10 @@ def compare_batched(torch, model, dev, rows: int, prompt_tokens: int, new_tokens
     margins = [None if at is None or at >= min(len(b), len(o)) else
                difference_margin(torch, model, dev, prompt + o[:at], b[at], o[at])
                for prompt, b, o, at in zip(prompts, batched, single, differ, strict=True)]  # fmt: skip
-    ties = [m for m in margins if m is not None]
     return {"rows": rows, "new_tokens": new_tokens, "prompt_lengths": lengths, "stop": stop,
             "exact_matches": sum(d is None for d in differ), "first_difference_at": differ,
             "answer_lengths": [len(x) for x in batched], "first_difference_margins": margins,
-            "differences_at_a_near_tie": sum(m["near_tie"] for m in ties),
+            "differences_at_a_near_tie": sum(bool(m and m["near_tie"]) for m in margins),
             "near_tie_steps": NEAR_TIE_STEPS}  # fmt: skip
 
 
@@ -262,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated, of {', '.join(ROUTES)} (default both)")  # fmt: skip
     parser.add_argument("--compare", type=int, default=0, metavar="K",
                         help="also answer K prompts of different lengths in one batch and one at a time (routed) "
-                             "and count the answers that are the same token for token (default 0: off)")  # fmt: skip
+                             "and count the answers that are the same token for token; where one differs, the "
+                             "top-2 logit margin there in bf16 steps (default 0: off; e.g. --compare 8)")  # fmt: skip
     parser.add_argument("--compare-tokens", type=int, default=32, metavar="N",
                         help="new tokens per answer in the --compare check (default 32)")  # fmt: skip
     ns = parser.parse_args(argv)

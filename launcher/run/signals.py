@@ -148,6 +148,12 @@ def from_siginfo(info: Any) -> Received:
     return Received(int(info.si_signo), pid=pid, uid=int(info.si_uid), code=int(info.si_code), cmdline=cmdline)
 
 
+def take(signals: tuple[int, ...], timeout: float) -> Received | None:
+    """A blocked stop signal, taken with its sender (``sigtimedwait``) within ``timeout`` seconds, or None."""
+    info = signal.sigtimedwait(signals, max(0.0, timeout))
+    return None if info is None else from_siginfo(info)
+
+
 class _Watcher:
     """A thread that takes the stop signals (blocked everywhere) with ``sigtimedwait`` and wakes the main thread
     with ``WAKE_SIGNAL``, whose handler raises ``StopRequested`` there, once. Made and started in the main
@@ -168,9 +174,8 @@ class _Watcher:
 
     def _watch(self) -> None:
         while not self._done.is_set():
-            info = signal.sigtimedwait(self.signals, _WATCH_POLL_S)
-            if info is not None:
-                self.received = from_siginfo(info)
+            self.received = take(self.signals, _WATCH_POLL_S)
+            if self.received is not None:
                 if self._keep is not None:
                     self._keep(self.received)
                 signal.pthread_kill(self._main, WAKE_SIGNAL)
@@ -231,11 +236,9 @@ class StopSignals:
 
     def wait(self, timeout: float) -> Received | None:
         """Wait up to ``timeout`` seconds (0: not at all) for a stop signal: the supervisor's sleep between polls."""
-        info = signal.sigtimedwait(self.signals, max(0.0, timeout))
-        if info is None:
-            return None
-        received = from_siginfo(info)
-        self._keep(received)
+        received = take(self.signals, timeout)
+        if received is not None:
+            self._keep(received)
         return received
 
     def _drain(self) -> None:

@@ -584,8 +584,8 @@ def supervise(config: RunConfig, *, echo: bool = True, handshake: Handshake | No
               watch_stop_request: bool = False, slurm_job: str | None = None) -> int:  # fmt: skip
     """Run one supervised run to its end and return its exit code.
 
-    ``handshake`` gets its line once the run directory exists, or once the run was refused; ``launcher
-    start`` waits for it.
+    ``handshake`` gets its line once the run directory exists (``launcher start`` waits for it); a refusal is
+    its caller's to send (``_supervise``: whatever ended it before the run existed).
     ``adopt``: supervise in this existing run folder (node 0 of a run ``launcher submit`` made);
     ``watch_stop_request``: a stop request written into the run folder stops the run without a signal (each
     node of a Slurm run: ``launcher stop`` runs on another host, run/slurm.py); ``slurm_job``: that run's
@@ -604,10 +604,8 @@ def supervise(config: RunConfig, *, echo: bool = True, handshake: Handshake | No
         prepared = prepare(config)
         end_hold_guard()  # from here a stop signal waits for the supervisor, which records it in the run
         run_dir, store, attempt = _open_run(prepared, lock, resume, adopt)
-    except (LauncherError, StopRequested) as err:  # a stop: before the run existed (the hold's guard, signals.py)
-        lock.release()
-        stopped = not isinstance(err, LauncherError)
-        handshake.refuse(LauncherError(err.before_the_run(), ExitCode.FAILED) if stopped else err)
+    except (LauncherError, StopRequested):  # a stop: before the run existed (the hold's guard, signals.py)
+        lock.release()  # the caller that holds the handshake sends the refusal (`_supervise`)
         raise
     try:
         handshake.send(ok=True, run_id=run_dir.run_id, run_dir=str(run_dir.path), trainer_log=str(run_dir.trainer_log),
