@@ -9,7 +9,8 @@ invocation: the single-device path (``ddp``, one process), ``fsdp2`` with one pr
 ``fsdp2`` with ``checkpoint_all_layers: {memory_budget_gib: 120}`` (``DEFAULT_VARIANTS``; the budget variant only on
 cuda and npu, whose allocators report a peak: on the CPU it is left out unless asked for by name); by name only,
 ``fsdp2-root-embeddings``: ``fsdp2`` with ``fsdp2_frozen_dtype.embedding_units: false``, the embeddings in the root
-unit, to measure that option against its default in one invocation;
+unit, to measure that option against its default in one invocation; ``fsdp2-profile``: ``fsdp2`` through
+``launcher profile`` (``--steps`` minus ``--warmup`` steps profiled; ``profile.md`` copied to ``DIR``);
 ``targets`` holds FSDP2's peak against ``PEAK_MAX_GIB`` and its tokens/s against ``SPEED_MIN`` x the
 single-device path's.
 
@@ -61,7 +62,10 @@ ONE_DEVICE: dict[str, tuple[str, dict[str, Any]]] = {
     "fsdp2-budget120": ("fsdp2", {"checkpoint_all_layers": {"memory_budget_gib": 120}}),
     # the embeddings left in accelerate's root unit (gathered for the whole step): the patch's option against it
     "fsdp2-root-embeddings": ("fsdp2", {"fsdp2_frozen_dtype": {"embedding_units": False}}),
+    # ``fsdp2`` through ``launcher profile``: where FSDP2's time goes (its copies named by the operators behind them)
+    "fsdp2-profile": ("fsdp2", {}),
 }
+PROFILED = ("fsdp2-profile",)
 DEFAULT_VARIANTS = ("single", "fsdp2", "fsdp2-budget120")
 NEEDS_PEAK = ("fsdp2-budget120",)  # a memory budget needs an allocator that reports its peak: not the CPU's
 PEAK_MAX_GIB = 58.0  # FSDP2's peak at 4,096 tokens: the single-device path's 55.14 GiB plus a little
@@ -234,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                      "first (e.g. 1,2)")  # fmt: skip
     default_variants = [v for v in ONE_DEVICE if v in DEFAULT_VARIANTS and not (backend == "cpu" and v in NEEDS_PEAK)]
     variants = [v.strip() for v in ns.variants.split(",") if v.strip()] if ns.variants else default_variants
+    if any(v in PROFILED for v in variants) and ns.steps - ns.warmup < 1:
+        parser.error(f"--steps {ns.steps} --warmup {ns.warmup}: a profiled variant needs a step after the warm-up")
     if sorted(set(variants) - set(ONE_DEVICE)) or (ns.variants and len(devices) > 1):
         parser.error(f"--variants {ns.variants}: only with --devices 1, of {', '.join(ONE_DEVICE)}")
     out = ns.out.resolve()
@@ -257,12 +263,17 @@ def main(argv: list[str] | None = None) -> int:
             path = out / "configs" / f"{option}-{label}.yaml"
             path.write_text(yaml.safe_dump(config, sort_keys=False))
             print(f"[fsdp_bench] {option}, {label}: python -m launcher run {path} --quiet", flush=True)
-            run = patch_bench.run_variant(["run", str(path), "--quiet"], env, ns.timeout,
+            profiled = variant in PROFILED
+            args = (["profile", str(path), "--steps", str(ns.steps - ns.warmup), "--warmup", str(ns.warmup)]
+                    if profiled else ["run", str(path)])  # fmt: skip
+            run = patch_bench.run_variant([*args, "--quiet"], env, ns.timeout,
                                           out / "logs" / f"{option}-{label}.supervisor.log")  # fmt: skip
-            run_dir = patch_bench._newest_run(out / "runs", config["launcher"]["run_name"])
+            run_dir = patch_bench._newest_run(out / "runs", config["launcher"]["run_name"] + ("-profile" * profiled))
             summary = {"state": None, "reason": "no run directory"}
             if run_dir:
                 summary = {**patch_bench.summarize(run_dir, ns.warmup), **world_summary(run_dir, ns.warmup)}
+                if profiled:
+                    summary["profile"] = patch_bench.profile_summary(run_dir, out)
             results["runs"].setdefault(option, {})[label] = {**run, "distribution": config["launcher"]["distribution"],
                                                              **summary}  # fmt: skip
             print(f"[fsdp_bench] {option}, {label}: {_one_line(results['runs'][option][label])}", flush=True)

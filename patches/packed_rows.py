@@ -27,10 +27,10 @@ What this patch does:
    sample start (``segment_causal_conv``: the row's convolution, then the first ``K - 1`` tokens of every
    sample computed again from that sample alone; where the layer is bound to FLA's convolution by the ``fused_ops``
    patch, that kernel takes the row's ``cu_seqlens`` instead) and the routed chunk kernel per sample: FLA's kernel
-   once, with the row's ``cu_seqlens`` (the rows flattened to batch 1, as FLA requires); the torch reference once per
-   sample. Other masks go to the upstream forward unchanged (unpacked training, generation). A packed row with a cache
-   (generation) or whose mask is not as long as the row (LLaMA-Factory's dummy image appended to a packed batch) stops
-   the run.
+   once, with the row's ``cu_seqlens`` (the rows flattened to batch 1, as FLA requires) and the key heads unrepeated
+   (``value_heads``); the torch reference once per sample. Other masks go to the upstream forward unchanged
+   (unpacked training, generation). A packed row with a cache (generation) or whose mask is not as long as the row
+   (LLaMA-Factory's dummy image appended to a packed batch) stops the run.
 2. routes the full-attention layers of a packed row (``Qwen3_5Attention``, the MoE twin; through the ``sdpa``
    entry of transformers' attention functions, which the layers look up at every call) to a varlen kernel
    where the device has one: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention with ``cu_seqlens``)
@@ -276,6 +276,19 @@ def chunk_per_segment(kernel, query, key, value, g, beta, found: Segments):
     return torch.cat(rows, dim=0)
 
 
+def value_heads(kernel, query, key, groups: int):
+    """``query`` and ``key`` as the layer's chunk kernel takes them when each key head serves ``groups`` value heads.
+
+    transformers repeats every key head ``groups`` times (``repeat_interleave``: value head ``j`` reads key head
+    ``j // groups``), a copy of both tensors in every forward and recompute and a sum in the backward (21 ms a
+    4,096-token step of the 27B shape on an H200, ``launcher profile``). FLA's chunk kernel takes the key heads as
+    they are (fla-core 0.6: grouped value attention, value head ``j`` on key head ``j // (HV // H)``, the same
+    pairing), so on the FLA route they are passed unrepeated; the torch reference needs them repeated."""
+    if groups > 1 and not (isinstance(kernel, KernelRecorder) and kernel.label == "fla"):
+        return query.repeat_interleave(groups, dim=2), key.repeat_interleave(groups, dim=2)
+    return query, key
+
+
 def packed_forward(layer, hidden_states, found: Segments):
     """One Gated DeltaNet layer over packed rows: projections, segment-reset convolution, per-sample kernel,
     gated norm, output projection (transformers' layer arithmetic, written for segments)."""
@@ -298,9 +311,7 @@ def packed_forward(layer, hidden_states, found: Segments):
     value = value.reshape(batch, length, -1, layer.head_v_dim)
     beta = layer.in_proj_b(hidden_states).sigmoid()
     g = -layer.A_log.float().exp() * F.softplus(layer.in_proj_a(hidden_states).float() + layer.dt_bias)
-    groups = layer.num_v_heads // layer.num_k_heads
-    if groups > 1:
-        query, key = query.repeat_interleave(groups, dim=2), key.repeat_interleave(groups, dim=2)
+    query, key = value_heads(layer.chunk_gated_delta_rule, query, key, layer.num_v_heads // layer.num_k_heads)
     core = chunk_per_segment(layer.chunk_gated_delta_rule, query, key, value, g, beta, found)
     gate = layer.in_proj_z(hidden_states).reshape(-1, layer.head_v_dim)
     core = layer.norm(core.reshape(-1, layer.head_v_dim), gate).reshape(batch, length, -1)

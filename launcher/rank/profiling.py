@@ -37,6 +37,7 @@ import bisect
 import contextlib
 import functools
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -72,6 +73,7 @@ COMMUNICATION = ("nccl", "hccl", "gloo", "allreduce", "all_reduce", "allgather",
                  "reducescatter", "broadcast", "c10d::")  # fmt: skip
 OPTIMIZER_KERNELS = ("multi_tensor_apply", "foreach", "adam", "sgd")
 DEVICE_PARTS = ("deltanet", "glue", "attention", "matmul", "communication", "optimizer", "other_compute")
+LAYER_INDEX = re.compile(r"\.\d+(?=[.)\s]|$)")  # "layers.27)" in a range name: one chain for every layer
 IDLE_PARTS = ("data_loading", "optimizer_host", "compile_autotune", "host_gaps")
 
 
@@ -252,7 +254,8 @@ def _start_profiler(backend: str, warmup: int, steps: int, folder: Path, rank: i
             summarize(p)
 
     schedule = prof.schedule(skip_first=warmup, wait=0, warmup=0, active=steps, repeat=1)
-    profiler = prof.profile(activities=activities, schedule=schedule, on_trace_ready=ready)
+    # shapes name which tensor a copy or cast served (``other_compute_top``'s ``launched_by``)
+    profiler = prof.profile(activities=activities, schedule=schedule, on_trace_ready=ready, record_shapes=True)
     profiler.start()
     return profiler
 
@@ -388,7 +391,41 @@ def _top_other(events, windows, deltanet: list[tuple[float, float]], top: int = 
         if kernel_part(e.name) == "other_compute" and _inside(start, spans) and not _inside(start, deltanet):
             total[e.name] = total.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
     ranked = sorted(total.items(), key=lambda kv: -kv[1])[:top]
-    return [{"kernel": name[:160], "ms_per_step": round(ms / len(windows), 3)} for name, ms in ranked]
+    callers = _launchers(events, {name for name, _ in ranked}, spans)
+    return [{"kernel": name[:160], "ms_per_step": round(ms / len(windows), 3),
+             **({"launched_by": [{"ops": chain, "ms_per_step": round(us / 1e3 / len(windows), 3)}
+                                 for chain, us in callers[name]]} if callers.get(name) else {})}
+            for name, ms in ranked]  # fmt: skip
+
+
+def _launchers(events, names: set[str], spans: list[tuple[float, float]], depth: int = 4,
+               top: int = 3) -> dict[str, list[tuple[str, float]]]:
+    """For each kernel name in ``names``, the operators that launched it inside the profiled steps, as chains of
+    at most ``depth`` names from the launching operator outwards (``aten::copy_ < aten::_to_copy < ... <
+    autograd::engine::evaluate_function: ToCopyBackward0``, with the launching operator's input shapes where the
+    profiler recorded them), the ``top`` chains by device microseconds. Module indices in range names are folded
+    (``FSDP::pre_forward (...layers.N)``), so the work of every layer adds up in one chain. Chains inside a
+    ``deltanet::`` range are left out, as the kernels there are DeltaNet's."""
+    found: dict[str, dict[str, float]] = {}
+    for e in events:
+        kernels = [k for k in getattr(e, "kernels", None) or () if k.name in names]
+        if not kernels or _is_device_event(e) or not _inside(e.time_range.start / 1e6, spans):
+            continue
+        chain, parent = [], e
+        while parent is not None and not parent.name.startswith("ProfilerStep"):
+            if parent.name.startswith("deltanet::"):
+                chain = []
+                break
+            if len(chain) < depth:
+                chain.append(LAYER_INDEX.sub(".N", parent.name))
+            parent = parent.cpu_parent
+        if not chain:
+            continue
+        shapes = [list(s) for s in getattr(e, "input_shapes", None) or () if s]
+        key = " < ".join(chain) + (f" {shapes[:3]}" if shapes else "")
+        for k in kernels:
+            found.setdefault(k.name, {})[key] = found.get(k.name, {}).get(key, 0.0) + k.duration
+    return {name: sorted(chains.items(), key=lambda kv: -kv[1])[:top] for name, chains in found.items()}
 
 
 def _is_device_event(event) -> bool:

@@ -161,7 +161,9 @@ def render(report: dict[str, Any]) -> str:
     top = ranks[0].get("other_compute_top")
     if top:
         lines += ["", f"Largest kernels in other compute, rank {ranks[0]['rank']} (ms per profiled step):", ""]
-        lines += [f"- {t['ms_per_step']:.1f} ms `{t['kernel']}`" for t in top]
+        for t in top:
+            lines.append(f"- {t['ms_per_step']:.1f} ms `{t['kernel']}`")
+            lines += [f"  - {c['ms_per_step']:.1f} ms launched by `{c['ops']}`" for c in t.get("launched_by", ())]
         lines.append("")
     if report.get("traces"):
         lines.append(f"- traces: {', '.join(report['traces'])} (Chrome trace: chrome://tracing or ui.perfetto.dev; "

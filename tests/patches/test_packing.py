@@ -462,6 +462,50 @@ def test_the_varlen_call_equals_the_kernel_run_per_sample():
     assert fla.shape == v.shape
 
 
+def test_the_fla_route_takes_key_heads_unrepeated_and_pairs_them_as_transformers_does():
+    """Two key heads serving six value heads. On the FLA route ``value_heads`` hands the kernel the key heads as they
+    are; the stand-in kernel pairs value head ``j`` with key head ``j // (HV // H)`` (fla-core 0.6's grouped value
+    attention, its kernels' ``i_h // (HV // H)``) and is transformers' torch reference otherwise. Its answer equals the
+    torch route's, which gets them repeated as transformers repeats them; a pairing that interleaved the heads the
+    other way (``repeat``) would not."""
+    import torch
+    from llamafactory.data.collator import prepare_4d_attention_mask
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    from patches.kernel_recorder import CallLog, KernelRecorder
+
+    heads_seen = []
+
+    def grouped(q, k, v, g, beta, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+        heads_seen.append((q.shape[2], k.shape[2], v.shape[2]))
+        index = torch.arange(v.shape[2]) // (v.shape[2] // q.shape[2])
+        bounds = cu_seqlens.tolist()
+        pieces = [torch_chunk_gated_delta_rule(q[:, s:e, index], k[:, s:e, index], v[:, s:e], g=g[:, s:e],
+                                               beta=beta[:, s:e], **kwargs)[0]
+                  for s, e in zip(bounds[:-1], bounds[1:], strict=True)]  # fmt: skip
+        return torch.cat(pieces, dim=1), None
+
+    def recorder(kernel, label):
+        return KernelRecorder(kernel, label=label, expected_device="cpu", log=CallLog(lambda call: None),
+                              patch="test", backend="cpu")  # fmt: skip
+
+    torch.manual_seed(0)
+    found = packed_rows.segments(prepare_4d_attention_mask(torch.tensor([[1] * 12 + [2] * 20]), torch.float32))
+    q, k = torch.randn(1, 32, 2, 16), torch.randn(1, 32, 2, 16)
+    v, g, beta = torch.randn(1, 32, 6, 16), -torch.rand(1, 32, 6), torch.rand(1, 32, 6)
+    fla_kernel, torch_kernel = recorder(grouped, "fla"), recorder(torch_chunk_gated_delta_rule, "torch")
+    fla_q, fla_k = packed_rows.value_heads(fla_kernel, q, k, 3)
+    assert fla_q is q and fla_k is k  # no copy on the FLA route
+    fla = packed_rows.chunk_per_segment(fla_kernel, fla_q, fla_k, v, g, beta, found)
+    assert heads_seen == [(2, 2, 6)]
+    reference = packed_rows.chunk_per_segment(torch_kernel, *packed_rows.value_heads(torch_kernel, q, k, 3), v, g,
+                                              beta, found)  # fmt: skip
+    torch.testing.assert_close(fla, reference, rtol=1e-5, atol=1e-6)
+    other_pairing = packed_rows.chunk_per_segment(torch_kernel, q.repeat(1, 1, 3, 1), k.repeat(1, 1, 3, 1), v, g,
+                                                  beta, found)  # fmt: skip
+    assert not torch.allclose(fla, other_pairing, rtol=1e-3, atol=1e-4)
+
+
 def test_the_segment_convolution_equals_the_convolution_of_each_sample_alone():
     import torch
     from llamafactory.data.collator import prepare_4d_attention_mask

@@ -73,13 +73,27 @@ def test_a_device_profile_counts_kernels_not_the_ranges_mirrored_onto_the_device
 
     from launcher.rank.profiling import summarize_profiler
 
-    def event(name, start, end, device="CPU", annotation=False):
+    def event(name, start, end, device="CPU", annotation=False, parent=None, kernels=(), shapes=()):
         return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start * 1e6, end=end * 1e6),
-                               device_type=f"DeviceType.{device}", is_user_annotation=annotation)  # fmt: skip
+                               device_type=f"DeviceType.{device}", is_user_annotation=annotation,
+                               cpu_parent=parent, kernels=[SimpleNamespace(name=n, duration=us) for n, us in kernels],
+                               input_shapes=list(shapes))  # fmt: skip
 
+    step = event("ProfilerStep#3", 0.0, 1.0)
+    deltanet = event("deltanet::fla", 0.1, 0.3, parent=step)
+    backward = event("autograd::engine::evaluate_function: ToCopyBackward0", 0.75, 0.8, parent=step)
+    gathers = [event(f"FSDP::pre_forward (model.layers.{n})", 0.6 + n / 100, 0.61 + n / 100, parent=step)
+               for n in (3, 12)]  # fmt: skip
+    to_copy = event("aten::_to_copy", 0.75, 0.8, parent=backward)
     events = [
-        event("ProfilerStep#3", 0.0, 1.0), event("ProfilerStep#3", 0.0, 1.0, "CUDA", True),
-        event("deltanet::fla", 0.1, 0.3), event("deltanet::fla", 0.1, 0.3, "CUDA", True),
+        step, event("ProfilerStep#3", 0.0, 1.0, "CUDA", True),
+        deltanet, event("deltanet::fla", 0.1, 0.3, "CUDA", True),
+        event("aten::copy_", 0.15, 0.16, parent=deltanet, kernels=[("elementwise_kernel", 5e4)]),
+        backward, to_copy,
+        event("aten::copy_", 0.76, 0.77, parent=to_copy, kernels=[("elementwise_kernel", 1e5)],
+              shapes=[[1, 4096, 5120], [1, 4096, 5120], []]),
+        *gathers, *[event("aten::copy_", g.time_range.start / 1e6, g.time_range.end / 1e6, parent=g,
+                          kernels=[("elementwise_kernel", 2e4)]) for g in gathers],
         event("chunk_fwd_kernel_o", 0.1, 0.2, "CUDA"), event("elementwise_kernel", 0.2, 0.3, "CUDA"),
         event("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", 0.3, 0.8, "CUDA"),
         event("elementwise_kernel", 0.8, 0.9, "CUDA"),
@@ -87,8 +101,18 @@ def test_a_device_profile_counts_kernels_not_the_ranges_mirrored_onto_the_device
     summary = summarize_profiler(SimpleNamespace(events=lambda: events), "cuda", 2, 1)
     steps = summary["profiled_steps"]
     assert len(steps) == 1
-    # the kernel inside the deltanet:: range is DeltaNet, not other compute; the other one is listed
-    assert summary["other_compute_top"] == [{"kernel": "elementwise_kernel", "ms_per_step": 100.0}]
+    # the kernel inside the deltanet:: range is DeltaNet, not other compute; the other one is listed with the
+    # operators that launched it outside DeltaNet (the copy launched inside the deltanet:: range is not named)
+    chain = ("aten::copy_ < aten::_to_copy < autograd::engine::evaluate_function: ToCopyBackward0 "
+             "[[1, 4096, 5120], [1, 4096, 5120]]")  # fmt: skip
+    assert summary["other_compute_top"] == [{"kernel": "elementwise_kernel", "ms_per_step": 100.0,
+                                             "launched_by": [{"ops": chain, "ms_per_step": 100.0},
+                                                             {"ops": "aten::copy_ < FSDP::pre_forward (model.layers.N)",
+                                                              "ms_per_step": 40.0}]}]  # fmt: skip
+    table = render({"ranks": [{"rank": 0, "profiled_steps": 1, "parts_s": {}, "accounted_s": 1.0, "step_s": 1.0,
+                               "accounted_share": 1.0, "adds_up": True, "seq_lens": [],
+                               "other_compute_top": summary["other_compute_top"]}]})  # fmt: skip
+    assert f"  - 100.0 ms launched by `{chain}`" in table
     parts = steps[0]
     assert parts["deltanet"] == pytest.approx(0.2) and parts["matmul"] == pytest.approx(0.5)
     assert parts["other_compute"] == pytest.approx(0.1) and parts["host_gaps"] == pytest.approx(0.2)
