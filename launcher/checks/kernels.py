@@ -66,9 +66,12 @@ GRAD_NAMES = ("q", "k", "v", "g", "beta")
 TIMING_WARMUP, TIMING_REPEATS = 3, 10
 
 
-def _varlen(name: str, lens: tuple[int, ...], heads: int, dim: int, key_heads: int | None = None) -> Case:
+def _varlen(name: str, lens: tuple[int, ...], heads: int, dim: int, key_heads: int | None = None,
+            unrepeated: bool = False) -> Case:  # fmt: skip
     about = f"{len(lens)} sequences packed with cu_seqlens vs each alone"
-    return Case(name, 1, sum(lens), heads, dim, key_heads, seq_lens=lens, about=about)
+    if unrepeated:
+        about += f", {key_heads} key heads given unrepeated for {heads} value heads (as packed rows call FLA)"
+    return Case(name, 1, sum(lens), heads, dim, key_heads, seq_lens=lens, about=about, unrepeated=unrepeated)
 
 
 MODEL_CASE = Case("qwen3_5_27b", 1, 4096, 48, 128, key_heads=16, timing=True, memory=True,
@@ -96,6 +99,7 @@ SUITES: dict[str, tuple[Case, ...]] = {
         Case("layout", 2, 150, 4, 32, about="batch 2, T=150 != H=4, T not a multiple of the 64-token chunk"),
         Case("grouped", 1, 128, 4, 32, key_heads=2, about="q, k repeat_interleave-d from 2 to 4 heads"),
         _varlen("varlen", (45, 85, 70), 4, 32),
+        _varlen("varlen_grouped", (45, 85, 70), 4, 32, key_heads=2, unrepeated=True),
         Case("decode", 2, 24, 4, 32, key_heads=2, prefill=40, about="24 one-token steps after a 40-token prompt"),
         *glue_cases(quick=True),
     ),
@@ -104,6 +108,7 @@ SUITES: dict[str, tuple[Case, ...]] = {
         Case("layout", 2, 1000, 48, 128, about="batch 2, T=1000 != H=48, T not a multiple of the 64-token chunk"),
         Case("grouped", 1, 2048, 48, 128, key_heads=16, about="q, k repeat_interleave-d from 16 to 48 heads"),
         _varlen("varlen", (700, 1100, 1300, 996), 48, 128, key_heads=16),
+        _varlen("varlen_grouped", (700, 1100, 1300, 996), 48, 128, key_heads=16, unrepeated=True),
         MODEL_CASE,
         Case(
             "decode",
@@ -147,17 +152,19 @@ class Report:
 
 
 def run_kernel(torch, kernel: Callable, inputs: dict[str, Any], case: Case, *, device: str, dtype,
-               cu_seqlens: list[int] | None = None) -> tuple[Any, dict[str, Any]]:  # fmt: skip
+               cu_seqlens: list[int] | None = None, repeat: bool = True) -> tuple[Any, dict[str, Any]]:  # fmt: skip
     """Forward and backward of ``kernel`` as the model calls it; returns the output and the input gradients.
 
     ``dtype`` applies to q, k, v, beta and the output gradient; g stays float32 (the model computes it so).
+    ``repeat``: grouped key heads are repeated for the value heads before the call (transformers' forward);
+    false hands them over as they are (a kernel that pairs them itself). The gradients are the key heads' either way.
     """
     leaves = {}
     for name in GRAD_NAMES:
         x = inputs[name].to(device=device, dtype=torch.float32 if name == "g" else dtype)
         leaves[name] = x.detach().requires_grad_(True)
     q, k = leaves["q"], leaves["k"]
-    if case.key_heads and case.key_heads != case.heads:  # as Qwen3_5GatedDeltaNet.forward feeds the kernel
+    if repeat and case.key_heads and case.key_heads != case.heads:  # as Qwen3_5GatedDeltaNet.forward feeds it
         q = q.repeat_interleave(case.heads // case.key_heads, dim=2)
         k = k.repeat_interleave(case.heads // case.key_heads, dim=2)
     extra = {}
@@ -184,7 +191,7 @@ def _split_run(torch, kernel, inputs, case: Case, **kw) -> tuple[Any, dict[str, 
     bounds = case.cu_seqlens
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         part = {n: x[:, start:end] for n, x in inputs.items()}
-        sub = Case(case.name, 1, end - start, case.heads, case.dim, case.key_heads)
+        sub = Case(case.name, 1, end - start, case.heads, case.dim, case.key_heads, unrepeated=case.unrepeated)
         out, g = run_kernel(torch, kernel, part, sub, **kw)
         outs.append(out)
         for n in GRAD_NAMES:
@@ -229,7 +236,8 @@ def check_case(torch, case: Case, kernel: Callable, reference: Callable, dev: De
         inputs = {n: x.to(dev.name) for n, x in make_inputs(torch, case).items()}
         kw = {"device": dev.name}
         dev.reset_peak()
-        got = run_kernel(torch, kernel, inputs, case, dtype=torch.bfloat16, cu_seqlens=case.cu_seqlens, **kw)
+        routed = {**kw, "repeat": not case.unrepeated}
+        got = run_kernel(torch, kernel, inputs, case, dtype=torch.bfloat16, cu_seqlens=case.cu_seqlens, **routed)
         if case.memory:
             result.peak_memory_gib = dev.peak_gib()
         with _FullPrecision(torch):
@@ -239,7 +247,7 @@ def check_case(torch, case: Case, kernel: Callable, reference: Callable, dev: De
                 ref = _split_run(torch, reference, inputs, case, dtype=torch.float32, **kw)
         result.errors = compare(torch, got, ref)
         if case.seq_lens is not None:
-            alone = _split_run(torch, kernel, inputs, case, dtype=torch.bfloat16, **kw)
+            alone = _split_run(torch, kernel, inputs, case, dtype=torch.bfloat16, **routed)
             result.errors_vs_alone = compare(torch, got, alone)
         out, grads = got
         result.finite = bool(torch.isfinite(out).all()) and all(

@@ -51,6 +51,18 @@ def honours_cu_seqlens(q, k, v, g, beta, cu_seqlens=None, **kw):
     return torch.cat(outs, dim=1), None
 
 
+def grouped_values(pairing):
+    """A stand-in for FLA's varlen kernel with grouped value heads: q and k arrive with fewer heads than v and value
+    head ``j`` reads key head ``pairing(j, groups, key_heads)``; each packed sequence alone."""
+
+    def kernel(q, k, v, g, beta, cu_seqlens=None, **kw):
+        groups = v.shape[2] // q.shape[2]
+        index = torch.tensor([pairing(j, groups, q.shape[2]) for j in range(v.shape[2])])
+        return honours_cu_seqlens(q[:, :, index], k[:, :, index], v, g, beta, cu_seqlens=cu_seqlens, **kw)
+
+    return kernel
+
+
 def leaks_state(q, k, v, g, beta, cu_seqlens=None, **kw):
     """Accepts cu_seqlens but ignores it: each sequence starts from the previous one's state."""
     return reference(q, k, v, g=g, beta=beta, **kw)
@@ -66,8 +78,9 @@ def test_quick_suite_passes_on_cpu_with_bf16_rounding_only():
         assert case.status == "pass" and case.finite
         assert set(case.errors) == {"out", "dq", "dk", "dv", "dg", "dbeta"}
         assert min(case.errors.values()) > 0 and case.max_error < 0.02  # bf16 rounding: small, never zero
-    varlen = by_name["varlen"]
-    assert varlen.status == "skip" and "cu_seqlens" in varlen.note and varlen.cu_seqlens == [0, 45, 130, 200]
+    for name in ("varlen", "varlen_grouped"):  # the torch kernel takes no cu_seqlens
+        varlen = by_name[name]
+        assert varlen.status == "skip" and "cu_seqlens" in varlen.note and varlen.cu_seqlens == [0, 45, 130, 200]
     decode = by_name["decode"]
     assert "torch_recurrent_gated_delta_rule" in report.decode_kernel
     assert decode.status == "pass" and set(decode.errors) == {"out", "state"}
@@ -94,6 +107,19 @@ def test_varlen_kernel_that_honours_cu_seqlens_passes_and_a_leaky_one_fails():
     leaky = check(leaks_state, case)
     assert leaky.status == "fail" and max(leaky.errors_vs_alone.values()) > 0.3
     assert "vs alone" in leaky.note
+
+
+def test_grouped_value_heads_pass_with_fla_s_pairing_and_fail_with_another():
+    """``varlen_grouped`` hands the routed kernel 2 key heads for 4 value heads, unrepeated (what packed rows do on
+    FLA); the reference gets them repeated as transformers repeats them. FLA's pairing (value head ``j`` on key head
+    ``j // groups``, its kernels' ``i_h // (HV // H)``) passes; pairing them round-robin (``j % key_heads``) fails."""
+    case = next(c for c in kernels.SUITES["quick"] if c.name == "varlen_grouped")
+    assert case.unrepeated and (case.key_heads, case.heads) == (2, 4) and case.seq_lens
+    good = check(grouped_values(lambda j, groups, key_heads: j // groups), case)
+    assert good.status == "pass", good
+    assert good.max_error < 0.02 and max(good.errors_vs_alone.values()) < 1e-6
+    wrong = check(grouped_values(lambda j, groups, key_heads: j % key_heads), case)
+    assert wrong.status == "fail" and wrong.max_error > 0.1, wrong
 
 
 def test_non_finite_output_and_crashing_kernel_fail():
@@ -174,15 +200,15 @@ def test_preflight_kernel_check_runs_the_quick_suite():
     result = kernel_check.check("cpu")
     assert result["ok"], result
     suite = result["validate_kernels"]
-    assert suite["ok"] and set(suite["cases"]) == {"layout", "grouped", "varlen", "decode", "conv", "rms_norm",
-                                                   "gated_norm", "swiglu"}
+    assert suite["ok"] and set(suite["cases"]) == {"layout", "grouped", "varlen", "varlen_grouped", "decode", "conv",
+                                                   "rms_norm", "gated_norm", "swiglu"}
     assert suite["cases"]["varlen"] == "skip" and suite["cases"]["decode"] == "skip"  # preflight: training kernel
 
 
 def test_preflight_checks_only_the_glue_ops_the_run_binds():
     """An op turned off in launcher.patches.fused_ops is not checked, so a broken kernel can be worked around."""
     suite = kernel_check.check("cpu", glue_ops=("conv",))["validate_kernels"]
-    assert suite["ok"] and set(suite["cases"]) == {"layout", "grouped", "varlen", "decode", "conv"}
+    assert suite["ok"] and set(suite["cases"]) == {"layout", "grouped", "varlen", "varlen_grouped", "decode", "conv"}
     assert set(kernel_check.check("cpu", glue_ops=())["validate_kernels"]["cases"]).isdisjoint(
         {"conv", "rms_norm", "gated_norm", "swiglu"})
 
