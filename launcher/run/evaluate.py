@@ -57,6 +57,7 @@ DEFAULT_MAX_PROMPTS = 32
 # state and KV cache are about 0.2 GiB next to 51 GiB of weights (docs/evaluate.md, "Batch size")
 DEFAULT_BATCH_SIZE = 16
 LOG_TAIL = 40
+CHILD = "launcher.rank.evaluate"
 
 
 def _usage(message: str) -> LauncherError:
@@ -246,8 +247,9 @@ def _run_child(cmd: list[str], backend, log: Path, scratch_log: Path) -> int:
     return code
 
 
-def evaluate_run(run_dir: Path, request: dict[str, Any], *, show: bool = False) -> dict[str, Any]:
-    """Run the child on ``request`` and write evaluate.json/md; returns the document.
+def evaluate_run(run_dir: Path, request: dict[str, Any], *, show: bool = False, child: str = CHILD) -> dict[str, Any]:
+    """Run the child on ``request`` and write evaluate.json/md; returns the document. ``child``: the module run as
+    ``python -m CHILD REQUEST_JSON`` (``benchmarks.evaluate_entry`` wraps the default one for measuring).
 
     Raises:
         LauncherError: the child failed (exit code 1); evaluate.json and evaluate.md are left as they were.
@@ -256,7 +258,7 @@ def evaluate_run(run_dir: Path, request: dict[str, Any], *, show: bool = False) 
     try:
         request = {**request, "work_dir": str(work), "result_file": str(work / EVALUATE_RESULT)}
         write_json_atomic(work / EVALUATE_REQUEST, request)
-        cmd = [sys.executable, "-m", "launcher.rank.evaluate", str(work / EVALUATE_REQUEST)]
+        cmd = [sys.executable, "-m", child, str(work / EVALUATE_REQUEST)]
         code = _run_child(cmd, BACKENDS[request["backend"]], run_dir / EVALUATE_LOG, work / EVALUATE_LOG)
         result = work / EVALUATE_RESULT
         if code != 0 or not result.is_file():

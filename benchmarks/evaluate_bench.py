@@ -1,0 +1,143 @@
+"""Benchmark: ``launcher evaluate`` of one checkpoint end to end, on the 27B shape (or the tiny one on the CPU).
+
+    python -m benchmarks.evaluate_bench --out DIR [--shape 27b|tiny] [--backend cuda|npu|cpu] [--batch-size 16]
+                                        [--max-new-tokens 128] [--max-prompts 32] [--test 32] [--steps 2]
+
+In one invocation:
+
+1. assets: the shape's model folder (config, tokenizer and the random-init marker: ``benchmarks.bench_assets``) and
+   the demo's counselling-style dataset with a held-out test split of ``--test`` conversations
+   (``launcher.demo.write_dataset``, recorded as ``launcher data prepare --test-size`` records one);
+2. a short training run through ``launcher run`` (``benchmarks.patch_bench``'s ``on`` config on that data: LoRA r8 on
+   q/k/v/o, bf16 off the CPU, ``--steps`` optimizer steps, a checkpoint at the last), so there is a real run with a
+   real adapter to evaluate;
+3. ``launcher evaluate RUN --checkpoints last`` with the default prompt set (``--max-prompts`` test conversations and
+   the 6 shipped crisis prompts, ``--max-new-tokens``, ``--batch-size``): the request and the evaluation are
+   ``launcher.run.evaluate``'s own (``build_request``, ``evaluate_run``); only the child process is
+   ``benchmarks.evaluate_entry``, which builds the random base on the device instead of reading weights from disk
+   (there are none) and, on CUDA, lifts FLA's Hopper guard as the training entry does.
+
+``DIR/results.json``: the training run's state; the evaluation's wall clock (request, child start, base build, test
+loss, decoding, writing ``evaluate.json``), the checkpoint's seconds and decoding record from ``evaluate.json``, the
+child's record; and the target: the whole evaluation of one checkpoint within ``TARGET_S`` on one H200 (27B shape).
+Reading the base from disk (51 GiB of safetensors for the 27B shape) is not in these figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from benchmarks import patch_bench
+from benchmarks.evaluate_entry import RECORD
+
+TARGET_S = 180.0  # issue 32: the default prompt set of one checkpoint in 3 minutes or less on one H200 (27B)
+TRAIN_SAMPLES, EVAL_SAMPLES = 16, 4
+
+
+def bench_config(out: Path, shape: str, backend: str, steps: int) -> dict[str, Any]:
+    """``patch_bench``'s ``on`` config on the demo data, a checkpoint at the last step."""
+    from launcher.demo import DATASET_TRAIN
+
+    config = patch_bench.run_config(out, "on", shape, backend, steps)
+    config["launcher"]["run_name"] = f"evaluate-bench-{shape}"
+    config.update(dataset_dir=str(out / "data"), dataset=DATASET_TRAIN, save_strategy="steps", save_steps=steps,
+                  save_only_model=True)  # fmt: skip
+    return config
+
+
+def evaluate_checkpoint(run_dir: Path, *, max_new_tokens: int, max_prompts: int, batch_size: int) -> dict[str, Any]:
+    """``launcher evaluate RUN --checkpoints last`` through ``launcher.run.evaluate`` with the measuring child;
+    the wall clock of the whole evaluation and what ``evaluate.json`` says of the checkpoint."""
+    from launcher.errors import LauncherError
+    from launcher.run.evaluate import build_request, evaluate_run
+
+    started = time.monotonic()
+    try:
+        request = build_request(run_dir, checkpoints="last", prompts_file=None, max_new_tokens=max_new_tokens,
+                                max_prompts=max_prompts, batch_size=batch_size)  # fmt: skip
+        doc = evaluate_run(run_dir, request, child="benchmarks.evaluate_entry")
+    except LauncherError as err:
+        return {"ok": False, "error": str(err), "wall_s": round(time.monotonic() - started, 1)}
+    wall = round(time.monotonic() - started, 1)
+    checkpoint = doc["checkpoints"][0]
+    return {
+        "ok": True, "wall_s": wall, "checkpoint": checkpoint["name"], "prompts": len(doc["prompts"]),
+        "test_samples": request["test_split"]["samples"], "checkpoint_seconds": checkpoint.get("seconds"),
+        "test_loss": checkpoint.get("test_loss"), "decoding": checkpoint.get("decoding"),
+        "kernels": doc.get("kernels"), "child": patch_bench._read_json(run_dir / "bench" / RECORD),
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.evaluate_bench", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="examples:\n  python -m benchmarks.evaluate_bench --out /tmp/ev\n"
+                                            "  python -m benchmarks.evaluate_bench --out /tmp/ev --shape tiny "
+                                            "--test 4 --max-new-tokens 16")  # fmt: skip
+    parser.add_argument("--out", type=Path, required=True, help="folder for assets, the run and results.json")
+    parser.add_argument("--shape", choices=("27b", "tiny"), default="27b")
+    parser.add_argument("--backend", choices=("cuda", "npu", "cpu"), help="default: cuda for 27b, cpu for tiny")
+    parser.add_argument("--batch-size", type=int, default=16, help="launcher evaluate --batch-size (default 16)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="launcher evaluate's default: 128")
+    parser.add_argument("--max-prompts", type=int, default=32, help="test conversations answered (default 32)")
+    parser.add_argument("--test", type=int, default=32, help="conversations in the held-out test split (default 32)")
+    parser.add_argument("--steps", type=int, default=2, help="training steps before the checkpoint (default 2)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds for the training run before a stop")
+    ns = parser.parse_args(argv)
+    for name in ("batch_size", "max_new_tokens", "test", "steps"):
+        if getattr(ns, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(ns, name)}: give a positive integer")
+    backend = ns.backend or ("cuda" if ns.shape == "27b" else "cpu")
+    out = ns.out.resolve()
+    from benchmarks.bench_assets import write_model_dir
+    from launcher.demo import write_dataset
+
+    shutil.rmtree(out / "model", ignore_errors=True)
+    write_model_dir(out / "model", ns.shape)
+    write_dataset(out / "data", train=TRAIN_SAMPLES, eval=EVAL_SAMPLES, test=ns.test)
+    (out / "configs").mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(exist_ok=True)
+    config = bench_config(out, ns.shape, backend, ns.steps)
+    path = out / "configs" / "evaluate-bench.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    env = patch_bench.bench_env(out, ns.shape)
+    results: dict[str, Any] = {
+        "command": " ".join(["python -m benchmarks.evaluate_bench", *(argv if argv is not None else sys.argv[1:])]),
+        "shape": ns.shape, "backend": backend, "batch_size": ns.batch_size, "max_new_tokens": ns.max_new_tokens,
+        "max_prompts": ns.max_prompts, "test_split": ns.test, "target_s": TARGET_S,
+        "base": "built on the device with random weights (benchmarks.evaluate_entry); reading it from disk is not "
+                "in these figures",
+    }  # fmt: skip
+    print(f"[evaluate_bench] training: python -m launcher run {path} --quiet", flush=True)
+    run = patch_bench.run_variant(["run", str(path), "--quiet"], env, ns.timeout, out / "logs" / "train.log")
+    run_dir = patch_bench._newest_run(out / "runs", config["launcher"]["run_name"])
+    results["training"] = {**run, "run_dir": str(run_dir) if run_dir else None,
+                           "state": patch_bench._read_json(run_dir / "status.json").get("state") if run_dir else None}
+    if run_dir is None or results["training"]["state"] != "SUCCEEDED":
+        (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+        print(f"[evaluate_bench] the training run did not succeed: {results['training']}", file=sys.stderr)
+        return 1
+    print(f"[evaluate_bench] evaluating {run_dir.name}, checkpoint last", flush=True)
+    os.environ.update({k: v for k, v in env.items() if k in ("TRITON_CACHE_DIR", "TOKENIZERS_PARALLELISM")})
+    found = evaluate_checkpoint(run_dir, max_new_tokens=ns.max_new_tokens, max_prompts=ns.max_prompts,
+                                batch_size=ns.batch_size)  # fmt: skip
+    results["evaluate"] = found
+    if found["ok"] and ns.shape == "27b":
+        results["target"] = {"wall_s": found["wall_s"], "max_s": TARGET_S, "met": found["wall_s"] <= TARGET_S}
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    summary = {k: found.get(k) for k in ("ok", "wall_s", "checkpoint_seconds", "prompts", "decoding", "error")}
+    print(json.dumps({"evaluate": summary, "target": results.get("target")}, indent=2, default=str))
+    return 0 if found["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
