@@ -424,7 +424,8 @@ def _launchers(events, names: set[str], spans: list[tuple[float, float]], depth:
         shapes = [list(s) for s in getattr(e, "input_shapes", None) or () if s]
         key = " < ".join(chain) + (f" {shapes[:3]}" if shapes else "")
         for k in kernels:
-            found.setdefault(k.name, {})[key] = found.get(k.name, {}).get(key, 0.0) + k.duration
+            chains = found.setdefault(k.name, {})
+            chains[key] = chains.get(key, 0.0) + k.duration
     return {name: sorted(chains.items(), key=lambda kv: -kv[1])[:top] for name, chains in found.items()}
 
 
