@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("batch_size", "max_new_tokens", "test", "steps"):
         if getattr(ns, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(ns, name)}: give a positive integer")
+    if ns.max_prompts < 0:  # launcher evaluate's own check, made before the training run it would waste
+        parser.error(f"--max-prompts {ns.max_prompts}: use 0 (all test conversations) or more")
     backend = ns.backend or ("cuda" if ns.shape == "27b" else "cpu")
     out = ns.out.resolve()
     from benchmarks.bench_assets import write_model_dir

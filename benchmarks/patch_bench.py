@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -229,7 +230,11 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _newest_run(root: Path, name: str) -> Path | None:
-    runs = sorted((p for p in root.glob(f"{name}-*") if (p / "status.json").exists()), key=lambda p: p.stat().st_mtime)
+    """The newest run directory of run name ``name`` (``NAME-YYYYMMDD-HHMMSS``, launcher.run.rundir): not one of a
+    longer name that starts the same (``...-fsdp2-profile-...`` is not a ``...-fsdp2`` run)."""
+    own = re.compile(re.escape(name) + r"-\d{8}-\d{6}(-\d+)?")
+    runs = sorted((p for p in root.glob(f"{name}-*") if own.fullmatch(p.name) and (p / "status.json").exists()),
+                  key=lambda p: p.stat().st_mtime)  # fmt: skip
     return runs[-1] if runs else None
 
 

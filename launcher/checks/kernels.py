@@ -28,7 +28,10 @@ How each case is checked:
   compares the packed call with the same kernel run on each sequence alone, and with the reference run on
   each sequence alone; a kernel that leaks state across sequences fails. transformers' torch kernel has no
   ``cu_seqlens``, so on CPU (and with ``--kernel torch``) this case is skipped with that reason: packed
-  training never routes to the torch kernel.
+  training never routes to the torch kernel. ``varlen_grouped`` is the same packed call with q and k handed to the
+  routed kernel unrepeated (``H_k`` heads for ``H_v`` value heads), as packed rows call FLA
+  (``patches.packed_rows.value_heads``), against the reference fed the repeated heads: a kernel that pairs value
+  head ``j`` with any key head but ``j // (H_v / H_k)`` fails.
 - ``qwen3_5_27b`` is the 27B model's linear-attention call, [1, 4096, 48, 128] fed from 16 key heads; it also
   reports peak device memory of the routed forward+backward and the median time of the routed kernel
   against the torch fallback (forward+backward, bfloat16, the same inputs).

@@ -73,6 +73,9 @@ COMMUNICATION = ("nccl", "hccl", "gloo", "allreduce", "all_reduce", "allgather",
                  "reducescatter", "broadcast", "c10d::")  # fmt: skip
 OPTIMIZER_KERNELS = ("multi_tensor_apply", "foreach", "adam", "sgd")
 DEVICE_PARTS = ("deltanet", "glue", "attention", "matmul", "communication", "optimizer", "other_compute")
+# device runtime calls (cudaStreamIsCapturing, cudaLaunchKernel, ...): torch can attach an operator's kernels to
+# them as well, so a chain starting there would count those kernels twice, under the wrong launcher
+RUNTIME_CALLS = ("cuda", "cu", "Command Buffer", "acl", "hip")
 LAYER_INDEX = re.compile(r"\.\d+(?=[.)\s]|$)")  # "layers.27)" in a range name: one chain for every layer
 IDLE_PARTS = ("data_loading", "optimizer_host", "compile_autotune", "host_gaps")
 
@@ -410,6 +413,8 @@ def _launchers(events, names: set[str], spans: list[tuple[float, float]], depth:
     for e in events:
         kernels = [k for k in getattr(e, "kernels", None) or () if k.name in names]
         if not kernels or _is_device_event(e) or not _inside(e.time_range.start / 1e6, spans):
+            continue
+        if e.name.startswith(RUNTIME_CALLS):  # shares the correlation id of the operator that launched the kernel
             continue
         chain, parent = [], e
         while parent is not None and not parent.name.startswith("ProfilerStep"):

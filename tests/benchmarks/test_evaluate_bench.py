@@ -15,7 +15,7 @@ from benchmarks import evaluate_bench  # noqa: E402
 from launcher.state.runs import EVALUATE_JSON  # noqa: E402
 
 
-@pytest.mark.parametrize("bad", [["--batch-size", "0"], ["--test", "0"], ["--steps", "0"]])
+@pytest.mark.parametrize("bad", [["--batch-size", "0"], ["--test", "0"], ["--steps", "0"], ["--max-prompts", "-1"]])
 def test_counts_must_be_positive(tmp_path, bad):
     with pytest.raises(SystemExit):
         evaluate_bench.main(["--out", str(tmp_path), "--shape", "tiny", *bad])

@@ -248,3 +248,17 @@ def test_tiny_profile_variant_runs_through_launcher_profile(tmp_path):
     assert (out / "profile.md").read_text() == markdown and "## The first step against the later ones" in markdown
     ((trace, mib),) = profile["trace_mib"].items()
     assert trace.endswith("profile/rank0.trace.json") and mib > 0 and not list(out.glob("*.trace.json"))
+
+
+def test_a_run_is_found_by_its_own_name_not_by_a_longer_one_that_starts_the_same(tmp_path):
+    """``fsdp2`` and ``fsdp2-profile`` runs share a prefix; each lookup finds its own (and a retried id, ``-1``)."""
+    from launcher.run.rundir import make_run_dir
+
+    plain = make_run_dir(tmp_path, "bench-fsdp2").path
+    again = make_run_dir(tmp_path, "bench-fsdp2").path  # same second: the launcher appends -1
+    longer = make_run_dir(tmp_path, "bench-fsdp2-profile").path
+    for folder in (plain, again, longer):
+        (folder / "status.json").write_text("{}")
+    assert patch_bench._newest_run(tmp_path, "bench-fsdp2") in (plain, again)
+    assert patch_bench._newest_run(tmp_path, "bench-fsdp2-profile") == longer
+    assert patch_bench._newest_run(tmp_path, "bench") is None
