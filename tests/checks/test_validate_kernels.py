@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 
 from launcher.checks import decode_kernels, glue_kernels, kernel_check, kernels  # noqa: E402
 from launcher.cli import main  # noqa: E402
+from tests.support.patch_fixtures import fla_pairing, grouped_varlen_kernel  # noqa: E402
 
 SMALL = kernels.Case("small", 1, 100, 3, 16)  # T=100 != H=3, not a multiple of the 64-token chunk
 
@@ -49,18 +50,6 @@ def honours_cu_seqlens(q, k, v, g, beta, cu_seqlens=None, **kw):
     outs = [reference(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e], **kw)[0]
             for s, e in zip(bounds[:-1], bounds[1:], strict=True)]  # fmt: skip
     return torch.cat(outs, dim=1), None
-
-
-def grouped_values(pairing):
-    """A stand-in for FLA's varlen kernel with grouped value heads: q and k arrive with fewer heads than v and value
-    head ``j`` reads key head ``pairing(j, groups, key_heads)``; each packed sequence alone."""
-
-    def kernel(q, k, v, g, beta, cu_seqlens=None, **kw):
-        groups = v.shape[2] // q.shape[2]
-        index = torch.tensor([pairing(j, groups, q.shape[2]) for j in range(v.shape[2])])
-        return honours_cu_seqlens(q[:, :, index], k[:, :, index], v, g, beta, cu_seqlens=cu_seqlens, **kw)
-
-    return kernel
 
 
 def leaks_state(q, k, v, g, beta, cu_seqlens=None, **kw):
@@ -115,10 +104,10 @@ def test_grouped_value_heads_pass_with_fla_s_pairing_and_fail_with_another():
     ``j // groups``, its kernels' ``i_h // (HV // H)``) passes; pairing them round-robin (``j % key_heads``) fails."""
     case = next(c for c in kernels.SUITES["quick"] if c.name == "varlen_grouped")
     assert case.unrepeated and (case.key_heads, case.heads) == (2, 4) and case.seq_lens
-    good = check(grouped_values(lambda j, groups, key_heads: j // groups), case)
+    good = check(grouped_varlen_kernel(fla_pairing), case)
     assert good.status == "pass", good
     assert good.max_error < 0.02 and max(good.errors_vs_alone.values()) < 1e-6
-    wrong = check(grouped_values(lambda j, groups, key_heads: j % key_heads), case)
+    wrong = check(grouped_varlen_kernel(lambda j, groups, key_heads: j % key_heads), case)
     assert wrong.status == "fail" and wrong.max_error > 0.1, wrong
 
 

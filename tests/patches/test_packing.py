@@ -15,7 +15,7 @@ import pytest
 import patches
 from patches import packed_rows
 from patches.proof import read_proof
-from tests.support.patch_fixtures import lora_model
+from tests.support.patch_fixtures import grouped_varlen_kernel, lora_model
 
 pytest_plugins = ["tests.support.patch_fixtures"]
 
@@ -475,15 +475,7 @@ def test_the_fla_route_takes_key_heads_unrepeated_and_pairs_them_as_transformers
     from patches.kernel_recorder import CallLog, KernelRecorder
 
     heads_seen = []
-
-    def grouped(q, k, v, g, beta, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
-        heads_seen.append((q.shape[2], k.shape[2], v.shape[2]))
-        index = torch.arange(v.shape[2]) // (v.shape[2] // q.shape[2])
-        bounds = cu_seqlens.tolist()
-        pieces = [torch_chunk_gated_delta_rule(q[:, s:e, index], k[:, s:e, index], v[:, s:e], g=g[:, s:e],
-                                               beta=beta[:, s:e], **kwargs)[0]
-                  for s, e in zip(bounds[:-1], bounds[1:], strict=True)]  # fmt: skip
-        return torch.cat(pieces, dim=1), None
+    grouped = grouped_varlen_kernel(seen=heads_seen)
 
     def recorder(kernel, label):
         return KernelRecorder(kernel, label=label, expected_device="cpu", log=CallLog(lambda call: None),

@@ -193,6 +193,33 @@ _STUB_FILES = {
 }
 
 
+def fla_pairing(value_head: int, groups: int, key_heads: int) -> int:
+    """fla-core 0.6's grouped value attention: value head ``j`` reads key head ``j // (HV // H)`` (its kernels'
+    ``i_h // (HV // H)``), the pairing transformers' ``repeat_interleave`` builds."""
+    return value_head // groups
+
+
+def grouped_varlen_kernel(pairing=fla_pairing, seen: list | None = None):
+    """A stand-in for FLA's varlen chunk kernel that takes fewer q/k heads than value heads: each value head reads
+    the key head ``pairing`` names, each ``cu_seqlens`` segment runs alone through transformers' torch reference
+    (one segment without them). ``seen`` collects the (q, k, v) head counts of every call."""
+    import torch
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    def kernel(q, k, v, g, beta, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+        if seen is not None:
+            seen.append((q.shape[2], k.shape[2], v.shape[2]))
+        groups = v.shape[2] // q.shape[2]
+        index = torch.tensor([pairing(j, groups, q.shape[2]) for j in range(v.shape[2])])
+        bounds = cu_seqlens.tolist() if cu_seqlens is not None else [0, q.shape[1]]
+        pieces = [torch_chunk_gated_delta_rule(q[:, s:e, index], k[:, s:e, index], v[:, s:e], g=g[:, s:e],
+                                               beta=beta[:, s:e], **kwargs)[0]
+                  for s, e in zip(bounds[:-1], bounds[1:], strict=True)]  # fmt: skip
+        return torch.cat(pieces, dim=1), None
+
+    return kernel
+
+
 def write_stub_fla(root: Path, platform: str = "cuda", hopper: bool = False, above_3_4_0: bool = True,
                    above_3_7_1: bool = True) -> Path:  # fmt: skip
     """Write the stand-in ``fla`` package into ``root`` (put it on ``sys.path`` to use it); returns ``root``."""
