@@ -262,3 +262,13 @@ def test_a_run_is_found_by_its_own_name_not_by_a_longer_one_that_starts_the_same
     assert patch_bench._newest_run(tmp_path, "bench-fsdp2") in (plain, again)
     assert patch_bench._newest_run(tmp_path, "bench-fsdp2-profile") == longer
     assert patch_bench._newest_run(tmp_path, "bench") is None
+
+
+def test_the_rank_kernel_check_names_cases_the_suites_have():
+    """``BENCH_KERNEL_CASES`` is read in the rank on the device; an unknown name would only show there."""
+    from launcher.checks.kernels import SUITES
+
+    for shape, spec in patch_bench.KERNEL_CASES.items():
+        suite, _, names = spec.partition(":")
+        assert set(names.split(",")) <= {c.name for c in SUITES[suite]}, shape
+    assert "varlen_grouped" in patch_bench.KERNEL_CASES["27b"]  # packed rows' call, checked where they train
