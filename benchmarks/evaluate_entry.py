@@ -3,8 +3,8 @@
     python -m benchmarks.evaluate_entry REQUEST_JSON   (``benchmarks.evaluate_bench`` starts it through
                                                         ``launcher.run.evaluate.evaluate_run``)
 
-In this process only, before handing over to ``launcher.rank.evaluate.main`` (which applies the run's patches and
-evaluates exactly as ``launcher evaluate`` does):
+``launcher.rank.evaluate.main`` reads the request and evaluates exactly as ``launcher evaluate`` does; before it loads
+anything, this module's ``prepare``, in this process only:
 
 1. on CUDA, lifts FLA's Hopper guard (``benchmarks.fla_guard``), as the benchmark's training entry does: the
    measuring H200 has Triton 3.6.0, and evaluation runs no backward;
@@ -18,11 +18,11 @@ the training rank's ``bench/rank0.json``; ``evaluate_bench`` copies it into its 
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
+from typing import Any
 
-from benchmarks.bench_entry import Recorder, rank_device
+from benchmarks.bench_entry import Recorder, install_random_init, rank_device
 from launcher.rank import evaluate
 from patches.proof import utc_now
 
@@ -30,29 +30,28 @@ RECORD = "evaluate.json"  # in the run directory's bench/, beside the training r
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m benchmarks.evaluate_entry REQUEST_JSON", file=sys.stderr)
-        return 2
-    request = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
-    backend = request["backend"]
-    recorder = Recorder(Path(request["run_dir"]))
-    recorder.path = recorder.path.with_name(RECORD)
-    recorder.data["entry"] = "benchmarks.evaluate_entry"
-    guard = None
-    if backend == "cuda":
-        from benchmarks.fla_guard import lift_hopper_guard
+    recorders: list[Recorder] = []
 
-        guard = lift_hopper_guard()
-    device = rank_device(backend)
-    recorder.update(backend=backend, device=device, fla_guard=guard)
-    from benchmarks.bench_entry import install_random_init
+    def prepare(request: dict[str, Any]) -> None:
+        backend = request["backend"]
+        recorder = Recorder(Path(request["run_dir"]))
+        recorder.path = recorder.path.with_name(RECORD)
+        recorder.data["entry"] = "benchmarks.evaluate_entry"
+        recorders.append(recorder)
+        guard = None
+        if backend == "cuda":
+            from benchmarks.fla_guard import lift_hopper_guard
 
-    install_random_init(device, recorder)
+            guard = lift_hopper_guard()
+        device = rank_device(backend)
+        recorder.update(backend=backend, device=device, fla_guard=guard)
+        install_random_init(device, recorder)
+
     try:
-        return evaluate.main(argv)
+        return evaluate.main(argv, prepare=prepare)
     finally:
-        recorder.update(ended_at=utc_now())
+        for recorder in recorders:
+            recorder.update(ended_at=utc_now())
 
 
 if __name__ == "__main__":

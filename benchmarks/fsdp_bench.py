@@ -266,11 +266,10 @@ def main(argv: list[str] | None = None) -> int:
             config = bench_config(out, ns.shape, backend, ns.steps, n, option, ns.single, variant)
             path = out / "configs" / f"{option}-{label}.yaml"
             path.write_text(yaml.safe_dump(config, sort_keys=False))
-            print(f"[fsdp_bench] {option}, {label}: python -m launcher run {path} --quiet", flush=True)
             profiled = variant in PROFILED
-            args = (["profile", str(path), "--steps", str(ns.steps - ns.warmup), "--warmup", str(ns.warmup)]
-                    if profiled else ["run", str(path)])  # fmt: skip
-            run = patch_bench.run_variant([*args, "--quiet"], env, ns.timeout,
+            args = patch_bench.launcher_args(label, path, ns.steps, ns.warmup, profiled=profiled)
+            print(f"[fsdp_bench] {option}, {label}: python -m launcher {' '.join(args)}", flush=True)
+            run = patch_bench.run_variant(args, env, ns.timeout,
                                           out / "logs" / f"{option}-{label}.supervisor.log")  # fmt: skip
             run_dir = patch_bench._newest_run(out / "runs", config["launcher"]["run_name"] + ("-profile" * profiled))
             summary = {"state": None, "reason": "no run directory"}

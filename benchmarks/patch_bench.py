@@ -126,10 +126,11 @@ def run_name_of(variant: str, shape: str) -> str:
     return f"bench-{shape}-{variant}"
 
 
-def launcher_args(variant: str, config_path: Path, steps: int, warmup: int) -> list[str]:
+def launcher_args(variant: str, config_path: Path, steps: int, warmup: int, profiled: bool | None = None) -> list[str]:
     """The ``launcher`` verb and arguments that run a variant: ``run``, or ``profile`` with the steps after
-    ``warmup`` profiled (``max_steps`` in the config is the same ``steps``, which `launcher profile` sets)."""
-    if VARIANTS[variant].get("profile"):
+    ``warmup`` profiled (``max_steps`` in the config is the same ``steps``, which `launcher profile` sets).
+    ``profiled``: for a variant that is not one of ``VARIANTS`` (``fsdp_bench``'s), whether it is profiled."""
+    if VARIANTS[variant].get("profile") if profiled is None else profiled:
         return ["profile", str(config_path), "--steps", str(steps - warmup), "--warmup", str(warmup), "--quiet"]
     return ["run", str(config_path), "--quiet"]
 

@@ -194,7 +194,7 @@ def _split_run(torch, kernel, inputs, case: Case, **kw) -> tuple[Any, dict[str, 
     bounds = case.cu_seqlens
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         part = {n: x[:, start:end] for n, x in inputs.items()}
-        sub = Case(case.name, 1, end - start, case.heads, case.dim, case.key_heads, unrepeated=case.unrepeated)
+        sub = Case(case.name, 1, end - start, case.heads, case.dim, case.key_heads)
         out, g = run_kernel(torch, kernel, part, sub, **kw)
         outs.append(out)
         for n in GRAD_NAMES:

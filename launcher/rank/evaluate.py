@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -253,12 +254,16 @@ def evaluate(request: dict[str, Any]) -> dict[str, Any]:
     return {"checkpoints": results, "prompts": rows, "kernels": kernels}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prepare: Callable[[dict[str, Any]], None] | None = None) -> int:
+    """``python -m launcher.rank.evaluate REQUEST_JSON``; ``prepare`` gets the request before anything is loaded (a
+    measuring wrapper's set-up: ``benchmarks.evaluate_entry``)."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m launcher.rank.evaluate REQUEST_JSON", file=sys.stderr)
         return 2
     request = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    if prepare is not None:
+        prepare(request)
     raw = evaluate(request)
     write_json_atomic(Path(request["result_file"]), raw)
     return 0

@@ -75,7 +75,7 @@ OPTIMIZER_KERNELS = ("multi_tensor_apply", "foreach", "adam", "sgd")
 DEVICE_PARTS = ("deltanet", "glue", "attention", "matmul", "communication", "optimizer", "other_compute")
 # device runtime calls (cudaStreamIsCapturing, cudaLaunchKernel, ...): torch can attach an operator's kernels to
 # them as well, so a chain starting there would count those kernels twice, under the wrong launcher
-RUNTIME_CALLS = ("cuda", "cu", "Command Buffer", "acl", "hip")
+RUNTIME_CALLS = ("cu", "Command Buffer", "acl", "hip")  # cudaStreamIsCapturing, cuLaunchKernel, aclrt..., hip...
 LAYER_INDEX = re.compile(r"\.\d+(?=[.)\s]|$)")  # "layers.27)" in a range name: one chain for every layer
 IDLE_PARTS = ("data_loading", "optimizer_host", "compile_autotune", "host_gaps")
 
