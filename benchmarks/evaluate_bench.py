@@ -2,6 +2,7 @@
 
     python -m benchmarks.evaluate_bench --out DIR [--shape 27b|tiny] [--backend cuda|npu|cpu] [--batch-size 16]
                                         [--max-new-tokens 128] [--max-prompts 32] [--test 32] [--steps 2]
+                                        [--repeats 1] [--timeout 900]
 
 In one invocation:
 
@@ -10,7 +11,10 @@ In one invocation:
    (``launcher.demo.write_dataset``, recorded as ``launcher data prepare --test-size`` records one);
 2. a short training run through ``launcher run`` (``benchmarks.patch_bench``'s ``on`` config on that data: LoRA r8 on
    q/k/v/o, bf16 off the CPU, ``--steps`` optimizer steps, a checkpoint at the last), so there is a real run with a
-   real adapter to evaluate;
+   real adapter to evaluate. Its batches are padded to the cutoff (``pad_lengths``), so every step has the shape the
+   other benchmarks train (4,096 tokens for ``27b``): with a shared ``TRITON_CACHE_DIR`` FLA's kernels are compiled
+   and autotuned once, not again for every new sample length (on a cold cache each new length of the demo's
+   samples costs minutes on one H200, which a 540 s limit did not cover);
 3. ``launcher evaluate RUN --checkpoints last`` with the default prompt set (``--max-prompts`` test conversations and
    the 6 shipped crisis prompts, ``--max-new-tokens``, ``--batch-size``): the request and the evaluation are
    ``launcher.run.evaluate``'s own (``build_request``, ``evaluate_run``); only the child process is
@@ -20,7 +24,10 @@ In one invocation:
 ``DIR/results.json``: the training run's state; the evaluation's wall clock (request, child start, base build, test
 loss, decoding, writing ``evaluate.json``), the checkpoint's seconds and decoding record from ``evaluate.json``, the
 child's record; and the target: the whole evaluation of one checkpoint within ``TARGET_S`` on one H200 (27B shape).
-Reading the base from disk (51 GiB of safetensors for the 27B shape) is not in these figures.
+``--repeats 2`` evaluates the checkpoint again (``evaluations``, in order): the first evaluation compiles the
+decoding kernels on a cold cache, the second shows a machine whose Triton cache persists (the images keep it in a
+volume); the target is judged on each. Reading the base from disk (51 GiB of safetensors for the 27B shape) is not
+in these figures.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ def bench_config(out: Path, shape: str, backend: str, steps: int) -> dict[str, A
 
     config = patch_bench.run_config(out, "on", shape, backend, steps)
     config["launcher"]["run_name"] = f"evaluate-bench-{shape}"
+    config["launcher"]["patches"] = {"pad_lengths": {"multiple": patch_bench.CUTOFF[shape]}}  # one shape to compile
     config.update(dataset_dir=str(out / "data"), dataset=DATASET_TRAIN, save_strategy="steps", save_steps=steps,
                   save_only_model=True)  # fmt: skip
     return config
@@ -91,9 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompts", type=int, default=32, help="test conversations answered (default 32)")
     parser.add_argument("--test", type=int, default=32, help="conversations in the held-out test split (default 32)")
     parser.add_argument("--steps", type=int, default=2, help="training steps before the checkpoint (default 2)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="evaluations of the checkpoint, one after another (2: a cold then a warm Triton cache)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds for the training run before a stop")
     ns = parser.parse_args(argv)
-    for name in ("batch_size", "max_new_tokens", "test", "steps"):
+    for name in ("batch_size", "max_new_tokens", "test", "steps", "repeats"):
         if getattr(ns, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(ns, name)}: give a positive integer")
     if ns.max_prompts < 0:  # launcher evaluate's own check, made before the training run it would waste
@@ -130,15 +140,22 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"[evaluate_bench] evaluating {run_dir.name}, checkpoint last", flush=True)
     os.environ.update({k: v for k, v in env.items() if k in ("TRITON_CACHE_DIR", "TOKENIZERS_PARALLELISM")})
-    found = evaluate_checkpoint(run_dir, max_new_tokens=ns.max_new_tokens, max_prompts=ns.max_prompts,
-                                batch_size=ns.batch_size)  # fmt: skip
-    results["evaluate"] = found
-    if found["ok"] and ns.shape == "27b":
-        results["target"] = {"wall_s": found["wall_s"], "max_s": TARGET_S, "met": found["wall_s"] <= TARGET_S}
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-    summary = {k: found.get(k) for k in ("ok", "wall_s", "checkpoint_seconds", "prompts", "decoding", "error")}
-    print(json.dumps({"evaluate": summary, "target": results.get("target")}, indent=2, default=str))
-    return 0 if found["ok"] else 1
+    evaluations: list[dict[str, Any]] = []
+    results["evaluations"] = evaluations
+    for repeat in range(1, ns.repeats + 1):
+        found = evaluate_checkpoint(run_dir, max_new_tokens=ns.max_new_tokens, max_prompts=ns.max_prompts,
+                                    batch_size=ns.batch_size)  # fmt: skip
+        evaluations.append(found)
+        if found["ok"] and ns.shape == "27b":
+            found["target"] = {"max_s": TARGET_S, "met": found["wall_s"] <= TARGET_S}
+        (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")  # after each one
+        summary = {k: found.get(k) for k in ("ok", "wall_s", "checkpoint_seconds", "prompts", "decoding", "error",
+                                             "target")}  # fmt: skip
+        print(f"[evaluate_bench] evaluation {repeat} of {ns.repeats}: "
+              f"{json.dumps(summary, indent=2, default=str)}", flush=True)  # fmt: skip
+        if not found["ok"]:
+            return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ invocation: the single-device path (``ddp``, one process), ``fsdp2`` with one pr
 ``fsdp2`` with ``checkpoint_all_layers: {memory_budget_gib: 120}`` (``DEFAULT_VARIANTS``; the budget variant only on
 cuda and npu, whose allocators report a peak: on the CPU it is left out unless asked for by name); by name only,
 ``fsdp2-root-embeddings``: ``fsdp2`` with ``fsdp2_frozen_dtype.embedding_units: false``, the embeddings in the root
-unit, to measure that option against its default in one invocation; ``fsdp2-lora-shared``: ``fsdp2`` with
-``fsdp2_frozen_dtype.trainable_units: shared`` (torch >= 2.8), each layer's LoRA in the layer's unit;
+unit, to measure that option against its default in one invocation; ``fsdp2-lora-shared`` and ``fsdp2-lora-own``:
+``fsdp2`` with ``fsdp2_frozen_dtype.trainable_units: shared`` (torch >= 2.8: each layer's LoRA in the layer's unit,
+what the default ``auto`` takes there) or ``own`` (a unit per layer's LoRA: what ``auto`` takes before torch 2.8);
 ``fsdp2-profile``: ``fsdp2`` through ``launcher profile`` (``--steps`` minus ``--warmup`` steps profiled;
 ``profile.md`` copied to ``DIR``);
 ``targets`` holds FSDP2's peak against ``PEAK_MAX_GIB`` and its tokens/s against ``SPEED_MIN`` x the
@@ -66,6 +67,8 @@ ONE_DEVICE: dict[str, tuple[str, dict[str, Any]]] = {
     "fsdp2-root-embeddings": ("fsdp2", {"fsdp2_frozen_dtype": {"embedding_units": False}}),
     # each layer's LoRA in the layer's own unit (torch >= 2.8): one gather and one set of hooks fewer per layer
     "fsdp2-lora-shared": ("fsdp2", {"fsdp2_frozen_dtype": {"trainable_units": "shared"}}),
+    # a unit per layer's LoRA, as before torch 2.8 (the images' torch 2.7.1)
+    "fsdp2-lora-own": ("fsdp2", {"fsdp2_frozen_dtype": {"trainable_units": "own"}}),
     # ``fsdp2`` through ``launcher profile``: where FSDP2's time goes (its copies named by the operators behind them)
     "fsdp2-profile": ("fsdp2", {}),
 }

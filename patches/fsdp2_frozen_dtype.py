@@ -14,13 +14,14 @@ in ``accelerate.accelerator``):
    (what 1.14 does), and turns accelerate's later whole-model ``model.to(torch.float32)`` into a no-op for this
    one call (an instance attribute ``to`` on the model, removed again when the preparation returns; any other
    ``to`` call passes through);
-2. ``trainable_units: own`` (the default): before accelerate wraps a layer, the submodules of that layer that own
+2. ``trainable_units``: ``own``: before accelerate wraps a layer, the submodules of that layer that own
    trainable parameters (the LoRA ``lora_A``/``lora_B`` of it) become one FSDP2 unit of their own
    (``fully_shard`` of the list, accelerate's own ``mesh``/``mp_policy``/``reshard_after_forward``/offload), so a
    group never mixes bf16 frozen and float32 trainable parameters: torch before 2.8 asserts "FSDP expects uniform
    original parameter dtype" for any group that mixes them (pytorch PR #154103 relaxed it to trainable parameters
    only, first in 2.8); the NPU and CUDA images pin torch 2.7.1. ``shared`` leaves them in the layer's unit
-   (torch >= 2.8 only);
+   (torch >= 2.8 only): one gather and one set of FSDP2 hooks fewer per layer with LoRA, 1.5 % of the 27B step on
+   one H200 (docs/benchmarks.md). ``auto`` (the default) is ``shared`` where torch allows it, else ``own``;
 3. ``embedding_units: true`` (the default): the frozen input and output embeddings (when not tied) become FSDP2
    units of their own before accelerate makes the root unit, so neither stays gathered through the decoder layers'
    backward (in the root's unit both do: 4.74 GiB for the 27B shape); the output embedding is gathered once per
@@ -47,8 +48,10 @@ import sys
 from typing import Any, Literal
 
 from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 from pydantic import BaseModel, ConfigDict
 
+from .errors import PatchError
 from .fsdp2_census import shard_census
 from .proof import ProofFile, utc_now
 from .versions import require_global_loads, require_symbols
@@ -62,16 +65,33 @@ FUNCTION = "fsdp2_prepare_model"
 
 
 class Options(BaseModel):
-    """``launcher.patches.fsdp2_frozen_dtype``: ``trainable_units`` own (a unit per layer's LoRA) or shared;
-    ``embedding_units``: the frozen input and output embeddings as FSDP2 units of their own (else in the root's)."""
+    """``launcher.patches.fsdp2_frozen_dtype``: ``trainable_units`` own (a unit per layer's LoRA), shared (in the
+    layer's unit; torch >= 2.8) or auto (shared where torch allows it); ``embedding_units``: the frozen input and
+    output embeddings as FSDP2 units of their own (else in the root's)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     enabled: bool = True
-    trainable_units: Literal["own", "shared"] = "own"
+    trainable_units: Literal["auto", "own", "shared"] = "auto"
     embedding_units: bool = True
 
 
+SHARED_UNITS_TORCH = (2, 8)  # pytorch PR #154103: the uniform-dtype check of a unit covers trainable parameters only
+
 _state: dict[str, Any] = {}
+
+
+def trainable_units_mode(choice: str, torch_version: str) -> str:
+    """``own`` or ``shared`` for the option ``choice`` under ``torch_version``; ``shared`` before torch 2.8 is refused
+    (its ``fully_shard`` would assert on the first layer that mixes bf16 and float32 parameters)."""
+    allowed = Version(torch_version).release[:2] >= SHARED_UNITS_TORCH
+    if choice == "auto":
+        return "shared" if allowed else "own"
+    if choice == "shared" and not allowed:
+        raise PatchError(NAME, f"trainable_units: shared needs torch >= 2.8; torch {torch_version} asserts \"FSDP "
+                         "expects uniform original parameter dtype\" for a unit that mixes the bf16 base and the "
+                         "float32 LoRA parameters", "set launcher.patches.fsdp2_frozen_dtype.trainable_units: auto "
+                         "(or own)")  # fmt: skip
+    return choice
 
 
 def fsdp2_rank() -> bool:
@@ -229,7 +249,7 @@ def _make_prepare(original):
         _state["proof"].update(preparation={
             "mixed_precision": accelerator.mixed_precision, "upcast_to_float32": len(upcast),
             "upcast_examples": upcast[:4], "whole_model_upcast_skipped": seen["intercepted"],
-            "trainable_units": units, "embedding_units": embeddings,
+            "trainable_units": units, "trainable_units_mode": _state["trainable_units"], "embedding_units": embeddings,
             "distributed_type": accelerator.distributed_type.value,
             **shard_census(prepared), "recorded_at": utc_now()})  # fmt: skip
         return prepared
@@ -264,14 +284,17 @@ def _lift_cpu_gate() -> None:
 
 def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dict[str, Any]) -> dict[str, Any]:
     """Wrap accelerate's ``fsdp2_prepare_model`` (and on ``cpu`` the state's FSDP gate); idempotent."""
+    import torch
+
+    units = trainable_units_mode(options["trainable_units"], torch.__version__)
     wrap_once(importlib.import_module(MODULE), FUNCTION, NAME, _make_prepare)  # a module global, not a method
     cpu = backend == "cpu" and fsdp2_rank()
-    _state.update(active=True, proof=proof, trainable_units=options["trainable_units"],
+    _state.update(active=True, proof=proof, trainable_units=units,
                   embedding_units=options["embedding_units"], cpu=cpu)
     if cpu:
         _lift_cpu_gate()
     return {"replaced": [f"{MODULE}.{FUNCTION}", *([f"{STATE_MODULE}.AcceleratorState.__init__"] if cpu else [])],
-            "fsdp2_rank": fsdp2_rank(), "cpu_fsdp_lifted": cpu}  # fmt: skip
+            "fsdp2_rank": fsdp2_rank(), "cpu_fsdp_lifted": cpu, "trainable_units": units}  # fmt: skip
 
 
 def observe(*, backend: str, proof: ProofFile) -> None:

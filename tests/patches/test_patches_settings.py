@@ -24,7 +24,7 @@ DEFAULTS = {
     "pad_lengths": {"enabled": False, "multiple": 256},  # the one patch that is off unless named
     "lora_input_cast": {"enabled": True},
     "packed_rows": {"enabled": True, "varlen_attention": True},
-    "fsdp2_frozen_dtype": {"enabled": True, "trainable_units": "own", "embedding_units": True},
+    "fsdp2_frozen_dtype": {"enabled": True, "trainable_units": "auto", "embedding_units": True},
     "fsdp2_resume_adapter": {"enabled": True},
 }
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from patches import fsdp2_frozen_dtype
 from tests.support.common import make_config, read_jsonl
 from tests.support.fake_runs import PREFLIGHT_SKIP, launcher, read_status, run_story, the_run_dir, wait_for
 
@@ -67,6 +68,27 @@ def _proof(run_dir: Path, patch: str, rank: int) -> dict:
     return json.loads((run_dir / "proof" / f"rank{rank}" / f"{patch}.json").read_text())
 
 
+def _own_units_run(tmp_path: Path, demo_assets, env: dict) -> dict:
+    """Two gloo ranks with ``trainable_units: own`` (the mode of the images' torch 2.7.1): every layer's LoRA is
+    an FSDP2 unit of its own, sharded like the rest; its losses and last adapter."""
+    patches = {"fsdp2_frozen_dtype": {"trainable_units": "own"}}
+    config = _config(tmp_path / "own", demo_assets, {"nproc_per_node": 2, "distribution": "fsdp2", "patches": patches})
+    done = launcher("run", config, "--quiet", env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_dir = the_run_dir(tmp_path / "own" / "runs")
+    preparations = [_proof(run_dir, "fsdp2_frozen_dtype", r)["preparation"] for r in (0, 1)]
+    layers_with_lora = {name.split(".layers.")[1].split(".")[0] for name in _lora(run_dir / "output")}
+    assert all(p["trainable_units_mode"] == "own" for p in preparations)
+    assert preparations[0]["trainable_units"] == len(layers_with_lora) > 0, preparations[0]
+    lora_units = [name for name in preparations[0]["units"] if "lora" in name.lower()]
+    assert lora_units, list(preparations[0]["units"])
+    for name in lora_units:
+        local = [p["units"][name]["local_bytes"] for p in preparations]
+        assert sum(local) == preparations[0]["units"][name]["full_bytes"] and min(local) > 0, (name, local)
+    return {"losses": _losses(run_dir / "output"), "adapter": _lora(run_dir / "output" / f"checkpoint-{STEPS}"),
+            "lora_units": lora_units}
+
+
 def test_two_gloo_ranks_shard_stop_resume_keep_the_best_and_match_one_process(tmp_path, demo_assets):
     env = {**os.environ, "LAUNCHER_PREFLIGHT_SKIP": PREFLIGHT_SKIP}
     sharded_cfg = _config(tmp_path / "fsdp", demo_assets, {"nproc_per_node": 2, "distribution": "fsdp2"})
@@ -94,6 +116,11 @@ def test_two_gloo_ranks_shard_stop_resume_keep_the_best_and_match_one_process(tm
     preparations = [r["preparation"] for r in records]
     assert all(p["distributed_type"] == "FSDP" for p in preparations)
     assert records[0]["cpu_fsdp"] == {"distributed_type": "FSDP", "was": "MULTI_CPU"}
+    # trainable_units auto: each layer's LoRA in the layer's unit where torch allows a unit to mix dtypes (>= 2.8)
+    import torch
+
+    shared = fsdp2_frozen_dtype.trainable_units_mode("auto", torch.__version__) == "shared"
+    assert all(p["trainable_units_mode"] == ("shared" if shared else "own") for p in preparations)
     units = preparations[0]["units"]
     assert sum(".layers." in name and name.split(".")[-1].isdigit() for name in units) == 4  # the decoder layers
     # the frozen input and output embeddings are units of their own (split like the rest, below)
@@ -132,6 +159,11 @@ def test_two_gloo_ranks_shard_stop_resume_keep_the_best_and_match_one_process(tm
     for name in (f"checkpoint-{before_stop}", f"checkpoint-{STEPS}", "."):  # before the stop, the last, the kept one
         differences[name] = _largest_difference(_lora(output / name), _lora(single_output / name))
         assert differences[name] <= RELATIVE_TOLERANCE, (name, differences[name])
+    own_run = _own_units_run(tmp_path, demo_assets, env)  # the images' mode, against the same single process
+    assert all(abs(own_run["losses"][step] - single_losses[step]) <= RELATIVE_TOLERANCE * abs(single_losses[step])
+               for step in range(1, STEPS + 1)), own_run["losses"]  # fmt: skip
+    differences["own units"] = _largest_difference(own_run["adapter"], _lora(single_output / f"checkpoint-{STEPS}"))
+    assert differences["own units"] <= RELATIVE_TOLERANCE
     reference = _lora(single_output / f"checkpoint-{before_stop}")
     # the comparison can fail: two steps apart, the adapters differ by far more than the tolerance
     later = _lora(single_output / f"checkpoint-{before_stop + 2}")
