@@ -34,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ from launcher.run.job import NodeSpec
 from launcher.run.lock import LOCK_NAME, LockBusy, is_locked, read_owner
 from launcher.run.rundir import make_run_dir
 from launcher.state.checkpoints import last_complete_checkpoint
-from launcher.state.record import RecordUnreadable, RunStore, read_record
+from launcher.state.record import RecordUnreadable, RunRecord, RunStore, read_record
 from launcher.state.runs import (
     CONFIG_COPY,
     NODE_ROOT,
@@ -58,7 +59,7 @@ from launcher.state.runs import (
 )
 from launcher.state.slurmjob import query_job, run_scontrol
 from launcher.state.states import RunState
-from launcher.state.stop import read_saved, request_stop, saved_checkpoint
+from launcher.state.stop import announced_at, read_saved, request_stop, saved_checkpoint
 
 RUNTIMES = ("host", "apptainer", "docker")
 END_MARGIN_S = 60.0  # after the grace: each node's supervisor stops what is left and writes its end record
@@ -318,7 +319,7 @@ def stop_slurm_run(run_dir: Path, store: RunStore, grace_s: float | None, now: b
     by = f"{by} through Slurm (job {job_id})"
     for folder in (run_dir, *node_run_dirs(run_dir)):
         request_stop(folder, grace_s, by=by, now=now)
-    what = "no save" if now else "a checkpoint at the next step, then exit"
+    what = stop_promise(run_dir, record, now)
     limit = grace + END_MARGIN_S
     print(f"stopping run {record.run_id} (Slurm job {job_id}): stop requested on every node ({what}); "
           f"scancel after {limit:.0f} s", flush=True)  # fmt: skip
@@ -338,6 +339,24 @@ def stop_slurm_run(run_dir: Path, store: RunStore, grace_s: float | None, now: b
     print(f"run {now_record.run_id}: not ended after {limit:.0f} s; scancel {job_id}; recorded "
           f"{read_record(run_dir).state.value}")  # fmt: skip
     return ExitCode.FAILED
+
+
+def stop_promise(run_dir: Path, record: RunRecord, now: bool) -> str:
+    """What a stop request makes of a running Slurm run: a save needs every node's training to have begun in this
+    attempt, else a node's supervisor stops its job without one (``state.stop.job_can_save``). The ranks' pids live
+    on the nodes, so here only the announcements are read: node 0's in the run folder, node N's in its newest
+    ``nodes/nodeN/`` run folder, each counted when made after this attempt started."""
+    if now:
+        return "no save"
+    since = datetime.fromisoformat(record.started).timestamp() if record.started else 0.0
+    waiting = []
+    for node in range(int((record.slurm or {}).get("nodes") or 1)):
+        folders = [run_dir] if node == 0 else list_runs(run_dir / NODES_DIR / NODE_ROOT.format(node=node))[-1:]
+        if not any((announced_at(folder) or 0.0) >= since for folder in folders):
+            waiting.append(str(node))
+    if not waiting:
+        return "a checkpoint at the next step, then exit"
+    return f"no save: training has not begun on node {', '.join(waiting)} (no save-on-stop announcement there yet)"
 
 
 def _ended(run_dir: Path):

@@ -134,6 +134,13 @@ def job_can_save(run_dir: Path, state: RunState, live_pids: Iterable[int]) -> bo
     return ready is not None and ready.pid is not None and ready.pid in set(live_pids)
 
 
+def announced_at(run_dir: Path) -> float | None:
+    """When this folder's job announced that it honours a save request (epoch seconds), or None; read from the
+    file alone, for a reader on another host than the ranks (``launcher stop`` of a Slurm run)."""
+    ready: SaveReady | None = _read(run_dir / SAVE_READY, SaveReady)
+    return ready.time if ready is not None else None
+
+
 def ask_to_save(run_dir: Path, why: str, anew: bool = False) -> None:
     """Ask the job to save a checkpoint at the next step and exit (every rank looks at each step end).
     ``anew``: first forget a save recorded before (``stop`` after a lost supervisor, which cleared nothing).

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from launcher.run.job import NodeSpec, first_host, slurm_port
-from launcher.run.slurm import batch_script, requeue, task_command, wants_requeue
+from launcher.run.slurm import batch_script, requeue, stop_promise, task_command, wants_requeue
 from launcher.state.slurmjob import lost_node, lost_nodes, parse_show_job
 from launcher.state.states import RunState
 from tests.support.common import launcher_cmd, make_config, only_run_dir
@@ -141,3 +141,37 @@ def test_bad_submit_arguments_are_one_message_and_leave_no_run_folder(tmp_path, 
     assert done.returncode == 2, done.stdout + done.stderr
     assert message in done.stderr and done.stderr.count("error:") == 1, done.stderr
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_a_stop_promises_a_save_only_when_every_node_announced_one_in_this_attempt(tmp_path):
+    """What ``launcher stop`` tells of a running Slurm run: node 0's announcement in the run folder, node N's in its
+    newest ``nodes/nodeN/`` run folder, each counted only when made after this attempt started (a lost node's
+    folder of the attempt before still holds its old one)."""
+    import time
+    import types
+    from datetime import UTC, datetime
+
+    started = time.time() - 60
+    record = types.SimpleNamespace(started=datetime.fromtimestamp(started, UTC).isoformat(timespec="seconds"),
+                                   slurm={"nodes": 2, "job_id": "7"})  # fmt: skip
+    run_dir = tmp_path / "run"
+    nodes = run_dir / "nodes" / "node1"
+    old, new = nodes / "run-attempt1", nodes / "run-attempt2"
+    for folder in (run_dir, old, new):
+        folder.mkdir(parents=True)
+        (folder / "status.json").write_text("{}")
+    os.utime(old / "status.json", (started - 600, started - 600))  # list_runs: oldest first by record time
+
+    def announce(folder: Path, at: float) -> None:
+        (folder / "save_on_stop.json").write_text(json.dumps({"pid": 1, "time": at, "step": 3}))
+
+    assert stop_promise(run_dir, record, now=True) == "no save"
+    assert stop_promise(run_dir, record, now=False).endswith("training has not begun on node 0, 1 "
+                                                             "(no save-on-stop announcement there yet)")  # fmt: skip
+    announce(run_dir, started + 30)
+    announce(old, started - 300)  # attempt 1's, on the node that was lost
+    assert "training has not begun on node 1 " in stop_promise(run_dir, record, now=False)
+    announce(new, started + 31)
+    assert stop_promise(run_dir, record, now=False) == "a checkpoint at the next step, then exit"
+    announce(run_dir, started - 1)  # node 0's from before this attempt (its supervisor clears it; here it did not)
+    assert "training has not begun on node 0 " in stop_promise(run_dir, record, now=False)

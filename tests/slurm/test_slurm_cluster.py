@@ -183,5 +183,6 @@ def test_a_lost_node_ends_node_lost_is_requeued_resumed_and_stopped_with_a_save(
     final = _record(run_dir)
     assert final["state"] == "CANCELLED" and final["attempt"] == 2, (final, _slurm_out(run_dir))
     assert "through Slurm" in final["stopped_by"] and "saved at step" in stop.stdout, (final, stop.stdout)
+    assert "stop requested on every node (a checkpoint at the next step, then exit)" in stop.stdout, stop.stdout
     saved = final["saved_checkpoint"]
     assert saved and (run_dir / saved["path"] / "adapter_model.safetensors").is_file(), final
