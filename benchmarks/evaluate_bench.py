@@ -11,10 +11,11 @@ In one invocation:
    (``launcher.demo.write_dataset``, recorded as ``launcher data prepare --test-size`` records one);
 2. a short training run through ``launcher run`` (``benchmarks.patch_bench``'s ``on`` config on that data: LoRA r8 on
    q/k/v/o, bf16 off the CPU, ``--steps`` optimizer steps, a checkpoint at the last), so there is a real run with a
-   real adapter to evaluate. Its batches are padded to the cutoff (``pad_lengths``), so every step has the shape the
-   other benchmarks train (4,096 tokens for ``27b``): with a shared ``TRITON_CACHE_DIR`` FLA's kernels are compiled
-   and autotuned once, not again for every new sample length (on a cold cache each new length of the demo's
-   samples costs minutes on one H200, which a 540 s limit did not cover);
+   real adapter to evaluate. Its batches are padded to the cutoff (``pad_lengths``; the evaluation below is not
+   padded, as a user's is not), so every step has the shape the other benchmarks train (4,096 tokens for ``27b``):
+   with a shared ``TRITON_CACHE_DIR`` FLA's kernels are compiled and autotuned once, not again for every new sample
+   length (on a cold cache each new length of the demo's samples costs minutes on one H200, which a 540 s limit did
+   not cover);
 3. ``launcher evaluate RUN --checkpoints last`` with the default prompt set (``--max-prompts`` test conversations and
    the 6 shipped crisis prompts, ``--max-new-tokens``, ``--batch-size``): the request and the evaluation are
    ``launcher.run.evaluate``'s own (``build_request``, ``evaluate_run``); only the child process is
@@ -56,10 +57,17 @@ def bench_config(out: Path, shape: str, backend: str, steps: int) -> dict[str, A
 
     config = patch_bench.run_config(out, "on", shape, backend, steps)
     config["launcher"]["run_name"] = f"evaluate-bench-{shape}"
-    config["launcher"]["patches"] = {"pad_lengths": {"multiple": patch_bench.CUTOFF[shape]}}  # one shape to compile
+    pad = {"pad_lengths": {"multiple": patch_bench.CUTOFF[shape]}}  # one shape to compile
+    config["launcher"]["patches"] = {**config["launcher"]["patches"], **pad}
     config.update(dataset_dir=str(out / "data"), dataset=DATASET_TRAIN, save_strategy="steps", save_steps=steps,
                   save_only_model=True)  # fmt: skip
     return config
+
+
+def unpadded(patches: dict[str, Any]) -> dict[str, Any]:
+    """The run's patches with ``pad_lengths`` off: the evaluation a user runs (the training was padded only so that it
+    compiles one shape; the evaluation applies the run's patches, and padded test-loss batches would cost more)."""
+    return {**patches, "pad_lengths": {**patches.get("pad_lengths", {}), "enabled": False}}
 
 
 def evaluate_checkpoint(run_dir: Path, *, max_new_tokens: int, max_prompts: int, batch_size: int) -> dict[str, Any]:
@@ -72,6 +80,7 @@ def evaluate_checkpoint(run_dir: Path, *, max_new_tokens: int, max_prompts: int,
     try:
         request = build_request(run_dir, checkpoints="last", prompts_file=None, max_new_tokens=max_new_tokens,
                                 max_prompts=max_prompts, batch_size=batch_size)  # fmt: skip
+        request["patches"] = unpadded(request["patches"])
         doc = evaluate_run(run_dir, request, child="benchmarks.evaluate_entry")
     except LauncherError as err:
         return {"ok": False, "error": str(err), "wall_s": round(time.monotonic() - started, 1)}

@@ -110,7 +110,8 @@ def one_device_targets(runs: dict[str, Any]) -> dict[str, Any]:
         "fsdp2_peak_gib": peak, "peak_max_gib": PEAK_MAX_GIB,
         "peak_met": None if peak is None else peak <= PEAK_MAX_GIB,
         "single_tokens_per_s": one, "fsdp2_tokens_per_s": many, "speed_ratio": ratio, "speed_min": SPEED_MIN,
-        "speed_met": ratio is not None and ratio >= SPEED_MIN, "single_peak_gib": single.get("peak_allocated_gib_max"),
+        "speed_met": None if ratio is None else ratio >= SPEED_MIN,
+        "single_peak_gib": single.get("peak_allocated_gib_max"),
         "budget120_peak_gib": budget.get("peak_allocated_gib_max"),
         "budget120_tokens_per_s": budget.get("tokens_per_s_total"),
     }  # fmt: skip

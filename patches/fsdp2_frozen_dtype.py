@@ -20,7 +20,7 @@ in ``accelerate.accelerator``):
    group never mixes bf16 frozen and float32 trainable parameters: torch before 2.8 asserts "FSDP expects uniform
    original parameter dtype" for any group that mixes them (pytorch PR #154103 relaxed it to trainable parameters
    only, first in 2.8); the NPU and CUDA images pin torch 2.7.1. ``shared`` leaves them in the layer's unit
-   (torch >= 2.8 only): one gather and one set of FSDP2 hooks fewer per layer with LoRA, 1.5 % of the 27B step on
+   (torch >= 2.8 only): one gather and one set of FSDP2 hooks fewer per layer with LoRA, 1.3 % of the 27B step on
    one H200 (docs/benchmarks.md). ``auto`` (the default) is ``shared`` where torch allows it, else ``own``;
 3. ``embedding_units: true`` (the default): the frozen input and output embeddings (when not tied) become FSDP2
    units of their own before accelerate makes the root unit, so neither stays gathered through the decoder layers'
@@ -286,7 +286,8 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
     """Wrap accelerate's ``fsdp2_prepare_model`` (and on ``cpu`` the state's FSDP gate); idempotent."""
     import torch
 
-    units = trainable_units_mode(options["trainable_units"], torch.__version__)
+    # only an FSDP2 rank builds units; `launcher check` refuses `shared` on an older torch before the run
+    units = trainable_units_mode(options["trainable_units"], torch.__version__) if fsdp2_rank() else "unused"
     wrap_once(importlib.import_module(MODULE), FUNCTION, NAME, _make_prepare)  # a module global, not a method
     cpu = backend == "cpu" and fsdp2_rank()
     _state.update(active=True, proof=proof, trainable_units=units,

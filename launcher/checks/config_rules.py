@@ -28,6 +28,7 @@ from launcher import backend as backends
 from launcher.checks.config_check import ERROR, OK, SKIPPED, WARN, Finding, Findings, check_llamafactory
 from launcher.checks.data_check import check_output
 from launcher.checks.memory import check_memory
+from launcher.checks.packages import installed_version
 from launcher.checks.patch_check import patch_problems
 from launcher.state.runs import OUTPUT_SUBDIR
 
@@ -79,7 +80,9 @@ def check_run_config(config: RunConfig, *, problems: list[str] | None = None, mo
                 f"backend's devices where the run will train")  # fmt: skip
     placeholder = Path(launcher.output_root).resolve() / "validate" / OUTPUT_SUBDIR
     args = config.llamafactory_args(name, placeholder)
-    for key, problem in patch_problems(config.patches, args, backend=name):
+    torch_version = None if elsewhere else installed_version("torch")  # another machine's torch is not this one's
+    for key, problem in patch_problems(config.patches, args, backend=name, distribution=launcher.distribution,
+                                       torch_version=torch_version):  # fmt: skip
         out.add(key, ERROR, problem)
     out.items.extend(check_llamafactory(args, model=model, devices=devices, elsewhere=elsewhere).items)
     if output:

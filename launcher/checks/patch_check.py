@@ -7,7 +7,9 @@
 - packing (``packing``/``neat_packing``) keeps the samples of a row apart only for stage ``sft`` (LLaMA-Factory's
   neat packing), with attention through the 4D block mask (not ``flash_attn: fa2``, where LLaMA-Factory 0.9.5
   swaps in its own Qwen3.5 forwards calling FLA directly), and with ``deltanet_routing`` and ``packed_rows`` on
-  (transformers' DeltaNet layers alone run a packed row as one sequence).
+  (transformers' DeltaNet layers alone run a packed row as one sequence);
+- ``fsdp2_frozen_dtype.trainable_units: shared`` under ``distribution: fsdp2`` needs torch >= 2.8 (the installed
+  torch is asked; a check made for another machine passes ``torch_version=None`` and skips this rule).
 """
 
 from __future__ import annotations
@@ -17,9 +19,20 @@ from typing import Any
 LOGIT_READERS = ("compute_accuracy", "use_dft_loss", "use_eaft_loss", "use_asft_loss", "label_smoothing_factor")
 
 
-def patch_problems(patches: dict[str, dict[str, Any]], lf: dict[str, Any], *, backend: str) -> list[tuple[str, str]]:
+def patch_problems(patches: dict[str, dict[str, Any]], lf: dict[str, Any], *, backend: str,
+                   distribution: str = "ddp", torch_version: str | None = None) -> list[tuple[str, str]]:  # fmt: skip
     """``(key, message)`` for every combination that cannot work; each message says how to fix it."""
     problems = []
+    fsdp = patches.get("fsdp2_frozen_dtype", {})
+    if distribution == "fsdp2" and fsdp.get("enabled") and torch_version is not None:
+        from patches.errors import PatchError
+        from patches.fsdp2_frozen_dtype import trainable_units_mode
+
+        try:
+            trainable_units_mode(fsdp.get("trainable_units", "auto"), torch_version)
+        except PatchError as err:
+            problems.append(("launcher.patches.fsdp2_frozen_dtype.trainable_units",
+                             f"launcher.patches.fsdp2_frozen_dtype.{err.problem}; {err.fix}"))  # fmt: skip
     chunked = patches.get("chunked_loss", {})
     for key in LOGIT_READERS:
         if chunked.get("enabled") and lf.get(key):

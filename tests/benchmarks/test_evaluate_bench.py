@@ -15,6 +15,12 @@ from benchmarks import evaluate_bench  # noqa: E402
 from launcher.state.runs import EVALUATE_JSON  # noqa: E402
 
 
+def test_the_evaluation_is_not_padded_though_the_training_was():
+    patches = {"pad_lengths": {"enabled": True, "multiple": 256}, "packed_rows": {"enabled": True}}
+    assert evaluate_bench.unpadded(patches) == {**patches, "pad_lengths": {"enabled": False, "multiple": 256}}
+    assert patches["pad_lengths"]["enabled"]  # the run's own record is left as it is
+
+
 @pytest.mark.parametrize("bad", [["--batch-size", "0"], ["--test", "0"], ["--steps", "0"], ["--max-prompts", "-1"],
                                  ["--repeats", "0"]])
 def test_counts_must_be_positive(tmp_path, bad):
