@@ -28,9 +28,9 @@ from launcher import backend as backends
 from launcher.checks.config_check import ERROR, OK, SKIPPED, WARN, Finding, Findings, check_llamafactory
 from launcher.checks.data_check import check_output
 from launcher.checks.memory import check_memory
-from launcher.checks.packages import installed_version
 from launcher.checks.patch_check import patch_problems
 from launcher.state.runs import OUTPUT_SUBDIR
+from patches.versions import installed_version
 
 if TYPE_CHECKING:
     from launcher.run.config import RunConfig

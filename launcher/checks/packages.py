@@ -11,7 +11,6 @@ so the few lines of joining and splitting are done here; each requirement itself
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
@@ -20,6 +19,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from launcher import SOURCE_ROOT as PROJECT_ROOT
+from patches.versions import installed_version
 
 LOCK_FILES = {"npu": "requirements.lock", "cuda": "requirements-cuda.lock", "cpu": "requirements-cpu.lock"}
 
@@ -105,13 +105,6 @@ def _finish(entry: tuple[Requirement, list[str], list[str]]) -> LockedPackage:
     version = next(iter(req.specifier)).version
     marker = str(req.marker) if req.marker else None
     return LockedPackage(canonicalize_name(req.name), version, marker, tuple(hashes), tuple(via))
-
-
-def installed_version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 @dataclass
