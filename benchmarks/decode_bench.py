@@ -280,8 +280,18 @@ def main(argv: list[str] | None = None) -> int:
     items = [s.strip() for s in ns.batch_sizes.split(",") if s.strip()]
     if not items or not all(s.isdigit() and int(s) > 0 for s in items):
         parser.error(f"--batch-sizes {ns.batch_sizes!r}: give positive integers separated by commas, e.g. 1,8,32")
-    run(ns.out, ns.shape, ns.backend, ns.new_tokens, ns.prompt_tokens, ns.repeats, tuple(int(s) for s in items),
-        routes, ns.compare, ns.compare_tokens)
+    run(
+        ns.out,
+        ns.shape,
+        ns.backend,
+        ns.new_tokens,
+        ns.prompt_tokens,
+        ns.repeats,
+        tuple(int(s) for s in items),
+        routes,
+        ns.compare,
+        ns.compare_tokens,
+    )
     print(f"decode_bench: written {ns.out / 'decode.json'}")
     return 0
 

@@ -108,8 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompts", type=int, default=32, help="test conversations answered (default 32)")
     parser.add_argument("--test", type=int, default=32, help="conversations in the held-out test split (default 32)")
     parser.add_argument("--steps", type=int, default=2, help="training steps before the checkpoint (default 2)")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="evaluations of the checkpoint, one after another (2: a cold then a warm Triton cache)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="evaluations of the checkpoint, one after another (2: a cold then a warm Triton cache)",
+    )
     parser.add_argument("--timeout", type=float, default=900, help="seconds for the training run before a stop")
     ns = parser.parse_args(argv)
     for name in ("batch_size", "max_new_tokens", "test", "steps", "repeats"):
@@ -141,8 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[evaluate_bench] training: python -m launcher run {path} --quiet", flush=True)
     run = patch_bench.run_variant(["run", str(path), "--quiet"], env, ns.timeout, out / "logs" / "train.log")
     run_dir = patch_bench._newest_run(out / "runs", config["launcher"]["run_name"])
-    results["training"] = {**run, "run_dir": str(run_dir) if run_dir else None,
-                           "state": patch_bench._read_json(run_dir / "status.json").get("state") if run_dir else None}
+    results["training"] = {
+        **run,
+        "run_dir": str(run_dir) if run_dir else None,
+        "state": patch_bench._read_json(run_dir / "status.json").get("state") if run_dir else None,
+    }
     if run_dir is None or results["training"]["state"] != "SUCCEEDED":
         (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
         print(f"[evaluate_bench] the training run did not succeed: {results['training']}", file=sys.stderr)

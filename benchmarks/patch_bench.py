@@ -91,8 +91,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # and the run must end OUT_OF_MEMORY with the phase recorded (results.json: forecast, out_of_memory)
     "forecast-fits": {"steps": 3},
     # with the allocator's history recorded for its first 2 steps, so the OOM leaves memory_snapshot_rank0.pickle
-    "forecast-oom": {"cutoff_factor": 32, "steps": 3, "preflight_skip": "memory",
-                     "launcher": {"memory_history_steps": 2}},
+    "forecast-oom": {
+        "cutoff_factor": 32,
+        "steps": 3,
+        "preflight_skip": "memory",
+        "launcher": {"memory_history_steps": 2},
+    },
 }
 VARIANT_PATCHES = {name: v.get("patches", {}) for name, v in VARIANTS.items()}
 CUTOFF = {"27b": 4096, "tiny": 256}
@@ -112,8 +116,10 @@ TARGETS: dict[str, dict[str, float]] = {
 PACKING_GAIN_MIN = 1.5  # supervised tokens/s of spread-packed over spread (the packing issue)
 # the routed chunk kernel (and its packed call with the key heads unrepeated, as packed rows make it) and the fused
 # glue, in the rank, with FLA's guard lifted as for training
-KERNEL_CASES = {"27b": "full:qwen3_5_27b,varlen_grouped,conv_27b,rms_norm_27b,q_norm_27b,gated_norm_27b,swiglu_27b",
-                "tiny": "quick:layout"}
+KERNEL_CASES = {
+    "27b": "full:qwen3_5_27b,varlen_grouped,conv_27b,rms_norm_27b,q_norm_27b,gated_norm_27b,swiglu_27b",
+    "tiny": "quick:layout",
+}
 PREFLIGHT_SKIP = "packages,kernel,model,data_stats"
 CENSUS_KEYS = ("layers", "gradient_checkpointing_true", "functions", "observed", "by_layer_type")
 CASE_KEYS = ("name", "shape", "key_heads", "status", "errors", "finite", "peak_memory_gib", "timing_ms", "note")

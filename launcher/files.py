@@ -102,7 +102,7 @@ def disk_error(exc: BaseException, path: Path | None = None) -> dict[str, Any] |
         return None
     path = exc.filename or exc.filename2 or path
     free = None
-    for folder in ([Path(str(path)), *Path(str(path)).parents] if path else []):
+    for folder in [Path(str(path)), *Path(str(path)).parents] if path else []:
         try:
             usage = os.statvfs(folder)
             free = usage.f_bavail * usage.f_frsize
@@ -125,8 +125,15 @@ def write_json_or_warn(path: Path, data: Any, what: str) -> dict[str, Any] | Non
         found = disk_error(exc, path)
         if found is None:
             raise
-        logger.warning("could not write %s %s (%s: %s, %s bytes free); training goes on and the record is written "
-                       "again at its next update", what, path, found["errno"], found["message"], found["free_bytes"])
+        logger.warning(
+            "could not write %s %s (%s: %s, %s bytes free); training goes on and the record is written "
+            "again at its next update",
+            what,
+            path,
+            found["errno"],
+            found["message"],
+            found["free_bytes"],
+        )
         return found
     return None
 
@@ -392,6 +399,7 @@ def read_optional(path: Path, model: type[T], max_bytes: int = MAX_JSON_BYTES,
         return None, None
     except Unreadable as err:
         return None, unreadable(path, err)
+
 
 def unreadable(path: Path, why: Any) -> str:
     """The one line for a record that cannot be read: ``unreadable: PATH (why)``."""

@@ -124,9 +124,12 @@ def _unit_kwargs(accelerator) -> dict[str, Any]:
 
     plugin = accelerator.state.fsdp_plugin
     mesh = getattr(accelerator, "torch_device_mesh", None)
-    return {"reshard_after_forward": plugin.reshard_after_forward, "offload_policy": plugin.cpu_offload,
-            "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
-            "mesh": mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None}
+    return {
+        "reshard_after_forward": plugin.reshard_after_forward,
+        "offload_policy": plugin.cpu_offload,
+        "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+        "mesh": mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None,
+    }
 
 
 def _own_units(accelerator, model) -> int:
@@ -290,8 +293,7 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
     units = trainable_units_mode(options["trainable_units"], torch.__version__) if fsdp2_rank() else "unused"
     wrap_once(importlib.import_module(MODULE), FUNCTION, NAME, _make_prepare)  # a module global, not a method
     cpu = backend == "cpu" and fsdp2_rank()
-    _state.update(active=True, proof=proof, trainable_units=units,
-                  embedding_units=options["embedding_units"], cpu=cpu)
+    _state.update(active=True, proof=proof, trainable_units=units, embedding_units=options["embedding_units"], cpu=cpu)
     if cpu:
         _lift_cpu_gate()
     return {"replaced": [f"{MODULE}.{FUNCTION}", *([f"{STATE_MODULE}.AcceleratorState.__init__"] if cpu else [])],

@@ -303,4 +303,7 @@ def test_the_entry_alias_keeps_the_names_wrappers_use():
     from launcher.rank import entry as rank_entry
 
     assert (entry.main, entry.write_error_file, entry.LAUNCH_FILE) == (
-        rank_entry.main, rank_entry.write_error_file, rank_entry.LAUNCH_FILE)
+        rank_entry.main,
+        rank_entry.write_error_file,
+        rank_entry.LAUNCH_FILE,
+    )

@@ -95,7 +95,7 @@ def test_every_name_in_the_map_says_who_writes_it_and_what_it_holds():
     for i, tok in enumerate(tokens):
         if tok.type == tokenize.NAME and tok.string in names and tok.start[1] == 0:
             line = tok.start[0]
-            if any(t.type == tokenize.COMMENT and t.start[0] == line for t in tokens[i:i + 8]):
+            if any(t.type == tokenize.COMMENT and t.start[0] == line for t in tokens[i : i + 8]):
                 commented.add(tok.string)
     assert commented == set(names), sorted(set(names) - commented)
 

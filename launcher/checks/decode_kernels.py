@@ -118,8 +118,11 @@ def check_decode_case(torch, case: Case, kernel: Callable | None, dev: Device, t
             result.timing_ms = {"routed_per_token": time_decode(torch, kernel, inputs, state, case, dev)}
             if fallback is not None and fallback is not kernel:
                 result.timing_ms["torch_per_token"] = time_decode(torch, fallback, inputs, state, case, dev)
-        result.judge(threshold, f"final state within {result.errors['state']:.2%}; {case.about}",
-                     non_finite="non-finite output or state")
+        result.judge(
+            threshold,
+            f"final state within {result.errors['state']:.2%}; {case.about}",
+            non_finite="non-finite output or state",
+        )
     except Exception as err:  # a crashing kernel is a failed case, reported with the others
         result.note = f"{type(err).__name__}: {err}"
     finally:

@@ -79,6 +79,8 @@ def _varlen(name: str, lens: tuple[int, ...], heads: int, dim: int, key_heads: i
 
 MODEL_CASE = Case("qwen3_5_27b", 1, 4096, 48, 128, key_heads=16, timing=True, memory=True,
                   about="the 27B model's DeltaNet call (16 key heads -> 48 value heads)")  # fmt: skip
+
+
 def glue_cases(quick: bool) -> tuple[Case, ...]:
     """The fused glue ops (``glue_kernels``): small shapes with T != D and batch 2, or the 27B model's shapes
     (conv over 2 x 16 x 128 + 48 x 128 channels, the hidden norm of 5120 and the 24-head q norm of 256, the

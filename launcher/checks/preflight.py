@@ -123,7 +123,9 @@ Row = tuple[str, str, str]  # name, status, detail
 
 
 def run_preflight(
-    prepared: Prepared, skip: set[str] | None = None, driver_dir: Path = DEFAULT_DRIVER_DIR,
+    prepared: Prepared,
+    skip: set[str] | None = None,
+    driver_dir: Path = DEFAULT_DRIVER_DIR,
     device_gib: float | None = None,
 ) -> PreflightReport:
     """Run every preflight check for a validated config.

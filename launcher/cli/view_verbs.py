@@ -85,7 +85,9 @@ def _cmd_verify(ns: argparse.Namespace) -> int:
             raise LauncherError(
                 f"run {record.run_id} is {seen.state.value}, not ended: verify judges a run that has ended "
                 f"and wrote nothing. Wait for it (`launcher status {record.run_id} --watch`) or stop it "
-                f"(`launcher stop {record.run_id}`), then verify", ExitCode.REFUSED)
+                f"(`launcher stop {record.run_id}`), then verify",
+                ExitCode.REFUSED,
+            )
     report = verify_run(folder, model_dir=ns.model)
     if ns.json:
         print(json.dumps(report.to_dict(), indent=2))

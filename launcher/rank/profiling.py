@@ -401,8 +401,9 @@ def _top_other(events, windows, deltanet: list[tuple[float, float]], top: int = 
             for name, ms in ranked]  # fmt: skip
 
 
-def _launchers(events, names: set[str], spans: list[tuple[float, float]], depth: int = 4,
-               top: int = 3) -> dict[str, list[tuple[str, float]]]:
+def _launchers(
+    events, names: set[str], spans: list[tuple[float, float]], depth: int = 4, top: int = 3
+) -> dict[str, list[tuple[str, float]]]:
     """For each kernel name in ``names``, the operators that launched it inside the profiled steps, as chains of
     at most ``depth`` names from the launching operator outwards (``aten::copy_ < aten::_to_copy < ... <
     autograd::engine::evaluate_function: ToCopyBackward0``, with the launching operator's input shapes where the

@@ -189,8 +189,10 @@ def _recommend(report: RunReport, lf: dict[str, Any], output: Path) -> None:
     kept, _ = read_kept_adapter(output)
     if kept is not None and kept.checkpoint:
         report.final_note = f"= {kept.checkpoint} (best adapter kept by the launcher)"
-        report.notes.append(f"the final adapter in output/ is {kept.checkpoint}'s, copied by the launcher after "
-                            f"training (FSDP2; best {metric} {kept.metric}); eval_results.json is the last step's")
+        report.notes.append(
+            f"the final adapter in output/ is {kept.checkpoint}'s, copied by the launcher after "
+            f"training (FSDP2; best {metric} {kept.metric}); eval_results.json is the last step's"
+        )
     elif loaded_best:
         name = Path(str(state["best_model_checkpoint"])).name
         report.final_note = f"= {name} (load_best_model_at_end)"

@@ -45,7 +45,6 @@ class NodeSpec:
             master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else master_port,
         )
 
-
     @classmethod
     def from_slurm(cls, env: Mapping[str, str]) -> NodeSpec:
         """Inside a Slurm job step (one task per node): the node count and this node's index from Slurm

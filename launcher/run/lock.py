@@ -74,7 +74,9 @@ class RunLock:
             raise LauncherError(
                 f"the run lock {shown(self.path)} is a symbolic link (to {shown(os.readlink(self.path))}), not "
                 f"the file the launcher makes; nothing was started. Remove the link (`rm {shown(self.path)}`) "
-                "and run again", ExitCode.USAGE)
+                "and run again",
+                ExitCode.USAGE,
+            )
         try:
             self._lock.acquire(blocking=False)
         except Timeout:
@@ -83,7 +85,9 @@ class RunLock:
             raise LauncherError(
                 f"cannot take the run lock {shown(self.path)} ({shown(err.strerror or err)}); nothing was started. "
                 "It must be a regular file the launcher can open for writing: remove what is there or fix its "
-                "permissions", ExitCode.USAGE) from None
+                "permissions",
+                ExitCode.USAGE,
+            ) from None
         self.describe(None, None)  # at once: until the run folder exists, an earlier run's owner file is stale
         return self
 

@@ -111,7 +111,7 @@ def batch_script(run_id: str, run_dir: Path, nodes: int, task: list[str], *, par
         "# the rendezvous: node 0 of the allocation (its NodeAddr), a port from the job id",
         'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         'addr=$(scontrol show node "$first" -o | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)',
-        'export MASTER_ADDR=${addr:-$first}',
+        "export MASTER_ADDR=${addr:-$first}",
         "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
         f'echo "slurm job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}): {nodes} node(s) on '
         f'$SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR:$MASTER_PORT"',
@@ -212,8 +212,11 @@ def run_node(run_dir: Path) -> int:
     record = read_record(run_dir)
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
     checkpoint = last_complete_checkpoint(run_dir / OUTPUT_SUBDIR) if restarts else None
-    print(f"node {node.node_rank} of {node.nnodes}: rendezvous {node.master_addr}:{node.master_port}"
-          + (f"; Slurm restart {restarts}, resuming from {checkpoint.path}" if checkpoint else ""), flush=True)
+    print(
+        f"node {node.node_rank} of {node.nnodes}: rendezvous {node.master_addr}:{node.master_port}"
+        + (f"; Slurm restart {restarts}, resuming from {checkpoint.path}" if checkpoint else ""),
+        flush=True,
+    )
     if node.node_rank > 0:
         overrides["launcher.output_root"] = str(node_root(run_dir, node.node_rank))
         overrides["launcher.run_name"] = f"{record.run_id}-node{node.node_rank}"
@@ -365,4 +368,3 @@ def _ended(run_dir: Path):
     except RecordUnreadable:
         return None
     return record if record.terminal else None
-

@@ -489,8 +489,11 @@ def _adopt(prepared: Prepared, path: Path) -> tuple[RunDir, RunStore, dict[str, 
     if store.record.started is None:  # the first attempt
         return run_dir, store, lf_args, None
     if not store.record.terminal:
-        store.record_end(RunState.NODE_LOST, processes=[],
-                         reason="Slurm requeued the job before this attempt recorded an end (a node was lost)")
+        store.record_end(
+            RunState.NODE_LOST,
+            processes=[],
+            reason="Slurm requeued the job before this attempt recorded an end (a node was lost)",
+        )
     checkpoint = last_complete_checkpoint(run_dir.output)
     if checkpoint is not None:
         lf_args["resume_from_checkpoint"] = str(checkpoint.path)
@@ -613,8 +616,15 @@ def supervise(config: RunConfig, *, echo: bool = True, handshake: Handshake | No
         if echo:
             print(f"run {run_dir.run_id}\n  run dir:     {run_dir.path}\n  trainer log: {run_dir.trainer_log}"
                   f"\n  job log:     {run_dir.log}", flush=True)  # fmt: skip
-        return Supervisor(prepared, run_dir, store, echo=echo, attempt=attempt,
-                          watch_stop_request=watch_stop_request, slurm_job=slurm_job).run()
+        return Supervisor(
+            prepared,
+            run_dir,
+            store,
+            echo=echo,
+            attempt=attempt,
+            watch_stop_request=watch_stop_request,
+            slurm_job=slurm_job,
+        ).run()
     except BaseException as err:  # record any supervisor failure before giving up the lock
         if not store.record.terminal:
             state = RunState.FAILED_SETUP if store.state is RunState.PENDING else RunState.FAILED

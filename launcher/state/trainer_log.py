@@ -43,8 +43,9 @@ def _typed(record: dict[str, Any]) -> bool:
     def number(v: Any) -> bool:
         return isinstance(v, int | float) and not isinstance(v, bool)
 
-    return all(isinstance(record[k], int) and not isinstance(record[k], bool) for k in _STEP_KEYS if k in record) \
-        and all(record[k] is None or number(record[k]) for k in _NUMBER_KEYS if k in record)
+    return all(
+        isinstance(record[k], int) and not isinstance(record[k], bool) for k in _STEP_KEYS if k in record
+    ) and all(record[k] is None or number(record[k]) for k in _NUMBER_KEYS if k in record)
 
 
 def _parse(line: bytes) -> dict[str, Any] | None:

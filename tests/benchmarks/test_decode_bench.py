@@ -90,9 +90,14 @@ def test_a_first_difference_is_measured_on_the_one_at_a_time_logits(tmp_path):
     assert found["near_tie"] == (found["top2_margin"] <= decode_bench.NEAR_TIE_STEPS * found["bf16_step"])
 
 
-@pytest.mark.parametrize(("args", "message"), [(["--routes", "fast"], "--routes 'fast'"),
-                                               (["--compare", "-1"], "--compare -1"),
-                                               (["--compare", "4", "--routes", "torch"], "add routed to --routes")])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--routes", "fast"], "--routes 'fast'"),
+        (["--compare", "-1"], "--compare -1"),
+        (["--compare", "4", "--routes", "torch"], "add routed to --routes"),
+    ],
+)
 def test_decode_bench_refuses_a_bad_route_or_compare(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as ended:
         decode_bench.main(["--out", str(tmp_path / "out"), *args])

@@ -21,8 +21,9 @@ def test_the_evaluation_is_not_padded_though_the_training_was():
     assert patches["pad_lengths"]["enabled"]  # the run's own record is left as it is
 
 
-@pytest.mark.parametrize("bad", [["--batch-size", "0"], ["--test", "0"], ["--steps", "0"], ["--max-prompts", "-1"],
-                                 ["--repeats", "0"]])
+@pytest.mark.parametrize(
+    "bad", [["--batch-size", "0"], ["--test", "0"], ["--steps", "0"], ["--max-prompts", "-1"], ["--repeats", "0"]]
+)
 def test_counts_must_be_positive(tmp_path, bad):
     with pytest.raises(SystemExit):
         evaluate_bench.main(["--out", str(tmp_path), "--shape", "tiny", *bad])

@@ -58,9 +58,14 @@ def test_memory_bound_and_scaling_show_their_arithmetic():
 
 
 def test_devices_and_options_are_checked(tmp_path):
-    for bad in (["--devices", "2"], ["--devices", "2,1"], ["--options", "on,budget120"], ["--variants", "budget"],
-                ["--devices", "1,2", "--variants", "fsdp2"],
-                ["--devices", "1", "--variants", "fsdp2-profile", "--steps", "2", "--warmup", "2"]):
+    for bad in (
+        ["--devices", "2"],
+        ["--devices", "2,1"],
+        ["--options", "on,budget120"],
+        ["--variants", "budget"],
+        ["--devices", "1,2", "--variants", "fsdp2"],
+        ["--devices", "1", "--variants", "fsdp2-profile", "--steps", "2", "--warmup", "2"],
+    ):
         with pytest.raises(SystemExit):
             fsdp_bench.main(["--out", str(tmp_path), "--shape", "tiny", *bad])
 

@@ -189,8 +189,17 @@ def test_preflight_kernel_check_runs_the_quick_suite():
     result = kernel_check.check("cpu")
     assert result["ok"], result
     suite = result["validate_kernels"]
-    assert suite["ok"] and set(suite["cases"]) == {"layout", "grouped", "varlen", "varlen_grouped", "decode", "conv",
-                                                   "rms_norm", "gated_norm", "swiglu"}
+    assert suite["ok"] and set(suite["cases"]) == {
+        "layout",
+        "grouped",
+        "varlen",
+        "varlen_grouped",
+        "decode",
+        "conv",
+        "rms_norm",
+        "gated_norm",
+        "swiglu",
+    }
     assert suite["cases"]["varlen"] == "skip" and suite["cases"]["decode"] == "skip"  # preflight: training kernel
 
 
@@ -199,7 +208,8 @@ def test_preflight_checks_only_the_glue_ops_the_run_binds():
     suite = kernel_check.check("cpu", glue_ops=("conv",))["validate_kernels"]
     assert suite["ok"] and set(suite["cases"]) == {"layout", "grouped", "varlen", "varlen_grouped", "decode", "conv"}
     assert set(kernel_check.check("cpu", glue_ops=())["validate_kernels"]["cases"]).isdisjoint(
-        {"conv", "rms_norm", "gated_norm", "swiglu"})
+        {"conv", "rms_norm", "gated_norm", "swiglu"}
+    )
 
 
 def test_preflight_reads_the_glue_ops_from_the_config():

@@ -338,7 +338,7 @@ def test_ci_refuses_a_disk_gate_that_is_not_a_whole_number(tmp_path: Path) -> No
 
 def test_ci_interrupts_tests_that_outrun_its_limit_so_they_report(tmp_path: Path) -> None:
     """Past CI_TEST_TIMEOUT_S the tests get SIGINT (pytest then prints its summary) and CI fails with 124."""
-    root = _ci_copy(tmp_path, 'trap \'echo interrupted >> "$CI_LOG"; exit 2\' INT\nwhile :; do sleep 0.1; done\n')
+    root = _ci_copy(tmp_path, "trap 'echo interrupted >> \"$CI_LOG\"; exit 2' INT\nwhile :; do sleep 0.1; done\n")
     done, calls = _run_ci(root, CI_DOCKER="0", CI_TEST_TIMEOUT_S="1")
     assert done.returncode == 124 and calls[-1] == "interrupted", (done.stdout + done.stderr, calls)
     assert done.stdout.count("ci: the real-engine and Slurm tests did NOT run: CI_DOCKER=0") == 2

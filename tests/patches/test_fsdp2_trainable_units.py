@@ -57,7 +57,6 @@ def test_launcher_check_refuses_shared_units_on_an_older_torch_under_fsdp2_only(
     assert problems("shared", "ddp", "2.7.1") == problems("shared", "fsdp2", None) == []  # None: another machine's
 
 
-
 def _lora_layer(seed: int):
     """A frozen bf16 projection with a float32 LoRA pair beside it, as PEFT leaves a layer after the patch's upcast."""
     import torch

@@ -117,8 +117,11 @@ def test_package_imports_and_validates_without_torch():
 
 
 def test_embedding_units_takes_true_or_false_only():
-    assert patches.normalize_settings({"fsdp2_frozen_dtype": {"embedding_units": False}})["fsdp2_frozen_dtype"][
-        "embedding_units"
-    ] is False
+    assert (
+        patches.normalize_settings({"fsdp2_frozen_dtype": {"embedding_units": False}})["fsdp2_frozen_dtype"][
+            "embedding_units"
+        ]
+        is False
+    )
     with pytest.raises(ValueError, match=r"fsdp2_frozen_dtype\.embedding_units is 'no'; expected true or false"):
         patches.normalize_settings({"fsdp2_frozen_dtype": {"embedding_units": "no"}})

@@ -59,8 +59,14 @@ def test_turning_the_refused_patch_off_lets_the_run_go_on_and_is_recorded(tmp_pa
     off = {"checkpoint_all_layers": False, "text_only_batches": False, "final_eval_once": False, "packed_rows": False}
     applied = patches.apply_enabled(off, backend="cpu", proof_dir=tmp_path)
     # the ones that do not touch LLaMA-Factory
-    assert applied == ["deltanet_routing", "fused_ops", "chunked_loss", "lora_input_cast", "fsdp2_frozen_dtype",
-                       "fsdp2_resume_adapter"]
+    assert applied == [
+        "deltanet_routing",
+        "fused_ops",
+        "chunked_loss",
+        "lora_input_cast",
+        "fsdp2_frozen_dtype",
+        "fsdp2_resume_adapter",
+    ]
     record = read_proof(tmp_path, "checkpoint_all_layers")
     assert record["enabled"] is False
     assert record["status"] == "disabled"

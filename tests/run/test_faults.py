@@ -423,8 +423,9 @@ class DiskRun:
         self.copy.mkdir()
         root = str(self.mount / "runs")
         if real:
-            cfg = make_config(tmp_path, demo_assets,
-                              launcher={"entry": "tests.support.fault_entry", "output_root": root, **settings})
+            cfg = make_config(
+                tmp_path, demo_assets, launcher={"entry": "tests.support.fault_entry", "output_root": root, **settings}
+            )
             env = {**os.environ, "FAULT_SPEC": json.dumps(spec), "PYTHONPATH": str(REPO)}
         else:
             cfg, env = fake_config(tmp_path, demo_assets, {"quiet": True, **spec}, output_root=root, **settings)

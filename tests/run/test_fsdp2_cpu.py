@@ -85,8 +85,11 @@ def _own_units_run(tmp_path: Path, demo_assets, env: dict) -> dict:
     for name in lora_units:
         local = [p["units"][name]["local_bytes"] for p in preparations]
         assert sum(local) == preparations[0]["units"][name]["full_bytes"] and min(local) > 0, (name, local)
-    return {"losses": _losses(run_dir / "output"), "adapter": _lora(run_dir / "output" / f"checkpoint-{STEPS}"),
-            "lora_units": lora_units}
+    return {
+        "losses": _losses(run_dir / "output"),
+        "adapter": _lora(run_dir / "output" / f"checkpoint-{STEPS}"),
+        "lora_units": lora_units,
+    }
 
 
 def test_two_gloo_ranks_shard_stop_resume_keep_the_best_and_match_one_process(tmp_path, demo_assets):

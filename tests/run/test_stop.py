@@ -129,6 +129,7 @@ def test_a_supervisor_killed_while_stop_waits_for_the_save_is_noticed_and_the_sa
     supervisor = psutil.Process(fr.read_status(run_dir)["supervisor"]["pid"])
     torchrun = psutil.Process(fr.read_status(run_dir)["job_pid"])
     stop = fr.launcher_bg("stop", run_dir, "--grace", "600", env=env, log=tmp_path / "stop.out")
+
     # the request file is written just before the `stopping` event is appended: wait for the event, whole
     def asked() -> bool:
         return (run_dir / "save_request.json").exists() and "stopping" in [e["event"] for e in fr.events(run_dir)]
@@ -150,4 +151,3 @@ def test_a_supervisor_killed_while_stop_waits_for_the_save_is_noticed_and_the_sa
     kinds = [e["event"] for e in fr.events(run_dir)]
     assert kinds.count("stopping") == 1 and kinds.index("stopping") < kinds.index("ended") < kinds.index("cleanup")
     assert "step 4 on the stop" in fr.launcher("status", run_dir, env=env).stdout
-

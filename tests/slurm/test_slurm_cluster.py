@@ -29,10 +29,12 @@ from tests.support.fake_runs import wait_for
 
 pytestmark = [
     pytest.mark.slurm,
-    pytest.mark.skipif(os.environ.get("LAUNCHER_SLURM_TESTS") != "1" or os.environ.get(ENABLE) != "1",
-                       reason=f"needs a Docker engine and Slurm's client for a real cluster of containers: "
-                              f"LAUNCHER_SLURM_TESTS=1 {ENABLE}=1 (bash scripts/slurm-cluster.sh install; "
-                              "bash scripts/docker-engine.sh start; .ci/run does both)"),  # fmt: skip
+    pytest.mark.skipif(
+        os.environ.get("LAUNCHER_SLURM_TESTS") != "1" or os.environ.get(ENABLE) != "1",
+        reason=f"needs a Docker engine and Slurm's client for a real cluster of containers: "
+        f"LAUNCHER_SLURM_TESTS=1 {ENABLE}=1 (bash scripts/slurm-cluster.sh install; "
+        "bash scripts/docker-engine.sh start; .ci/run does both)",
+    ),  # fmt: skip
 ]
 SCRIPT = REPO / "scripts" / "slurm-cluster.sh"
 CONTROLLER = "deltanet-slurm-ctl"
@@ -165,6 +167,7 @@ def test_a_lost_node_ends_node_lost_is_requeued_resumed_and_stopped_with_a_save(
         second = wait_for("attempt 2 running", lambda: (r := _record(run_dir))["attempt"] == 2
                           and r["state"] == "RUNNING" and r, timeout=300, every=1)  # fmt: skip
         assert second["resumed_from"] == str(last.path.relative_to(run_dir)), (second, last)
+
         # attempt 2's training began on both nodes: each node's local rank 0 announced that it saves on a stop
         # (node 0's supervisor cleared attempt 1's announcement before it recorded RUNNING; node 1 supervises
         # attempt 2 in a new run folder). Not the status's step: the trainer log still holds the steps attempt 1
