@@ -20,7 +20,7 @@ import pytest
 import patches
 from patches import fused_kernels, fused_ops, lora_input_cast
 from patches.proof import read_proof
-from tests.support.patch_fixtures import lora_model
+from tests.support.patch_fixtures import EVAL_EVERY_STEP_SGD, lora_model, trainer_log
 
 pytest_plugins = ["tests.support.patch_fixtures"]
 
@@ -231,20 +231,7 @@ def glue_trainings(demo_assets, tiny_training, tmp_path_factory):
     """The demo model, 2 steps of 2 micro-batches, bf16 autocast on the CPU, evaluated at every step: the fused
     glue served by the stand-in FLA (``tests.support.fused_standin_entry``) with ``lora_input_cast``, then both off."""
     root = tmp_path_factory.mktemp("glue_runs")
-    extra = {
-        "gradient_accumulation_steps": 2,
-        "per_device_train_batch_size": 1,
-        "eval_dataset": "demo_counsel_eval",
-        "eval_strategy": "steps",
-        "eval_steps": 1,
-        "per_device_eval_batch_size": 2,
-        "seed": 7,
-        "optim": "sgd",
-        "learning_rate": 1.0e-2,
-        "lora_dropout": 0.05,
-        "bf16": True,
-        "use_cpu": True,
-    }  # fmt: skip  (SGD)
+    extra = {**EVAL_EVERY_STEP_SGD, "lora_dropout": 0.05, "bf16": True, "use_cpu": True}
     results = {
         "on": tiny_training(root / "on", demo_assets, {}, lf=extra, entry="tests.support.fused_standin_entry"),
         "off": tiny_training(root / "off", demo_assets, {"fused_ops": False, "lora_input_cast": False}, lf=extra,
@@ -253,12 +240,6 @@ def glue_trainings(demo_assets, tiny_training, tmp_path_factory):
     for name, result in results.items():
         assert result.returncode == 0, f"{name} training failed:\n{result.stderr[-3000:]}"
     return {name: root / name for name in results}
-
-
-def trainer_log(run_dir) -> list[dict]:
-    import json
-
-    return [json.loads(line) for line in (run_dir / "output" / "trainer_log.jsonl").read_text().splitlines() if line]
 
 
 @pytest.mark.slow

@@ -10,7 +10,6 @@ without a whole Trainer. The slow tests train through the real LLaMA-Factory 0.9
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +18,8 @@ import patches
 from patches import chunked_loss
 from patches.checkpoint_budget import LayerCost, plan
 from patches.proof import read_proof
-from tests.support.patch_fixtures import lora_model
+from tests.support.common import read_jsonl
+from tests.support.patch_fixtures import EVAL_EVERY_STEP_SGD, lora_model, trainer_log
 
 pytest_plugins = ["tests.support.patch_fixtures"]
 
@@ -203,30 +203,11 @@ def test_bad_layer_plan_options_are_refused_naming_the_key():
 # --- through the real LLaMA-Factory training path ---------------------------------------------------------
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def read_log(run_dir: Path) -> list[dict]:
-    return read_jsonl(run_dir / "output" / "trainer_log.jsonl")
-
-
 @pytest.fixture(scope="module")
 def trainings(demo_assets, tiny_training, tmp_path_factory):
     """The demo model, 2 steps of 2 micro-batches each, evaluated at every step: patches on, then off."""
     root = tmp_path_factory.mktemp("performance_runs")
-    extra = {
-        "gradient_accumulation_steps": 2,
-        "per_device_train_batch_size": 1,
-        "eval_dataset": "demo_counsel_eval",
-        "eval_strategy": "steps",
-        "eval_steps": 1,
-        "per_device_eval_batch_size": 2,
-        "seed": 7,
-        "optim": "sgd",
-        "learning_rate": 1.0e-2,
-        "lora_dropout": 0.0,
-    }  # fmt: skip  (SGD: the update is the gradient)
+    extra = {**EVAL_EVERY_STEP_SGD, "lora_dropout": 0.0}
     results = {
         "on": tiny_training(root / "on", demo_assets, {"checkpoint_all_layers": {"uncheckpointed_layers": 1}},
                             lf=extra, entry="tests.support.eval_count_entry"),
@@ -241,7 +222,7 @@ def trainings(demo_assets, tiny_training, tmp_path_factory):
 
 @pytest.mark.slow
 def test_the_patched_training_has_the_same_first_loss_and_eval_loss(trainings):
-    on, off = read_log(trainings["on"]), read_log(trainings["off"])
+    on, off = trainer_log(trainings["on"]), trainer_log(trainings["off"])
     first_on, first_off = (next(x["loss"] for x in log if "loss" in x) for log in (on, off))
     assert first_on == pytest.approx(first_off, rel=1e-4)
     evals_on, evals_off = ([x["eval_loss"] for x in log if "eval_loss" in x] for log in (on, off))
@@ -280,7 +261,7 @@ def test_the_final_evaluation_runs_once(trainings):
     proof = read_proof(trainings["on"] / "proof", "final_eval_once")
     assert [(e["step"], e["ran"]) for e in proof["evaluations"]] == [(1, True), (2, True), (2, False)]
     results = json.loads((trainings["on"] / "output" / "eval_results.json").read_text())
-    logged = [x["eval_loss"] for x in read_log(trainings["on"]) if "eval_loss" in x]
+    logged = [x["eval_loss"] for x in trainer_log(trainings["on"]) if "eval_loss" in x]
     assert results["eval_loss"] == pytest.approx(logged[-1])
 
 

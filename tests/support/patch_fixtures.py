@@ -277,6 +277,28 @@ LF_ARGS = {
 }
 
 
+# Two steps of two micro-batches, evaluated at every step, with SGD (the update is the gradient): the
+# settings of the on/off comparisons through the real Trainer; each adds its own dropout and precision.
+EVAL_EVERY_STEP_SGD = {
+    "gradient_accumulation_steps": 2,
+    "per_device_train_batch_size": 1,
+    "eval_dataset": "demo_counsel_eval",
+    "eval_strategy": "steps",
+    "eval_steps": 1,
+    "per_device_eval_batch_size": 2,
+    "seed": 7,
+    "optim": "sgd",
+    "learning_rate": 1.0e-2,
+}
+
+
+def trainer_log(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of ``output/trainer_log.jsonl`` of a run made by ``run_tiny_training``."""
+    from tests.support.common import read_jsonl
+
+    return read_jsonl(run_dir / "output" / "trainer_log.jsonl")
+
+
 @pytest.fixture(scope="session")
 def tiny_training():
     """Return ``run(run_dir, assets, patch_settings, nproc=1)``: a real two-step training of the demo model."""
