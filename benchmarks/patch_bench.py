@@ -117,7 +117,7 @@ PACKING_GAIN_MIN = 1.5  # supervised tokens/s of spread-packed over spread (the 
 # the routed chunk kernel (and its packed call with the key heads unrepeated, as packed rows make it) and the fused
 # glue, in the rank, with FLA's guard lifted as for training
 KERNEL_CASES = {
-    "27b": "full:qwen3_5_27b,varlen_grouped,conv_27b,rms_norm_27b,q_norm_27b,gated_norm_27b,swiglu_27b",
+    "27b": "full:qwen3_5_27b,varlen_grouped,conv_27b,conv_varlen_27b,rms_norm_27b,q_norm_27b,gated_norm_27b,swiglu_27b",
     "tiny": "quick:layout",
 }
 PREFLIGHT_SKIP = "packages,kernel,model,data_stats"

@@ -12,12 +12,16 @@ norm's around 1); the routed op runs in bf16 forward and backward against a fixe
 is transformers' arithmetic (``Qwen3_5GatedDeltaNet``'s ``nn.Conv1d`` + SiLU, ``Qwen3_5RMSNorm``,
 ``Qwen3_5RMSNormGated``, ``silu(gate) * up``) in fp32 on the same values. Reported: the relative L2 error of the
 output and of every input's gradient; PASS under 1 % (``GLUE_THRESHOLD``) with everything finite. The conv cases
-have T != D and batch 2 in the quick suite, so a kernel reading the layout the wrong way round cannot pass.
+have T != D and batch 2 in the quick suite, so a kernel reading the layout the wrong way round cannot pass. The
+``conv_varlen`` cases pack samples end to end in one row, as ``packed_rows`` does: the routed convolution takes the
+samples' boundaries (FLA's ``cu_seqlens``; the segment-reset torch convolution elsewhere), the reference convolves
+each sample alone, so a kernel that reads across a sample start cannot pass.
 ``timing`` cases add the median milliseconds of forward+backward, routed vs the torch op in bf16.
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -101,11 +105,35 @@ def make_glue_inputs(torch, case: Case, seed: int = 0) -> dict[str, Any]:
     return {"gate": draw(b, t, h * d), "up": draw(b, t, h * d), "grad_out": draw(b, t, h * d)}
 
 
-def run_glue(torch, op: str, fn: Callable, inputs: dict[str, Any], *, device: str, dtype):
-    """Forward and backward of one op as the model calls it; returns the output and every input's gradient."""
+def packed_conv(torch, fn: Callable, x, weight, seq_lens: tuple[int, ...], *, reference: bool):
+    """The convolution of samples packed end to end in one row, ``x`` ``[1, N, D]``, each as if it ran alone.
+
+    The reference runs ``fn`` on each sample alone. The routed op is what ``packed_rows`` calls: FLA's adapter
+    takes the samples' boundaries (``FlaConv.varlen``, ``cu_seqlens`` on the device and on the host); any other
+    route is ``packed_rows.segment_causal_conv`` (the row's torch convolution, then the first ``K - 1`` tokens of
+    each sample again from that sample alone), whatever transformers' conv would be."""
+    from patches import fused_kernels, packed_rows
+
+    if reference:
+        parts = x.split(list(seq_lens), dim=1)
+        return torch.cat([fn(part.transpose(1, 2), weight, None, "silu").transpose(1, 2) for part in parts], dim=1)
+    bounds = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.long)
+    if isinstance(fn, fused_kernels.FlaConv):
+        return fn.varlen(x, weight, None, "silu", bounds.to(x.device), bounds)
+    spans = tuple((0, int(s), int(e), True) for s, e in zip(bounds[:-1], bounds[1:], strict=True))
+    found = packed_rows.Segments(rows=1, length=x.shape[1], spans=spans, position=None)
+    return packed_rows.segment_causal_conv(x.transpose(1, 2), weight.unsqueeze(1), None, found).transpose(1, 2)
+
+
+def run_glue(torch, op: str, fn: Callable, inputs: dict[str, Any], *, device: str, dtype,
+             seq_lens: tuple[int, ...] | None = None, reference: bool = False):  # fmt: skip
+    """Forward and backward of one op as the model calls it; returns the output and every input's gradient.
+    ``seq_lens``: the conv over samples packed in one row (``packed_conv``)."""
     leaves = {n: x.to(device=device, dtype=dtype).detach().requires_grad_(True)
               for n, x in inputs.items() if n != "grad_out"}  # fmt: skip
-    if op == "conv":  # the DeltaNet layer hands the conv the transpose of its [B, T, D] projection
+    if op == "conv" and seq_lens:
+        out = packed_conv(torch, fn, leaves["x"], leaves["weight"], seq_lens, reference=reference)
+    elif op == "conv":  # the DeltaNet layer hands the conv the transpose of its [B, T, D] projection
         out = fn(leaves["x"].transpose(1, 2), leaves["weight"], None, "silu").transpose(1, 2)
     elif op == "rms_norm":
         out = fn(leaves["x"], leaves["weight"], EPS)
@@ -117,12 +145,12 @@ def run_glue(torch, op: str, fn: Callable, inputs: dict[str, Any], *, device: st
     return out.detach(), {n: leaf.grad for n, leaf in leaves.items()}
 
 
-def _time(torch, op, fn, inputs, dev: Device) -> float:
+def _time(torch, case: Case, fn, inputs, dev: Device) -> float:
     times = []
     for i in range(TIMING_WARMUP + TIMING_REPEATS):
         dev.sync()
         start = time.perf_counter()
-        run_glue(torch, op, fn, inputs, device=dev.name, dtype=torch.bfloat16)
+        run_glue(torch, case.op, fn, inputs, device=dev.name, dtype=torch.bfloat16, seq_lens=case.seq_lens)
         dev.sync()
         if i >= TIMING_WARMUP:
             times.append((time.perf_counter() - start) * 1e3)
@@ -133,20 +161,21 @@ def check_glue_case(torch, case: Case, fn: Callable, dev: Device, threshold: flo
     """Run one glue case; never raises (an exception is a failed case with the error as its note)."""
     started = time.monotonic()
     threshold = min(threshold, GLUE_THRESHOLD)
-    result = CaseResult(case.name, case.shape, None, "fail")
+    result = CaseResult(case.name, case.shape, None, "fail", cu_seqlens=case.cu_seqlens)
     try:
         reference = torch_ops()[case.op]
         inputs = {n: x.to(dev.name) for n, x in make_glue_inputs(torch, case).items()}
-        got = run_glue(torch, case.op, fn, inputs, device=dev.name, dtype=torch.bfloat16)
+        got = run_glue(torch, case.op, fn, inputs, device=dev.name, dtype=torch.bfloat16, seq_lens=case.seq_lens)
         with _FullPrecision(torch):
-            ref = run_glue(torch, case.op, reference, inputs, device=dev.name, dtype=torch.float32)
+            ref = run_glue(torch, case.op, reference, inputs, device=dev.name, dtype=torch.float32,
+                           seq_lens=case.seq_lens, reference=True)  # fmt: skip
         result.errors = {"out": rel_error(torch, got[0], ref[0])}
         result.errors.update({f"d{n}": rel_error(torch, got[1][n], ref[1][n]) for n in ref[1]})
         result.finite = all(x is not None and bool(torch.isfinite(x).all()) for x in (got[0], *got[1].values()))
         if case.timing:
-            result.timing_ms = {"routed": _time(torch, case.op, fn, inputs, dev)}
+            result.timing_ms = {"routed": _time(torch, case, fn, inputs, dev)}
             if fn is not reference:
-                result.timing_ms["torch_ops"] = _time(torch, case.op, reference, inputs, dev)
+                result.timing_ms["torch_ops"] = _time(torch, case, reference, inputs, dev)
         result.judge(threshold, case.about)
     except Exception as err:  # a crashing kernel is a failed case, reported with the others
         result.note = f"{type(err).__name__}: {err}"

@@ -79,6 +79,8 @@ def _varlen(name: str, lens: tuple[int, ...], heads: int, dim: int, key_heads: i
 
 MODEL_CASE = Case("qwen3_5_27b", 1, 4096, 48, 128, key_heads=16, timing=True, memory=True,
                   about="the 27B model's DeltaNet call (16 key heads -> 48 value heads)")  # fmt: skip
+DECODE_CASE = Case("decode", 1, 64, 48, 128, key_heads=16, prefill=512, timing=True,
+                   about="the 27B model's decoding call: 64 one-token steps after a 512-token prompt")  # fmt: skip
 
 
 def glue_cases(quick: bool) -> tuple[Case, ...]:
@@ -87,10 +89,14 @@ def glue_cases(quick: bool) -> tuple[Case, ...]:
     gated norm of the 48 value heads of 128, SwiGLU over the MLP's 17408)."""
     if quick:
         return (Case("conv", 2, 150, 3, 32, op="conv", about="batch 2, T=150 != D=96"),
+                Case("conv_varlen", 1, 200, 3, 32, seq_lens=(45, 85, 70), op="conv",
+                     about="3 samples packed in one row, each convolved alone"),
                 Case("rms_norm", 2, 40, 3, 32, op="rms_norm", about="zero-centred weight, over the last dim"),
                 Case("gated_norm", 1, 40, 4, 32, op="gated_norm", about="x_hat * w * silu(gate)"),
                 Case("swiglu", 2, 40, 1, 96, op="swiglu", about="silu(gate) * up"))  # fmt: skip
     return (Case("conv_27b", 1, 4096, 80, 128, op="conv", timing=True, about="the DeltaNet short convolution"),
+            Case("conv_varlen_27b", 1, 4096, 80, 128, seq_lens=(700, 1100, 1300, 996), op="conv",
+                 about="4 samples packed in one row, each convolved alone (packed rows)"),
             Case("rms_norm_27b", 1, 4096, 1, 5120, op="rms_norm", timing=True, about="the decoder layers' norm"),
             Case("q_norm_27b", 1, 4096, 24, 256, op="rms_norm", about="the attention's q norm per head"),
             Case("gated_norm_27b", 1, 4096, 48, 128, op="gated_norm", timing=True, about="the DeltaNet output norm"),
@@ -115,17 +121,7 @@ SUITES: dict[str, tuple[Case, ...]] = {
         _varlen("varlen", (700, 1100, 1300, 996), 48, 128, key_heads=16),
         _varlen("varlen_grouped", (700, 1100, 1300, 996), 48, 128, key_heads=16, unrepeated=True),
         MODEL_CASE,
-        Case(
-            "decode",
-            1,
-            64,
-            48,
-            128,
-            key_heads=16,
-            prefill=512,
-            timing=True,
-            about="the 27B model's decoding call: 64 one-token steps after a 512-token prompt",
-        ),  # fmt: skip
+        DECODE_CASE,
         *glue_cases(quick=False),
     ),
 }

@@ -19,6 +19,8 @@ from launcher.checks import decode_kernels, glue_kernels, kernel_check, kernels 
 from launcher.cli import main  # noqa: E402
 from tests.support.patch_fixtures import fla_pairing, grouped_varlen_kernel  # noqa: E402
 
+pytest_plugins = ["tests.support.patch_fixtures"]
+
 SMALL = kernels.Case("small", 1, 100, 3, 16)  # T=100 != H=3, not a multiple of the 64-token chunk
 
 
@@ -196,6 +198,7 @@ def test_preflight_kernel_check_runs_the_quick_suite():
         "varlen_grouped",
         "decode",
         "conv",
+        "conv_varlen",
         "rms_norm",
         "gated_norm",
         "swiglu",
@@ -206,7 +209,9 @@ def test_preflight_kernel_check_runs_the_quick_suite():
 def test_preflight_checks_only_the_glue_ops_the_run_binds():
     """An op turned off in launcher.patches.fused_ops is not checked, so a broken kernel can be worked around."""
     suite = kernel_check.check("cpu", glue_ops=("conv",))["validate_kernels"]
-    assert suite["ok"] and set(suite["cases"]) == {"layout", "grouped", "varlen", "varlen_grouped", "decode", "conv"}
+    assert suite["ok"] and set(suite["cases"]) == {
+        "layout", "grouped", "varlen", "varlen_grouped", "decode", "conv", "conv_varlen"
+    }  # fmt: skip
     assert set(kernel_check.check("cpu", glue_ops=())["validate_kernels"]["cases"]).isdisjoint(
         {"conv", "rms_norm", "gated_norm", "swiglu"}
     )
@@ -307,8 +312,49 @@ def test_glue_cases_catch_a_conv_read_the_wrong_way_round_and_a_norm_without_its
         assert "threshold 1%" in result.note or "Error" in result.note
 
 
+def test_the_packed_conv_case_passes_the_segment_reset_torch_conv_and_fails_one_that_reads_across_samples(
+    monkeypatch,
+):
+    """Off an accelerator the packed-row convolution is ``packed_rows.segment_causal_conv``; the case compares it
+    with each sample convolved alone in fp32, so the plain row convolution (no reset at a sample start) fails."""
+    from patches import packed_rows
+
+    ops = glue_kernels.torch_ops()
+    result = check_glue("conv_varlen", ops["conv"])
+    assert result.status == "pass" and 0 < result.max_error < 0.01, result
+    assert set(result.errors) == {"out", "dx", "dweight"} and result.cu_seqlens == [0, 45, 130, 200]
+
+    def no_reset(x, weight, bias, found):
+        return ops["conv"](x, weight[:, 0], bias, "silu")
+
+    monkeypatch.setattr(packed_rows, "segment_causal_conv", no_reset)
+    result = check_glue("conv_varlen", ops["conv"])
+    assert result.status == "fail" and result.max_error > 0.05, result
+
+
+def test_the_packed_conv_case_hands_fla_the_boundaries_and_fails_a_kernel_that_ignores_them(stub_fla):
+    """On CUDA and NPU the case calls FLA's convolution through the adapter packed rows use (``FlaConv.varlen``).
+    FLA needs an accelerator: here the stand-in ``fla`` (fla-core 0.6.0's contract in plain torch) serves it, and a
+    kernel that drops ``cu_seqlens`` (one convolution over the whole row) must fail."""
+    from patches.fused_kernels import FlaConv
+
+    stub_fla(platform="cuda")
+    from fla.modules.causal_conv1d import CALLS, causal_conv1d
+
+    result = check_glue("conv_varlen", FlaConv(causal_conv1d))
+    assert result.status == "pass" and result.max_error < 0.01, result
+    assert CALLS["varlen"] == 1
+
+    def ignores_bounds(x, weight=None, bias=None, activation=None, cu_seqlens=None, cu_seqlens_cpu=None):
+        return causal_conv1d(x, weight=weight, bias=bias, activation=activation)
+
+    result = check_glue("conv_varlen", FlaConv(ignores_bounds))
+    assert result.status == "fail" and result.max_error > 0.05, result
+
+
 def test_the_full_suite_has_a_glue_case_per_op_at_the_27b_shapes():
     full = {c.name: c for c in kernels.SUITES["full"] if c.op}
     assert {c.op for c in full.values()} == {"conv", "rms_norm", "gated_norm", "swiglu"}
     assert full["conv_27b"].shape == [1, 4096, 80, 128]  # 2 x 16 x 128 + 48 x 128 channels
+    assert full["conv_varlen_27b"].shape == [1, 4096, 80, 128] and sum(full["conv_varlen_27b"].seq_lens) == 4096
     assert full["swiglu_27b"].shape[-1] == 17408 and full["rms_norm_27b"].shape[-1] == 5120
