@@ -71,10 +71,15 @@ ONE_DEVICE: dict[str, tuple[str, dict[str, Any]]] = {
     "fsdp2-lora-own": ("fsdp2", {"fsdp2_frozen_dtype": {"trainable_units": "own"}}),
     # ``fsdp2`` through ``launcher profile``: where FSDP2's time goes (its copies named by the operators behind them)
     "fsdp2-profile": ("fsdp2", {}),
+    # the same budget on the single-device path, for the comparison inside one invocation
+    "single-budget120": ("ddp", {"checkpoint_all_layers": {"memory_budget_gib": 120}}),
+    # the budget under FSDP2 through ``launcher profile`` (the plan applies from step 2, before the profiled steps)
+    "fsdp2-budget120-profile": ("fsdp2", {"checkpoint_all_layers": {"memory_budget_gib": 120}}),
 }
-PROFILED = ("fsdp2-profile",)
+PROFILED = ("fsdp2-profile", "fsdp2-budget120-profile")
 DEFAULT_VARIANTS = ("single", "fsdp2", "fsdp2-budget120")
-NEEDS_PEAK = ("fsdp2-budget120",)  # a memory budget needs an allocator that reports its peak: not the CPU's
+# a memory budget needs an allocator that reports its peak: not the CPU's
+NEEDS_PEAK = ("fsdp2-budget120", "single-budget120", "fsdp2-budget120-profile")
 PEAK_MAX_GIB = 58.0  # FSDP2's peak at 4,096 tokens: the single-device path's 55.14 GiB plus a little
 SPEED_MIN = 0.95  # FSDP2's tokens/s against the single-device path's
 
@@ -104,7 +109,7 @@ def one_device_targets(runs: dict[str, Any]) -> dict[str, Any]:
     peak, one = fsdp.get("peak_allocated_gib_max"), single.get("tokens_per_s_total")
     many = fsdp.get("tokens_per_s_total")
     ratio = round(many / one, 3) if one and many else None
-    budget = runs.get("fsdp2-budget120", {})
+    budget, single_budget = runs.get("fsdp2-budget120", {}), runs.get("single-budget120", {})
     return {
         "succeeded": {label: run.get("state") == "SUCCEEDED" for label, run in runs.items()},
         "fsdp2_peak_gib": peak, "peak_max_gib": PEAK_MAX_GIB,
@@ -114,6 +119,8 @@ def one_device_targets(runs: dict[str, Any]) -> dict[str, Any]:
         "single_peak_gib": single.get("peak_allocated_gib_max"),
         "budget120_peak_gib": budget.get("peak_allocated_gib_max"),
         "budget120_tokens_per_s": budget.get("tokens_per_s_total"),
+        "single_budget120_peak_gib": single_budget.get("peak_allocated_gib_max"),
+        "single_budget120_tokens_per_s": single_budget.get("tokens_per_s_total"),
     }  # fmt: skip
 
 
@@ -250,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps {ns.steps} --warmup {ns.warmup}: a profiled variant needs a step after the warm-up")
     if sorted(set(variants) - set(ONE_DEVICE)) or (ns.variants and len(devices) > 1):
         parser.error(f"--variants {ns.variants}: only with --devices 1, of {', '.join(ONE_DEVICE)}")
+    if backend == "cpu" and (budgeted := [v for v in variants if v in NEEDS_PEAK]):
+        parser.error(f"--variants {','.join(budgeted)}: a memory budget needs an allocator that reports its peak, "
+                     "which the CPU has not; run them with --backend cuda or npu")  # fmt: skip
     out = ns.out.resolve()
     (out / "configs").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)

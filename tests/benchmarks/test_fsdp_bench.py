@@ -65,6 +65,7 @@ def test_devices_and_options_are_checked(tmp_path):
         ["--variants", "budget"],
         ["--devices", "1,2", "--variants", "fsdp2"],
         ["--devices", "1", "--variants", "fsdp2-profile", "--steps", "2", "--warmup", "2"],
+        ["--devices", "1", "--variants", "single,single-budget120"],  # tiny: the CPU, no allocator peak
     ):
         with pytest.raises(SystemExit):
             fsdp_bench.main(["--out", str(tmp_path), "--shape", "tiny", *bad])
@@ -83,6 +84,14 @@ def test_one_device_targets_compare_fsdp2_with_the_single_device_path(tmp_path):
     assert config["launcher"]["patches"]["checkpoint_all_layers"] == {"memory_budget_gib": 120}
     assert fsdp_bench.bench_config(tmp_path, "tiny", "cuda", 6, 1, "on", variant="single")["launcher"][
         "distribution"] == "ddp"  # fmt: skip
+    both = {"single-budget120": "ddp", "fsdp2-budget120-profile": "fsdp2"}  # one budget, both paths, one invocation
+    for variant, distribution in both.items():
+        launcher = fsdp_bench.bench_config(tmp_path, "tiny", "cuda", 6, 1, "on", variant=variant)["launcher"]
+        assert launcher["distribution"] == distribution
+        assert launcher["patches"]["checkpoint_all_layers"] == {"memory_budget_gib": 120}
+    assert "fsdp2-budget120-profile" in fsdp_bench.PROFILED
+    paired = fsdp_bench.one_device_targets({**runs, "single-budget120": {"tokens_per_s_total": 4830.0}})
+    assert paired["single_budget120_tokens_per_s"] == 4830.0
     bench_assets.write_model_dir(tmp_path / "model", "tiny")
     rooted = tmp_path / "rooted.yaml"  # the option the patch validates, against its default in one invocation
     rooted.write_text(yaml.safe_dump(fsdp_bench.bench_config(tmp_path, "tiny", "cuda", 6, 1, "on",
