@@ -12,6 +12,7 @@ shard from the checkpoint's whole ``adapter_model.safetensors``.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -63,8 +64,6 @@ def _largest_difference(a: dict, b: dict) -> float:
 
 
 def _proof(run_dir: Path, patch: str, rank: int) -> dict:
-    import json
-
     return json.loads((run_dir / "proof" / f"rank{rank}" / f"{patch}.json").read_text())
 
 
@@ -111,10 +110,10 @@ def test_two_gloo_ranks_shard_stop_resume_keep_the_best_and_match_one_process(tm
     status = read_status(run_dir)
     assert status["state"] == "SUCCEEDED" and status["attempt"] == 2 and status["resume_mode"] == "exact"
     assert _logged_steps(run_dir)[-1] == STEPS
+    verified = launcher("verify", run_dir, "--json", env=env, timeout=600)  # the acceptance checks, run again by hand
+    assert verified.returncode == 0 and json.loads(verified.stdout)["passed"] is True, verified.stdout[-3000:]
 
     # sharded for real: every rank holds half of every FSDP2 unit, the frozen base in its load dtype
-    import json
-
     records = [json.loads((run_dir / "proof" / f"rank{r}" / "fsdp2_frozen_dtype.json").read_text()) for r in (0, 1)]
     preparations = [r["preparation"] for r in records]
     assert all(p["distributed_type"] == "FSDP" for p in preparations)
