@@ -117,11 +117,11 @@ def packed_conv(torch, fn: Callable, x, weight, seq_lens: tuple[int, ...], *, re
     if reference:
         parts = x.split(list(seq_lens), dim=1)
         return torch.cat([fn(part.transpose(1, 2), weight, None, "silu").transpose(1, 2) for part in parts], dim=1)
-    bounds = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.long)
-    if isinstance(fn, fused_kernels.FlaConv):
-        return fn.varlen(x, weight, None, "silu", bounds.to(x.device), bounds)
-    spans = tuple((0, int(s), int(e), True) for s, e in zip(bounds[:-1], bounds[1:], strict=True))
+    bounds = [0, *itertools.accumulate(seq_lens)]
+    spans = tuple((0, start, end, True) for start, end in itertools.pairwise(bounds))
     found = packed_rows.Segments(rows=1, length=x.shape[1], spans=spans, position=None)
+    if isinstance(fn, fused_kernels.FlaConv):  # the boundaries as training hands them to FLA
+        return fn.varlen(x, weight, None, "silu", *found.cu_seqlens_tensors(x.device))
     return packed_rows.segment_causal_conv(x.transpose(1, 2), weight.unsqueeze(1), None, found).transpose(1, 2)
 
 

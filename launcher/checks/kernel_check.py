@@ -88,12 +88,14 @@ def _quick_suite(backend: str, kernel_fn, name: str, glue_ops: tuple[str, ...] =
     the config turned off is not checked, so a broken kernel can be worked around)."""
     from launcher.checks.kernels import SUITES, validate
 
-    cases = tuple(c.name for c in SUITES["quick"] if c.op is None or c.op in glue_ops)
-    report = validate(backend, suite="quick", kernel_fn=kernel_fn, kernel_name=name, cases=cases)
+    ops = {c.name: c.op for c in SUITES["quick"] if c.op is None or c.op in glue_ops}
+    report = validate(backend, suite="quick", kernel_fn=kernel_fn, kernel_name=name, cases=tuple(ops))
     cases = {c.name: c.status if c.max_error is None else f"{c.status} {c.max_error:.1e}" for c in report.cases}
     found: dict[str, Any] = {"validate_kernels": {"ok": report.ok, "cases": cases, "error": report.error}}
     if not report.ok:
-        failed = [f"{c.name}: {c.note}" for c in report.cases if c.status == "fail"] or [str(report.error)]
+        failed = [f"{c.name}: {c.note}" + (f" (the run can do without this kernel: launcher.patches.fused_ops."
+                                           f"{ops[c.name]}: false)" if ops.get(c.name) else "")
+                  for c in report.cases if c.status == "fail"] or [str(report.error)]  # fmt: skip
         found.update(ok=False, error=f"launcher validate-kernels --suite quick failed: {'; '.join(failed)}")
     return found
 

@@ -213,8 +213,21 @@ def test_preflight_checks_only_the_glue_ops_the_run_binds():
         "layout", "grouped", "varlen", "varlen_grouped", "decode", "conv", "conv_varlen"
     }  # fmt: skip
     assert set(kernel_check.check("cpu", glue_ops=())["validate_kernels"]["cases"]).isdisjoint(
-        {"conv", "rms_norm", "gated_norm", "swiglu"}
+        {"conv", "conv_varlen", "rms_norm", "gated_norm", "swiglu"}
     )
+
+
+def test_a_failing_glue_case_in_preflight_names_the_switch_that_turns_its_kernel_off(monkeypatch):
+    ops = glue_kernels.torch_ops()
+
+    def conv_btd(x, weight, bias=None, activation="silu", seq_idx=None):  # reads [B, D, T] as [B, T, D]
+        return ops["conv"](x.transpose(1, 2).reshape(x.shape), weight, bias, activation)
+
+    monkeypatch.setattr(glue_kernels, "select_glue_kernels", lambda backend: ({**ops, "conv": conv_btd}, {}))
+    result = kernel_check.check("cpu", glue_ops=("conv", "rms_norm"))
+    assert not result["ok"] and result["validate_kernels"]["cases"]["conv"].startswith("fail")
+    assert "failed: conv: " in result["error"] and "launcher.patches.fused_ops.conv: false" in result["error"]
+    assert "rms_norm" not in result["error"]
 
 
 def test_preflight_reads_the_glue_ops_from_the_config():
