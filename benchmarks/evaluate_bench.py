@@ -15,7 +15,7 @@ In one invocation:
    padded, as a user's is not), so every step has the shape the other benchmarks train (4,096 tokens for ``27b``):
    with a shared ``TRITON_CACHE_DIR`` FLA's kernels are compiled and autotuned once, not again for every new sample
    length (on a cold cache each new length of the demo's samples costs minutes on one H200, which a 540 s limit did
-   not cover);
+   not cover); its rank runs none of the kernel-check cases the other benchmarks' ranks run;
 3. ``launcher evaluate RUN --checkpoints last`` with the default prompt set (``--max-prompts`` test conversations and
    the 6 shipped crisis prompts, ``--max-new-tokens``, ``--batch-size``): the request and the evaluation are
    ``launcher.run.evaluate``'s own (``build_request``, ``evaluate_run``); only the child process is
@@ -134,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     config = bench_config(out, ns.shape, backend, ns.steps)
     path = out / "configs" / "evaluate-bench.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    env = patch_bench.bench_env(out, ns.shape)
+    # the training only makes the checkpoint: no kernel check in its rank (the other benchmarks' 27B cases would
+    # compile FLA's kernels for shapes this evaluation never runs, minutes on a cold cache)
+    env = patch_bench.bench_env(out, ns.shape, {"BENCH_KERNEL_CASES": "none"})
     results: dict[str, Any] = {
         "command": " ".join(["python -m benchmarks.evaluate_bench", *(argv if argv is not None else sys.argv[1:])]),
         "shape": ns.shape, "backend": backend, "batch_size": ns.batch_size, "max_new_tokens": ns.max_new_tokens,

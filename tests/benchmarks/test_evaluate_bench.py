@@ -41,6 +41,8 @@ def test_one_checkpoint_is_trained_then_evaluated_with_the_default_prompt_set(tm
     # every training batch padded to the cutoff: one shape to compile
     launch = json.loads((run_dir / "launch.json").read_text())
     assert launch["patches"]["pad_lengths"] == {"enabled": True, "multiple": 256}
+    # and no kernel check in the training rank: the evaluation is what is measured
+    assert json.loads((run_dir / "bench" / "rank0.json").read_text())["kernel_check"] is None
     assert len(results["evaluations"]) == 2 and all(e["ok"] for e in results["evaluations"])
     found = results["evaluations"][0]
     assert found["ok"] and found["checkpoint"] == "checkpoint-2" and found["test_samples"] == 3
