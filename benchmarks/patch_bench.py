@@ -278,6 +278,15 @@ def _proof_summary(run_dir: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _retries_in(steps: list[dict[str, Any]], warmup: int) -> int | None:
+    """Allocator retries in the steps after the warm-up, from the per-step cumulative ``alloc_retries``."""
+    counts = [s.get("alloc_retries") for s in steps]
+    if not steps or counts[-1] is None:
+        return None
+    before = counts[warmup - 1] if 0 < warmup < len(counts) else 0  # as summarize: all steps when none is after
+    return counts[-1] - (before or 0)
+
+
 def summarize(run_dir: Path, warmup: int) -> dict[str, Any]:
     """What one run measured, read from its run directory."""
     status = _read_json(run_dir / "status.json")
@@ -310,6 +319,8 @@ def summarize(run_dir: Path, warmup: int) -> dict[str, Any]:
             peak_allocated_gib=max(s["peak_allocated_gib"] or 0 for s in steps),
             allocated_at_first_step_gib=steps[0].get("allocated_at_start_gib"),
             first_step_s=steps[0]["seconds"],
+            # the allocator's retries during the measured steps (cumulative counter: the last minus the one before)
+            alloc_retries_measured=_retries_in(steps, warmup),
             **lengths_summary(steps, warmup),
         )
     log = [json.loads(line) for line in _lines(run_dir / "output" / "trainer_log.jsonl")]

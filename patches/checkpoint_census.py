@@ -83,6 +83,7 @@ class StepObserver:
         self.layers = checkpoint_layers(model)
         self.configured = [self._configured(name, layer) for name, layer in self.layers]
         self.observed: dict[str, str] = {}
+        self.calls: Counter[str] = Counter()  # forward calls in the step: 2 where the backward recomputed the layer
         self.handles = [layer.register_forward_pre_hook(self._hook(name)) for name, layer in self.layers]
         self.fsdp = fsdp_units(model)
 
@@ -102,6 +103,7 @@ class StepObserver:
     def _hook(self, name: str):
         def pre_hook(module, args):
             self.observed.setdefault(name, _mode_now())  # the first call is the forward, later ones recompute
+            self.calls[name] += 1
 
         return pre_hook
 
@@ -110,12 +112,14 @@ class StepObserver:
         for handle in self.handles:
             handle.remove()
         self.handles = []
-        layers = [{**entry, "observed": self.observed.get(entry["name"], "not_run")} for entry in self.configured]
+        layers = [{**entry, "observed": self.observed.get(entry["name"], "not_run"), "calls": self.calls[entry["name"]]}
+                  for entry in self.configured]  # fmt: skip
         return {
             "layers": len(layers),
             "gradient_checkpointing_true": sum(entry["gradient_checkpointing"] for entry in layers),
             "functions": dict(Counter(entry["function"] for entry in layers if entry["gradient_checkpointing"])),
             "observed": dict(Counter(entry["observed"] for entry in layers)),
+            "recomputed": sum(entry["calls"] > 1 for entry in layers),  # layers whose forward ran again in the backward
             "by_class": _group(layers, "class"),
             "by_layer_type": _group([e for e in layers if "layer_type" in e], "layer_type"),
             "fsdp": self.fsdp,

@@ -194,6 +194,14 @@ def run_tiny_bench(out, *args: str) -> dict:
 
 
 @pytest.mark.slow
+def test_allocator_retries_are_counted_over_the_measured_steps_only():
+    steps = [{"alloc_retries": n} for n in (3, 3, 5, 9)]  # cumulative, as the device's counter
+    assert patch_bench._retries_in(steps, warmup=2) == 6  # steps 3 and 4: 9 - 3
+    assert patch_bench._retries_in(steps, warmup=0) == 9
+    assert patch_bench._retries_in(steps, warmup=4) == 9  # no step after the warm-up: all of them, as the medians
+    assert patch_bench._retries_in([{"alloc_retries": None}], warmup=0) is None  # the CPU has no counter
+
+
 def test_tiny_benchmark_runs_both_variants_through_launcher_run(tmp_path):
     out = tmp_path / "bench"
     results = run_tiny_bench(out, "--steps", "3", "--warmup", "1")
@@ -203,6 +211,7 @@ def test_tiny_benchmark_runs_both_variants_through_launcher_run(tmp_path):
         assert variant["tokens_per_step"] == [256]  # exactly cutoff_len
         assert variant["kernel_check"]["ok"] and variant["model_build"]["parameters"] > 0
         assert variant["tokens_per_s"] > 0 and variant["llamafactory"]["loss"]
+        assert variant["alloc_retries_measured"] is None  # the CPU's allocator has no retry counter
     assert on["proof"]["checkpoint_all_layers"]["observed"] == {"non_reentrant": 4, "not_run": 1}  # no vision work
     assert on["proof"]["text_only_batches"]["dummy_image"] == "skipped" and on["seq_lens"] == [256]
     assert off["seq_lens"] != [256]  # LLaMA-Factory's dummy image adds positions

@@ -60,6 +60,13 @@ def test_two_fsdp2_ranks_measure_in_the_forward_and_apply_one_count_plan(tmp_pat
         assert _not_checkpointed(first) == sorted(layer_plan["measured_layers"].values())
         assert _not_checkpointed(second) == layer_plan["uncheckpointed_names"]
         assert sorted(_modes(second).values()) == ["non_reentrant"] * 3 + ["not_checkpointed"]
+        # the un-checkpointed layer's forward ran once in the step (nothing under FSDP2 recomputed it), the others
+        # twice (the forward and the backward's recompute)
+        calls = {e["name"]: e["calls"] for e in second["layers_detail"] if e["class"].endswith(DECODER)}
+        assert {n: calls[n] for n in layer_plan["uncheckpointed_names"]} == dict.fromkeys(
+            layer_plan["uncheckpointed_names"], 1
+        )
+        assert sorted(calls.values()) == [1, 2, 2, 2] and second["recomputed"] >= 3
     assert plans[0]["uncheckpointed"] == plans[1]["uncheckpointed"] and sum(plans[0]["uncheckpointed"].values()) == 1
     assert plans[0]["uncheckpointed_names"] == plans[1]["uncheckpointed_names"]
     assert plans[0]["detail"]["order"] == plans[1]["detail"]["order"]  # costs agreed per token: one order
