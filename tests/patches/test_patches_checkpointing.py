@@ -73,6 +73,10 @@ def test_without_the_patch_llamafactory_skips_the_frozen_deltanet_layer(make_tin
     assert census["functions"] == {LF_WRAPPER: 2}
     # ... but only the layer with a trainable parameter is checkpointed, and reentrantly
     assert modes(census) == {"linear_attention": "not_checkpointed", "full_attention": "reentrant"}
+    # the checkpointed layer's forward ran again in the backward, the other's once
+    calls = {e["layer_type"]: e["calls"] for e in census["layers_detail"]}
+    assert calls == {"linear_attention": 1, "full_attention": 2}
+    assert census["recomputed"] == 1
 
 
 def test_with_the_patch_every_layer_is_checkpointed_non_reentrantly(tmp_path, make_tiny_model):
