@@ -130,14 +130,17 @@ class Device:
 
 
 class _FullPrecision:
-    """float32 matmuls at full precision (no TF32) while the reference runs."""
+    """float32 matmuls and convolutions at full precision (no TF32) while the reference runs: the matmul precision
+    does not reach cuDNN, whose convolutions take TF32 unless ``cudnn.allow_tf32`` is off."""
 
     def __init__(self, torch):
         self.torch = torch
 
     def __enter__(self):
-        self.saved = self.torch.get_float32_matmul_precision()
+        self.saved = self.torch.get_float32_matmul_precision(), self.torch.backends.cudnn.allow_tf32
         self.torch.set_float32_matmul_precision("highest")
+        self.torch.backends.cudnn.allow_tf32 = False
 
     def __exit__(self, *exc):
-        self.torch.set_float32_matmul_precision(self.saved)
+        self.torch.set_float32_matmul_precision(self.saved[0])
+        self.torch.backends.cudnn.allow_tf32 = self.saved[1]

@@ -182,6 +182,20 @@ def test_cli_reports_a_refused_route_with_its_fix(tmp_path, capsys):
     assert "no kernel to check" in capsys.readouterr().out
 
 
+def test_the_fp32_reference_runs_without_tf32_in_matmuls_and_cudnn_convolutions():
+    from launcher.checks.kernel_cases import _FullPrecision
+
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = True  # torch's default: cuDNN convolutions in TF32
+    try:
+        with _FullPrecision(torch):
+            assert torch.get_float32_matmul_precision() == "highest" and torch.backends.cudnn.allow_tf32 is False
+        assert torch.backends.cudnn.allow_tf32 is True  # put back as it was
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]
+
+
 def test_unknown_case_is_an_error():
     report = kernels.validate("cpu", cases=("nope",))
     assert not report.ok and "nope" in report.error and "layout" in report.error
