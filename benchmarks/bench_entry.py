@@ -177,14 +177,6 @@ def real_tokens(mask, ids) -> int | None:
     return int(mask.sum())
 
 
-def alloc_retries(dev) -> int | None:
-    """The device allocator's retries so far (``num_alloc_retries``: an allocation that failed, emptied the cache and
-    synchronised the device before it tried again), None where the device has no such counter (the CPU). Near the
-    memory's limit they make a step slower without showing in its peak."""
-    stats = getattr(dev.module, "memory_stats", None)
-    return None if stats is None else int(stats().get("num_alloc_retries", 0))
-
-
 def install_step_timer(torch, dev, recorder: Recorder) -> None:
     """Time each ``Trainer.training_step`` and the period between step starts, and the host seconds Triton spent
     compiling and autotuning inside it; read peak memory after it."""
@@ -223,7 +215,7 @@ def install_step_timer(torch, dev, recorder: Recorder) -> None:
             "compiles": compiled["compiles"] + compiled["autotunes"],
             "allocated_at_start_gib": None if allocated is None else round(allocated, 3),
             "peak_allocated_gib": dev.peak_gib(),
-            "alloc_retries": alloc_retries(dev),
+            "alloc_retries": dev.alloc_retries(),
         })  # fmt: skip
         return result
 

@@ -128,6 +128,14 @@ class Device:
         self.sync()
         return round(self.module.max_memory_allocated() / 2**30, 3)
 
+    def alloc_retries(self) -> int | None:
+        """The allocator's retries so far (``num_alloc_retries``: an allocation that failed, emptied the cache and
+        synchronised the device before it tried again); None on the CPU. Near the memory's limit they make a step
+        slower without showing in its peak."""
+        if self.module is None:
+            return None
+        return int(self.module.memory_stats().get("num_alloc_retries", 0))
+
 
 class _FullPrecision:
     """float32 matmuls and convolutions at full precision (no TF32) while the reference runs: the matmul precision

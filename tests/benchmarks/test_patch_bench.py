@@ -193,7 +193,6 @@ def run_tiny_bench(out, *args: str) -> dict:
     return results
 
 
-@pytest.mark.slow
 def test_allocator_retries_are_counted_over_the_measured_steps_only():
     steps = [{"alloc_retries": n} for n in (3, 3, 5, 9)]  # cumulative, as the device's counter
     assert patch_bench._retries_in(steps, warmup=2) == 6  # steps 3 and 4: 9 - 3
@@ -202,6 +201,21 @@ def test_allocator_retries_are_counted_over_the_measured_steps_only():
     assert patch_bench._retries_in([{"alloc_retries": None}], warmup=0) is None  # the CPU has no counter
 
 
+def test_the_device_reads_the_allocators_retry_counter():
+    """The CPU has no such counter; a CUDA/NPU module is stood in by its ``memory_stats`` (no accelerator here)."""
+    import types
+
+    import torch
+
+    from launcher.checks.kernel_cases import Device
+
+    dev = Device(torch, "cpu")
+    assert dev.alloc_retries() is None
+    dev.module = types.SimpleNamespace(memory_stats=lambda: {"num_alloc_retries": 3, "num_ooms": 0})
+    assert dev.alloc_retries() == 3
+
+
+@pytest.mark.slow
 def test_tiny_benchmark_runs_both_variants_through_launcher_run(tmp_path):
     out = tmp_path / "bench"
     results = run_tiny_bench(out, "--steps", "3", "--warmup", "1")

@@ -231,11 +231,13 @@ def test_preflight_checks_only_the_glue_ops_the_run_binds():
     )
 
 
+def conv_btd(x, weight, bias=None, activation="silu", seq_idx=None):
+    """transformers' conv reading ``[B, D, T]`` as ``[B, T, D]``: the layout error the glue cases must catch."""
+    return glue_kernels.torch_ops()["conv"](x.transpose(1, 2).reshape(x.shape), weight, bias, activation)
+
+
 def test_a_failing_glue_case_in_preflight_names_the_switch_that_turns_its_kernel_off(monkeypatch):
     ops = glue_kernels.torch_ops()
-
-    def conv_btd(x, weight, bias=None, activation="silu", seq_idx=None):  # reads [B, D, T] as [B, T, D]
-        return ops["conv"](x.transpose(1, 2).reshape(x.shape), weight, bias, activation)
 
     monkeypatch.setattr(glue_kernels, "select_glue_kernels", lambda backend: ({**ops, "conv": conv_btd}, {}))
     result = kernel_check.check("cpu", glue_ops=("conv", "rms_norm"))
@@ -323,9 +325,6 @@ def test_glue_cases_pass_the_torch_ops_in_bf16_with_every_gradient():
 
 def test_glue_cases_catch_a_conv_read_the_wrong_way_round_and_a_norm_without_its_offset():
     ops = glue_kernels.torch_ops()
-
-    def conv_btd(x, weight, bias=None, activation="silu", seq_idx=None):  # reads [B, D, T] as [B, T, D]
-        return ops["conv"](x.transpose(1, 2).reshape(x.shape), weight, bias, activation)
 
     def norm_without_offset(x, weight, eps):  # w instead of 1 + w: the zero-centred weight forgotten
         return ops["rms_norm"](x, weight - 1.0, eps)
