@@ -7,8 +7,9 @@
 In one invocation:
 
 1. assets: the shape's model folder (config, tokenizer and the random-init marker: ``benchmarks.bench_assets``) and
-   the demo's counselling-style dataset with a held-out test split of ``--test`` conversations
-   (``launcher.demo.write_dataset``, recorded as ``launcher data prepare --test-size`` records one);
+   the demo's counselling-style dataset with a held-out test split of ``--test`` conversations, each opening with a
+   different client turn (``launcher.demo.write_dataset``, recorded as ``launcher data prepare --test-size`` records
+   one): ``launcher evaluate`` answers each distinct opening once, so all ``--max-prompts`` of them are prompts;
 2. a short training run through ``launcher run`` (``benchmarks.patch_bench``'s ``on`` config on that data: LoRA r8 on
    q/k/v/o, bf16 off the CPU, ``--steps`` optimizer steps, a checkpoint at the last), so there is a real run with a
    real adapter to evaluate. Its batches are padded to the cutoff (``pad_lengths``; the evaluation below is not
@@ -119,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("batch_size", "max_new_tokens", "test", "steps", "repeats"):
         if getattr(ns, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(ns, name)}: give a positive integer")
+    from launcher.demo import OPENINGS
+
+    if ns.test > len(OPENINGS):
+        parser.error(
+            f"--test {ns.test}: the demo's conversations open in {len(OPENINGS)} distinct ways; use at most that"
+        )
     if ns.max_prompts < 0:  # launcher evaluate's own check, made before the training run it would waste
         parser.error(f"--max-prompts {ns.max_prompts}: use 0 (all test conversations) or more")
     backend = ns.backend or ("cuda" if ns.shape == "27b" else "cpu")
@@ -128,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
 
     shutil.rmtree(out / "model", ignore_errors=True)
     write_model_dir(out / "model", ns.shape)
-    write_dataset(out / "data", train=TRAIN_SAMPLES, eval=EVAL_SAMPLES, test=ns.test)
+    # each test conversation opens differently: evaluate answers each distinct opening once (the demo's 8 lines)
+    write_dataset(out / "data", train=TRAIN_SAMPLES, eval=EVAL_SAMPLES, test=ns.test, distinct_test_openings=True)
     (out / "configs").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
     config = bench_config(out, ns.shape, backend, ns.steps)

@@ -18,6 +18,7 @@ code path only; its outputs are noise.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from dataclasses import dataclass
@@ -95,17 +96,34 @@ COUNSELOR = [
 SYSTEM = "You are a warm, careful counsellor. Listen first, reflect feelings, and ask one open question."
 
 
-def demo_records(count: int, seed: int) -> list[dict]:
-    """Return ``count`` alpaca-with-history records, deterministic for a seed."""
+# every client opening of two or three CLIENT lines, for records that must each open differently
+OPENINGS = [" ".join(lines) for n in (2, 3) for lines in itertools.permutations(CLIENT, n)]
+
+
+def demo_records(count: int, seed: int, distinct_openings: bool = False) -> list[dict]:
+    """Return ``count`` alpaca-with-history records, deterministic for a seed.
+
+    ``distinct_openings``: every record's first client turn differs from the others' (drawn from ``OPENINGS``), as
+    in a real held-out split; otherwise the eight ``CLIENT`` lines repeat, and ``launcher evaluate``, which answers
+    each distinct opening once, would find at most eight test prompts.
+    """
+    if distinct_openings and count > len(OPENINGS):
+        raise ValueError(f"{count} records with distinct openings: the demo has {len(OPENINGS)}")
     rng = random.Random(seed)
+    openings = rng.sample(OPENINGS, count) if distinct_openings else None
     records = []
-    for _ in range(count):
+    for i in range(count):
         turns = rng.randint(0, 2)
         history = [[rng.choice(CLIENT), rng.choice(COUNSELOR)] for _ in range(turns)]
+        instruction = rng.choice(CLIENT)
+        if openings and history:
+            history[0][0] = openings[i]
+        elif openings:
+            instruction = openings[i]
         records.append(
             {
                 "system": SYSTEM,
-                "instruction": rng.choice(CLIENT),
+                "instruction": instruction,
                 "input": "",
                 "output": rng.choice(COUNSELOR),
                 "history": history,
@@ -239,10 +257,13 @@ def build_model_dir(out: Path, seed: int = 0, shard_size: str = "300KB") -> Path
     return out
 
 
-def write_dataset(out: Path, train: int = 48, eval: int = 8, seed: int = 0, test: int = 6) -> Path:
+def write_dataset(out: Path, train: int = 48, eval: int = 8, seed: int = 0, test: int = 6,
+                  distinct_test_openings: bool = False) -> Path:  # fmt: skip
     """Write train/validation files and their ``dataset_info.json`` into ``out``, and a held-out test split
     (``demo_counsel_train_test.json``, not registered) recorded as ``launcher data prepare --test-size`` records
-    one, so that ``launcher evaluate`` runs on the demo (its records are synthetic, as the rest)."""
+    one, so that ``launcher evaluate`` runs on the demo (its records are synthetic, as the rest).
+    ``distinct_test_openings``: each test conversation opens differently (``demo_records``), so all of them are
+    prompts of ``launcher evaluate``."""
     out.mkdir(parents=True, exist_ok=True)
     columns = {
         "prompt": "instruction",
@@ -258,7 +279,7 @@ def write_dataset(out: Path, train: int = 48, eval: int = 8, seed: int = 0, test
         info[name] = {"file_name": file, "formatting": "alpaca", "columns": columns}
     (out / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n")
     test_file = out / f"{DATASET_TRAIN}_test.json"
-    test_file.write_text(json.dumps(demo_records(test, seed + 2), ensure_ascii=False, indent=1))
+    test_file.write_text(json.dumps(demo_records(test, seed + 2, distinct_test_openings), ensure_ascii=False, indent=1))
     record = {"format": "demo", "name": DATASET_TRAIN, "counts": {"train": train, "val": eval, "test": test},
               "test": {"file": test_file.name, "sha256": sha256_file(test_file), "samples": test}}  # fmt: skip
     (out / f"{DATASET_TRAIN}.prepare.json").write_text(json.dumps(record, indent=2) + "\n")

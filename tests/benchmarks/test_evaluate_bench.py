@@ -12,6 +12,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from benchmarks import evaluate_bench  # noqa: E402
+from launcher.demo import OPENINGS  # noqa: E402
 from launcher.state.runs import EVALUATE_JSON  # noqa: E402
 
 
@@ -30,11 +31,18 @@ def test_counts_must_be_positive(tmp_path, bad):
     assert not (tmp_path / "results.json").exists()
 
 
+def test_more_test_conversations_than_distinct_openings_are_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        evaluate_bench.main(["--out", str(tmp_path), "--shape", "tiny", "--test", str(len(OPENINGS) + 1)])
+    assert f"--test {len(OPENINGS) + 1}" in capsys.readouterr().err and not (tmp_path / "results.json").exists()
+
+
 @pytest.mark.slow
 def test_one_checkpoint_is_trained_then_evaluated_with_the_default_prompt_set(tmp_path):
     out = tmp_path / "ev"
-    assert evaluate_bench.main(["--out", str(out), "--shape", "tiny", "--test", "3", "--max-prompts", "3",
-                                "--max-new-tokens", "6", "--batch-size", "4", "--repeats", "2"]) == 0  # fmt: skip
+    # 10 test conversations: more than the demo's 8 client lines, so each must open differently to be a prompt
+    assert evaluate_bench.main(["--out", str(out), "--shape", "tiny", "--test", "10", "--max-prompts", "10",
+                                "--max-new-tokens", "6", "--batch-size", "8", "--repeats", "2"]) == 0  # fmt: skip
     results = json.loads((out / "results.json").read_text())
     assert results["training"]["state"] == "SUCCEEDED"
     run_dir = Path(results["training"]["run_dir"])
@@ -45,9 +53,9 @@ def test_one_checkpoint_is_trained_then_evaluated_with_the_default_prompt_set(tm
     assert json.loads((run_dir / "bench" / "rank0.json").read_text())["kernel_check"] is None
     assert len(results["evaluations"]) == 2 and all(e["ok"] for e in results["evaluations"])
     found = results["evaluations"][0]
-    assert found["ok"] and found["checkpoint"] == "checkpoint-2" and found["test_samples"] == 3
-    assert found["prompts"] == 3 + 6  # the test conversations and the shipped crisis prompts
-    assert found["decoding"]["batch_size"] == 4 and 0 < found["decoding"]["generated_tokens"] <= 9 * 6
+    assert found["ok"] and found["checkpoint"] == "checkpoint-2" and found["test_samples"] == 10
+    assert found["prompts"] == 10 + 6  # the test conversations and the shipped crisis prompts
+    assert found["decoding"]["batch_size"] == 8 and 0 < found["decoding"]["generated_tokens"] <= 16 * 6
     assert found["wall_s"] >= found["checkpoint_seconds"] > 0
     # the measuring child built the base from the marker and wrote its record beside the training rank's
     assert found["child"]["entry"] == "benchmarks.evaluate_entry" and found["child"]["device"] == "cpu"

@@ -6,7 +6,15 @@ import json
 
 import pytest
 
-from launcher.demo import ADDED_TOKENS, DATASET_EVAL, DATASET_TRAIN, SPECIAL_TOKENS, build_demo_assets
+from launcher.demo import (
+    ADDED_TOKENS,
+    DATASET_EVAL,
+    DATASET_TRAIN,
+    OPENINGS,
+    SPECIAL_TOKENS,
+    build_demo_assets,
+    demo_records,
+)
 
 
 def test_model_has_the_hybrid_layer_pattern_and_a_vision_tower(demo_assets):
@@ -73,6 +81,20 @@ def test_dataset_is_soulchat_shaped_and_registered(demo_assets):
             assert set(record) == {"system", "instruction", "input", "output", "history"}
             assert all(len(pair) == 2 for pair in record["history"])
         assert entry["columns"]["history"] == "history"
+
+
+def opening(record: dict) -> str:
+    """The record's first client turn, the one ``launcher evaluate`` asks."""
+    return record["history"][0][0] if record["history"] else record["instruction"]
+
+
+def test_distinct_openings_give_every_record_its_own_first_turn_and_leave_the_rest_as_drawn():
+    plain, distinct = demo_records(40, seed=2), demo_records(40, seed=2, distinct_openings=True)
+    assert len({opening(r) for r in plain}) <= 8  # the demo's eight client lines repeat
+    assert len({opening(r) for r in distinct}) == 40 and {opening(r) for r in distinct} <= set(OPENINGS)
+    assert demo_records(40, seed=2, distinct_openings=True) == distinct  # deterministic for a seed
+    with pytest.raises(ValueError, match=f"the demo has {len(OPENINGS)}"):
+        demo_records(len(OPENINGS) + 1, seed=0, distinct_openings=True)
 
 
 def test_existing_assets_are_not_overwritten_without_force(demo_assets):
