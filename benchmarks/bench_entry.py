@@ -77,16 +77,33 @@ def rank_device(backend: str) -> str:
     return "cpu" if backend == "cpu" else f"{backend}:{local}"
 
 
-def run_kernel_check(backend: str, patch_settings: dict[str, Any], spec: str) -> dict[str, Any] | None:
-    """``launcher validate-kernels`` cases ``suite:case,case`` on the kernel this run routes to."""
+def run_kernel_check(backend: str, patch_settings: dict[str, Any], spec: str,
+                     recorder: Recorder | None = None) -> dict[str, Any] | None:  # fmt: skip
+    """``launcher validate-kernels`` cases ``suite:case,case`` on the kernel this run routes to. Each case is
+    printed as it starts and ends, and recorded (``kernel_check_progress``: the cases done, and the one running
+    since when), so a run stopped inside the check says where its time went."""
     if not spec or spec == "none":
         return None
-    from launcher.checks.kernels import validate
+    from launcher.checks.kernels import SUITES, case_progress, validate
 
     suite, _, names = spec.partition(":")
+    cases = tuple(n for n in names.split(",") if n) or None
     routing = patch_settings.get("deltanet_routing") or {}
     kernel = routing.get("kernel", "auto") if routing.get("enabled", True) else "auto"  # upstream picks as auto
-    report = validate(backend, kernel=kernel, suite=suite, cases=tuple(n for n in names.split(",") if n) or None)
+    printer = case_progress(sum(1 for c in SUITES.get(suite, ()) if cases is None or c.name in cases), sys.stdout)
+    progress: dict[str, Any] = {"done": [], "running": None}
+
+    def on_case(name: str, result) -> None:
+        printer(name, result)
+        if result is None:
+            progress["running"] = {"case": name, "since": utc_now()}
+        else:
+            progress["running"] = None
+            progress["done"].append({"case": name, "status": result.status, "seconds": result.seconds})
+        if recorder is not None:
+            recorder.update(kernel_check_progress=progress)
+
+    report = validate(backend, kernel=kernel, suite=suite, cases=cases, on_case=on_case)
     return report.to_dict()
 
 
@@ -246,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         from launcher.rank.profiling import time_triton
 
         time_triton()  # before any kernel runs: a JITFunction binds Triton's compile at its first call
-        check = run_kernel_check(backend, launch["patches"], os.environ.get(KERNEL_CASES_ENV, ""))
+        check = run_kernel_check(backend, launch["patches"], os.environ.get(KERNEL_CASES_ENV, ""), recorder)
         recorder.update(kernel_check=check)
         dev.reset_peak()  # the kernel check's memory is not the training's
         install_random_init(dev.name, recorder)

@@ -1,7 +1,7 @@
 """Benchmark: the patches and performance options through the real launcher path.
 
     python -m benchmarks.patch_bench --out DIR [--steps 6] [--all-steps N] [--variants on,off,...]
-                                     [--shape 27b|tiny] [--backend cuda|cpu]
+                                     [--shape 27b|tiny] [--backend cuda|cpu] [--kernel-check first|each|none]
 
 Variants (``VARIANTS``, run in the order given): ``on`` (the product's defaults), ``off`` (every patch off:
 LLaMA-Factory 0.9.5's own behaviour), ``budget120`` (``checkpoint_all_layers.memory_budget_gib: 120``),
@@ -30,14 +30,16 @@ several samples each; the packing issue's target is 1.5x the supervised tokens/s
    ``vram_allocated``) and ``LAUNCHER_PREFLIGHT_SKIP=packages,kernel,model,data_stats``: a measuring host is
    not the
    CUDA image (packages), its Triton trips FLA's Hopper guard in the preflight child process, where the guard
-   is not lifted (kernel; the rank entry runs the kernel check instead), the folder has no weights (model), and
+   is not lifted (kernel; the rank entry runs the kernel check instead: in the first variant's rank by default,
+   ``--kernel-check``), the folder has no weights (model), and
    the samples are longer than the cutoff on purpose, which a formal run's data check refuses (data_stats).
 5. ``DIR/results.json``: the steps each variant ran (``steps``, by variant), then per variant the run's end
    state, step times (median after ``--warmup`` steps), tokens/s = tokens per step / median forward+backward
    time, supervised tokens/s after the warm-up (less the host's seconds inside Triton's compile and autotune
    calls, and over the steps of lengths seen before), the step period and
    LLaMA-Factory's own throughput, peak allocated memory, which kernel ran (proof records), how layers were
-   checkpointed in the first step, and the kernel check of the rank process; then the targets
+   checkpointed in the first step, and the kernel check of the rank process (with each case's seconds as it ran,
+   ``kernel_check_progress``, and for a run that did not succeed the end of its job log); then the targets
    (docs/benchmarks.md) are compared.
    ``profile`` adds the run's ``profile.json`` (``launcher/results/profile_report.py``) and ``profile.md``, which
    is also copied to ``DIR/profile.md``; the traces stay in the run directory (their paths are in the results).
@@ -59,6 +61,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from launcher.files import tail_lines
+from launcher.state.runs import JOB_LOG
 
 REPO = Path(__file__).resolve().parent.parent
 ALL_OFF = {"deltanet_routing": False, "fused_ops": False, "checkpoint_all_layers": False, "chunked_loss": False,
@@ -121,6 +126,7 @@ KERNEL_CASES = {
     "tiny": "quick:layout",
 }
 PREFLIGHT_SKIP = "packages,kernel,model,data_stats"
+LOG_TAIL_LINES = 30  # of a run that did not succeed, the end of its job log in results.json
 CENSUS_KEYS = ("layers", "gradient_checkpointing_true", "functions", "observed", "by_layer_type")
 CASE_KEYS = ("name", "shape", "key_heads", "status", "errors", "finite", "peak_memory_gib", "timing_ms", "note")
 
@@ -337,6 +343,9 @@ def summarize(run_dir: Path, warmup: int) -> dict[str, Any]:
     if check:
         cases = [{k: c.get(k) for k in CASE_KEYS} for c in check.get("cases", [])]
         result["kernel_check"] = {k: check.get(k) for k in ("ok", "kernel", "glue_kernels", "error")} | {"cases": cases}
+    result["kernel_check_progress"] = bench.get("kernel_check_progress")  # the cases' seconds; the one it stopped in
+    if status.get("state") != "SUCCEEDED":  # where a failed or stopped run was: the end of what the job printed
+        result["job_log_tail"] = tail_lines(run_dir / JOB_LOG, LOG_TAIL_LINES).splitlines()
     result["proof"] = _proof_summary(run_dir)
     return result
 
@@ -495,6 +504,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="default: cuda for 27b, cpu for tiny")  # fmt: skip
     parser.add_argument("--samples", type=int, default=8, help="dataset samples (default 8)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per variant before a graceful stop")
+    parser.add_argument("--kernel-check", choices=("first", "each", "none"), default="first",
+                        help="which variants' ranks run the kernel-check cases (KERNEL_CASES) before training: "
+                             "the first (default: the same kernels on the same machine serve the rest), each, or "
+                             "none; on a cold Triton cache they take minutes of the variant's --timeout")  # fmt: skip
     ns = parser.parse_args(argv)
     backend = ns.backend or ("cuda" if ns.shape == "27b" else "cpu")
     variants = [v.strip() for v in ns.variants.split(",") if v.strip()]
@@ -520,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         "preflight_skipped": PREFLIGHT_SKIP, "model_parameters": _read_json(out / "model_parameters.json"),
         "variants": {},
     }  # fmt: skip
+    results["kernel_check_in"] = {"first": variants[:1], "each": variants, "none": []}[ns.kernel_check]
     for variant in variants:
         config = run_config(out, variant, ns.shape, backend, steps[variant])
         path = out / "configs" / f"{variant}.yaml"
@@ -528,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[patch_bench] {variant}: python -m launcher {' '.join(args)}", flush=True)
         skip = VARIANTS[variant].get("preflight_skip")
         run_env = {**env, "LAUNCHER_PREFLIGHT_SKIP": f"{PREFLIGHT_SKIP},{skip}"} if skip else env
+        if variant not in results["kernel_check_in"]:
+            run_env = {**run_env, "BENCH_KERNEL_CASES": "none"}
         forecast = forecast_of(path)
         run = run_variant(args, run_env, ns.timeout, out / "logs" / f"{variant}.supervisor.log")
         profiled = VARIANTS[variant].get("profile")

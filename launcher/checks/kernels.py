@@ -63,7 +63,17 @@ from typing import Any
 from launcher.checks import decode_kernels, glue_kernels
 from launcher.checks.kernel_cases import Case, CaseResult, Device, _FullPrecision, make_inputs, rel_error
 
-__all__ = ["Case", "CaseResult", "Device", "Report", "check_case", "make_inputs", "rel_error", "validate"]
+__all__ = [
+    "Case",
+    "CaseResult",
+    "Device",
+    "Report",
+    "case_progress",
+    "check_case",
+    "make_inputs",
+    "rel_error",
+    "validate",
+]
 DEFAULT_THRESHOLD = 0.05
 GRAD_NAMES = ("q", "k", "v", "g", "beta")
 TIMING_WARMUP, TIMING_REPEATS = 3, 10
@@ -329,10 +339,27 @@ def environment(torch, dev: Device) -> dict[str, Any]:
     return env
 
 
+def case_progress(total: int, file=None):
+    """``validate``'s ``on_case``: a line as each case starts and ends (on a cold Triton cache a case at the model's
+    shapes compiles for minutes; the line says which one)."""
+    done = []
+
+    def on_case(name: str, result) -> None:
+        if result is None:
+            print(f"validate-kernels: [{len(done) + 1}/{total}] {name} ...", file=file or sys.stderr, flush=True)
+            return
+        done.append(name)
+        print(f"validate-kernels: [{len(done)}/{total}] {name}: {result.status} in {result.seconds:g} s",
+              file=file or sys.stderr, flush=True)  # fmt: skip
+
+    return on_case
+
+
 def validate(backend: str, *, kernel: str = "auto", suite: str = "quick", threshold: float = DEFAULT_THRESHOLD,
              cases: tuple[str, ...] | None = None, kernel_fn: Callable | None = None,
              kernel_name: str | None = None, decode_fn: Callable | None = None,
-             glue_fns: dict[str, Callable] | None = None) -> Report:  # fmt: skip
+             glue_fns: dict[str, Callable] | None = None,
+             on_case: Callable[[str, CaseResult | None], None] | None = None) -> Report:  # fmt: skip
     """Run a suite against the kernels routed for ``backend`` (or ``kernel_fn``/``decode_fn``, for tests).
 
     The ``decode`` case checks the recurrent kernel generation routes to (``launcher.checks.decode_kernels``);
@@ -344,6 +371,8 @@ def validate(backend: str, *, kernel: str = "auto", suite: str = "quick", thresh
         suite: ``quick`` (small shapes) or ``full`` (model shapes).
         threshold: largest relative L2 error that passes.
         cases: run only these case names of the suite.
+        on_case: called with a case's name as it starts (and None), then with its result as it ends: progress, so
+            that a suite that runs for minutes (compiles on a cold Triton cache) shows which case it is in.
 
     Returns:
         The report; ``report.error`` is set (and no case runs) when no kernel can be routed here.
@@ -375,11 +404,16 @@ def validate(backend: str, *, kernel: str = "auto", suite: str = "quick", thresh
             report.error = f"{type(err).__name__}: {err}"
             return report
     for case in selected:
+        if on_case is not None:
+            on_case(case.name, None)
         if case.op is not None:
-            report.cases.append(glue_kernels.check_glue_case(torch, case, glue_fns[case.op], dev, threshold))
+            result = glue_kernels.check_glue_case(torch, case, glue_fns[case.op], dev, threshold)
         elif case.prefill is not None:
             fallback = decode_kernels.torch_decode_reference()
-            report.cases.append(decode_kernels.check_decode_case(torch, case, decode_fn, dev, threshold, fallback))
+            result = decode_kernels.check_decode_case(torch, case, decode_fn, dev, threshold, fallback)
         else:
-            report.cases.append(check_case(torch, case, kernel_fn, reference, dev, threshold, fallback=reference))
+            result = check_case(torch, case, kernel_fn, reference, dev, threshold, fallback=reference)
+        report.cases.append(result)
+        if on_case is not None:
+            on_case(case.name, result)
     return report

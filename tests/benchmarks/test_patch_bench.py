@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 
 from benchmarks import bench_assets, bench_entry, fla_guard, patch_bench  # noqa: E402
 from launcher.run.config import load_run_config  # noqa: E402
+from launcher.state.runs import JOB_LOG  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +202,25 @@ def test_allocator_retries_are_counted_over_the_measured_steps_only():
     assert patch_bench._retries_in([{"alloc_retries": None}], warmup=0) is None  # the CPU has no counter
 
 
+def test_a_run_stopped_inside_the_kernel_check_says_which_case_and_ends_with_its_job_log(tmp_path):
+    """What a variant stopped by ``--timeout`` before its first step leaves (written here as the rank and the job
+    write them): the cases done with their seconds, the one running, and the last lines the job printed."""
+    from launcher.files import write_json_atomic
+
+    run_dir = tmp_path / "run"
+    (run_dir / "bench").mkdir(parents=True)
+    progress = {"done": [{"case": "qwen3_5_27b", "status": "pass", "seconds": 41.2}],
+                "running": {"case": "varlen_grouped", "since": "2026-12-04T16:40:00.000Z"}}  # fmt: skip
+    write_json_atomic(run_dir / "bench" / "rank0.json", {"steps": [], "kernel_check_progress": progress})
+    write_json_atomic(run_dir / "status.json", {"state": "TERMINATED", "reason": "received SIGTERM"})
+    lines = [f"line {i}" for i in range(patch_bench.LOG_TAIL_LINES + 5)]
+    (run_dir / JOB_LOG).write_text("\n".join([*lines, "validate-kernels: [2/9] varlen_grouped ..."]) + "\n")
+    found = patch_bench.summarize(run_dir, warmup=2)
+    assert found["steps_recorded"] == 0 and found["kernel_check"] is None and found["kernel_check_progress"] == progress
+    assert len(found["job_log_tail"]) == patch_bench.LOG_TAIL_LINES
+    assert found["job_log_tail"][-1] == "validate-kernels: [2/9] varlen_grouped ..."
+
+
 def test_the_device_reads_the_allocators_retry_counter():
     """The CPU has no such counter; a CUDA/NPU module is stood in by its ``memory_stats`` (no accelerator here)."""
     import types
@@ -220,10 +240,15 @@ def test_tiny_benchmark_runs_both_variants_through_launcher_run(tmp_path):
     out = tmp_path / "bench"
     results = run_tiny_bench(out, "--steps", "3", "--warmup", "1")
     on, off = results["variants"]["on"], results["variants"]["off"]
+    # the kernel check runs in the first variant's rank only (--kernel-check first), case by case on record
+    assert results["kernel_check_in"] == ["on"] and on["kernel_check"]["ok"] and off["kernel_check"] is None
+    assert on["kernel_check_progress"]["running"] is None
+    assert [(c["case"], c["status"]) for c in on["kernel_check_progress"]["done"]] == [("layout", "pass")]
+    assert "validate-kernels: [1/1] layout: pass in " in (out / "logs" / "on.job.log").read_text()
     for variant in (on, off):
         assert variant["state"] == "SUCCEEDED" and variant["steps_recorded"] == 3
         assert variant["tokens_per_step"] == [256]  # exactly cutoff_len
-        assert variant["kernel_check"]["ok"] and variant["model_build"]["parameters"] > 0
+        assert variant["model_build"]["parameters"] > 0 and "job_log_tail" not in variant
         assert variant["tokens_per_s"] > 0 and variant["llamafactory"]["loss"]
         assert variant["alloc_retries_measured"] is None  # the CPU's allocator has no retry counter
     assert on["proof"]["checkpoint_all_layers"]["observed"] == {"non_reentrant": 4, "not_run": 1}  # no vision work

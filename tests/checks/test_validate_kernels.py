@@ -174,6 +174,15 @@ def test_cli_writes_json_and_exits_zero(tmp_path, capsys):
     assert "PASSED" in capsys.readouterr().out
 
 
+def test_cli_prints_each_case_as_it_starts_and_ends(capsys):
+    """Progress on stderr: a full suite on a cold Triton cache compiles for minutes, and its log says in which case."""
+    assert main(["validate-kernels", "--device", "cpu", "--case", "layout", "--case", "conv"]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("validate-kernels: [")]
+    assert [line.split(" in ")[0] for line in err] == [
+        "validate-kernels: [1/2] layout ...", "validate-kernels: [1/2] layout: pass",
+        "validate-kernels: [2/2] conv ...", "validate-kernels: [2/2] conv: pass"]  # fmt: skip
+
+
 def test_cli_reports_a_refused_route_with_its_fix(tmp_path, capsys):
     out = tmp_path / "kernels.json"
     assert main(["validate-kernels", "--device", "cpu", "--kernel", "fla", "--json", str(out)]) == 1
