@@ -7,8 +7,10 @@ LLaMA-Factory exactly as a real run does):
 
 1. on CUDA, lifts FLA's Hopper guard (``benchmarks.fla_guard``; the measuring H200 has Triton 3.6.0) and records it;
 2. runs ``launcher validate-kernels`` cases (``$BENCH_KERNEL_CASES``, e.g. ``full:qwen3_5_27b``) on the
-   kernel this run routes to, against the fp32 reference, and records the report: the guard is lifted only
-   together with this evidence;
+   kernel this run routes to, against the fp32 reference, and records the report and each case as it ends
+   (``kernel_check_progress``): the guard is lifted only together with this evidence, from this rank or, where
+   ``patch_bench`` runs the check in its first variant only (``--kernel-check first``), from that variant's rank
+   on the same machine and kernels in the same invocation (``results.json``: ``kernel_check_in``);
 3. makes ``PreTrainedModel.from_pretrained`` build a model folder marked ``random_init.json``
    (``benchmarks.bench_assets``) from its config with random weights directly on this rank's device, in the
    dtype LLaMA-Factory asks for (other folders load normally); under FSDP2 (``accelerate launch``) it builds
@@ -84,17 +86,18 @@ def run_kernel_check(backend: str, patch_settings: dict[str, Any], spec: str,
     since when), so a run stopped inside the check says where its time went."""
     if not spec or spec == "none":
         return None
-    from launcher.checks.kernels import SUITES, case_progress, validate
+    from launcher.checks.kernels import SUITES, case_progress, select_cases, validate
 
     suite, _, names = spec.partition(":")
     cases = tuple(n for n in names.split(",") if n) or None
     routing = patch_settings.get("deltanet_routing") or {}
     kernel = routing.get("kernel", "auto") if routing.get("enabled", True) else "auto"  # upstream picks as auto
-    printer = case_progress(sum(1 for c in SUITES.get(suite, ()) if cases is None or c.name in cases), sys.stdout)
+    printer = case_progress(len(select_cases(suite, cases)) if suite in SUITES else 0, sys.stdout)
     progress: dict[str, Any] = {"done": [], "running": None}
 
     def on_case(name: str, result) -> None:
-        printer(name, result)
+        if os.environ.get("RANK", "0") == "0":  # one job log for all ranks: rank 0 speaks for them
+            printer(name, result)
         if result is None:
             progress["running"] = {"case": name, "since": utc_now()}
         else:

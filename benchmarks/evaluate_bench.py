@@ -9,7 +9,8 @@ In one invocation:
 1. assets: the shape's model folder (config, tokenizer and the random-init marker: ``benchmarks.bench_assets``) and
    the demo's counselling-style dataset with a held-out test split of ``--test`` conversations, each opening with a
    different client turn (``launcher.demo.write_dataset``, recorded as ``launcher data prepare --test-size`` records
-   one): ``launcher evaluate`` answers each distinct opening once, so all ``--max-prompts`` of them are prompts;
+   one): ``launcher evaluate`` answers each distinct opening once, so each of the first ``--max-prompts`` test
+   conversations is a prompt;
 2. a short training run through ``launcher run`` (``benchmarks.patch_bench``'s ``on`` config on that data: LoRA r8 on
    q/k/v/o, bf16 off the CPU, ``--steps`` optimizer steps, a checkpoint at the last), so there is a real run with a
    real adapter to evaluate. Its batches are padded to the cutoff (``pad_lengths``; the evaluation below is not
@@ -46,6 +47,7 @@ from typing import Any
 import yaml
 
 from benchmarks import patch_bench
+from benchmarks.bench_entry import KERNEL_CASES_ENV
 from benchmarks.evaluate_entry import RECORD
 
 TARGET_S = 180.0  # issue 32: the default prompt set of one checkpoint in 3 minutes or less on one H200 (27B)
@@ -135,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
 
     shutil.rmtree(out / "model", ignore_errors=True)
     write_model_dir(out / "model", ns.shape)
-    # each test conversation opens differently: evaluate answers each distinct opening once (the demo's 8 lines)
+    # each test conversation opens differently: evaluate answers each distinct opening once, and without this the
+    # demo's 8 client lines would give at most 8 test prompts
     write_dataset(out / "data", train=TRAIN_SAMPLES, eval=EVAL_SAMPLES, test=ns.test, distinct_test_openings=True)
     (out / "configs").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     # the training only makes the checkpoint: no kernel check in its rank (the other benchmarks' 27B cases would
     # compile FLA's kernels for shapes this evaluation never runs, minutes on a cold cache)
-    env = patch_bench.bench_env(out, ns.shape, {"BENCH_KERNEL_CASES": "none"})
+    env = patch_bench.bench_env(out, ns.shape, {KERNEL_CASES_ENV: "none"})
     results: dict[str, Any] = {
         "command": " ".join(["python -m benchmarks.evaluate_bench", *(argv if argv is not None else sys.argv[1:])]),
         "shape": ns.shape, "backend": backend, "batch_size": ns.batch_size, "max_new_tokens": ns.max_new_tokens,

@@ -62,6 +62,7 @@ from typing import Any
 
 import yaml
 
+from benchmarks import bench_entry
 from launcher.files import tail_lines
 from launcher.state.runs import JOB_LOG
 
@@ -479,7 +480,7 @@ def bench_env(out: Path, shape: str, extra: dict[str, str] | None = None) -> dic
         "PYTHONUNBUFFERED": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "LAUNCHER_PREFLIGHT_SKIP": PREFLIGHT_SKIP,
-        "BENCH_KERNEL_CASES": KERNEL_CASES[shape],
+        bench_entry.KERNEL_CASES_ENV: KERNEL_CASES[shape],
         # kept across variants (on-warm reads it); one set by the caller wins, so invocations can share a cache
         "TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR") or str(out / "triton-cache"),
         **(extra or {}),
@@ -506,11 +507,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900, help="seconds per variant before a graceful stop")
     parser.add_argument("--kernel-check", choices=("first", "each", "none"), default="first",
                         help="which variants' ranks run the kernel-check cases (KERNEL_CASES) before training: "
-                             "the first (default: the same kernels on the same machine serve the rest), each, or "
-                             "none; on a cold Triton cache they take minutes of the variant's --timeout")  # fmt: skip
+                             "the first (default: every variant routes its kernels as auto, so the first rank's "
+                             "check covers the rest on this machine), each, or none; on a cold Triton cache the "
+                             "cases take minutes of the variant's --timeout")  # fmt: skip
     ns = parser.parse_args(argv)
     backend = ns.backend or ("cuda" if ns.shape == "27b" else "cpu")
     variants = [v.strip() for v in ns.variants.split(",") if v.strip()]
+    if not variants:
+        parser.error(f"--variants {ns.variants!r} names none; for example --variants on,off")
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
@@ -533,8 +537,9 @@ def main(argv: list[str] | None = None) -> int:
         "preflight_skipped": PREFLIGHT_SKIP, "model_parameters": _read_json(out / "model_parameters.json"),
         "variants": {},
     }  # fmt: skip
-    results["kernel_check_in"] = {"first": variants[:1], "each": variants, "none": []}[ns.kernel_check]
-    for variant in variants:
+    checked = {"first": range(1), "each": range(len(variants)), "none": range(0)}[ns.kernel_check]
+    results["kernel_check_in"] = [variants[i] for i in checked]  # by position: --variants on,on checks the first
+    for position, variant in enumerate(variants):
         config = run_config(out, variant, ns.shape, backend, steps[variant])
         path = out / "configs" / f"{variant}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -542,8 +547,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[patch_bench] {variant}: python -m launcher {' '.join(args)}", flush=True)
         skip = VARIANTS[variant].get("preflight_skip")
         run_env = {**env, "LAUNCHER_PREFLIGHT_SKIP": f"{PREFLIGHT_SKIP},{skip}"} if skip else env
-        if variant not in results["kernel_check_in"]:
-            run_env = {**run_env, "BENCH_KERNEL_CASES": "none"}
+        if position not in checked:
+            run_env = {**run_env, bench_entry.KERNEL_CASES_ENV: "none"}
         forecast = forecast_of(path)
         run = run_variant(args, run_env, ns.timeout, out / "logs" / f"{variant}.supervisor.log")
         profiled = VARIANTS[variant].get("profile")

@@ -110,25 +110,25 @@ def demo_records(count: int, seed: int, distinct_openings: bool = False) -> list
     if distinct_openings and count > len(OPENINGS):
         raise ValueError(f"{count} records with distinct openings: the demo has {len(OPENINGS)}")
     rng = random.Random(seed)
-    openings = rng.sample(OPENINGS, count) if distinct_openings else None
     records = []
-    for i in range(count):
+    for _ in range(count):
         turns = rng.randint(0, 2)
         history = [[rng.choice(CLIENT), rng.choice(COUNSELOR)] for _ in range(turns)]
-        instruction = rng.choice(CLIENT)
-        if openings and history:
-            history[0][0] = openings[i]
-        elif openings:
-            instruction = openings[i]
         records.append(
             {
                 "system": SYSTEM,
-                "instruction": instruction,
+                "instruction": rng.choice(CLIENT),
                 "input": "",
                 "output": rng.choice(COUNSELOR),
                 "history": history,
             }
         )
+    if distinct_openings:  # drawn after the records, which are then the plain ones but for their first turn
+        for record, opening in zip(records, rng.sample(OPENINGS, count), strict=True):
+            if record["history"]:
+                record["history"][0][0] = opening
+            else:
+                record["instruction"] = opening
     return records
 
 
@@ -279,7 +279,9 @@ def write_dataset(out: Path, train: int = 48, eval: int = 8, seed: int = 0, test
         info[name] = {"file_name": file, "formatting": "alpaca", "columns": columns}
     (out / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n")
     test_file = out / f"{DATASET_TRAIN}_test.json"
-    test_file.write_text(json.dumps(demo_records(test, seed + 2, distinct_test_openings), ensure_ascii=False, indent=1))
+    test_file.write_text(
+        json.dumps(demo_records(test, seed + 2, distinct_openings=distinct_test_openings), ensure_ascii=False, indent=1)
+    )
     record = {"format": "demo", "name": DATASET_TRAIN, "counts": {"train": train, "val": eval, "test": test},
               "test": {"file": test_file.name, "sha256": sha256_file(test_file), "samples": test}}  # fmt: skip
     (out / f"{DATASET_TRAIN}.prepare.json").write_text(json.dumps(record, indent=2) + "\n")

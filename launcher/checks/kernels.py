@@ -339,6 +339,11 @@ def environment(torch, dev: Device) -> dict[str, Any]:
     return env
 
 
+def select_cases(suite: str, cases: tuple[str, ...] | None = None) -> list[Case]:
+    """The cases of ``suite`` that ``validate`` runs: all, or those named in ``cases``, in the suite's order."""
+    return [c for c in SUITES[suite] if not cases or c.name in cases]
+
+
 def case_progress(total: int, file=None):
     """``validate``'s ``on_case``: a line as each case starts and ends (on a cold Triton cache a case at the model's
     shapes compiles for minutes; the line says which one)."""
@@ -396,7 +401,7 @@ def validate(backend: str, *, kernel: str = "auto", suite: str = "quick", thresh
     except Exception as err:  # a refused route (PatchError) carries its reason and the fix
         report.error = f"{type(err).__name__}: {err}"
         return report
-    selected = [c for c in SUITES[suite] if cases is None or c.name in cases]
+    selected = select_cases(suite, cases)
     if any(c.op for c in selected) and glue_fns is None:
         try:
             glue_fns, report.glue_kernels = glue_kernels.select_glue_kernels(backend)

@@ -81,13 +81,13 @@ def _render_kernels(report, file=None) -> None:
 
 def _cmd_validate_kernels(ns: argparse.Namespace) -> int:
     """``launcher validate-kernels``: 0 when every case passed (or was skipped with a reason), 1 otherwise."""
-    from launcher.checks.kernels import SUITES, case_progress, resolve_backend, validate
+    from launcher.checks.kernels import case_progress, resolve_backend, select_cases, validate
 
     backend = resolve_backend(ns.device)
     suite = ns.suite or ("quick" if backend == "cpu" else "full")
-    total = sum(1 for c in SUITES[suite] if not ns.cases or c.name in ns.cases)
-    report = validate(backend, kernel=ns.kernel, suite=suite, threshold=ns.threshold,
-                      cases=tuple(ns.cases) if ns.cases else None, on_case=case_progress(total))  # fmt: skip
+    cases = tuple(ns.cases) if ns.cases else None
+    report = validate(backend, kernel=ns.kernel, suite=suite, threshold=ns.threshold, cases=cases,
+                      on_case=case_progress(len(select_cases(suite, cases))))  # fmt: skip
     _render_kernels(report)
     if ns.json is not None:
         from launcher.files import write_json_atomic

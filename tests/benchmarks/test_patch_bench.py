@@ -209,16 +209,16 @@ def test_a_run_stopped_inside_the_kernel_check_says_which_case_and_ends_with_its
 
     run_dir = tmp_path / "run"
     (run_dir / "bench").mkdir(parents=True)
-    progress = {"done": [{"case": "qwen3_5_27b", "status": "pass", "seconds": 41.2}],
-                "running": {"case": "varlen_grouped", "since": "2026-12-04T16:40:00.000Z"}}  # fmt: skip
+    progress = {"done": [{"case": "varlen_grouped", "status": "pass", "seconds": 41.2}],
+                "running": {"case": "qwen3_5_27b", "since": "2026-12-04T16:40:00.000Z"}}  # fmt: skip
     write_json_atomic(run_dir / "bench" / "rank0.json", {"steps": [], "kernel_check_progress": progress})
     write_json_atomic(run_dir / "status.json", {"state": "TERMINATED", "reason": "received SIGTERM"})
     lines = [f"line {i}" for i in range(patch_bench.LOG_TAIL_LINES + 5)]
-    (run_dir / JOB_LOG).write_text("\n".join([*lines, "validate-kernels: [2/9] varlen_grouped ..."]) + "\n")
+    (run_dir / JOB_LOG).write_text("\n".join([*lines, "validate-kernels: [2/8] qwen3_5_27b ..."]) + "\n")
     found = patch_bench.summarize(run_dir, warmup=2)
     assert found["steps_recorded"] == 0 and found["kernel_check"] is None and found["kernel_check_progress"] == progress
     assert len(found["job_log_tail"]) == patch_bench.LOG_TAIL_LINES
-    assert found["job_log_tail"][-1] == "validate-kernels: [2/9] varlen_grouped ..."
+    assert found["job_log_tail"][-1] == "validate-kernels: [2/8] qwen3_5_27b ..."
 
 
 def test_the_device_reads_the_allocators_retry_counter():
@@ -274,7 +274,8 @@ def test_profile_variant_runs_launcher_profile_on_the_on_config(tmp_path):
     assert patch_bench.launcher_args("profile", path, 5, 2) == ["profile", str(path), "--steps", "3", "--warmup", "2",
                                                                 "--quiet"]  # fmt: skip
     assert patch_bench.launcher_args("on", path, 6, 2) == ["run", str(path), "--quiet"]
-    for args in (["--warmup", "5"], ["--all-steps", "2"], ["--all-steps", "0"]):  # no step left to profile; bad N
+    # no step left to profile; a bad N; no variant at all
+    for args in (["--warmup", "5"], ["--all-steps", "2"], ["--all-steps", "0"], ["--variants", ","]):
         with pytest.raises(SystemExit):
             patch_bench.main(["--out", str(tmp_path / "b"), "--shape", "tiny", "--variants", "profile", *args])
         assert not (tmp_path / "b").exists()  # refused before anything is written

@@ -90,8 +90,13 @@ def opening(record: dict) -> str:
 
 def test_distinct_openings_give_every_record_its_own_first_turn_and_leave_the_rest_as_drawn():
     plain, distinct = demo_records(40, seed=2), demo_records(40, seed=2, distinct_openings=True)
-    assert len({opening(r) for r in plain}) <= 8  # the demo's eight client lines repeat
     assert len({opening(r) for r in distinct}) == 40 and {opening(r) for r in distinct} <= set(OPENINGS)
+    for was, now in zip(plain, distinct, strict=True):  # the same records but for the first client turn
+        first = "history" if was["history"] else "instruction"
+        assert {k: v for k, v in now.items() if k != first} == {k: v for k, v in was.items() if k != first}
+        assert now["history"][1:] == was["history"][1:] and opening(now) != opening(was)
+        if was["history"]:
+            assert now["history"][0][1] == was["history"][0][1]  # the counsellor's reply to it is kept
     assert demo_records(40, seed=2, distinct_openings=True) == distinct  # deterministic for a seed
     with pytest.raises(ValueError, match=f"the demo has {len(OPENINGS)}"):
         demo_records(len(OPENINGS) + 1, seed=0, distinct_openings=True)
