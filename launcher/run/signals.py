@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -149,8 +150,17 @@ def from_siginfo(info: Any) -> Received:
 
 
 def take(signals: tuple[int, ...], timeout: float) -> Received | None:
-    """A blocked stop signal, taken with its sender (``sigtimedwait``) within ``timeout`` seconds, or None."""
+    """A blocked stop signal, taken with its sender (``sigtimedwait``) within ``timeout`` seconds, or None.
+
+    ``sigtimedwait`` returns only signals of the set. A record whose ``si_signo`` is none of them (seen once: a
+    Slurm node's launcher, under load in a test cluster, read 1111501904 and stopped itself, with nobody stopping
+    it) names no stop signal: it is reported on stderr and taken as none, rather than as a stop nobody sent."""
     info = signal.sigtimedwait(signals, max(0.0, timeout))
+    if info is not None and info.si_signo not in signals:
+        wanted = ", ".join(str(int(s)) for s in signals)
+        print(f"launcher: sigtimedwait gave si_signo {info.si_signo}, not a stop signal ({wanted}); ignored",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return None
     return None if info is None else from_siginfo(info)
 
 

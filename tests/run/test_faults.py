@@ -888,3 +888,20 @@ def test_sigterm_from_outside_the_pid_namespace_is_recorded_as_the_container_eng
     assert rc == 143 and status["state"] == "TERMINATED", (tmp_path / "run.out").read_text()[-3000:]
     assert status["stopped_by"].startswith("SIGTERM from outside this pid namespace (si_pid 0: the container engine")
     assert status["stop_sender"]["pid"] == 0 and status["stop_sender"]["si_code"] == 0
+
+
+def test_a_sigtimedwait_record_that_names_no_stop_signal_is_no_stop(monkeypatch, capsys):
+    """Seen once in the Slurm test cluster under load: the watcher's ``sigtimedwait`` gave ``si_signo`` 1111501904
+    and the node's launcher stopped itself, nobody having stopped it. Stood in here by the record ``sigtimedwait``
+    returns (the kernel's own cannot be made to do it); a real stop signal is still taken, with its sender."""
+    import types
+
+    from launcher.run import signals
+
+    records = iter([types.SimpleNamespace(si_signo=1111501904, si_pid=0, si_uid=0, si_code=0),
+                    types.SimpleNamespace(si_signo=int(signal.SIGTERM), si_pid=1, si_uid=0, si_code=0)])  # fmt: skip
+    monkeypatch.setattr(signals.signal, "sigtimedwait", lambda _set, _timeout: next(records))
+    assert signals.take(signals.STOP_SIGNALS, 0) is None
+    assert "si_signo 1111501904, not a stop signal" in capsys.readouterr().err
+    taken = signals.take(signals.STOP_SIGNALS, 0)
+    assert taken is not None and taken.signum == signal.SIGTERM and taken.pid == 1
