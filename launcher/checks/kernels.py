@@ -72,6 +72,7 @@ __all__ = [
     "check_case",
     "make_inputs",
     "rel_error",
+    "select_cases",
     "validate",
 ]
 DEFAULT_THRESHOLD = 0.05
@@ -351,11 +352,11 @@ def case_progress(total: int, file=None):
 
     def on_case(name: str, result) -> None:
         if result is None:
-            print(f"validate-kernels: [{len(done) + 1}/{total}] {name} ...", file=file or sys.stderr, flush=True)
-            return
-        done.append(name)
-        print(f"validate-kernels: [{len(done)}/{total}] {name}: {result.status} in {result.seconds:g} s",
-              file=file or sys.stderr, flush=True)  # fmt: skip
+            line = f"[{len(done) + 1}/{total}] {name} ..."
+        else:
+            done.append(name)
+            line = f"[{len(done)}/{total}] {name}: {result.status} in {result.seconds:g} s"
+        print(f"validate-kernels: {line}", file=file or sys.stderr, flush=True)
 
     return on_case
 
