@@ -53,6 +53,29 @@ def test_answers_in_batches_equal_one_at_a_time_token_for_token(tiny, one_at_a_t
     assert [(p.done, p.total) for p in seen] == [(8, 8)] and seen[-1].tokens == sum(len(a) for a in single)
 
 
+def test_a_short_last_batch_is_filled_to_the_batch_size_and_its_copies_are_not_answers(tiny, one_at_a_time,
+                                                                                       monkeypatch):  # fmt: skip
+    """8 prompts in batches of 3: three ``generate`` calls of 3 rows each (the last one 2 prompts and a copy), so
+    the decoding kernels see one batch size; the answers are still the one-at-a-time answers, one per prompt."""
+    model, prompts = tiny
+    stop, single = one_at_a_time
+    sizes: list[int] = []
+    real_generate = model.generate
+
+    def counting(*args, input_ids, **kwargs):
+        sizes.append(int(input_ids.shape[0]))
+        return real_generate(*args, input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(model, "generate", counting)
+    seen: list[Progress] = []
+    assert _answers(model, prompts, stop, 3, seen.append) == single
+    assert sizes == [3, 3, 3]
+    assert [p.done for p in seen] == [3, 6, 8] and seen[-1].tokens == sum(len(a) for a in single)
+    sizes.clear()
+    _answers(model, prompts[:2], stop, 3)  # one batch: nothing to match, nothing added
+    assert sizes == [2]
+
+
 def _drop_deltanet_padding_mask(monkeypatch, model):
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
