@@ -2,7 +2,7 @@
 
     python -m benchmarks.evaluate_bench --out DIR [--shape 27b|tiny] [--backend cuda|npu|cpu] [--batch-size 16]
                                         [--max-new-tokens 128] [--max-prompts 32] [--test 32] [--steps 2]
-                                        [--repeats 1] [--timeout 900]
+                                        [--repeats 1] [--timeout 900] [--reuse]
 
 In one invocation:
 
@@ -30,7 +30,9 @@ child's record; and the target: the whole evaluation of one checkpoint within ``
 ``--repeats 2`` evaluates the checkpoint again (``evaluations``, in order): the first evaluation compiles the
 decoding kernels on a cold cache, the second shows a machine whose Triton cache persists (the images keep it in a
 volume); the target is judged on each. Reading the base from disk (51 GiB of safetensors for the 27B shape) is not
-in these figures.
+in these figures. ``--reuse`` skips steps 1 and 2: it evaluates again the run an earlier invocation trained in the
+same ``DIR`` and adds its evaluations to that ``results.json`` (each evaluation names the command that made it), so
+a warm evaluation can follow a cold one in a later call on the same machine.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import yaml
 from benchmarks import patch_bench
 from benchmarks.bench_entry import KERNEL_CASES_ENV
 from benchmarks.evaluate_entry import RECORD
+from launcher.files import write_json_atomic
 
 TARGET_S = 180.0  # issue 32: the default prompt set of one checkpoint in 3 minutes or less on one H200 (27B)
 TRAIN_SAMPLES, EVAL_SAMPLES = 16, 4
@@ -102,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="examples:\n  python -m benchmarks.evaluate_bench --out /tmp/ev\n"
                                             "  python -m benchmarks.evaluate_bench --out /tmp/ev --shape tiny "
-                                            "--test 4 --max-new-tokens 16")  # fmt: skip
+                                            "--test 4 --max-new-tokens 16\n"
+                                            "  python -m benchmarks.evaluate_bench --out /tmp/ev --reuse   "
+                                            "# the same run, evaluated again")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="folder for assets, the run and results.json")
     parser.add_argument("--shape", choices=("27b", "tiny"), default="27b")
     parser.add_argument("--backend", choices=("cuda", "npu", "cpu"), help="default: cuda for 27b, cpu for tiny")
@@ -118,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         help="evaluations of the checkpoint, one after another (2: a cold then a warm Triton cache)",
     )
     parser.add_argument("--timeout", type=float, default=900, help="seconds for the training run before a stop")
+    parser.add_argument("--reuse", action="store_true",
+                        help="no training: evaluate again the run an earlier invocation trained in --out (its "
+                             "results.json gains these evaluations), as on a machine whose Triton cache it "
+                             "filled")  # fmt: skip
     ns = parser.parse_args(argv)
     for name in ("batch_size", "max_new_tokens", "test", "steps", "repeats"):
         if getattr(ns, name) < 1:
@@ -132,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-prompts {ns.max_prompts}: use 0 (all test conversations) or more")
     backend = ns.backend or ("cuda" if ns.shape == "27b" else "cpu")
     out = ns.out.resolve()
+    command = " ".join(["python -m benchmarks.evaluate_bench", *(argv if argv is not None else sys.argv[1:])])
+    if ns.reuse:
+        results, run_dir, why = _earlier(out, ns.shape)
+        if run_dir is None:
+            parser.error(f"--reuse: {why}; run once without --reuse to train it")
+        return _evaluate(out, run_dir, results, command, ns)
     from benchmarks.bench_assets import write_model_dir
     from launcher.demo import write_dataset
 
@@ -149,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     # compile FLA's kernels for shapes this evaluation never runs, minutes on a cold cache)
     env = patch_bench.bench_env(out, ns.shape, {KERNEL_CASES_ENV: "none"})
     results: dict[str, Any] = {
-        "command": " ".join(["python -m benchmarks.evaluate_bench", *(argv if argv is not None else sys.argv[1:])]),
+        "command": command,
         "shape": ns.shape, "backend": backend, "batch_size": ns.batch_size, "max_new_tokens": ns.max_new_tokens,
         "max_prompts": ns.max_prompts, "test_split": ns.test, "target_s": TARGET_S,
         "base": "built on the device with random weights (benchmarks.evaluate_entry); reading it from disk is not "
@@ -164,20 +179,42 @@ def main(argv: list[str] | None = None) -> int:
         "state": patch_bench._read_json(run_dir / "status.json").get("state") if run_dir else None,
     }
     if run_dir is None or results["training"]["state"] != "SUCCEEDED":
-        (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+        write_json_atomic(out / "results.json", results)
         print(f"[evaluate_bench] the training run did not succeed: {results['training']}", file=sys.stderr)
         return 1
+    results["evaluations"] = []
+    return _evaluate(out, run_dir, results, command, ns)
+
+
+def _earlier(out: Path, shape: str) -> tuple[dict[str, Any], Path | None, str]:
+    """For ``--reuse``: the results an earlier invocation wrote in ``out`` and its succeeded run, or why not."""
+    results = patch_bench._read_json(out / "results.json")
+    training = results.get("training") or {}
+    run_dir = Path(training["run_dir"]) if training.get("run_dir") else None
+    if not results:
+        return results, None, f"no readable results.json in {out}"
+    if results.get("shape") != shape:
+        return results, None, f"the run in {out} has the {results.get('shape')} shape, not {shape}"
+    if training.get("state") != "SUCCEEDED" or run_dir is None or not run_dir.is_dir():
+        return results, None, f"{out}/results.json names no succeeded training run that still exists"
+    return results, run_dir, ""
+
+
+def _evaluate(out: Path, run_dir: Path, results: dict[str, Any], command: str, ns: argparse.Namespace) -> int:
+    """``--repeats`` evaluations of the run's last checkpoint, added to ``results["evaluations"]`` (each with the
+    command that made it) and written to ``out/results.json`` after each one."""
     print(f"[evaluate_bench] evaluating {run_dir.name}, checkpoint last", flush=True)
+    env = patch_bench.bench_env(out, ns.shape)
     os.environ.update({k: v for k, v in env.items() if k in ("TRITON_CACHE_DIR", "TOKENIZERS_PARALLELISM")})
-    evaluations: list[dict[str, Any]] = []
-    results["evaluations"] = evaluations
+    evaluations: list[dict[str, Any]] = results.setdefault("evaluations", [])
     for repeat in range(1, ns.repeats + 1):
         found = evaluate_checkpoint(run_dir, max_new_tokens=ns.max_new_tokens, max_prompts=ns.max_prompts,
                                     batch_size=ns.batch_size)  # fmt: skip
+        found["command"] = command
         evaluations.append(found)
         if found["ok"] and ns.shape == "27b":
             found["target"] = {"max_s": TARGET_S, "met": found["wall_s"] <= TARGET_S}
-        (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")  # after each one
+        write_json_atomic(out / "results.json", results)  # after each one
         summary = {k: found.get(k) for k in ("ok", "wall_s", "checkpoint_seconds", "prompts", "decoding", "error",
                                              "target")}  # fmt: skip
         print(f"[evaluate_bench] evaluation {repeat} of {ns.repeats}: "

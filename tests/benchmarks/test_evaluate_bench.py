@@ -37,6 +37,18 @@ def test_more_test_conversations_than_distinct_openings_are_refused(tmp_path, ca
     assert f"--test {len(OPENINGS) + 1}" in capsys.readouterr().err and not (tmp_path / "results.json").exists()
 
 
+def test_reuse_without_an_earlier_run_is_refused_and_writes_nothing(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        evaluate_bench.main(["--out", str(tmp_path), "--shape", "tiny", "--reuse"])
+    assert exc.value.code == 2
+    assert "--reuse: no readable results.json" in capsys.readouterr().err and not any(tmp_path.iterdir())
+    (tmp_path / "results.json").write_text(json.dumps({"shape": "27b", "training": {"state": "SUCCEEDED"}}))
+    with pytest.raises(SystemExit):
+        evaluate_bench.main(["--out", str(tmp_path), "--shape", "tiny", "--reuse"])
+    assert "has the 27b shape, not tiny" in capsys.readouterr().err
+    assert json.loads((tmp_path / "results.json").read_text())["shape"] == "27b"  # left as it was
+
+
 @pytest.mark.slow
 def test_one_checkpoint_is_trained_then_evaluated_with_the_default_prompt_set(tmp_path):
     out = tmp_path / "ev"
@@ -62,3 +74,12 @@ def test_one_checkpoint_is_trained_then_evaluated_with_the_default_prompt_set(tm
     assert "random init" in found["child"]["model_build"]["how"]
     assert json.loads((run_dir / EVALUATE_JSON).read_text())["checkpoints"][0]["name"] == "checkpoint-2"
     assert not any("target" in e for e in results["evaluations"])  # the 3-minute target is the 27B shape's
+    # a later invocation evaluates the same run again without training, adding to the same results.json
+    trained = results["training"]
+    assert evaluate_bench.main(["--out", str(out), "--shape", "tiny", "--max-prompts", "10", "--max-new-tokens", "6",
+                                "--batch-size", "8", "--reuse"]) == 0  # fmt: skip
+    again = json.loads((out / "results.json").read_text())
+    assert again["training"] == trained and again["evaluations"][:2] == results["evaluations"]
+    assert len(again["evaluations"]) == 3 and again["evaluations"][2]["ok"]
+    assert again["evaluations"][2]["command"].endswith("--reuse") and again["evaluations"][2]["prompts"] == 16
+    assert len(list((out / "runs").glob("evaluate-bench-tiny-*"))) == 1  # no second run
