@@ -189,10 +189,10 @@ def main(argv: list[str] | None = None) -> int:
 def _earlier(out: Path, shape: str) -> tuple[dict[str, Any], Path | None, str]:
     """For ``--reuse``: the results an earlier invocation wrote in ``out`` and its succeeded run, or why not."""
     results = patch_bench._read_json(out / "results.json")
+    if not results or not isinstance(results, dict):
+        return {}, None, f"no readable results.json in {out}"
     training = results.get("training") or {}
     run_dir = Path(training["run_dir"]) if training.get("run_dir") else None
-    if not results:
-        return results, None, f"no readable results.json in {out}"
     if results.get("shape") != shape:
         return results, None, f"the run in {out} has the {results.get('shape')} shape, not {shape}"
     if training.get("state") != "SUCCEEDED" or run_dir is None or not run_dir.is_dir():
@@ -202,7 +202,8 @@ def _earlier(out: Path, shape: str) -> tuple[dict[str, Any], Path | None, str]:
 
 def _evaluate(out: Path, run_dir: Path, results: dict[str, Any], command: str, ns: argparse.Namespace) -> int:
     """``--repeats`` evaluations of the run's last checkpoint, added to ``results["evaluations"]`` (each with the
-    command that made it) and written to ``out/results.json`` after each one."""
+    command that made it and its settings; the top-level ones are the training invocation's) and written to
+    ``out/results.json`` after each one."""
     print(f"[evaluate_bench] evaluating {run_dir.name}, checkpoint last", flush=True)
     env = patch_bench.bench_env(out, ns.shape)
     os.environ.update({k: v for k, v in env.items() if k in ("TRITON_CACHE_DIR", "TOKENIZERS_PARALLELISM")})
@@ -210,7 +211,10 @@ def _evaluate(out: Path, run_dir: Path, results: dict[str, Any], command: str, n
     for repeat in range(1, ns.repeats + 1):
         found = evaluate_checkpoint(run_dir, max_new_tokens=ns.max_new_tokens, max_prompts=ns.max_prompts,
                                     batch_size=ns.batch_size)  # fmt: skip
-        found["command"] = command
+        found["command"] = command  # with the settings it ran with: --reuse may differ from the first invocation
+        found["settings"] = {"batch_size": ns.batch_size, "max_new_tokens": ns.max_new_tokens,
+                             "max_prompts": ns.max_prompts,
+                             "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR")}  # fmt: skip
         evaluations.append(found)
         if found["ok"] and ns.shape == "27b":
             found["target"] = {"max_s": TARGET_S, "met": found["wall_s"] <= TARGET_S}

@@ -61,16 +61,17 @@ def _batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-def _filled(rows: list[int], batch_size: int, batches: int) -> list[int]:
+def _filled(rows: list[int], batch_size: int, n_batches: int) -> list[int]:
     """``rows`` and, when the prompts take more than one batch, copies of its last row up to ``batch_size``.
 
-    Every ``generate`` call then has the same batch size, so the decoding kernels compiled and tuned for the first
-    batch serve the last one too: Triton compiles a kernel apart for an integer argument (a row count) that is 1, a
-    multiple of 16 or neither, so a new batch size can compile FLA's kernels again (on one H200, 27B shape,
-    a cold cache, 38 prompts in batches of 16: the last batch of 6 took 46.9 s against 25.8 s for the 16 before
-    it; 19.1 s against 16.5 s with the cache filled). A copy of a real row finishes when that row does, so it adds
-    no decoding step; its answer is dropped. One batch alone is not filled: there is no other size to match."""
-    if batches == 1:
+    Every ``generate`` call then has the same batch size, so no kernel meets a batch size the first batch did not
+    compile it for: Triton specializes a kernel's plain integer arguments (1, a multiple of 16, or neither), and
+    FLA 0.6.0's ``causal_conv1d_fwd_kernel``, which runs each prompt's pass, takes the batch size as one (16 rows and
+    6 rows compile apart). On one H200 (27B shape, a cold cache, 38 prompts in batches of 16, before the fill) the
+    last batch of 6 took 46.9 s against 25.8 s for the 16 before it (19.1 s against 16.5 s with the cache filled);
+    how much of that the fill takes back is not measured. A copy of a real row finishes when that row does, so it
+    adds no decoding step; its answer is dropped. One batch alone is not filled: there is no other size to match."""
+    if n_batches == 1:
         return rows
     return rows + [rows[-1]] * (batch_size - len(rows))
 

@@ -12,8 +12,9 @@ expandable_segments:True``; see docs/npu-tuning.md for what each addresses):
   allocator grow segments instead of fragmenting on sequences of changing length;
 - ``triton_cache: true`` -> ``TRITON_CACHE_DIR=<output_root>/.cache/triton`` (every backend): compiled
   Triton kernels (FLA on CUDA, triton-ascend on NPU) kept under the output root, so a second run skips the
-  compile (first 27B step on one H200: 256.3 s with an empty cache, 251.3 s of it in Triton; 2.7 s for the next
-  run, glue off, on the filled cache; docs/benchmarks.md).
+  compile (first 27B step on one H200: 256.3 s with an empty cache, 251.3 s of it in Triton's compile and
+  autotune; a later run, glue off, took 2.7 s for its first step with the chunk kernels in the cache;
+  docs/benchmarks.md).
 
 A variable already set in the caller's environment wins (``compose.yaml`` sets ``TRITON_CACHE_DIR``; set it
 yourself for another folder); ``null`` (``false`` for the cache) leaves a variable alone. What was set, and

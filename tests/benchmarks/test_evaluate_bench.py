@@ -47,6 +47,14 @@ def test_reuse_without_an_earlier_run_is_refused_and_writes_nothing(tmp_path, ca
         evaluate_bench.main(["--out", str(tmp_path), "--shape", "tiny", "--reuse"])
     assert "has the 27b shape, not tiny" in capsys.readouterr().err
     assert json.loads((tmp_path / "results.json").read_text())["shape"] == "27b"  # left as it was
+    (tmp_path / "results.json").write_text(json.dumps({"shape": "tiny", "training": {"state": "TERMINATED"}}))
+    with pytest.raises(SystemExit):
+        evaluate_bench.main(["--out", str(tmp_path), "--shape", "tiny", "--reuse"])
+    assert "names no succeeded training run" in capsys.readouterr().err
+    (tmp_path / "results.json").write_text("[]")
+    with pytest.raises(SystemExit):
+        evaluate_bench.main(["--out", str(tmp_path), "--shape", "tiny", "--reuse"])
+    assert "no readable results.json" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -82,4 +90,5 @@ def test_one_checkpoint_is_trained_then_evaluated_with_the_default_prompt_set(tm
     assert again["training"] == trained and again["evaluations"][:2] == results["evaluations"]
     assert len(again["evaluations"]) == 3 and again["evaluations"][2]["ok"]
     assert again["evaluations"][2]["command"].endswith("--reuse") and again["evaluations"][2]["prompts"] == 16
+    assert again["evaluations"][2]["settings"]["batch_size"] == 8 == again["evaluations"][0]["settings"]["batch_size"]
     assert len(list((out / "runs").glob("evaluate-bench-tiny-*"))) == 1  # no second run
