@@ -1,6 +1,6 @@
 """Benchmark: ``launcher evaluate`` of one checkpoint end to end, on the 27B shape (or the tiny one on the CPU).
 
-    python -m benchmarks.evaluate_bench --out DIR [--shape 27b|tiny] [--backend cuda|npu|cpu] [--batch-size 16]
+    python -m benchmarks.evaluate_bench --out DIR [--shape 27b|tiny] [--backend cuda|npu|cpu] [--batch-size auto]
                                         [--max-new-tokens 128] [--max-prompts 32] [--test 32] [--steps 2]
                                         [--repeats 1] [--timeout 900] [--reuse]
 
@@ -76,7 +76,8 @@ def unpadded(patches: dict[str, Any]) -> dict[str, Any]:
     return {**patches, "pad_lengths": {**patches.get("pad_lengths", {}), "enabled": False}}
 
 
-def evaluate_checkpoint(run_dir: Path, *, max_new_tokens: int, max_prompts: int, batch_size: int) -> dict[str, Any]:
+def evaluate_checkpoint(run_dir: Path, *, max_new_tokens: int, max_prompts: int,
+                        batch_size: int | str) -> dict[str, Any]:  # fmt: skip
     """``launcher evaluate RUN --checkpoints last`` through ``launcher.run.evaluate`` with the measuring child;
     the wall clock of the whole evaluation and what ``evaluate.json`` says of the checkpoint."""
     from launcher.errors import LauncherError
@@ -95,7 +96,8 @@ def evaluate_checkpoint(run_dir: Path, *, max_new_tokens: int, max_prompts: int,
     return {
         "ok": True, "wall_s": wall, "checkpoint": checkpoint["name"], "prompts": len(doc["prompts"]),
         "test_samples": request["test_split"]["samples"], "checkpoint_seconds": checkpoint.get("seconds"),
-        "test_loss": checkpoint.get("test_loss"), "decoding": checkpoint.get("decoding"),
+        "test_loss": checkpoint.get("test_loss"), "test_loss_seconds": checkpoint.get("test_loss_seconds"),
+        "decoding": checkpoint.get("decoding"),
         "kernels": doc.get("kernels"), "child": patch_bench._read_json(run_dir / "bench" / RECORD),
     }  # fmt: skip
 
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="folder for assets, the run and results.json")
     parser.add_argument("--shape", choices=("27b", "tiny"), default="27b")
     parser.add_argument("--backend", choices=("cuda", "npu", "cpu"), help="default: cuda for 27b, cpu for tiny")
-    parser.add_argument("--batch-size", type=int, default=16, help="launcher evaluate --batch-size (default 16)")
+    parser.add_argument("--batch-size", default="auto", help="launcher evaluate --batch-size: N or auto (the default)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="launcher evaluate's default: 128")
     parser.add_argument("--max-prompts", type=int, default=32, help="test conversations answered (default 32)")
     parser.add_argument("--test", type=int, default=32, help="conversations in the held-out test split (default 32)")
@@ -128,9 +130,16 @@ def main(argv: list[str] | None = None) -> int:
                              "results.json gains these evaluations), as on a machine whose Triton cache it "
                              "filled")  # fmt: skip
     ns = parser.parse_args(argv)
-    for name in ("batch_size", "max_new_tokens", "test", "steps", "repeats"):
+    for name in ("max_new_tokens", "test", "steps", "repeats"):
         if getattr(ns, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(ns, name)}: give a positive integer")
+    from launcher.errors import LauncherError
+    from launcher.run.evaluate import batch_size_setting
+
+    try:
+        ns.batch_size = batch_size_setting(ns.batch_size)
+    except LauncherError as err:
+        parser.error(str(err))
     from launcher.demo import OPENINGS
 
     if ns.test > len(OPENINGS):

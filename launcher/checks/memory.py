@@ -504,6 +504,35 @@ def _budget_plan(
     return chosen, f"the memory_budget_gib {run.budget_gib:g} plan leaves {shown} layer(s) un-checkpointed"
 
 
+# --- greedy decoding (launcher evaluate) ------------------------------------------------------------------------
+
+
+def decode_cache_bytes(shape: ModelShape, tokens: int, act_bytes: int = 2) -> int:
+    """One row's generation cache after ``tokens`` tokens: per DeltaNet layer the recurrent state
+    (``value_heads x key_dim x value_dim``, float32 as FLA's kernels return it; transformers' torch path keeps the
+    activation dtype, less) and the conv state (the last ``conv_kernel`` inputs of every conv channel); per
+    full-attention layer the keys and values of every KV head for every token."""
+    kinds = shape.kinds()
+    conv_channels = 2 * shape.key_heads * shape.key_dim + shape.value_heads * shape.value_dim
+    deltanet = shape.value_heads * shape.key_dim * shape.value_dim * 4 + conv_channels * shape.conv_kernel * act_bytes
+    attention = 2 * shape.kv_heads * shape.head_dim * act_bytes * tokens
+    return kinds[LINEAR_ATTENTION] * deltanet + kinds[FULL_ATTENTION] * attention
+
+
+def decode_row_bytes(shape: ModelShape, prompt_tokens: int, new_tokens: int, act_bytes: int = 2) -> int:
+    """What one more row of a greedy batch holds at its peak beside the model: its cache at the answer's end
+    (``decode_cache_bytes``), the last position's logits (activation dtype and generation's float32 scores), and
+    the prompt pass's widest short-lived activations per token, the MLP's gate, up and their product
+    (``MLP_SAVED_WIDTHS x intermediate``: freed layer by layer, but live at once within one).
+
+    At the 27B shape with a 512-token prompt and 128 new tokens that is 0.235 GiB; one H200 measured 0.184 GiB a
+    row from 1 to 8 rows and 0.203 from 8 to 32 (``decode-batched-h200.json``): the arithmetic errs high.
+    """
+    logits = shape.vocab * (act_bytes + 4)
+    prompt_pass = MLP_SAVED_WIDTHS * shape.intermediate * act_bytes * prompt_tokens
+    return decode_cache_bytes(shape, prompt_tokens + new_tokens, act_bytes) + logits + prompt_pass
+
+
 # --- the check row ---------------------------------------------------------------------------------------------
 
 

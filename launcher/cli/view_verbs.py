@@ -127,6 +127,7 @@ def _cmd_report(ns: argparse.Namespace) -> int:
 
 
 def _args_evaluate(p: argparse.ArgumentParser) -> None:
+    from launcher.rank.evaluate_decode import AUTO_MAX_ROWS
     from launcher.run.evaluate import (
         DEFAULT_BATCH_SIZE,
         DEFAULT_CHECKPOINTS,
@@ -149,9 +150,10 @@ def _args_evaluate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompts", type=int, default=DEFAULT_MAX_PROMPTS, metavar="N",
                    help=f"test conversations to answer (default {DEFAULT_MAX_PROMPTS}; 0: all); the test loss always "
                         "uses the whole split")  # fmt: skip
-    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, metavar="N",
-                   help=f"prompts answered together by greedy decoding (default {DEFAULT_BATCH_SIZE}; the same "
-                        "answers as one at a time; lower it if the device runs out of memory)")  # fmt: skip
+    p.add_argument("--batch-size", default=DEFAULT_BATCH_SIZE, metavar="N|auto",
+                   help=f"prompts answered together by greedy decoding, the same answers as one at a time (default "
+                        f"{DEFAULT_BATCH_SIZE}: as many as the device's free memory holds beside the model, at most "
+                        f"{AUTO_MAX_ROWS}; give a number if the device runs out of memory)")  # fmt: skip
     p.add_argument("--show", action="store_true", help="also print the answers (they are counselling text)")
 
 

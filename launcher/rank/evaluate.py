@@ -135,24 +135,9 @@ def test_loss(torch, model, dataset, collator, batch_size: int, device) -> dict[
             "test_tokens": tokens}  # fmt: skip
 
 
-def generate(
-    torch,
-    model,
-    template,
-    tokenizer,
-    prompts,
-    max_new_tokens: int,
-    cutoff: int,
-    device,
-    batch_size: int = 1,
-    name: str = "",
-) -> tuple[list[str], int, dict[str, Any]]:
-    """Greedy answers, ``batch_size`` prompts at a time (``launcher.rank.evaluate_decode``: the same tokens as one at a
-    time), how many prompts were longer than ``cutoff`` (the longest the model trained on) and were cut to their
-    last ``cutoff`` tokens (the question's end), and the decoding's token count and seconds."""
-    from launcher.rank.evaluate_decode import greedy_batched
-
-    stop = template.get_stop_token_ids(tokenizer)
+def encode_prompts(template, tokenizer, prompts, cutoff: int) -> tuple[list[list[int]], int]:
+    """Each prompt's ids with the run's template, and how many were longer than ``cutoff`` (the longest the model
+    trained on) and were cut to their last ``cutoff`` tokens (the question's end)."""
     encoded, cut = [], 0
     for p in prompts:
         messages = [{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": ""}]
@@ -160,6 +145,34 @@ def generate(
         if len(prompt_ids) > cutoff:
             prompt_ids, cut = prompt_ids[-cutoff:], cut + 1
         encoded.append(prompt_ids)
+    return encoded, cut
+
+
+def batch_rows(torch, model, encoded: list[list[int]], setting: int | str, max_new_tokens: int,
+               device) -> tuple[int, dict[str, Any]]:  # fmt: skip
+    """Rows per greedy batch for ``setting`` (a number, or ``auto``: ``evaluate_decode.auto_rows`` on the model's
+    forecast row, ``launcher.checks.memory.decode_row_bytes``), and what the choice rests on."""
+    from launcher.checks.memory import decode_row_bytes, read_shape
+    from launcher.rank.evaluate_decode import AUTO, FALLBACK_ROWS, auto_rows, free_memory
+
+    if setting != AUTO:
+        return int(setting), {"setting": int(setting)}
+    try:
+        shape = read_shape(model.config.to_dict())
+    except ValueError as err:  # UnsupportedModel: not a Qwen3.5 config
+        return FALLBACK_ROWS, {"setting": AUTO, "forecast": f"not made ({err}); {FALLBACK_ROWS} rows"}
+    act_bytes = model.get_input_embeddings().weight.element_size()
+    row = decode_row_bytes(shape, max(map(len, encoded), default=1), max_new_tokens, act_bytes)
+    rows, basis = auto_rows(len(encoded), row, *free_memory(torch, device))
+    return rows, {"setting": AUTO, **basis}
+
+
+def generate(torch, model, tokenizer, encoded: list[list[int]], stop: list[int], max_new_tokens: int, device,
+             batch_size: int, name: str = "") -> tuple[list[str], dict[str, Any]]:  # fmt: skip
+    """Greedy answers to ``encoded``, ``batch_size`` prompts at a time (``launcher.rank.evaluate_decode``: the same
+    tokens as one at a time), and the decoding's token count and seconds."""
+    from launcher.rank.evaluate_decode import greedy_batched
+
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0]
     last = []
 
@@ -176,7 +189,7 @@ def generate(
                 "answers_at_limit": sum(len(t) == max_new_tokens and t[-1] not in stop for t in tokens),
                 "decode_seconds": round(done.seconds, 2) if done else 0.0,
                 "tokens_per_s": round(done.tokens_per_s, 2) if done else None}  # fmt: skip
-    return answers, cut, decoding
+    return answers, decoding
 
 
 def evaluate(request: dict[str, Any]) -> dict[str, Any]:
@@ -222,6 +235,20 @@ def evaluate(request: dict[str, Any]) -> dict[str, Any]:
         block_diag_attn=model_args.block_diag_attn, neat_packing=data_args.neat_packing,
         attn_implementation=getattr(base.config, "_attn_implementation", None),
         compute_dtype=model_args.compute_dtype, **tokenizer_module)  # fmt: skip
+    encoded, cut = encode_prompts(template, tokenizer, prompts, data_args.cutoff_len)
+    stop = template.get_stop_token_ids(tokenizer)
+    rows, basis = batch_rows(torch, base, encoded, request["batch_size"], request["max_new_tokens"], device)
+    why = ""
+    if "row_mib" in basis:
+        why = (f" (auto: {basis['free_gib']} GiB free, {basis['row_mib']} MiB a row, {basis['kept_free_gib']} GiB "
+               "kept free" + ("; not even one row fits by the forecast: if it runs out of memory, free the device"
+                              if not basis["rows_that_fit"] else "") + ")")  # fmt: skip
+    elif "forecast" in basis:
+        why = f" (auto: forecast {basis['forecast']})"
+    _say(f"greedy batches of {rows} prompt(s){why}")
+    if cut:
+        _say(f"{cut} prompt(s) longer than cutoff_len {data_args.cutoff_len} keep their last {data_args.cutoff_len} "
+             "tokens")  # fmt: skip
     model = None
     results: list[dict[str, Any]] = []
     for index, ckpt in enumerate(request["checkpoints"]):
@@ -234,17 +261,16 @@ def evaluate(request: dict[str, Any]) -> dict[str, Any]:
         model.set_adapter(adapter)
         model.to(device).eval()
         _say(f"{ckpt['name']}: test loss over {len(test_set)} samples")
+        loss_started = time.monotonic()
         found = test_loss(torch, model, test_set, collator, training_args.per_device_eval_batch_size, device)
+        found["test_loss_seconds"] = round(time.monotonic() - loss_started, 1)  # ``seconds``: the whole checkpoint
         _say(f"{ckpt['name']}: test loss {found['test_loss']}; {len(prompts)} greedy answers")
-        answers, cut, decoding = generate(torch, model, template, tokenizer, prompts, request["max_new_tokens"],
-                                          data_args.cutoff_len, device, request.get("batch_size", 1),
-                                          ckpt["name"])  # fmt: skip
-        if cut:
-            _say(f"{ckpt['name']}: {cut} prompt(s) longer than cutoff_len {data_args.cutoff_len} kept their last "
-                 f"{data_args.cutoff_len} tokens")  # fmt: skip
+        answers, decoding = generate(torch, model, tokenizer, encoded, stop, request["max_new_tokens"], device, rows,
+                                     ckpt["name"])  # fmt: skip
         seconds = round(time.monotonic() - started, 1)
         results.append({"name": ckpt["name"], "step": ckpt["step"], "path": ckpt["path"], **found,
-                        "answers": answers, "prompts_cut": cut, "seconds": seconds, "decoding": decoding})  # fmt: skip
+                        "answers": answers, "prompts_cut": cut, "seconds": seconds,
+                        "decoding": {**decoding, "batch_size_basis": basis}})  # fmt: skip
     rows = [{**{k: v for k, v in p.items() if k != "system"},
              "answers": {r["name"]: r["answers"][i] for r in results}} for i, p in enumerate(prompts)]  # fmt: skip
     for r in results:

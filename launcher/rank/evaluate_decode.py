@@ -29,6 +29,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from launcher.checks.memory import GIB, SLACK_GIB, SLACK_SHARE
+
+AUTO = "auto"  # ``--batch-size auto``: as many rows as the device's free memory holds, by the forecast
+# At most this many rows a batch with ``auto``: one H200 decoded a step in about 0.21 s from 1 row to 32
+# (docs/benchmarks.md), so larger batches save little more, and each batch is one progress line.
+AUTO_MAX_ROWS = 64
+FALLBACK_ROWS = 16  # ``auto`` when the model's config gives no forecast (a model that is not Qwen3.5)
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,36 @@ def cut_at_stop(tokens: Sequence[int], stop: Sequence[int]) -> list[int]:
         if token in stops:
             return list(tokens[: i + 1])
     return list(tokens)
+
+
+def auto_rows(prompts: int, row_bytes: int, free_bytes: int, total_bytes: int) -> tuple[int, dict[str, Any]]:
+    """Rows per greedy batch for ``--batch-size auto``, and the figures behind the choice.
+
+    The rows that fit in the device's free memory (``free_bytes``: free on the device plus what the caching
+    allocator holds unused), keeping free what the training forecast keeps as allocator slack (``SLACK_GIB`` and
+    ``SLACK_SHARE`` of the device), at ``row_bytes`` a row (``launcher.checks.memory.decode_row_bytes`` at the
+    longest prompt, which the first batch holds); at most ``AUTO_MAX_ROWS`` and the number of prompts, at least 1.
+    """
+    kept = int((SLACK_GIB * GIB) + SLACK_SHARE * total_bytes)
+    fits = max(0, (free_bytes - kept) // row_bytes) if row_bytes > 0 else AUTO_MAX_ROWS
+    rows = max(1, min(fits, AUTO_MAX_ROWS, prompts))
+    return rows, {"free_gib": round(free_bytes / GIB, 2), "row_mib": round(row_bytes / 2**20, 2),
+                  "kept_free_gib": round(kept / GIB, 2), "rows_that_fit": int(fits),
+                  "most_rows": AUTO_MAX_ROWS}  # fmt: skip
+
+
+def free_memory(torch, device) -> tuple[int, int]:
+    """``(free, total)`` bytes where the model runs: the accelerator's free memory plus the caching allocator's
+    reserved but unallocated blocks (``cuda``, ``npu``), or the host's available RAM (``cpu``)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        import psutil
+
+        memory = psutil.virtual_memory()
+        return memory.available, memory.total
+    module = getattr(torch, device.type)
+    free, total = module.mem_get_info(device)
+    return free + module.memory_reserved(device) - module.memory_allocated(device), total
 
 
 def _batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:

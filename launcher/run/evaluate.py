@@ -53,15 +53,30 @@ from launcher.state.runs import (
 DEFAULT_CHECKPOINTS = "best,last"
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_MAX_PROMPTS = 32
-# prompts per greedy batch: the default prompt set (32 + 6 crisis) in 3 batches; per row the 27B shape's DeltaNet
-# state and KV cache are about 0.2 GiB next to 51 GiB of weights (docs/evaluate.md, "Batch size")
-DEFAULT_BATCH_SIZE = 16
+# prompts per greedy batch: ``auto`` takes as many as the device's free memory holds beside the model, by the
+# forecast of a row (``launcher.rank.evaluate_decode.auto_rows``; docs/evaluate.md, "Batch size")
+DEFAULT_BATCH_SIZE = "auto"
 LOG_TAIL = 40
 CHILD = "launcher.rank.evaluate"
 
 
 def _usage(message: str) -> LauncherError:
     return LauncherError(message, ExitCode.USAGE)
+
+
+def batch_size_setting(text: str) -> int | str:
+    """``--batch-size``: ``auto`` or a positive number of prompts; ``LauncherError`` (usage) saying how to fix it."""
+    if text.strip().lower() == DEFAULT_BATCH_SIZE:
+        return DEFAULT_BATCH_SIZE
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise _usage(f"--batch-size {text}: answer at least 1 prompt per batch; give a positive integer, e.g. "
+                     f"--batch-size 16, 1 for one prompt at a time, or {DEFAULT_BATCH_SIZE} (the default: as many as "
+                     "the device's free memory holds)")  # fmt: skip
+    return value
 
 
 def choose_checkpoints(run_dir: Path, spec: str) -> list[dict[str, Any]]:
@@ -187,15 +202,13 @@ def require_ended(run_dir: Path) -> None:
 
 
 def build_request(run_dir: Path, *, checkpoints: str, prompts_file: Path | None, max_new_tokens: int,
-                  max_prompts: int, batch_size: int = DEFAULT_BATCH_SIZE) -> dict[str, Any]:  # fmt: skip
+                  max_prompts: int, batch_size: int | str = DEFAULT_BATCH_SIZE) -> dict[str, Any]:  # fmt: skip
     """Everything the child needs, checked (see the module docstring for what is refused)."""
     if max_new_tokens < 1:
         raise _usage(f"--max-new-tokens {max_new_tokens}: generate at least 1 token, e.g. --max-new-tokens 128")
     if max_prompts < 0:
         raise _usage(f"--max-prompts {max_prompts}: use 0 (all test conversations) or more")
-    if batch_size < 1:
-        raise _usage(f"--batch-size {batch_size}: answer at least 1 prompt per batch; use a positive integer, e.g. "
-                     f"--batch-size {DEFAULT_BATCH_SIZE} (the default), or 1 for one prompt at a time")  # fmt: skip
+    batch_size = batch_size_setting(str(batch_size))
     files = load_run_files(run_dir)
     require_ended(run_dir)
     launch, problem = read_launch(run_dir)

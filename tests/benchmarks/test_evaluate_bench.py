@@ -77,6 +77,8 @@ def test_one_checkpoint_is_trained_then_evaluated_with_the_default_prompt_set(tm
     assert found["prompts"] == 10 + 6  # the test conversations and the shipped crisis prompts
     assert found["decoding"]["batch_size"] == 8 and 0 < found["decoding"]["generated_tokens"] <= 16 * 6
     assert found["wall_s"] >= found["checkpoint_seconds"] > 0
+    assert 0 <= found["test_loss_seconds"] <= found["checkpoint_seconds"]
+    assert found["decoding"]["batch_size_basis"] == {"setting": 8}
     # the measuring child built the base from the marker and wrote its record beside the training rank's
     assert found["child"]["entry"] == "benchmarks.evaluate_entry" and found["child"]["device"] == "cpu"
     assert "random init" in found["child"]["model_build"]["how"]

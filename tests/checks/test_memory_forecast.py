@@ -7,6 +7,7 @@ step against the forecast (allocated bytes and resident set) is test_memory_fore
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,16 @@ def test_check_prints_the_forecast_and_refuses_a_bad_device_memory(tmp_path, dem
     bad = launcher("check", cfg, "--device-memory", "lots")
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip() == "error: --device-memory 'lots': give the device's memory in GiB, such as 64 or 139.8"
+
+
+def test_a_greedy_rows_forecast_errs_high_against_the_h200s_measured_rows(model_27b):
+    """``decode_row_bytes`` at the 27B shape against what one H200 measured per added row of a greedy batch
+    (``benchmarks/results/decode-batched-h200.json``: 512-token prompts, 128 new tokens, peaks at 1, 8 and 32 rows):
+    never below a measured row (``launcher evaluate --batch-size auto`` must not overfill), at most 30 % above."""
+    found = json.loads((Path(__file__).parents[2] / "benchmarks/results/decode-batched-h200.json").read_text())
+    batches = found["routes"]["routed"]["batches"]
+    peaks = sorted((int(rows), b["peak_allocated_gib"]) for rows, b in batches.items())
+    measured = [(b - a) / (rb - ra) for (ra, a), (rb, b) in pairwise(peaks)]
+    shape = memory.read_shape(json.loads((model_27b / "config.json").read_text()))
+    row = memory.decode_row_bytes(shape, found["prompt_tokens"], found["new_tokens"]) / memory.GIB
+    assert measured and all(m <= row <= 1.3 * m for m in measured), (row, measured)

@@ -8,7 +8,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from launcher.rank.evaluate_decode import Progress, cut_at_stop, greedy_batched  # noqa: E402
+from launcher.checks.memory import GIB, decode_cache_bytes, read_shape  # noqa: E402
+from launcher.rank.evaluate_decode import AUTO_MAX_ROWS, Progress, auto_rows, cut_at_stop, greedy_batched  # noqa: E402
 
 # prompt lengths far apart: shorter than the conv kernel (4), across the torch chunk kernel's 64-token chunks
 LENGTHS = (1, 3, 150, 17, 70, 129, 5, 64)
@@ -120,3 +121,28 @@ def test_prompt_logits_of_a_left_padded_row_equal_the_unpadded_rows(tiny):
 def test_an_answer_ends_at_its_first_stop_token():
     assert cut_at_stop([5, 6, 2, 0, 0], [2, 7]) == [5, 6, 2]
     assert cut_at_stop([5, 6], [2]) == [5, 6]
+
+
+def test_the_cache_forecast_is_the_tiny_models_real_generation_cache(demo_assets):
+    """``decode_cache_bytes`` (what ``--batch-size auto`` prices a row's cache at) against every tensor of the cache
+    transformers builds for 3 rows of 20 tokens on the tiny model in fp32 (the torch path keeps its recurrent state
+    in the model's dtype; FLA's float32, which the forecast assumes, equals it here)."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(demo_assets["model"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        cache = model(input_ids=torch.randint(10, 100, (3, 20)), use_cache=True).past_key_values
+    held = sum(t.nbytes for layer in cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor))
+    shape = read_shape(model.config.to_dict())
+    assert held == 3 * decode_cache_bytes(shape, 20, act_bytes=4) > 0
+
+
+@pytest.mark.parametrize(
+    ("prompts", "free_gib", "rows"),
+    [(38, 100.0, 38), (500, 100.0, AUTO_MAX_ROWS), (38, 8.0, 15), (38, 1.0, 1)],
+)
+def test_auto_rows_fill_the_free_memory_less_the_slack_up_to_the_cap_and_the_prompts(prompts, free_gib, rows):
+    """A 64 GiB device with ``free_gib`` free and 0.25 GiB a row: 1 GiB and 5 % of the device (3.2 GiB) kept free."""
+    found, basis = auto_rows(prompts, int(0.25 * GIB), int(free_gib * GIB), 64 * GIB)
+    assert found == rows
+    assert basis["kept_free_gib"] == 4.2 and basis["rows_that_fit"] == max(0, int((free_gib - 4.2) / 0.25))

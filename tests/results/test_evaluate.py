@@ -147,10 +147,11 @@ def test_unknown_checkpoint_names_what_exists(crafted, checkpoints, fragment):
     assert not (crafted / EVALUATE_JSON).exists()
 
 
-@pytest.mark.parametrize("size", ["0", "-3"])
+@pytest.mark.parametrize("size", ["0", "-3", "2.5", "many"])
 def test_a_batch_size_below_one_is_refused(crafted, size):
     message = _refused(crafted, "--batch-size", size)
     assert f"--batch-size {size}:" in message and "positive integer" in message and "--batch-size 16" in message
+    assert "auto (the default" in message
 
 
 def test_unknown_run(tmp_path):
@@ -241,12 +242,27 @@ def test_report_names_the_checkpoint_each_criterion_prefers_when_they_disagree(c
 def test_several_checkpoints_load_the_base_model_once(prepared_run, monkeypatch, tmp_path):
     """In process, the child's own ``evaluate``: every base-model load goes through
     ``PreTrainedModel.from_pretrained``, every adapter through ``PeftModel.load_adapter`` (PEFT's
-    ``PeftModel.from_pretrained`` calls it too)."""
+    ``PeftModel.from_pretrained`` calls it too). The batch size is the default, ``auto``, with the free memory
+    read as 2.5 forecast rows beyond what is kept free: 2 rows a batch for every checkpoint. (The host's real free
+    memory would take every prompt in one batch; the fake is the only way to see the forecast decide.)"""
     from peft import PeftModel
     from transformers import PreTrainedModel
 
+    from launcher.checks import memory
     from launcher.rank import evaluate as evaluate_entry
+    from launcher.rank import evaluate_decode
     from launcher.run.evaluate import build_request
+
+    rows_priced, price = [], memory.decode_row_bytes
+
+    def priced(*args, **kwargs):
+        rows_priced.append(price(*args, **kwargs))
+        return rows_priced[-1]
+
+    monkeypatch.setattr(memory, "decode_row_bytes", priced)
+    total = 8 * memory.GIB
+    kept = int(memory.SLACK_GIB * memory.GIB + memory.SLACK_SHARE * total)
+    monkeypatch.setattr(evaluate_decode, "free_memory", lambda torch_, device: (kept + 5 * rows_priced[-1] // 2, total))
 
     bases, adapters = [], []
     load_base = PreTrainedModel.from_pretrained.__func__
@@ -263,10 +279,15 @@ def test_several_checkpoints_load_the_base_model_once(prepared_run, monkeypatch,
     monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(counted_base))
     monkeypatch.setattr(PeftModel, "load_adapter", counted_more)
     request = build_request(prepared_run, checkpoints="3,last,final", prompts_file=None, max_new_tokens=2,
-                            max_prompts=2, batch_size=4)  # fmt: skip
+                            max_prompts=2)  # fmt: skip
+    assert request["batch_size"] == "auto"
     work = tmp_path / "work"
     work.mkdir()
     raw = evaluate_entry.evaluate({**request, "work_dir": str(work), "result_file": str(work / "result.json")})
     assert [c["name"] for c in raw["checkpoints"]] == ["checkpoint-3", "checkpoint-6", "final"]
+    assert len(rows_priced) == 1  # one choice, made once for every checkpoint
+    for ckpt in raw["checkpoints"]:
+        assert ckpt["decoding"]["batch_size"] == 2 and ckpt["decoding"]["batch_size_basis"]["rows_that_fit"] == 2
+        assert ckpt["decoding"]["batch_size_basis"]["setting"] == "auto" and ckpt["test_loss_seconds"] >= 0
     assert adapters == ["checkpoint-3", "checkpoint-6", "output"]
     assert len(bases) == 1, bases
