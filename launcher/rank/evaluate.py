@@ -163,7 +163,11 @@ def batch_rows(torch, model, encoded: list[list[int]], setting: int | str, max_n
         return FALLBACK_ROWS, {"setting": AUTO, "forecast": f"not made ({err}); {FALLBACK_ROWS} rows"}
     act_bytes = model.get_input_embeddings().weight.element_size()
     row = decode_row_bytes(shape, max(map(len, encoded), default=1), max_new_tokens, act_bytes)
-    rows, basis = auto_rows(len(encoded), row, *free_memory(torch, device))
+    try:
+        free = free_memory(torch, device)
+    except (AttributeError, RuntimeError) as err:  # a device module without mem_get_info
+        return FALLBACK_ROWS, {"setting": AUTO, "forecast": f"free memory not read ({err}); {FALLBACK_ROWS} rows"}
+    rows, basis = auto_rows(len(encoded), row, *free)
     return rows, {"setting": AUTO, **basis}
 
 

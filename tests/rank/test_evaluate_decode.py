@@ -146,3 +146,26 @@ def test_auto_rows_fill_the_free_memory_less_the_slack_up_to_the_cap_and_the_pro
     found, basis = auto_rows(prompts, int(0.25 * GIB), int(free_gib * GIB), 64 * GIB)
     assert found == rows
     assert basis["kept_free_gib"] == 4.2 and basis["rows_that_fit"] == max(0, int((free_gib - 4.2) / 0.25))
+
+
+def test_auto_falls_back_to_16_rows_saying_why_when_no_forecast_can_be_made(tiny, monkeypatch):
+    """``batch_rows`` on the tiny model: ``auto`` with the host's memory takes every prompt; a device module that
+    cannot report its free memory, or a config that is not Qwen3.5, gives the fallback and the reason; a number is
+    taken as it is."""
+    from launcher.rank import evaluate_decode
+    from launcher.rank.evaluate import batch_rows
+
+    model, prompts = tiny
+    rows, basis = batch_rows(torch, model, prompts, "auto", NEW_TOKENS, "cpu")
+    assert rows == len(prompts) and basis["setting"] == "auto" and basis["rows_that_fit"] > len(prompts)
+    assert batch_rows(torch, model, prompts, 3, NEW_TOKENS, "cpu") == (3, {"setting": 3})
+
+    def unreadable(torch_, device):
+        raise AttributeError("module 'torch.npu' has no attribute 'mem_get_info'")
+
+    monkeypatch.setattr(evaluate_decode, "free_memory", unreadable)
+    rows, basis = batch_rows(torch, model, prompts, "auto", NEW_TOKENS, "cpu")
+    assert rows == 16 and "free memory not read" in basis["forecast"] and "mem_get_info" in basis["forecast"]
+    monkeypatch.setattr(model.config, "to_dict", lambda: {"model_type": "llama", "hidden_size": 8})
+    rows, basis = batch_rows(torch, model, prompts, "auto", NEW_TOKENS, "cpu")
+    assert rows == 16 and basis["forecast"].startswith("not made (")
