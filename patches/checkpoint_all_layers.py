@@ -259,8 +259,9 @@ def _finish_measuring(model) -> None:
     checkpoint_every_layer(model, _state["func"])  # the measured layers too; the plan picks again
     kinds, backend = meter.layers_by_kind, _state["backend"]
     costs, seq_len = agree_costs(meter.costs, kinds, meter.seq_len, backend)
-    record: dict[str, Any] = {"errors": meter.errors, "measured_layers": meter.measured,
+    record: dict[str, Any] = {"errors": meter.errors, "measured_layers": meter.measured, "timed_layers": meter.timed,
                               "measured_here": {k: asdict(c) for k, c in meter.costs.items()},
+                              "first_layer_forward_s": meter.first_forward_s,
                               "ranks": _world_size(), "recorded_at": utc_now()}  # fmt: skip
     if not costs:
         record["note"] = "no layer could be measured on any rank; every layer stays checkpointed"

@@ -8,8 +8,9 @@ the device, the model and the sequence length, so it is measured, not tabled:
 1. ``layer_meter.InForwardMeter`` leaves the first decoder layer of each kind (class and ``layer_type``: a
    DeltaNet and a full-attention decoder layer differ) un-checkpointed in the first training step and counts,
    inside the model's own forward, the bytes autograd keeps for its backward (parameters and the layer's own
-   inputs left out: a checkpointed layer keeps its inputs too), and times its forward. That is the cost of
-   leaving one such layer un-checkpointed at this step's sequence length, and the recompute it would save.
+   inputs left out: a checkpointed layer keeps its inputs too), and times the forward of the kind's second layer
+   (the first pays its kernels' first call, and their compile on an empty cache). That is the cost of leaving
+   one such layer un-checkpointed at this step's sequence length, and the recompute it would save.
    The ranks agree on the costs and on the plan (``plan_ranks``).
 2. ``plan`` turns the costs into the layers to leave un-checkpointed: by a count, or by a budget for the
    step's peak allocated memory, projected to the run's longest sequence (``cutoff_len``): activations grow

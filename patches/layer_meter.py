@@ -6,8 +6,15 @@ saves for its backward: a forward pre-hook enters ``torch.autograd.graph.saved_t
 hook leaves it. The pack hook keeps every tensor as autograd would (the layer really keeps its activations in
 this step) and adds up the storages it has not seen, leaving out the layer's parameters and its inputs: a
 checkpointed layer keeps its inputs too, and parameters are no activation. That count, at this step's sequence
-length, is the cost of leaving one such layer un-checkpointed; the time between the two hooks is the recompute
-it saves.
+length, is the cost of leaving one such layer un-checkpointed.
+
+The recompute it saves is the forward's time, taken between a layer's two hooks, on the second layer of the kind
+where there is one (checkpointed, it computes the same forward): the first layer of a kind is the first to run
+its kernels at this step's shapes, so its forward holds their first-call costs and, on an empty Triton cache,
+their compile and autotune: on one H200 a 27B DeltaNet layer's first forward took 62.8 s on an empty cache and
+0.65 s on a filled one, more than half of a whole 1.16 s step of 64 layers. Timed there, the order would rank the
+kinds by what their first call costs, not by what they recompute each step. The first layer's own time is kept
+beside it (``first_forward_s``). A kind with one layer is timed on that layer.
 
 Why inside the forward: the measurement is made where the layer really runs, in the model's order, so it also
 holds under FSDP2, whose pre-forward hook (registered with ``prepend=True``, torch
@@ -21,6 +28,7 @@ all-checkpointed step computes; what it costs is the measured layers' activation
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from .checkpoint_budget import LayerCost, layer_kind
@@ -98,17 +106,23 @@ class InForwardMeter:
 
     ``layers`` are ``(name, layer)`` pairs in model order (``checkpoint_census.checkpoint_layers``); only those
     with a ``layer_type`` (decoder layers) are planned. After the step, ``costs`` holds one ``LayerCost`` per kind
-    measured, ``errors`` why a kind was not, ``measured`` the layer measured for each kind; ``close()`` removes the
-    hooks (the caller then sets every layer's checkpointing as its plan says).
+    measured, ``errors`` why a kind was not, ``measured`` the layer whose saved tensors were counted for each kind,
+    ``timed`` the layer whose forward gave ``forward_s`` (the kind's second, where it has one: module docstring),
+    ``first_forward_s`` the measured layer's own forward time; ``close()`` removes the hooks (the caller then sets
+    every layer's checkpointing as its plan says).
     """
 
     def __init__(self, layers: list[tuple[str, Any]]) -> None:
         self.layers_by_kind: dict[str, int] = {}
         self.measured: dict[str, str] = {}
+        self.timed: dict[str, str] = {}
         self.costs: dict[str, LayerCost] = {}
+        self.first_forward_s: dict[str, float] = {}
         self.errors: dict[str, str] = {}
         self.seq_len: int | None = None
         self._open: dict[str, tuple] = {}  # kind -> (counter, hooks, start, seq_len, device) while it runs
+        self._clock: dict[str, tuple[float, Any]] = {}  # kind -> (start, device) while its timed layer runs
+        self._timed_done: set[str] = set()
         self._handles = []
         for name, layer in layers:
             if not getattr(layer, "layer_type", None):  # the frozen vision blocks keep nothing worth planning
@@ -116,11 +130,18 @@ class InForwardMeter:
             kind = layer_kind(layer)
             self.layers_by_kind[kind] = self.layers_by_kind.get(kind, 0) + 1
             if kind in self.measured:
+                if kind not in self.timed:
+                    self.timed[kind] = name
+                    self._handles.append(layer.register_forward_pre_hook(self._time_pre(kind), with_kwargs=True))
+                    self._handles.append(layer.register_forward_hook(self._time_post(kind), with_kwargs=True,
+                                                                     always_call=True))  # fmt: skip
                 continue
             self.measured[kind] = name
             layer.gradient_checkpointing = False
             self._handles.append(layer.register_forward_pre_hook(self._pre(kind), with_kwargs=True))
             self._handles.append(layer.register_forward_hook(self._post(kind), with_kwargs=True, always_call=True))
+        for kind, name in self.measured.items():
+            self.timed.setdefault(kind, name)
 
     @property
     def measured_bytes(self) -> int:
@@ -159,7 +180,32 @@ class InForwardMeter:
                 self.errors[kind] = counter.error
                 return None
             self.costs[kind] = LayerCost(kind, self.layers_by_kind[kind], counter.total(), round(seconds, 6), seq_len)
+            self.first_forward_s[kind] = round(seconds, 6)
             self.seq_len = max(self.seq_len or 0, seq_len)
+            return None
+
+        return post_hook
+
+    def _time_pre(self, kind: str):
+        def pre_hook(module, args, kwargs):
+            # once, in the forward of the step that measured the kind's first layer (not in its recompute)
+            if kind not in self.costs or kind in self._clock or kind in self._timed_done or not module.training:
+                return None
+            device = next((t.device for t in _tensors(args) + _tensors(kwargs)), None)
+            _sync(device)
+            self._clock[kind] = (time.perf_counter(), device)
+            return None
+
+        return pre_hook
+
+    def _time_post(self, kind: str):
+        def post_hook(module, args, kwargs, output):
+            if kind not in self._clock:
+                return None
+            started, device = self._clock.pop(kind)
+            _sync(device)
+            self.costs[kind] = replace(self.costs[kind], forward_s=round(time.perf_counter() - started, 6))
+            self._timed_done.add(kind)
             return None
 
         return post_hook

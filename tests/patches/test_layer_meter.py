@@ -90,6 +90,43 @@ def test_the_meter_counts_what_a_layer_keeps_inside_the_forward_and_changes_noth
     assert meter.costs == costs
 
 
+def test_the_forward_is_timed_on_the_second_layer_of_a_kind_not_on_the_first_which_compiles(monkeypatch):
+    """The meter's clock is replaced by one that advances only where a layer says so: the first DeltaNet-kind
+    layer's forward "compiles" for 100 s, the second layer's first forward takes 2 s, the attention layer's 3 s,
+    and every later call 50 s (a recompute in the backward, the second step). The kind with two layers is timed
+    on its second, in the first step's forward only; the kind with one layer on that layer; the first layer's own
+    time is kept beside."""
+    import patches.layer_meter as layer_meter
+    from patches.checkpoint_census import checkpoint_layers
+    from patches.layer_meter import InForwardMeter
+
+    class Clock:
+        now = 0.0
+
+        def perf_counter(self):
+            return self.now
+
+    clock = Clock()
+    monkeypatch.setattr(layer_meter, "time", clock)
+    stack = planted_stack()
+    meter = InForwardMeter(checkpoint_layers(stack))
+    for index, first in enumerate((100.0, 2.0, 3.0)):  # runs after the meter's pre-hook: inside its window
+        calls = []
+
+        def advance(module, args, first=first, calls=calls):  # later calls (recompute, step 2) take 50 s
+            clock.now += first if not calls else 50.0
+            calls.append(1)
+
+        stack.layers[index].register_forward_pre_hook(advance)
+    assert meter.timed == {"Planted:deltanet": "layers.1", "Planted:attention": "layers.2"}
+    step(stack)
+    step(stack)
+    meter.close()
+    assert meter.costs["Planted:deltanet"].forward_s == 2.0 and meter.costs["Planted:attention"].forward_s == 3.0
+    assert meter.first_forward_s == {"Planted:deltanet": 100.0, "Planted:attention": 3.0}
+    assert meter.costs["Planted:deltanet"].saved_bytes == 2 * ACTIVATION  # the bytes still from the first layer
+
+
 def test_the_meter_leaves_out_parameters_gathered_during_the_forward_and_measures_no_evaluation():
     """FSDP2 all-gathers a layer's parameters in a pre-forward hook registered first and frees them after:
     the saved weight is then a tensor that exists only during the forward, and must still count as a
