@@ -279,8 +279,12 @@ def evaluate(request: dict[str, Any]) -> dict[str, Any]:
              "answers": {r["name"]: r["answers"][i] for r in results}} for i, p in enumerate(prompts)]  # fmt: skip
     for r in results:
         r.pop("answers")
-    proof = read_proof(work / PROOF_DIR, "deltanet_routing", RankInfo.from_env().rank)
-    kernels = {**{k: proof.get(k) for k in ("status", "route", "first_call", "first_decode_call")}, **bindings}
+    rank = RankInfo.from_env().rank
+    proof = read_proof(work / PROOF_DIR, "deltanet_routing", rank)
+    glue = read_proof(work / PROOF_DIR, "fused_ops", rank)  # the convolution, norms and SwiGLU the answers ran on
+    kernels = {**{k: proof.get(k) for k in ("status", "route", "first_call", "first_decode_call")}, **bindings,
+               "fused_ops": {"status": glue.get("status"),
+                             **{op: c.get("callable") for op, c in (glue.get("ops") or {}).items()}}}  # fmt: skip
     return {"checkpoints": results, "prompts": rows, "kernels": kernels}
 
 

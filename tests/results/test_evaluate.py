@@ -74,6 +74,10 @@ def test_two_checkpoints_evaluated_on_the_held_out_split_and_shown_in_the_report
     assert doc["kernels"]["first_decode_call"]["kernel"].endswith("torch_recurrent_gated_delta_rule")
     assert doc["kernels"]["first_decode_call"]["shape"][1] == 1
     assert doc["kernels"]["deltanet_layers"] == doc["kernels"]["routed_decode_layers"] == 3  # the tiny model's
+    assert doc["kernels"]["fused_ops"] == {
+        "status": "applied",
+        **dict.fromkeys(("conv", "rms_norm", "gated_norm", "swiglu"), "transformers (unfused torch ops)"),
+    }  # torch stays on the CPU
     answers = [a["text"] for p in doc["prompts"] for a in p["answers"].values()]
     assert len(answers) == 2 * len(kinds) and any(answers)
     markdown = (prepared_run / EVALUATE_MD).read_text()
