@@ -72,6 +72,14 @@ BACKWARD_OVER_COUNTED = 2.18
 # against 55.14 GiB), 12 x 512 x 248,320 bytes = 1.42 GiB; without the chunked loss the peak was 65.12 GiB.
 LOSS_BYTES_PER_LOGIT = 12
 EVAL_LOSS_BYTES_PER_LOGIT = 6  # no gradient in evaluation: the bf16 logits and their float32 copy
+# Greedy decoding (``decode_row_bytes``): what a batch row takes beyond its cache and logits, per prompt token, in
+# hidden widths of the activation dtype: the prompt pass's short-lived working set (in-projections, the
+# convolution, FLA's chunk intermediates, the MLP). Fitted on one H200 (27B shape, 512-token prompts, 128 new
+# tokens; decode-batched-h200.json): the larger per-row slope of the peak, 0.2033 GiB from 8 to 32 rows, less a
+# row's cache (115.75 MiB) and logits (1.42 MiB) leaves 91.0 MiB over 512 tokens, 18.2 hidden widths; rounded up.
+# Measured at 512 tokens only: taken linear in the prompt's length above it, and never less than at 512 below it.
+DECODE_PROMPT_HIDDENS = 20
+DECODE_MEASURED_PROMPT = 512
 # FSDP2 gathers the next decoder layer while one runs (prefetch): two layers' bf16 weights at a time. With one
 # process the FSDP2 run measured 60.36 GiB against 55.09 single-device with the embeddings in the root unit (the
 # root and a layer gathered), 57.55 GiB with them as units of their own (lm_head gathered at the loss:
@@ -508,13 +516,14 @@ def _budget_plan(
 
 
 def decode_cache_bytes(shape: ModelShape, tokens: int, act_bytes: int = 2) -> int:
-    """One row's generation cache after ``tokens`` tokens: per DeltaNet layer the recurrent state
-    (``value_heads x key_dim x value_dim``, float32 as FLA's kernels return it; transformers' torch path keeps the
-    activation dtype, less) and the conv state (the last ``conv_kernel`` inputs of every conv channel); per
-    full-attention layer the keys and values of every KV head for every token."""
+    """One row's generation cache after ``tokens`` tokens, in the activation dtype: per DeltaNet layer the recurrent
+    state (``value_heads x key_dim x value_dim``; FLA's kernels return it in float32, but transformers 5.6.0's
+    ``LinearAttentionLayer`` allocates the cached copy in the conv state's dtype, ``cache_utils.py``) and the conv
+    state (the last ``conv_kernel`` inputs of every conv channel); per full-attention layer the keys and values of
+    every KV head for every token."""
     kinds = shape.kinds()
     conv_channels = 2 * shape.key_heads * shape.key_dim + shape.value_heads * shape.value_dim
-    deltanet = shape.value_heads * shape.key_dim * shape.value_dim * 4 + conv_channels * shape.conv_kernel * act_bytes
+    deltanet = (shape.value_heads * shape.key_dim * shape.value_dim + conv_channels * shape.conv_kernel) * act_bytes
     attention = 2 * shape.kv_heads * shape.head_dim * act_bytes * tokens
     return kinds[LINEAR_ATTENTION] * deltanet + kinds[FULL_ATTENTION] * attention
 
@@ -522,14 +531,14 @@ def decode_cache_bytes(shape: ModelShape, tokens: int, act_bytes: int = 2) -> in
 def decode_row_bytes(shape: ModelShape, prompt_tokens: int, new_tokens: int, act_bytes: int = 2) -> int:
     """What one more row of a greedy batch holds at its peak beside the model: its cache at the answer's end
     (``decode_cache_bytes``), the last position's logits (activation dtype and generation's float32 scores), and
-    the prompt pass's widest short-lived activations per token, the MLP's gate, up and their product
-    (``MLP_SAVED_WIDTHS x intermediate``: freed layer by layer, but live at once within one).
+    the prompt pass's short-lived working set, ``DECODE_PROMPT_HIDDENS`` hidden widths a prompt token (at least
+    ``DECODE_MEASURED_PROMPT`` tokens' worth).
 
-    At the 27B shape with a 512-token prompt and 128 new tokens that is 0.235 GiB; one H200 measured 0.184 GiB a
-    row from 1 to 8 rows and 0.203 from 8 to 32 (``decode-batched-h200.json``): the arithmetic errs high.
+    At the 27B shape with a 512-token prompt and 128 new tokens that is 0.212 GiB; one H200 measured 0.184 GiB a
+    row from 1 to 8 rows and 0.203 from 8 to 32 (``decode-batched-h200.json``).
     """
     logits = shape.vocab * (act_bytes + 4)
-    prompt_pass = MLP_SAVED_WIDTHS * shape.intermediate * act_bytes * prompt_tokens
+    prompt_pass = DECODE_PROMPT_HIDDENS * shape.hidden * act_bytes * max(prompt_tokens, DECODE_MEASURED_PROMPT)
     return decode_cache_bytes(shape, prompt_tokens + new_tokens, act_bytes) + logits + prompt_pass
 
 

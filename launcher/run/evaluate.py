@@ -73,7 +73,7 @@ def batch_size_setting(text: str) -> int | str:
     except ValueError:
         value = 0
     if value < 1:
-        raise _usage(f"--batch-size {text}: answer at least 1 prompt per batch; give a positive integer, e.g. "
+        raise _usage(f"--batch-size {text}: not a number of prompts per batch; give a positive integer, e.g. "
                      f"--batch-size 16, 1 for one prompt at a time, or {DEFAULT_BATCH_SIZE} (the default: as many as "
                      "the device's free memory holds)")  # fmt: skip
     return value

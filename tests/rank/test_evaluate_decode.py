@@ -123,18 +123,19 @@ def test_an_answer_ends_at_its_first_stop_token():
     assert cut_at_stop([5, 6], [2]) == [5, 6]
 
 
-def test_the_cache_forecast_is_the_tiny_models_real_generation_cache(demo_assets):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_cache_forecast_is_the_tiny_models_real_generation_cache(demo_assets, dtype):
     """``decode_cache_bytes`` (what ``--batch-size auto`` prices a row's cache at) against every tensor of the cache
-    transformers builds for 3 rows of 20 tokens on the tiny model in fp32 (the torch path keeps its recurrent state
-    in the model's dtype; FLA's float32, which the forecast assumes, equals it here)."""
+    transformers builds for 3 rows of 20 tokens on the tiny model: the recurrent state is cached in the model's
+    dtype (``LinearAttentionLayer`` allocates it like the conv state, whatever dtype the kernel returned)."""
     from transformers import Qwen3_5ForConditionalGeneration
 
-    model = Qwen3_5ForConditionalGeneration.from_pretrained(demo_assets["model"], dtype=torch.float32).eval()
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(demo_assets["model"], dtype=dtype).eval()
     with torch.no_grad():
         cache = model(input_ids=torch.randint(10, 100, (3, 20)), use_cache=True).past_key_values
     held = sum(t.nbytes for layer in cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor))
     shape = read_shape(model.config.to_dict())
-    assert held == 3 * decode_cache_bytes(shape, 20, act_bytes=4) > 0
+    assert held == 3 * decode_cache_bytes(shape, 20, act_bytes=dtype.itemsize) > 0
 
 
 @pytest.mark.parametrize(
@@ -146,6 +147,42 @@ def test_auto_rows_fill_the_free_memory_less_the_slack_up_to_the_cap_and_the_pro
     found, basis = auto_rows(prompts, int(0.25 * GIB), int(free_gib * GIB), 64 * GIB)
     assert found == rows
     assert basis["kept_free_gib"] == 4.2 and basis["rows_that_fit"] == max(0, int((free_gib - 4.2) / 0.25))
+
+
+def test_auto_prices_a_row_at_the_longest_prompt_the_answer_length_and_the_models_dtype(tiny, monkeypatch):
+    """``batch_rows`` with the free memory read as 3.5 rows beyond what is kept free, each row priced independently
+    here at the longest prompt (150 tokens), ``NEW_TOKENS`` and fp32: 3 rows. A price at the shortest prompt, at
+    another answer length or in another dtype would fit more or fewer."""
+    from launcher.checks.memory import SLACK_GIB, SLACK_SHARE, decode_row_bytes
+    from launcher.rank import evaluate_decode
+    from launcher.rank.evaluate import batch_rows
+
+    model, prompts = tiny
+    row = decode_row_bytes(read_shape(model.config.to_dict()), max(LENGTHS), NEW_TOKENS, act_bytes=4)
+    total = 64 * GIB
+    kept = int(SLACK_GIB * GIB + SLACK_SHARE * total)
+    monkeypatch.setattr(evaluate_decode, "free_memory", lambda torch_, device: (kept + 7 * row // 2, total))
+    rows, basis = batch_rows(torch, model, prompts, "auto", NEW_TOKENS, "cpu")
+    assert rows == 3 and basis["rows_that_fit"] == 3 and basis["row_mib"] == round(row / 2**20, 2)
+
+
+def test_free_memory_on_an_accelerator_counts_the_allocators_unused_blocks_as_free():
+    """The accelerator branch with a stand-in device module (no GPU or NPU here; CUDA's device string, torch_npu
+    registers the same calls on ``torch.npu``): ``mem_get_info``'s free bytes plus the caching allocator's reserved
+    but unallocated bytes, and the device's total."""
+    from types import SimpleNamespace
+
+    from launcher.rank.evaluate_decode import free_memory
+
+    seen = []
+
+    def info(device):
+        seen.append(device)
+        return 10 * GIB, 80 * GIB
+
+    module = SimpleNamespace(mem_get_info=info, memory_reserved=lambda d: 7 * GIB, memory_allocated=lambda d: 5 * GIB)
+    fake = SimpleNamespace(device=torch.device, cuda=module)
+    assert free_memory(fake, "cuda:0") == (12 * GIB, 80 * GIB) and seen == [torch.device("cuda:0")]
 
 
 def test_auto_falls_back_to_16_rows_saying_why_when_no_forecast_can_be_made(tiny, monkeypatch):
