@@ -66,6 +66,12 @@ def _sync(device) -> None:
             synchronize()
 
 
+def _elapsed(started: float, device) -> float:
+    """Seconds since ``started`` once ``device`` has finished what was queued."""
+    _sync(device)
+    return time.perf_counter() - started
+
+
 class SavedBytes:
     """The pack and unpack hooks that count what one layer's forward saves (see the module docstring)."""
 
@@ -122,7 +128,7 @@ class InForwardMeter:
         self.seq_len: int | None = None
         self._open: dict[str, tuple] = {}  # kind -> (counter, hooks, start, seq_len, device) while it runs
         self._clock: dict[str, tuple[float, Any]] = {}  # kind -> (start, device) while its timed layer runs
-        self._timed_done: set[str] = set()
+        self._timed: set[str] = set()  # kinds whose timed layer has started its one timed forward
         self._handles = []
         for name, layer in layers:
             if not getattr(layer, "layer_type", None):  # the frozen vision blocks keep nothing worth planning
@@ -174,8 +180,7 @@ class InForwardMeter:
                 return None
             counter, hooks, started, seq_len, device = self._open.pop(kind)
             hooks.__exit__(None, None, None)  # also after an error in the forward (always_call)
-            _sync(device)
-            seconds = time.perf_counter() - started
+            seconds = _elapsed(started, device)
             if counter.error is not None:
                 self.errors[kind] = counter.error
                 return None
@@ -189,8 +194,9 @@ class InForwardMeter:
     def _time_pre(self, kind: str):
         def pre_hook(module, args, kwargs):
             # once, in the forward of the step that measured the kind's first layer (not in its recompute)
-            if kind not in self.costs or kind in self._clock or kind in self._timed_done or not module.training:
+            if kind not in self.costs or kind in self._timed or not module.training:
                 return None
+            self._timed.add(kind)
             device = next((t.device for t in _tensors(args) + _tensors(kwargs)), None)
             _sync(device)
             self._clock[kind] = (time.perf_counter(), device)
@@ -203,9 +209,7 @@ class InForwardMeter:
             if kind not in self._clock:
                 return None
             started, device = self._clock.pop(kind)
-            _sync(device)
-            self.costs[kind] = replace(self.costs[kind], forward_s=round(time.perf_counter() - started, 6))
-            self._timed_done.add(kind)
+            self.costs[kind] = replace(self.costs[kind], forward_s=round(_elapsed(started, device), 6))
             return None
 
         return post_hook

@@ -200,6 +200,7 @@ VERBS: tuple[Verb, ...] = (
          "per checkpoint (adapter on the read-only base): test-split loss, greedy answers to the test split's first "
          "client turns and shipped crisis prompts, screening signals; writes evaluate.json and evaluate.md",
          "launcher evaluate demo-cpu-20261130-101500\n  launcher evaluate RUN --checkpoints best,last,500 "
-         "--max-new-tokens 256\n  launcher evaluate RUN --prompts my_prompts.json --max-prompts 0",
+         "--max-new-tokens 256\n  launcher evaluate RUN --prompts my_prompts.json --max-prompts 0\n"
+         "  launcher evaluate RUN --batch-size 8   # 8 prompts a batch instead of as many as the free memory holds",
          _args_evaluate, _cmd_evaluate),
 )  # fmt: skip

@@ -242,14 +242,15 @@ def evaluate(request: dict[str, Any]) -> dict[str, Any]:
     encoded, cut = encode_prompts(template, tokenizer, prompts, data_args.cutoff_len)
     stop = template.get_stop_token_ids(tokenizer)
     rows, basis = batch_rows(torch, base, encoded, request["batch_size"], request["max_new_tokens"], device)
-    why = ""
+    line = f"greedy batches of {rows} prompt(s)"
     if "row_mib" in basis:
-        why = (f" (auto: {basis['free_gib']} GiB free, {basis['row_mib']} MiB a row, {basis['kept_free_gib']} GiB "
-               "kept free" + ("; not even one row fits by the forecast: if it runs out of memory, free the device"
-                              if not basis["rows_that_fit"] else "") + ")")  # fmt: skip
+        line += (f" (auto: {basis['free_gib']} GiB free, {basis['row_mib']} MiB a row, "
+                 f"{basis['kept_free_gib']} GiB kept free)")  # fmt: skip
+        if not basis["rows_that_fit"]:
+            line += "; by the forecast not even one row fits: free the device, or expect it to run out of memory"
     elif "forecast" in basis:
-        why = f" (auto: forecast {basis['forecast']})"
-    _say(f"greedy batches of {rows} prompt(s){why}")
+        line += f" (auto: forecast {basis['forecast']})"
+    _say(line)
     if cut:
         _say(f"{cut} prompt(s) longer than cutoff_len {data_args.cutoff_len} keep their last {data_args.cutoff_len} "
              "tokens")  # fmt: skip

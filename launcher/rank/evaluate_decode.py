@@ -72,7 +72,7 @@ def auto_rows(prompts: int, row_bytes: int, free_bytes: int, total_bytes: int) -
     longest prompt, which the first batch holds); at most ``AUTO_MAX_ROWS`` and the number of prompts, at least 1.
     """
     kept = int((SLACK_GIB * GIB) + SLACK_SHARE * total_bytes)
-    fits = max(0, (free_bytes - kept) // row_bytes) if row_bytes > 0 else AUTO_MAX_ROWS
+    fits = max(0, (free_bytes - kept) // row_bytes)
     rows = max(1, min(fits, AUTO_MAX_ROWS, prompts))
     return rows, {"free_gib": round(free_bytes / GIB, 2), "row_mib": round(row_bytes / 2**20, 2),
                   "kept_free_gib": round(kept / GIB, 2), "rows_that_fit": int(fits),
