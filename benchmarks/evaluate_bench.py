@@ -192,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[evaluate_bench] the training run did not succeed: {results['training']}", file=sys.stderr)
         return 1
     results["evaluations"] = []
+    # recorded before the evaluation starts, so that an evaluation stopped from outside (a `timeout`) leaves a run
+    # that ``--reuse`` can evaluate again
+    write_json_atomic(out / "results.json", results)
     return _evaluate(out, run_dir, results, command, ns)
 
 

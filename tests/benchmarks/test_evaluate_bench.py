@@ -58,13 +58,23 @@ def test_reuse_without_an_earlier_run_is_refused_and_writes_nothing(tmp_path, ca
 
 
 @pytest.mark.slow
-def test_one_checkpoint_is_trained_then_evaluated_with_the_default_prompt_set(tmp_path):
+def test_one_checkpoint_is_trained_then_evaluated_with_the_default_prompt_set(tmp_path, monkeypatch):
     out = tmp_path / "ev"
+    recorded_before: list[dict] = []  # results.json as each evaluation starts
+    real_evaluate = evaluate_bench.evaluate_checkpoint
+
+    def noting(*args, **kwargs):
+        recorded_before.append(json.loads((out / "results.json").read_text()))
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate_bench, "evaluate_checkpoint", noting)
     # 10 test conversations: more than the demo's 8 client lines, so each must open differently to be a prompt
     assert evaluate_bench.main(["--out", str(out), "--shape", "tiny", "--test", "10", "--max-prompts", "10",
                                 "--max-new-tokens", "6", "--batch-size", "8", "--repeats", "2"]) == 0  # fmt: skip
     results = json.loads((out / "results.json").read_text())
     assert results["training"]["state"] == "SUCCEEDED"
+    # the trained run was on disk before the first evaluation began: a stopped evaluation leaves it for --reuse
+    assert recorded_before[0]["training"] == results["training"] and recorded_before[0]["evaluations"] == []
     run_dir = Path(results["training"]["run_dir"])
     # every training batch padded to the cutoff: one shape to compile
     launch = json.loads((run_dir / "launch.json").read_text())
