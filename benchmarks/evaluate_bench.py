@@ -32,7 +32,8 @@ decoding kernels on a cold cache, the second shows a machine whose Triton cache 
 volume); the target is judged on each. Reading the base from disk (51 GiB of safetensors for the 27B shape) is not
 in these figures. ``--reuse`` skips steps 1 and 2: it evaluates again the run an earlier invocation trained in the
 same ``DIR`` and adds its evaluations to that ``results.json`` (each evaluation names the command that made it), so
-a warm evaluation can follow a cold one in a later call on the same machine.
+a warm evaluation can follow a cold one in a later call on the same machine. ``results.json`` is first written once
+the training run succeeded, before any evaluation, so an evaluation stopped from outside leaves the run to ``--reuse``.
 """
 
 from __future__ import annotations
@@ -187,14 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         "run_dir": str(run_dir) if run_dir else None,
         "state": patch_bench._read_json(run_dir / "status.json").get("state") if run_dir else None,
     }
+    # written before any evaluation: one stopped from outside (a `timeout`) leaves the run for ``--reuse``
+    write_json_atomic(out / "results.json", results)
     if run_dir is None or results["training"]["state"] != "SUCCEEDED":
-        write_json_atomic(out / "results.json", results)
         print(f"[evaluate_bench] the training run did not succeed: {results['training']}", file=sys.stderr)
         return 1
-    results["evaluations"] = []
-    # recorded before the evaluation starts, so that an evaluation stopped from outside (a `timeout`) leaves a run
-    # that ``--reuse`` can evaluate again
-    write_json_atomic(out / "results.json", results)
     return _evaluate(out, run_dir, results, command, ns)
 
 

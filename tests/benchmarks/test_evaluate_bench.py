@@ -74,7 +74,7 @@ def test_one_checkpoint_is_trained_then_evaluated_with_the_default_prompt_set(tm
     results = json.loads((out / "results.json").read_text())
     assert results["training"]["state"] == "SUCCEEDED"
     # the trained run was on disk before the first evaluation began: a stopped evaluation leaves it for --reuse
-    assert recorded_before[0]["training"] == results["training"] and recorded_before[0]["evaluations"] == []
+    assert recorded_before[0]["training"] == results["training"] and "evaluations" not in recorded_before[0]
     run_dir = Path(results["training"]["run_dir"])
     # every training batch padded to the cutoff: one shape to compile
     launch = json.loads((run_dir / "launch.json").read_text())
