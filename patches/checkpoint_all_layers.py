@@ -30,8 +30,10 @@ What this patch does:
    step's peak allocated memory (CUDA and NPU, which report it). The first layer of each kind is measured
    inside the model's own forward in the first step (``layer_meter``), so the same mechanism serves one
    process, DDP and FSDP2; the ranks agree on one plan (``plan_ranks``). The plan is made at the end of the
-   first step and holds from the second, whose census is recorded as ``second_training_step``; the default
-   leaves every layer checkpointed.
+   first step and holds from the second, whose census is recorded as ``second_training_step``; with a budget the
+   second step's peak corrects it (``plan_correction``: narrowed, or widened from the third step, whose census
+   and peak are recorded too, ``third_training_step`` and ``plan_recheck``). The default leaves every layer
+   checkpointed.
 
 When the patch is turned off, the first-step observation still runs (it only reads), so the record shows
 what LLaMA-Factory did by itself.
@@ -282,10 +284,11 @@ def _finish_measuring(model) -> None:
                       uncheckpointed_names=apply_plan(model, agreed),
                       first_step_raw_peak_gib=round(raw_peak, 3))  # fmt: skip
         _state["budget_plan"] = {"costs": costs, "chosen": agreed, "first_peak": first_peak, "kinds": kinds,
-                                 "seq_len": seq_len, "names": record["uncheckpointed_names"]}  # fmt: skip
+                                 "seq_len": seq_len, "names": record["uncheckpointed_names"], "step": 2,
+                                 "priced_at": PRIOR_FACTOR}  # fmt: skip
     record["uncheckpointed_total"] = len(record.get("uncheckpointed_names", []))
     _state["proof"].update(layer_plan=record)
-    trainer_hook.on_training_step(NAME, 2, before=_before_second_step, after=_after_second_step)
+    _watch_step(2)
 
 
 def _world_size() -> int:
@@ -294,48 +297,73 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _before_second_step(trainer, model) -> None:
-    try:
-        _state["observer"] = StepObserver(model)
-    except Exception:  # observing must never stop a run
-        logger.exception("cannot observe checkpointing at the second training step")
+def _watch_step(step: int) -> None:
+    """Around training step ``step`` (2, or 3 after a widening): the census of what ran checkpointed
+    (``second_training_step`` / ``third_training_step``) and, under a budget plan, its peak against the plan."""
+    which = {2: "second", 3: "third"}[step]
+
+    def before(trainer, model) -> None:
+        try:
+            _state["observer"] = StepObserver(model)
+        except Exception:  # observing must never stop a run
+            logger.exception("cannot observe checkpointing at the %s training step", which)
+        _watch_peak(model)
+
+    def after(trainer, model) -> None:
+        observer = _state.pop("observer", None)
+        if observer is not None:
+            _state["proof"].update(**{f"{which}_training_step": {**observer.finish(), "recorded_at": utc_now()}})
+        if "seq_hook" in _state:
+            _state.pop("seq_hook").remove()
+            _correct_plan(model)
+
+    trainer_hook.on_training_step(NAME, step, before=before, after=after)
+
+
+def _watch_peak(model) -> None:
+    """Before a step that runs a budget plan with layers un-checkpointed: count its peak from zero and note its
+    sequence length."""
     if _state.get("budget_plan") and _state["budget_plan"]["names"]:
         _memory(_state["backend"]).reset_peak_memory_stats()
 
         def seq_len(module, args, kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
-            _state["budget_plan"].setdefault("second_seq_len", int(ids.shape[-1]))
+            _state["budget_plan"].setdefault("watched_seq_len", int(ids.shape[-1]))
 
         _state["seq_hook"] = model.register_forward_pre_hook(seq_len, with_kwargs=True)
 
 
-def _after_second_step(trainer, model) -> None:
-    observer = _state.pop("observer", None)
-    if observer is not None:
-        _state["proof"].update(second_training_step={**observer.finish(), "recorded_at": utc_now()})
-    if "seq_hook" in _state:
-        _state.pop("seq_hook").remove()
-        _correct_plan(model)
-
-
 def _correct_plan(model) -> None:
-    """Hold the second step's real peak against the plan; take back the layers the budget does not afford."""
+    """Hold a step's real peak against the plan it ran. The second step runs the first plan, which priced each
+    layer at ``PRIOR_FACTOR`` times its count: dearer than that, the layers the budget does not afford are
+    checkpointed again; cheaper, the plan is made again at the real factor and the layers it now affords are
+    left un-checkpointed too, from the third step, whose peak is held against the widened plan the same way
+    (then only ever narrowed)."""
     done = _state.pop("budget_plan")
     peak = _memory(_state["backend"]).max_memory_allocated() / GIB
+    step_seq_len, first_seq_len = done.get("watched_seq_len", done["seq_len"]), done["seq_len"]
     factor = correction(done["costs"], done["chosen"], peak_gib=peak, held_gib=_state["held_gib"],
-                        first_peak_gib=done["first_peak"], seq_len=done.get("second_seq_len", done["seq_len"]),
-                        first_seq_len=done["seq_len"])  # fmt: skip
-    record: dict[str, Any] = {"second_step_peak_gib": round(peak, 3), "factor": round(factor, 4),
-                              "second_step_seq_len": done.get("second_seq_len"), "rechecked": []}  # fmt: skip
+                        first_peak_gib=done["first_peak"], seq_len=step_seq_len,
+                        first_seq_len=first_seq_len)  # fmt: skip
+    record: dict[str, Any] = {"step": done["step"], "step_peak_gib": round(peak, 3), "factor": round(factor, 4),
+                              "step_seq_len": step_seq_len, "priced_at": done["priced_at"]}  # fmt: skip
     keep = done["chosen"]
-    if factor > PRIOR_FACTOR:  # dearer than the first plan assumed: take back what the budget does not afford
+    widen = done["step"] == 2 and factor < done["priced_at"]
+    if factor > done["priced_at"] or widen:
         again = plan(scaled(done["costs"], factor), budget_gib=_state["budget"], peak_gib=done["first_peak"],
                      held_gib=_state["held_gib"], seq_len=done["seq_len"],
                      cutoff_len=_state.get("cutoff_len"))  # fmt: skip
-        keep = {k: min(n, again.uncheckpointed.get(k, 0)) for k, n in keep.items()}
+        pick = max if widen else min  # widen: never fewer layers than the plan that ran, narrow: never more
+        keep = {k: pick(keep.get(k, 0), again.uncheckpointed.get(k, 0)) for k in done["kinds"]}
         record["projected_peak_gib"] = again.projected_peak_gib
     keep = agree_counts(keep, done["kinds"], _state["backend"])  # every rank, whatever its own factor
     record.update(keep=keep, rechecked=shrink_plan(model, done["names"], keep))
-    kept = [n for n in done["names"] if n not in record["rechecked"]]
-    record.update(uncheckpointed_names=kept, uncheckpointed_total=len(kept))
-    _state["proof"].update(plan_correction={**record, "recorded_at": utc_now()})
+    kept = apply_plan(model, keep)
+    record.update(widened=[n for n in kept if n not in done["names"]], uncheckpointed_names=kept,
+                  uncheckpointed_total=len(kept))  # fmt: skip
+    _state["proof"].update(**{"plan_correction" if done["step"] == 2 else "plan_recheck": {
+        **record, "recorded_at": utc_now()}})  # fmt: skip
+    if record["widened"]:  # the widened plan is held against the third step's peak in turn
+        _state["budget_plan"] = {**{k: v for k, v in done.items() if k != "watched_seq_len"}, "chosen": keep,
+                                 "names": kept, "priced_at": factor, "step": 3}  # fmt: skip
+        _watch_step(3)

@@ -20,13 +20,17 @@ the device, the model and the sequence length, so it is measured, not tabled:
 3. The plan is applied after the first step (``gradient_checkpointing = False`` on the chosen layers), so it
    holds from the second step on; the rest stay checkpointed non-reentrantly, which the second step's census
    shows in the proof record.
-4. With a budget, the saved-tensor count misses memory that kernels keep outside autograd's saved tensors and
-   the backward's working buffers (on one H200 the 27B layers took 1.48x what was counted), so the first plan
-   prices each layer at ``PRIOR_FACTOR`` times its count, and the second step, which runs that plan, measures
-   the real factor from its peak (``correction``); if it is above the prior, the plan is made again with the
-   costs scaled by it and the layers it no longer affords are checkpointed again from the third step (a plan
-   is never widened). Layers are the decoder layers (those with a ``layer_type``); the frozen vision blocks
-   save nothing worth planning.
+4. With a budget, the first plan is made before anything has run it, so it prices each layer at ``PRIOR_FACTOR``
+   times its count: what kernels keep outside autograd's saved tensors and the backward's working buffers were
+   once measured at 1.48x the count (the side-forward meter this one replaced); layers counted in the forward
+   have since taken 0.97 to 1.001 times their count in the budget runs on one H200 (docs/benchmarks.md,
+   "Ninth invocation"). The second step, which
+   runs that plan, measures the real factor from its peak (``correction``, never below 1: a layer is never priced
+   under its count). Dearer than the prior, the plan is made again at the real factor and the layers it no longer
+   affords are checkpointed again from the third step; cheaper, the plan is made again at the real factor and the
+   layers it now affords are left un-checkpointed too, from the third step, whose peak is held against the
+   widened plan in turn (narrowed if it is dearer than measured, never widened twice). Layers are the decoder
+   layers (those with a ``layer_type``); the frozen vision blocks save nothing worth planning.
 
 "Step" here is one ``Trainer.training_step`` call, one micro-batch: with gradient accumulation the plan holds
 from the second micro-batch of the first optimizer step.
@@ -46,8 +50,10 @@ from typing import Any
 GIB = 1024**3
 MARGIN_GIB = 1.0  # left free under a budget: allocator fragmentation and the optimizer step
 # The first budget plan assumes each un-checkpointed layer costs this much more than its saved tensors count,
-# so that the second step, which runs the plan before anything corrects it, stays within the budget: the
-# 27B layers on one H200 took 1.48x the count (docs/benchmarks.md). The second step measures the real factor.
+# so that the second step, which runs the plan before anything corrects it, stays within the budget on a device
+# where kernels keep memory outside autograd's saved tensors (27B layers once took 1.48x the count on one H200, as
+# counted by the side forward this meter replaced; 0.97 to 1.001x as counted in the forward since). The
+# second step measures the real factor, and the plan is narrowed or widened to it (``checkpoint_all_layers``).
 PRIOR_FACTOR = 1.5
 
 
@@ -126,7 +132,8 @@ def plan(costs: dict[str, LayerCost], *, count: int | None = None, budget_gib: f
 def correction(costs: dict[str, LayerCost], chosen: dict[str, int], *, peak_gib: float, held_gib: float,
                first_peak_gib: float, seq_len: int, first_seq_len: int) -> float:  # fmt: skip
     """The factor (>= 1) by which the un-checkpointed layers of ``chosen`` took more than counted, from a
-    step's ``peak_gib`` at ``seq_len`` against the all-checkpointed first step's (both scaled by length)."""
+    step's ``peak_gib`` at ``seq_len`` against the all-checkpointed first step's (both scaled by length); 1 where
+    they took less (a layer is never priced under its count)."""
     scale = seq_len / first_seq_len
     all_checkpointed = held_gib + (first_peak_gib - held_gib) * scale
     counted = sum(n * costs[kind].saved_bytes for kind, n in chosen.items()) * scale / GIB

@@ -429,7 +429,7 @@ def forecast(shape: ModelShape, run: RunShape, lora_params: int, device_gib: flo
     left = dict(run.uncheckpointed)
     notes = []
     if run.budget_gib is not None:
-        left, note = _budget_plan(shape, run, per_layer, terms, counts)
+        left, note = _budget_plan(shape, run, per_layer, terms, counts, max(real, 1.0))
         notes.append(note)
     terms["un-checkpointed layers"] = sum(n * per_layer[k] * real for k, n in left.items())
     fixes["un-checkpointed layers"] = (
@@ -492,17 +492,22 @@ def _working_phase(
 
 
 def _budget_plan(
-    shape: ModelShape, run: RunShape, per_layer: dict[str, float], terms: dict[str, float], counts: dict[str, int]
+    shape: ModelShape,
+    run: RunShape,
+    per_layer: dict[str, float],
+    terms: dict[str, float],
+    counts: dict[str, int],
+    real: float,
 ) -> tuple[dict[str, int], str]:
-    """The layers a ``memory_budget_gib`` plan leaves un-checkpointed: ``patches.checkpoint_budget.plan`` on the
-    forecast's counts, priced at its ``PRIOR_FACTOR`` as the patch does."""
-    from patches.checkpoint_budget import PRIOR_FACTOR, LayerCost, plan
+    """The layers a ``memory_budget_gib`` plan leaves un-checkpointed from the third step on:
+    ``patches.checkpoint_budget.plan`` on the forecast's counts priced at what a layer really costs (``real``), as
+    the patch's plan is once the second step's peak has narrowed or widened the first plan (priced at
+    ``PRIOR_FACTOR`` times the count) to the real factor."""
+    from patches.checkpoint_budget import LayerCost, plan
 
     kinds = shape.kinds()
     costs = {
-        k: LayerCost(k, kinds[k], int(per_layer[k] * PRIOR_FACTOR * GIB), per_layer[k], run.tokens)
-        for k in kinds
-        if kinds[k]
+        k: LayerCost(k, kinds[k], int(per_layer[k] * real * GIB), per_layer[k], run.tokens) for k in kinds if kinds[k]
     }
     (_, working), _, _ = _working_phase(shape, run, counts, per_layer)
     activations = terms["checkpointed inputs"] + working

@@ -82,11 +82,57 @@ def test_two_fsdp2_ranks_agree_on_a_budget_plan_and_on_its_correction(tmp_path, 
     names = plans[0]["uncheckpointed_names"]
     assert len(names) == 4 and plans[1]["uncheckpointed_names"] == names
     corrections = [p["plan_correction"] for p in proofs]
-    assert corrections[0]["factor"] == 1.0 and "projected_peak_gib" not in corrections[0]
-    assert corrections[1]["factor"] > 1000 and "projected_peak_gib" in corrections[1]
+    assert corrections[0]["factor"] == 1.0 and corrections[1]["factor"] > 1000
+    assert corrections[0]["widened"] == []  # rank 0's factor would widen, but its plan left every layer out already
     for proof, layer_plan, correction in zip(proofs, plans, corrections, strict=True):
         assert proof["options"] == {"uncheckpointed_layers": None, "memory_budget_gib": 100.0}
         assert layer_plan["this_rank_chose"] == layer_plan["uncheckpointed"] and layer_plan["ranks"] == 2
         assert layer_plan["detail"]["budget_gib"] == 100.0 and not layer_plan["errors"]
         assert _not_checkpointed(proof["second_training_step"]) == sorted(names)  # the plan held at step 2
         assert correction["keep"] == {} and correction["rechecked"] == names and correction["uncheckpointed_total"] == 0
+
+
+def _widening_run(tmp_path: Path, demo_assets, peaks: str) -> tuple[list[dict], list[dict]]:
+    """Two ranks with a budget whose room holds 1.4 of the dearest layer at its count (``STANDIN_ROOM_LAYERS``):
+    priced at ``PRIOR_FACTOR`` (1.5x) the first plan affords one layer; at the count it affords two."""
+    env = {"STANDIN_BUDGET_GIB": "100", "STANDIN_ROOM_LAYERS": "1.4", "STANDIN_PEAK_GIB": peaks}
+    proofs = _proofs(_run(tmp_path, demo_assets, env=env, entry="tests.support.memory_standin_entry"))
+    plans = [p["layer_plan"] for p in proofs]
+    assert plans[0]["uncheckpointed_names"] == plans[1]["uncheckpointed_names"]
+    assert [p["uncheckpointed_total"] for p in plans] == [1, 1]
+    for proof, layer_plan in zip(proofs, plans, strict=True):
+        correction = proof["plan_correction"]
+        assert _not_checkpointed(proof["second_training_step"]) == layer_plan["uncheckpointed_names"]
+        # the second step's stand-in peak is below the all-checkpointed one: priced at the count (factor 1)
+        assert correction["step"] == 2 and correction["factor"] == 1.0 and correction["priced_at"] == 1.5
+        assert correction["rechecked"] == [] and len(correction["widened"]) == 1
+        assert correction["uncheckpointed_names"] == sorted(
+            layer_plan["uncheckpointed_names"] + correction["widened"], key=lambda n: int(n.rsplit(".", 1)[1])
+        )
+        assert correction["projected_peak_gib"] <= layer_plan["detail"]["budget_gib"] - 1.0
+        # the widened plan ran at step 3
+        assert _not_checkpointed(proof["third_training_step"]) == sorted(correction["uncheckpointed_names"])
+    assert proofs[0]["plan_correction"]["keep"] == proofs[1]["plan_correction"]["keep"]
+    return proofs, plans
+
+
+def test_a_plan_that_cost_what_was_counted_is_widened_from_the_third_step_and_holds(tmp_path, demo_assets):
+    """The first plan priced each layer at 1.5x its count; the second step's peak shows the count was right, so
+    the plan is made again at the count and one more layer runs un-checkpointed from step 3, whose peak (as low
+    again) keeps it."""
+    proofs, _ = _widening_run(tmp_path, demo_assets, "1.0,0.0;1.0,0.0")
+    for proof in proofs:
+        correction, recheck = proof["plan_correction"], proof["plan_recheck"]
+        assert recheck["step"] == 3 and recheck["factor"] == 1.0 and recheck["priced_at"] == 1.0
+        assert recheck["rechecked"] == [] and recheck["widened"] == []  # held, and never widened twice
+        assert recheck["uncheckpointed_names"] == correction["uncheckpointed_names"]
+
+
+def test_a_widened_plan_whose_third_step_peaks_over_the_budget_is_taken_back(tmp_path, demo_assets):
+    """As above, but the third step's stand-in peak is 100,000 GiB: the recheck prices the layers at that factor
+    and checkpoints every one of them again, on both ranks."""
+    proofs, _ = _widening_run(tmp_path, demo_assets, "1.0,0.0,100000;1.0,0.0,100000")
+    for proof in proofs:
+        correction, recheck = proof["plan_correction"], proof["plan_recheck"]
+        assert recheck["step"] == 3 and recheck["factor"] > 1000 and recheck["keep"] == {}
+        assert recheck["rechecked"] == correction["uncheckpointed_names"] and recheck["uncheckpointed_total"] == 0

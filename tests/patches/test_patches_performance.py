@@ -148,7 +148,7 @@ def test_the_second_step_corrects_a_count_that_missed_memory_and_takes_layers_ba
                  cutoff_len=1000)  # fmt: skip
     assert again.uncheckpointed == {"attention": 16, "deltanet": 13} and again.projected_peak_gib <= 89.0
     assert correction(costs, first.uncheckpointed, peak_gib=70.0, held_gib=50.0, first_peak_gib=60.0,
-                      seq_len=1000, first_seq_len=1000) == 1.0  # less than counted: never more layers  # fmt: skip
+                      seq_len=1000, first_seq_len=1000) == 1.0  # less than counted: at the count  # fmt: skip
 
 
 def test_a_count_is_spread_over_the_kinds_in_order():

@@ -7,6 +7,12 @@ with a memory budget instead of the config's count, and a stand-in allocator cou
 ``uncheckpointed_layers`` and this entry turns it into ``memory_budget_gib: STANDIN_BUDGET_GIB`` before the
 patches apply. The counter holds 0.5 GiB and reports, after its N-th ``reset_peak_memory_stats``, the N-th peak of
 this rank's list in ``STANDIN_PEAK_GIB`` (ranks separated by ``;``; the last value holds after the list ends).
+
+``STANDIN_ROOM_LAYERS=R`` sets the budget instead from what the first step measured, so that the plan's room is R
+times the count of the dearest measured layer (the tiny model's layers cost megabytes, so no budget in GiB given
+beforehand leaves room for some of them and not all): budget = the all-checkpointed first-step peak (at the run's
+longest sequence, as the plan projects it) + the margin + that room. Every plan of the run (the first, and the
+corrections) is made against that one budget.
 """
 
 from __future__ import annotations
@@ -34,6 +40,28 @@ class StandInCounter:
         return int(self.peaks[min(max(self.resets, 1), len(self.peaks)) - 1] * GIB)
 
 
+def _budget_from_room(module, room_layers: float) -> None:
+    """Make every budget plan of ``module`` against one budget fixed at its first plan (see the docstring)."""
+    from patches.checkpoint_budget import MARGIN_GIB, PRIOR_FACTOR
+
+    plan, fixed = module.plan, {}
+
+    def plan_with_room(costs, **kwargs):
+        if kwargs.get("budget_gib") is None:
+            return plan(costs, **kwargs)
+        if not fixed:  # the first plan prices each layer at PRIOR_FACTOR times its count
+            seq_len, cutoff = kwargs.get("seq_len"), kwargs.get("cutoff_len")
+            scale = cutoff / seq_len if seq_len and cutoff and cutoff > seq_len else 1.0
+            held = kwargs["held_gib"]
+            dearest = max(c.saved_bytes for c in costs.values()) / PRIOR_FACTOR / GIB
+            all_checkpointed = held + (kwargs["peak_gib"] - held) * scale
+            fixed["budget"] = all_checkpointed + MARGIN_GIB + room_layers * dearest * scale
+            module._state["budget"] = fixed["budget"]
+        return plan(costs, **{**kwargs, "budget_gib": fixed["budget"]})
+
+    module.plan = plan_with_room
+
+
 def main() -> int:
     import patches
     from patches import checkpoint_all_layers
@@ -50,6 +78,8 @@ def main() -> int:
         return apply_enabled({**settings, "checkpoint_all_layers": options}, **kwargs)
 
     patches.apply_enabled = with_a_budget
+    if os.environ.get("STANDIN_ROOM_LAYERS"):
+        _budget_from_room(checkpoint_all_layers, float(os.environ["STANDIN_ROOM_LAYERS"]))
     return entry.main(sys.argv[1:])
 
 
