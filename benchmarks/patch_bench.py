@@ -271,7 +271,9 @@ def _proof_summary(run_dir: Path) -> dict[str, Any]:
             **{k: first.get(k) for k in CENSUS_KEYS},
             "layer_plan": ckpt.get("layer_plan"),
             "plan_correction": ckpt.get("plan_correction"),
+            "plan_recheck": ckpt.get("plan_recheck"),
             "second_step_observed": (ckpt.get("second_training_step") or {}).get("observed"),
+            "third_step_observed": (ckpt.get("third_training_step") or {}).get("observed"),
         },
         **{name: {k: v for k, v in _read_json(run_dir / "proof" / "rank0" / f"{name}.json").items()
                   if k in ("status", "first_call", "first_batch", "dummy_image", "why", "evaluations", "multiple")}

@@ -57,7 +57,17 @@ from packaging.specifiers import SpecifierSet
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from . import trainer_hook
-from .checkpoint_budget import GIB, PRIOR_FACTOR, apply_plan, correction, plan, scaled, shrink_plan
+from .checkpoint_budget import (
+    GIB,
+    PRIOR_FACTOR,
+    apply_plan,
+    correction,
+    plan,
+    projected_peak_gib,
+    revised,
+    scaled,
+    shrink_plan,
+)
 from .checkpoint_census import StepObserver, checkpoint_layers, describe_checkpoint_func
 from .errors import PatchError
 from .layer_meter import InForwardMeter
@@ -335,10 +345,10 @@ def _watch_peak(model) -> None:
 
 def _correct_plan(model) -> None:
     """Hold a step's real peak against the plan it ran. The second step runs the first plan, which priced each
-    layer at ``PRIOR_FACTOR`` times its count: dearer than that, the layers the budget does not afford are
-    checkpointed again; cheaper, the plan is made again at the real factor and the layers it now affords are
-    left un-checkpointed too, from the third step, whose peak is held against the widened plan the same way
-    (then only ever narrowed)."""
+    layer at ``PRIOR_FACTOR`` times its count: dearer than that, the plan is made again at the real factor and the
+    layers it no longer affords are checkpointed again; cheaper, the plan is made again at the real factor and is
+    the plan from the third step (more layers un-checkpointed; greedy by kind, so a later kind may lose a layer to
+    an earlier one), whose peak is held against it the same way, then only ever narrowed."""
     done = _state.pop("budget_plan")
     peak = _memory(_state["backend"]).max_memory_allocated() / GIB
     step_seq_len, first_seq_len = done.get("watched_seq_len", done["seq_len"]), done["seq_len"]
@@ -347,23 +357,22 @@ def _correct_plan(model) -> None:
                         first_seq_len=first_seq_len)  # fmt: skip
     record: dict[str, Any] = {"step": done["step"], "step_peak_gib": round(peak, 3), "factor": round(factor, 4),
                               "step_seq_len": step_seq_len, "priced_at": done["priced_at"]}  # fmt: skip
-    keep = done["chosen"]
-    widen = done["step"] == 2 and factor < done["priced_at"]
-    if factor > done["priced_at"] or widen:
-        again = plan(scaled(done["costs"], factor), budget_gib=_state["budget"], peak_gib=done["first_peak"],
-                     held_gib=_state["held_gib"], seq_len=done["seq_len"],
-                     cutoff_len=_state.get("cutoff_len"))  # fmt: skip
-        pick = max if widen else min  # widen: never fewer layers than the plan that ran, narrow: never more
-        keep = {k: pick(keep.get(k, 0), again.uncheckpointed.get(k, 0)) for k in done["kinds"]}
-        record["projected_peak_gib"] = again.projected_peak_gib
+    keep = revised(done["costs"], done["chosen"], factor, priced_at=done["priced_at"], may_widen=done["step"] == 2,
+                   budget_gib=_state["budget"], peak_gib=done["first_peak"], held_gib=_state["held_gib"],
+                   seq_len=done["seq_len"], cutoff_len=_state.get("cutoff_len"))  # fmt: skip
     keep = agree_counts(keep, done["kinds"], _state["backend"])  # every rank, whatever its own factor
-    record.update(keep=keep, rechecked=shrink_plan(model, done["names"], keep))
+    rechecked = shrink_plan(model, done["names"], keep)
     kept = apply_plan(model, keep)
-    record.update(widened=[n for n in kept if n not in done["names"]], uncheckpointed_names=kept,
-                  uncheckpointed_total=len(kept))  # fmt: skip
-    _state["proof"].update(**{"plan_correction" if done["step"] == 2 else "plan_recheck": {
-        **record, "recorded_at": utc_now()}})  # fmt: skip
-    if record["widened"]:  # the widened plan is held against the third step's peak in turn
+    widened = [n for n in kept if n not in done["names"]]
+    if widened:  # the same on every rank (agreed counts, one model): the third step is watched on all or none
         _state["budget_plan"] = {**{k: v for k, v in done.items() if k != "watched_seq_len"}, "chosen": keep,
                                  "names": kept, "priced_at": factor, "step": 3}  # fmt: skip
         _watch_step(3)
+    if keep != done["chosen"]:
+        record["projected_peak_gib"] = projected_peak_gib(
+            scaled(done["costs"], factor), keep, peak_gib=done["first_peak"], held_gib=_state["held_gib"],
+            seq_len=done["seq_len"], cutoff_len=_state.get("cutoff_len"))  # fmt: skip
+    record.update(keep=keep, rechecked=rechecked, widened=widened, uncheckpointed_names=kept,
+                  uncheckpointed_total=len(kept))  # fmt: skip
+    _state["proof"].update(**{"plan_correction" if done["step"] == 2 else "plan_recheck": {
+        **record, "recorded_at": utc_now()}})  # fmt: skip

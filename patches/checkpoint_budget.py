@@ -21,16 +21,15 @@ the device, the model and the sequence length, so it is measured, not tabled:
    holds from the second step on; the rest stay checkpointed non-reentrantly, which the second step's census
    shows in the proof record.
 4. With a budget, the first plan is made before anything has run it, so it prices each layer at ``PRIOR_FACTOR``
-   times its count: what kernels keep outside autograd's saved tensors and the backward's working buffers were
-   once measured at 1.48x the count (the side-forward meter this one replaced); layers counted in the forward
-   have since taken 0.97 to 1.001 times their count in the budget runs on one H200 (docs/benchmarks.md,
-   "Ninth invocation"). The second step, which
-   runs that plan, measures the real factor from its peak (``correction``, never below 1: a layer is never priced
-   under its count). Dearer than the prior, the plan is made again at the real factor and the layers it no longer
-   affords are checkpointed again from the third step; cheaper, the plan is made again at the real factor and the
-   layers it now affords are left un-checkpointed too, from the third step, whose peak is held against the
-   widened plan in turn (narrowed if it is dearer than measured, never widened twice). Layers are the decoder
-   layers (those with a ``layer_type``); the frozen vision blocks save nothing worth planning.
+   times its count: what kernels keep outside autograd's saved tensors and the backward's working buffers were once
+   measured at 1.48x the count (the side-forward meter this one replaced); layers counted in the forward have since
+   taken 0.97 to 1.001 times their count in the budget runs on one H200 (docs/benchmarks.md, "Ninth invocation"). The
+   second step, which runs that plan, measures the real factor from its peak (``correction``, never below 1: a layer
+   is never priced under its count). Dearer than the prior, the plan is made again at the real factor and the layers
+   it no longer affords are checkpointed again from the third step; cheaper, the plan made again at the real factor
+   replaces it from the third step (``revised``: more layers un-checkpointed, within the budget), and that step's
+   peak is held against the widened plan in turn (narrowed if it is dearer than measured, never widened twice).
+   Layers are the decoder layers (those with a ``layer_type``); the frozen vision blocks save nothing worth planning.
 
 "Step" here is one ``Trainer.training_step`` call, one micro-batch: with gradient accumulation the plan holds
 from the second micro-batch of the first optimizer step.
@@ -100,7 +99,7 @@ def plan(costs: dict[str, LayerCost], *, count: int | None = None, budget_gib: f
     """
     order = sorted((c for c in costs.values() if c.saved_bytes > 0), key=lambda c: c.forward_s / c.saved_bytes,
                    reverse=True)  # fmt: skip
-    scale = (cutoff_len / seq_len) if seq_len and cutoff_len and cutoff_len > seq_len else 1.0
+    scale = length_scale(seq_len, cutoff_len)
     chosen: dict[str, int] = {}
     detail: dict[str, Any] = {"order": [c.kind for c in order], "length_scale": round(scale, 4),
                               "costs": {c.kind: asdict(c) for c in order}}  # fmt: skip
@@ -129,6 +128,19 @@ def plan(costs: dict[str, LayerCost], *, count: int | None = None, budget_gib: f
     return Plan(chosen, round(projected, 3), detail)
 
 
+def length_scale(seq_len: int | None, cutoff_len: int | None) -> float:
+    """How much longer the run's longest sequence is than the measured step's (1 when it is not)."""
+    return (cutoff_len / seq_len) if seq_len and cutoff_len and cutoff_len > seq_len else 1.0
+
+
+def projected_peak_gib(costs: dict[str, LayerCost], chosen: dict[str, int], *, peak_gib: float, held_gib: float,
+                       seq_len: int | None, cutoff_len: int | None) -> float:  # fmt: skip
+    """The peak ``plan`` projects at ``cutoff_len`` for ``chosen`` layers un-checkpointed (the same arithmetic)."""
+    scale = length_scale(seq_len, cutoff_len)
+    layers = sum(n * costs[kind].saved_bytes * scale / GIB for kind, n in chosen.items())
+    return round(held_gib + (peak_gib - held_gib) * scale + layers, 3)
+
+
 def correction(costs: dict[str, LayerCost], chosen: dict[str, int], *, peak_gib: float, held_gib: float,
                first_peak_gib: float, seq_len: int, first_seq_len: int) -> float:  # fmt: skip
     """The factor (>= 1) by which the un-checkpointed layers of ``chosen`` took more than counted, from a
@@ -138,6 +150,20 @@ def correction(costs: dict[str, LayerCost], chosen: dict[str, int], *, peak_gib:
     all_checkpointed = held_gib + (first_peak_gib - held_gib) * scale
     counted = sum(n * costs[kind].saved_bytes for kind, n in chosen.items()) * scale / GIB
     return max(1.0, (peak_gib - all_checkpointed) / counted) if counted > 0 else 1.0
+
+
+def revised(costs: dict[str, LayerCost], chosen: dict[str, int], factor: float, *, priced_at: float,
+            may_widen: bool, **budget: Any) -> dict[str, int]:  # fmt: skip
+    """The layers to keep un-checkpointed after a step that ran ``chosen`` (priced at ``priced_at`` times the
+    count) measured ``factor``: dearer, the plan at ``factor`` with no kind above ``chosen`` (never un-checkpoints
+    a layer the plan that ran kept checkpointed); cheaper and ``may_widen``, the plan at ``factor`` whole, which
+    fits the budget by construction (the greedy order may give a later kind fewer layers than before, so a
+    per-kind maximum of the two plans would not); else ``chosen``. ``budget``: ``plan``'s budget arguments."""
+    widen = may_widen and factor < priced_at
+    if not (factor > priced_at or widen):
+        return dict(chosen)
+    again = plan(scaled(costs, factor), **budget).uncheckpointed
+    return again if widen else {k: min(n, again.get(k, 0)) for k, n in chosen.items()}
 
 
 def scaled(costs: dict[str, LayerCost], factor: float) -> dict[str, LayerCost]:

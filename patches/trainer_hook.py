@@ -84,7 +84,7 @@ def install() -> None:
                 try:
                     after(self, model)
                 except Exception:
-                    logger.exception("recording the first training step for %s failed", key)
+                    logger.exception("the callback of %s after training step %d failed", key, _state["steps"])
 
     setattr(training_step, _MARKER, True)
     training_step.__deltanet_launcher_original__ = original

@@ -94,7 +94,10 @@ def test_two_fsdp2_ranks_agree_on_a_budget_plan_and_on_its_correction(tmp_path, 
 
 def _widening_run(tmp_path: Path, demo_assets, peaks: str) -> tuple[list[dict], list[dict]]:
     """Two ranks with a budget whose room holds 1.4 of the dearest layer at its count (``STANDIN_ROOM_LAYERS``):
-    priced at ``PRIOR_FACTOR`` (1.5x) the first plan affords one layer; at the count it affords two."""
+    priced at ``PRIOR_FACTOR`` (1.5x) the first plan affords one layer; at the count it affords two. The tiny
+    model's DeltaNet layer counts about 8.7 MB at 200 tokens, its one attention layer about 1.4 MB (d and 0.16 d),
+    so in either order of the kinds: at 1.5x, DeltaNet (1.5 d) never fits 1.4 d and the attention layer does; at
+    the count, one DeltaNet layer (d) and the attention layer (0.16 d) fit 1.4 d, and a second DeltaNet does not."""
     env = {"STANDIN_BUDGET_GIB": "100", "STANDIN_ROOM_LAYERS": "1.4", "STANDIN_PEAK_GIB": peaks}
     proofs = _proofs(_run(tmp_path, demo_assets, env=env, entry="tests.support.memory_standin_entry"))
     plans = [p["layer_plan"] for p in proofs]
@@ -109,6 +112,9 @@ def _widening_run(tmp_path: Path, demo_assets, peaks: str) -> tuple[list[dict], 
         assert correction["uncheckpointed_names"] == sorted(
             layer_plan["uncheckpointed_names"] + correction["widened"], key=lambda n: int(n.rsplit(".", 1)[1])
         )
+        # what the widened plan keeps, at the count, fits the room (1.4 of the dearest layer's count)
+        counted = {k: c["saved_bytes"] / 1.5 for k, c in layer_plan["detail"]["costs"].items()}
+        assert sum(n * counted[k] for k, n in correction["keep"].items()) <= 1.4 * max(counted.values())
         assert correction["projected_peak_gib"] <= layer_plan["detail"]["budget_gib"] - 1.0
         # the widened plan ran at step 3
         assert _not_checkpointed(proof["third_training_step"]) == sorted(correction["uncheckpointed_names"])

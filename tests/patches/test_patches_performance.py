@@ -151,6 +151,29 @@ def test_the_second_step_corrects_a_count_that_missed_memory_and_takes_layers_ba
                       seq_len=1000, first_seq_len=1000) == 1.0  # less than counted: at the count  # fmt: skip
 
 
+def test_a_plan_that_cost_less_than_priced_is_widened_to_the_plan_at_the_real_factor_whole():
+    from patches.checkpoint_budget import PRIOR_FACTOR, projected_peak_gib, revised, scaled
+
+    # DeltaNet first (more recompute per byte), 1.207 GiB a layer, attention 1.115 GiB: the 27B's unfused counts
+    costs = {"deltanet": cost("deltanet", 48, 1.207, 0.0084), "attention": cost("attention", 16, 1.115, 0.0074)}
+    budget = {"budget_gib": 82.6, "peak_gib": 60.0, "held_gib": 50.0, "seq_len": 1000, "cutoff_len": 1000}
+    first = plan(scaled(costs, PRIOR_FACTOR), **budget).uncheckpointed  # room 21.6 GiB at 1.5x the count
+    assert first == {"deltanet": 11, "attention": 1}
+    # the second step shows the count was right: the plan at 1.0 takes 17 DeltaNet layers and no attention layer;
+    # the per-kind maximum of the two plans (17 + 1) would cost 21.63 GiB of the 21.6 GiB room
+    widened = revised(costs, first, 1.0, priced_at=PRIOR_FACTOR, may_widen=True, **budget)
+    assert widened == {"deltanet": 17}
+    assert projected_peak_gib(costs, widened, **{k: v for k, v in budget.items() if k != "budget_gib"}) <= 81.6
+    # the third step's recheck may only narrow; a factor at or under the price keeps the plan as it is
+    assert revised(costs, widened, 1.0, priced_at=1.0, may_widen=False, **budget) == widened
+    assert revised(costs, widened, 0.5, priced_at=1.0, may_widen=False, **budget) == widened
+    # dearer: the plan at 2.0 is 8 DeltaNet + 1 attention, but narrowing never un-checkpoints a layer that ran
+    # checkpointed (the attention layer)
+    assert revised(costs, widened, 2.0, priced_at=1.0, may_widen=False, **budget) == {"deltanet": 8}
+    narrowed = revised(costs, first, 3.0, priced_at=PRIOR_FACTOR, may_widen=True, **budget)
+    assert narrowed == {"deltanet": 5, "attention": 1}  # dearer than the prior at step 2
+
+
 def test_a_count_is_spread_over_the_kinds_in_order():
     costs = {"deltanet": cost("deltanet", 3, 0.5, 0.030), "attention": cost("attention", 1, 0.5, 0.020)}
     assert plan(costs, count=2).uncheckpointed == {"deltanet": 2}
