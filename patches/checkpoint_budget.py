@@ -113,10 +113,10 @@ def plan(costs: dict[str, LayerCost], *, count: int | None = None, budget_gib: f
         detail["count"] = count
         return Plan(chosen, None, detail)
     assert budget_gib is not None and peak_gib is not None and held_gib is not None
-    projected = held_gib + (peak_gib - held_gib) * scale
-    room = budget_gib - MARGIN_GIB - projected
+    all_checkpointed = held_gib + (peak_gib - held_gib) * scale
+    room = budget_gib - MARGIN_GIB - all_checkpointed
     detail.update(budget_gib=budget_gib, margin_gib=MARGIN_GIB, first_step_peak_gib=round(peak_gib, 3),
-                  held_before_step_gib=round(held_gib, 3), all_checkpointed_peak_gib=round(projected, 3),
+                  held_before_step_gib=round(held_gib, 3), all_checkpointed_peak_gib=round(all_checkpointed, 3),
                   room_gib=round(room, 3))  # fmt: skip
     for cost in order:
         per_layer = cost.saved_bytes * scale / GIB
@@ -124,8 +124,9 @@ def plan(costs: dict[str, LayerCost], *, count: int | None = None, budget_gib: f
         if take:
             chosen[cost.kind] = take
             room -= take * per_layer
-            projected += take * per_layer
-    return Plan(chosen, round(projected, 3), detail)
+    projected = projected_peak_gib(costs, chosen, peak_gib=peak_gib, held_gib=held_gib, seq_len=seq_len,
+                                   cutoff_len=cutoff_len)  # fmt: skip
+    return Plan(chosen, projected, detail)
 
 
 def length_scale(seq_len: int | None, cutoff_len: int | None) -> float:
@@ -135,7 +136,8 @@ def length_scale(seq_len: int | None, cutoff_len: int | None) -> float:
 
 def projected_peak_gib(costs: dict[str, LayerCost], chosen: dict[str, int], *, peak_gib: float, held_gib: float,
                        seq_len: int | None, cutoff_len: int | None) -> float:  # fmt: skip
-    """The peak ``plan`` projects at ``cutoff_len`` for ``chosen`` layers un-checkpointed (the same arithmetic)."""
+    """The peak projected at ``cutoff_len`` with ``chosen`` layers un-checkpointed: the all-checkpointed first step's
+    peak above ``held_gib`` and each layer's cost, both scaled by length (``plan``'s projection)."""
     scale = length_scale(seq_len, cutoff_len)
     layers = sum(n * costs[kind].saved_bytes * scale / GIB for kind, n in chosen.items())
     return round(held_gib + (peak_gib - held_gib) * scale + layers, 3)

@@ -42,7 +42,7 @@ class StandInCounter:
 
 def _budget_from_room(module, room_layers: float) -> None:
     """Make every budget plan of ``module`` against one budget fixed at its first plan (see the docstring)."""
-    from patches.checkpoint_budget import MARGIN_GIB, PRIOR_FACTOR
+    from patches.checkpoint_budget import MARGIN_GIB, PRIOR_FACTOR, length_scale
 
     plan, fixed = module.plan, {}
 
@@ -50,9 +50,7 @@ def _budget_from_room(module, room_layers: float) -> None:
         if kwargs.get("budget_gib") is None:
             return plan(costs, **kwargs)
         if not fixed:  # the first plan prices each layer at PRIOR_FACTOR times its count
-            seq_len, cutoff = kwargs.get("seq_len"), kwargs.get("cutoff_len")
-            scale = cutoff / seq_len if seq_len and cutoff and cutoff > seq_len else 1.0
-            held = kwargs["held_gib"]
+            scale, held = length_scale(kwargs.get("seq_len"), kwargs.get("cutoff_len")), kwargs["held_gib"]
             dearest = max(c.saved_bytes for c in costs.values()) / PRIOR_FACTOR / GIB
             all_checkpointed = held + (kwargs["peak_gib"] - held) * scale
             fixed["budget"] = all_checkpointed + MARGIN_GIB + room_layers * dearest * scale
