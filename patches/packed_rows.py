@@ -33,14 +33,22 @@ What this patch does:
    (LLaMA-Factory's dummy image appended to a packed batch) stops the run.
 2. routes the full-attention layers of a packed row (``Qwen3_5Attention``, the MoE twin; through the ``sdpa``
    entry of transformers' attention functions, which the layers look up at every call) to a varlen kernel
-   where the device has one: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention with ``cu_seqlens``)
-   on CUDA, ``torch_npu.npu_fusion_attention`` (layout ``TND`` with the samples' cumulative lengths, causal
-   ``sparse_mode`` 3) on NPU, bf16/fp16 only; elsewhere (CPU, fp32) the block mask stays with SDPA. Its first
+   where the device has one: on CUDA ``PADDED_SDPA`` (the row's samples as one batch, each padded at its end,
+   through causal SDPA: cuDNN's kernel on Hopper, 1.8x FlashAttention 2's speed there) where SDPA runs cuDNN,
+   else ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention with ``cu_seqlens``; option
+   ``cuda_attention``), on NPU ``torch_npu.npu_fusion_attention`` (layout ``TND`` with the samples' cumulative
+   lengths, causal ``sparse_mode`` 3), bf16/fp16 only; elsewhere (CPU, fp32) the block mask stays with SDPA. Its first
    call is checked against SDPA with the mask on the row's real tokens; a disagreement stops the run (the
    option ``varlen_attention: false`` keeps the mask). Only the mask the DeltaNet layers read as packed rows
    (the same tensor object) takes this path; every other call goes to SDPA unchanged.
 3. wraps ``SFTDataCollatorWith4DAttentionMask.__call__``: on every packed batch it checks that the text
    position ids restart at 0 at every sample start and never go back inside it, and stops the run otherwise.
+   With ``device_mask`` (the default) the collator's 4D step is skipped: the batch keeps LLaMA-Factory's 2D
+   sample numbers, as ``int32`` (``NUMBERS``; its and the tokenizer's masks are int64, so the dtype marks them),
+   and the wrapped ``Qwen3_5TextModel.forward`` (and the MoE twin) builds the same 4D mask from them on their
+   device (``block_causal_mask``, entry for entry LLaMA-Factory's) and reads the samples off the numbers
+   (``numbered_segments``) instead of the mask's diagonals. At 4,096 tokens the CPU mask took ~13 ms and its copy
+   ~5 ms a batch, the device mask 0.24 ms (H100, ``benchmarks.attention_bench``).
 
 Nothing is shared between samples, which ``tests/patches/test_packing.py`` shows on the tiny model: each sample's
 loss and the LoRA gradients of a packed row equal those of the samples run alone (fp32, 1e-4), and a
@@ -64,7 +72,7 @@ import inspect
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from packaging.specifiers import SpecifierSet
 from pydantic import BaseModel, ConfigDict
@@ -86,10 +94,17 @@ ATTENTION = (
     ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5Attention"),
     ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeAttention"),
 )
+TEXT_MODEL = (
+    ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5TextModel"),
+    ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeTextModel"),
+)
 COLLATOR = ("llamafactory.data.collator", "SFTDataCollatorWith4DAttentionMask")
 TORCH_VARLEN = "torch.nn.attention.varlen.varlen_attn"
 NPU_VARLEN = "torch_npu.npu_fusion_attention"
+PADDED_SDPA = "sdpa over the row's samples batched, each padded at its end"
 MASKED = "sdpa with the block mask"
+PAD_MULTIPLE = 256  # PADDED_SDPA pads every sample to a multiple of this: few shapes, each one cuDNN graph
+NUMBERS = "int32"  # the dtype that marks a batch's attention_mask as LLaMA-Factory's sample numbers (see device_mask)
 VARLEN_AGREEMENT = 2e-2  # relative L2 difference to SDPA with the mask on real tokens (bf16 rounding is ~4e-3)
 FIX = "turn packing off (packing: false, neat_packing: false), or report the LLaMA-Factory/transformers versions"
 
@@ -101,6 +116,12 @@ class Options(BaseModel):
     enabled: bool = True
     # attention of packed rows through a varlen kernel where the device has one (CUDA, NPU); false: the block mask
     varlen_attention: bool = True
+    # which one on CUDA: "padded" (PADDED_SDPA: the kernel torch's SDPA picks, cuDNN's on Hopper), "varlen"
+    # (FlashAttention 2 with cu_seqlens), "auto": padded where SDPA runs cuDNN attention (compute capability >= 9)
+    cuda_attention: Literal["auto", "padded", "varlen"] = "auto"
+    # build the packed row's 4D mask on the device from LLaMA-Factory's sample numbers; false: its collator builds
+    # it on the CPU (32 MiB at 4,096 tokens in bf16, ~13 ms plus a 5 ms copy a batch, docs/benchmarks.md)
+    device_mask: bool = True
 
 
 @dataclass(frozen=True)
@@ -165,6 +186,60 @@ class Segments:
     def cu_seqlens(self) -> list[int]:
         """The segment boundaries of the rows laid end to end (FLA's varlen layout, batch 1)."""
         return [row * self.length + start for row, start, _, _ in self.spans] + [self.rows * self.length]
+
+    def padded(self, multiple: int, device) -> tuple[Any, Any, int, int]:
+        """``(take, scatter, count, longest)``: the samples (not padding) of the rows, laid end to end, as a batch
+        of ``count`` samples of ``longest`` tokens each (the longest sample rounded up to ``multiple``), and back.
+        ``take [count * longest]`` indexes the ``B * T`` tokens: a sample's own tokens, then its first token again
+        up to ``longest`` (causal attention never reads them for the sample's tokens; any token would do);
+        ``scatter [B * T]`` indexes the ``count * longest`` batch tokens plus one zero token after them (index
+        ``count * longest``, what the rows' padding gets). Index tensors on ``device``, built once."""
+        key = ("padded", multiple, str(device))
+        if key not in self._on_device:
+            import torch
+
+            samples = [(row * self.length + start, end - start) for row, start, end, real in self.spans if real]
+            longest = -(-max((n for _, n in samples), default=1) // multiple) * multiple
+            take = torch.zeros(len(samples), longest, dtype=torch.long)
+            scatter = torch.full((self.rows * self.length,), len(samples) * longest, dtype=torch.long)
+            for index, (first, count) in enumerate(samples):
+                take[index] = first
+                take[index, :count] = torch.arange(first, first + count)
+                scatter[first : first + count] = torch.arange(index * longest, index * longest + count)
+            self._on_device[key] = (take.flatten().to(device), scatter.to(device), len(samples), longest)
+        return self._on_device[key]
+
+
+def numbered_segments(numbered) -> Segments:
+    """Samples of packed rows from LLaMA-Factory's sample numbers ``[B, T]`` (1, 1, 2, 2, 2, 0 for padding: what
+    its collator turns into the 4D mask): the same segments ``segments`` reads off that mask."""
+    import torch
+
+    numbered = numbered.cpu()
+    rows, length = numbered.shape
+    start = torch.ones_like(numbered, dtype=torch.bool)
+    start[:, 1:] = numbered[:, 1:] != numbered[:, :-1]
+    index = torch.arange(length).expand(rows, length)
+    first = torch.where(start, index, torch.zeros_like(index)).cummax(-1).values
+    spans = []
+    for row in range(rows):
+        at = torch.nonzero(start[row]).flatten().tolist()
+        for begin, end in zip(at, [*at[1:], length], strict=True):
+            spans.append((row, begin, end, bool(numbered[row, begin] != 0)))
+    return Segments(rows=rows, length=length, spans=tuple(spans), position=index - first)
+
+
+def block_causal_mask(numbered, dtype) -> Any:
+    """The 4D additive block-diagonal causal mask ``[B, 1, T, T]`` of sample numbers ``[B, T]``, built where
+    ``numbered`` lives: LLaMA-Factory's ``prepare_4d_attention_mask`` (0 where a token attends, the dtype's
+    minimum elsewhere; padding attends to nothing), entry for entry."""
+    import torch
+
+    length = numbered.shape[-1]
+    allowed = numbered[:, None, :, None] == numbered[:, None, None, :]
+    allowed &= (numbered != 0)[:, None, None, :]
+    allowed &= torch.ones(length, length, dtype=torch.bool, device=numbered.device).tril()
+    return torch.zeros((), dtype=dtype, device=numbered.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def allowed_of(mask) -> Any:
@@ -337,8 +412,18 @@ def torch_varlen_options() -> dict[str, Any] | None:
     return {"causal": causal, "scale": "scale" in params, "gqa": "enable_gqa" in params}
 
 
-def varlen_kernel(query, scaling: float | None, dropout: float) -> str | None:
-    """The varlen attention kernel for ``query``'s device and dtype, or None where the block mask is used."""
+def sdpa_runs_cudnn(device) -> bool:
+    """Whether torch's SDPA takes cuDNN's attention for a causal bf16 call on ``device``: compute capability 9 or
+    newer with cuDNN attention enabled (on an H100 with torch 2.11 it did, at 2.4 ms a checkpointed 27B attention
+    layer of 4,096 tokens against 4.3 ms for FlashAttention 2; ``benchmarks.attention_bench``)."""
+    import torch
+
+    return torch.cuda.get_device_capability(device)[0] >= 9 and torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def varlen_kernel(query, scaling: float | None, dropout: float, cuda_attention: str = "auto") -> str | None:
+    """The attention kernel of packed rows for ``query``'s device and dtype (``Options.cuda_attention`` chooses
+    on CUDA), or None where the block mask is used."""
     import torch
 
     if dropout or query.dtype not in (torch.bfloat16, torch.float16):
@@ -347,6 +432,8 @@ def varlen_kernel(query, scaling: float | None, dropout: float) -> str | None:
         return NPU_VARLEN
     if query.device.type != "cuda" or torch.cuda.get_device_capability(query.device)[0] < 8:
         return None
+    if cuda_attention == "padded" or (cuda_attention == "auto" and sdpa_runs_cudnn(query.device)):
+        return PADDED_SDPA
     options = torch_varlen_options()
     if options is None or (not options["scale"] and scaling not in (None, query.shape[-1] ** -0.5)):
         return None
@@ -362,6 +449,30 @@ def npu_causal_tile(device: str):
     return torch.ones(2048, 2048, dtype=torch.bool, device=device).triu(1)
 
 
+def padded_attention(query, key, value, found: Segments, scaling: float):
+    """``PADDED_SDPA``: the samples of the rows as one batch ``[S, H, L, D]``, each sample's tokens first and filler
+    after them up to ``L`` (its longest sample rounded up to ``PAD_MULTIPLE``), through causal SDPA, and back to
+    ``[B, T, H, D]``. Exact for every sample's tokens: causal attention never reads a later token, so the filler
+    after a sample changes nothing before it (its outputs are dropped, so its gradients are zero); the rows'
+    padding gets zeros. The kernel is the one SDPA picks for an unpacked step (cuDNN's on Hopper), on fewer tokens
+    than the row when it holds several samples; ``L`` in steps of ``PAD_MULTIPLE`` keeps the shapes few (cuDNN
+    builds a graph per shape)."""
+    import torch.nn.functional as F
+
+    rows, heads, length, dim = query.shape
+    take, scatter, count, longest = found.padded(PAD_MULTIPLE, query.device)
+
+    def batched(t):  # [B, h, T, d] -> [S, h, L, d]; index_select: its backward is a plain index_add
+        flat = t.transpose(1, 2).reshape(rows * length, t.shape[1], t.shape[-1])
+        return flat.index_select(0, take).view(count, longest, t.shape[1], t.shape[-1]).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(batched(query), batched(key), batched(value), is_causal=True,
+                                         scale=scaling, enable_gqa=key.shape[1] != heads)  # fmt: skip
+    out = out.transpose(1, 2).reshape(count * longest, heads, value.shape[-1])
+    out = F.pad(out, (0, 0, 0, 0, 0, 1)).index_select(0, scatter)
+    return out.view(rows, length, heads, value.shape[-1])
+
+
 def varlen_attention(kernel: str, query, key, value, found: Segments, scaling: float | None):
     """Causal attention inside every segment of packed rows: ``query`` ``[B, H, T, D]``, ``key``/``value``
     ``[B, Hkv, T, D]`` (the layout transformers' attention functions take) to ``[B, T, H, D]`` (the one they
@@ -370,6 +481,8 @@ def varlen_attention(kernel: str, query, key, value, found: Segments, scaling: f
 
     rows, heads, length, _ = query.shape
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if kernel == PADDED_SDPA:
+        return padded_attention(query, key, value, found, scaling)
     q, k, v = (t.transpose(1, 2).reshape(rows * length, t.shape[1], t.shape[-1]) for t in (query, key, value))
     if kernel == NPU_VARLEN:
         import torch_npu
@@ -447,7 +560,8 @@ def _make_attention(original):
         if found is None:
             return original(module, query, key, value, attention_mask, *args, **kwargs)
         scaling, dropout = kwargs.get("scaling"), kwargs.get("dropout", 0.0)
-        kernel = varlen_kernel(query, scaling, dropout) if _state["varlen_attention"] else None
+        kernel = (varlen_kernel(query, scaling, dropout, cuda_attention=_state["cuda_attention"])
+                  if _state["varlen_attention"] else None)  # fmt: skip
         if kernel is None:
             out = original(module, query, key, value, attention_mask, *args, **kwargs)
         else:
@@ -523,20 +637,42 @@ def restarts(positions) -> bool:
     return int(positions[0]) == 0 and bool((positions[1:] >= positions[:-1]).all())
 
 
+def builds_4d_mask(collator) -> bool:
+    """Whether LLaMA-Factory's collator turns this batch's sample numbers into the 4D mask (its own condition)."""
+    return bool(collator.block_diag_attn) and collator.attn_implementation != "flash_attention_2"
+
+
+def _collate_numbers(original, collator, features):
+    """The batch with LLaMA-Factory's 2D sample numbers left as they are (its 4D step skipped), as ``NUMBERS``."""
+    import torch
+
+    collator.block_diag_attn = False
+    try:
+        batch = original(collator, features)
+    finally:
+        collator.block_diag_attn = True
+    mask = batch.get("attention_mask")
+    if torch.is_tensor(mask) and mask.dim() == 2:
+        batch["attention_mask"] = mask.to(getattr(torch, NUMBERS))
+        _state["mask_dtype"] = collator.compute_dtype
+    return batch
+
+
 def _make_collate(original):
     def __call__(self, features):
         import torch
 
-        batch = original(self, features)
+        numbers = bool(_state) and _state["device_mask"] and builds_4d_mask(self)
+        batch = _collate_numbers(original, self, features) if numbers else original(self, features)
         mask = batch.get("attention_mask")
-        if not _state or not torch.is_tensor(mask) or mask.dim() != 4:
+        if not _state or not torch.is_tensor(mask) or mask.dim() != (2 if numbers else 4):
             return batch
         if mask.shape[-1] != batch["input_ids"].shape[-1]:
             raise PatchError(NAME, (
                 f"a packed batch's mask covers {mask.shape[-1]} positions but its rows hold "
                 f"{batch['input_ids'].shape[-1]} tokens (LLaMA-Factory appended its dummy image to a packed batch)"),
                 "keep launcher.patches.text_only_batches on with text-only data, or turn packing off")  # fmt: skip
-        found = segments(mask)
+        found = numbered_segments(mask) if numbers else segments(mask)
         position = batch.get("position_ids")
         text = position[0] if position is not None and position.dim() == 3 else position
         if text is None:
@@ -554,11 +690,26 @@ def _make_collate(original):
             _state["first_batch"] = True
             _state["proof"].update(first_packed_batch={
                 "rows": found.rows, "row_length": found.length, "samples_per_row": found.samples_per_row(),
-                "position_ids": "restart at 0 in every sample (checked on every batch)", "recorded_at": utc_now(),
+                "position_ids": "restart at 0 in every sample (checked on every batch)",
+                "mask": (f"sample numbers ({NUMBERS}); the 4D mask is built on the device" if numbers
+                         else "4D, built by LLaMA-Factory's collator"), "recorded_at": utc_now(),
             })  # fmt: skip
         return batch
 
     return __call__
+
+
+def _make_text_forward(original):
+    def forward(self, *args, **kwargs):
+        """Sample numbers from this patch's collator (``NUMBERS``) become the 4D mask here, on their device."""
+        mask, dtype = kwargs.get("attention_mask"), _state.get("mask_dtype")
+        if dtype is not None and mask is not None and mask.dim() == 2 and str(mask.dtype) == f"torch.{NUMBERS}":
+            found = numbered_segments(mask)
+            kwargs["attention_mask"] = block_causal_mask(mask, dtype)
+            _cache["held"] = (weakref.ref(kwargs["attention_mask"]), found)  # read once, not off the mask again
+        return original(self, *args, **kwargs)
+
+    return forward
 
 
 def check_symbols() -> None:
@@ -573,13 +724,21 @@ def check_symbols() -> None:
         if missing:
             raise PatchError(NAME, f"{class_name}.__init__ no longer sets {', '.join(missing)}",
                              "install transformers>=5.6.0,<5.7, or turn packing off")  # fmt: skip
-    for module_name, class_name in ATTENTION:
+    for module_name, class_name in ATTENTION + TEXT_MODEL:
         require_symbols(NAME, module_name, (class_name,), "transformers")
     utils = require_symbols(NAME, "transformers.modeling_utils", ("ALL_ATTENTION_FUNCTIONS",), "transformers")
     if "sdpa" not in utils.ALL_ATTENTION_FUNCTIONS:
         raise PatchError(NAME, "transformers' attention functions have no 'sdpa' entry",
                          "install transformers>=5.6.0,<5.7, or turn packing off")  # fmt: skip
-    require_symbols(NAME, COLLATOR[0], (COLLATOR[1],), "llamafactory")
+    collator = getattr(require_symbols(NAME, COLLATOR[0], (COLLATOR[1],), "llamafactory"), COLLATOR[1])
+    missing = [f for f in ("block_diag_attn", "attn_implementation", "compute_dtype")
+               if f not in getattr(collator, "__dataclass_fields__", {})]  # fmt: skip
+    if missing:
+        raise PatchError(
+            NAME,
+            f"{COLLATOR[1]} no longer has the field(s) {', '.join(missing)}",
+            "install llamafactory>=0.9.5,<0.9.6, or set launcher.patches.packed_rows.device_mask: false",
+        )
 
 
 def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dict[str, Any]) -> dict[str, Any]:
@@ -587,20 +746,25 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
     varlen = bool(options.get("varlen_attention", True))
     for module_name, class_name in DELTANET:
         wrap_once(getattr(importlib.import_module(module_name), class_name), "forward", NAME, _make_forward)
+    for module_name, class_name in TEXT_MODEL:
+        wrap_once(getattr(importlib.import_module(module_name), class_name), "forward", NAME, _make_text_forward)
     wrap_once(getattr(importlib.import_module(COLLATOR[0]), COLLATOR[1]), "__call__", NAME, _make_collate)
     _install_attention()
     _state.clear()
     _cache.clear()
     _state.update(proof=proof, packing=bool(facts.get("packing")), calls=0, batches=0, samples=0, rows=0,
-                  varlen_attention=varlen,
+                  varlen_attention=varlen, cuda_attention=options.get("cuda_attention", "auto"),
+                  device_mask=bool(options.get("device_mask", True)),
                   attention=tuple(getattr(importlib.import_module(m), c) for m, c in ATTENTION))  # fmt: skip
     trainer_hook.on_first_training_step(NAME, before=_before_first_step, after=_after_first_step)
     trainer_hook.on_training_step(NAME, 2, before=_before_second_step)
     return {
-        "replaced": [f"{m}.{c}.forward" for m, c in DELTANET] + [".".join(COLLATOR) + ".__call__",
-                                                                   "ALL_ATTENTION_FUNCTIONS['sdpa']"],
+        "replaced": [f"{m}.{c}.forward" for m, c in DELTANET + TEXT_MODEL]
+        + [".".join(COLLATOR) + ".__call__", "ALL_ATTENTION_FUNCTIONS['sdpa']"],
         "packing": _state["packing"],
         "varlen_attention": varlen,
+        "cuda_attention": _state["cuda_attention"],
+        "device_mask": _state["device_mask"],
     }  # fmt: skip
 
 
@@ -677,7 +841,7 @@ def observe(*, backend: str, proof: ProofFile) -> None:
 
 def restore() -> None:
     """Unwrap what this patch wrapped (where its wrapper is the outermost) and forget the state."""
-    for module_name, class_name in DELTANET:
+    for module_name, class_name in DELTANET + TEXT_MODEL:
         unwrap(module_name, class_name, "forward", NAME)
     unwrap(*COLLATOR, "__call__", NAME)
     _remove_attention()

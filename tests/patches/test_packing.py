@@ -225,7 +225,7 @@ def test_packed_attention_through_a_varlen_kernel_keeps_samples_apart_and_its_ch
         calls.append(kernel)
         return attention_per_segment(query, key, value, found, scaling)
 
-    monkeypatch.setattr(packed_rows, "varlen_kernel", lambda query, scaling, dropout: "stand-in varlen")
+    monkeypatch.setattr(packed_rows, "varlen_kernel", lambda query, scaling, dropout, **_: "stand-in varlen")
     monkeypatch.setattr(packed_rows, "varlen_attention", stand_in)
     patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)
     model = packing_model(demo_assets["model"])
@@ -254,6 +254,124 @@ def test_packed_attention_through_a_varlen_kernel_keeps_samples_apart_and_its_ch
         model(**packed_row(parts))  # the first row of several samples is checked too
     record = read_proof(tmp_path / "leak", "packed_rows")
     assert record["status"] == "failed" and record["first_multi_sample_attention"]["samples_per_row"] == [3]
+
+
+@pytest.mark.usefixtures("restore_patches")
+def test_packed_rows_through_the_padded_sdpa_route_equal_the_samples_alone(tmp_path, demo_assets, monkeypatch):
+    """``PADDED_SDPA`` is plain SDPA, so it runs here for real (the math kernel on CPU, cuDNN's on Hopper): routed
+    to it, the tiny model's packed row still equals its samples alone, and the first call's check against the
+    block mask is recorded with that kernel."""
+    monkeypatch.setattr(packed_rows, "varlen_kernel", lambda query, scaling, dropout, **_: packed_rows.PADDED_SDPA)
+    patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)
+    model = packing_model(demo_assets["model"])
+    parts = samples(model.config.text_config.vocab_size)
+    loss_gap, grad_gap = compare(model, parts)
+    assert loss_gap < 1e-4 and grad_gap < 1e-4, (loss_gap, grad_gap)
+    record = read_proof(tmp_path, "packed_rows")
+    attention = record["first_packed_attention"]  # the first row already holds three samples
+    assert attention["kernel"] == packed_rows.PADDED_SDPA and attention["samples_per_row"] == [3]
+    assert attention["relative_l2_difference"] < 1e-5
+
+
+@pytest.mark.parametrize("multiple", [1, 8, 256])
+def test_the_padded_route_equals_attention_per_sample_and_pads_only_after_each_sample(monkeypatch, multiple):
+    """Two rows (samples of 9 and 20 tokens then 3 of padding; 16 and 16), 6 query heads on 2 key heads: the
+    samples batched and padded at their end through causal SDPA equal causal attention over each sample alone,
+    forward and the gradients of q, k, v, on the samples' tokens; the rows' padding gets zeros. Padding put in
+    front of each sample instead (what causal attention would read) fails the same comparison."""
+    import torch
+
+    monkeypatch.setattr(packed_rows, "PAD_MULTIPLE", multiple)
+    torch.manual_seed(0)
+    found = packed_rows.numbered_segments(torch.tensor([[1] * 9 + [2] * 20 + [0] * 3, [1] * 16 + [2] * 16]))
+    take, scatter, count, longest = found.padded(multiple, "cpu")
+    assert (count, longest) == (4, -(-20 // multiple) * multiple) and take.shape == (count * longest,)
+    assert scatter.shape == (64,) and (scatter == count * longest).sum() == 3  # the first row's padding: zeros
+    q = torch.randn(2, 6, 32, 8, requires_grad=True)
+    k, v = torch.randn(2, 2, 32, 8, requires_grad=True), torch.randn(2, 2, 32, 8, requires_grad=True)
+    real = found.real_tokens("cpu").reshape(2, 32)
+    weight = torch.randn(2, 32, 6, 8) * real[..., None, None]
+    ours = packed_rows.varlen_attention(packed_rows.PADDED_SDPA, q, k, v, found, 0.3)
+    expected = attention_per_segment(q, k, v, found, 0.3)
+    torch.testing.assert_close(ours[real], expected[real], rtol=1e-5, atol=1e-6)
+    assert not ours[~real].any()
+    for a, b in zip(torch.autograd.grad((ours * weight).sum(), (q, k, v)),
+                    torch.autograd.grad((expected * weight).sum(), (q, k, v)), strict=True):  # fmt: skip
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+    at_the_end = packed_rows.Segments.padded
+
+    def padded_in_front(self, multiple, device):  # each sample's tokens last, its filler first
+        take, scatter, count, longest = at_the_end(self, multiple, device)
+        rows = take.view(count, longest)
+        lengths = [int((scatter // longest == index).sum()) for index in range(count)]
+        moved_take = torch.stack([row.roll(longest - n) for row, n in zip(rows, lengths, strict=True)]).flatten()
+        moved = scatter.clone()
+        inside = scatter < count * longest
+        moved[inside] += torch.tensor([longest - lengths[i] for i in (scatter[inside] // longest).tolist()])
+        return moved_take, moved, count, longest
+
+    if multiple > 1:
+        monkeypatch.setattr(packed_rows.Segments, "padded", padded_in_front)
+        wrong = packed_rows.varlen_attention(packed_rows.PADDED_SDPA, q, k, v, found, 0.3)
+        assert not torch.allclose(wrong[real], expected[real], rtol=1e-3, atol=1e-4)
+
+
+def test_the_cuda_attention_route_is_padded_sdpa_where_sdpa_runs_cudnn(monkeypatch):
+    """No GPU here: the device's capability and cuDNN's switch are stand-ins, the choice is the product's. Compute
+    capability 9 (Hopper) with cuDNN attention on: ``PADDED_SDPA``; 8 (Ampere) or cuDNN off: FlashAttention's
+    varlen; ``cuda_attention`` holds either; fp32 and dropout keep the mask."""
+    import types
+
+    import torch
+
+    query = types.SimpleNamespace(dtype=torch.bfloat16, device=types.SimpleNamespace(type="cuda"), shape=(1, 6, 32, 8))
+    capability, cudnn = {"major": 9}, {"on": True}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability["major"], 0))
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: cudnn["on"])
+    monkeypatch.setattr(packed_rows, "torch_varlen_options", lambda: {"causal": {"is_causal": True}, "scale": True,
+                                                                      "gqa": False})  # fmt: skip
+    assert packed_rows.varlen_kernel(query, None, 0.0) == packed_rows.PADDED_SDPA
+    assert packed_rows.varlen_kernel(query, None, 0.0, cuda_attention="varlen") == packed_rows.TORCH_VARLEN
+    cudnn["on"] = False
+    assert packed_rows.varlen_kernel(query, None, 0.0) == packed_rows.TORCH_VARLEN
+    capability["major"], cudnn["on"] = 8, True
+    assert packed_rows.varlen_kernel(query, None, 0.0) == packed_rows.TORCH_VARLEN
+    assert packed_rows.varlen_kernel(query, None, 0.0, cuda_attention="padded") == packed_rows.PADDED_SDPA
+    assert packed_rows.varlen_kernel(query, None, 0.1) is None
+    assert (
+        packed_rows.varlen_kernel(types.SimpleNamespace(**{**vars(query), "dtype": torch.float32}), None, 0.0) is None
+    )
+
+
+@pytest.mark.usefixtures("restore_patches")
+def test_sample_numbers_from_the_collator_become_the_block_mask_on_the_device(tmp_path, demo_assets):
+    """With ``device_mask`` the collator hands the model LLaMA-Factory's 2D sample numbers as int32 (its 4D step
+    skipped: the slow launcher test below runs the real collator); the text model builds the same 4D mask from them
+    and the DeltaNet layers take the samples read off the numbers. Loss and LoRA gradients equal those of the row
+    with LLaMA-Factory's own 4D mask, exactly. Before any collator said so, an int32 2D mask is left as it is."""
+    import torch
+
+    patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)
+    model = packing_model(demo_assets["model"])
+    parts = samples(model.config.text_config.vocab_size)
+    row = packed_row(parts)
+    numbered = torch.zeros(1, ROW, dtype=torch.int32)
+    at = 0
+    for index, (ids, _) in enumerate(parts):
+        numbered[0, at : at + len(ids)] = index + 1
+        at += len(ids)
+    calls = packed_rows._state["calls"]
+    with torch.no_grad():
+        model(**{**row, "attention_mask": numbered})
+    assert packed_rows._state["calls"] == calls  # no collator said these are sample numbers: not packed
+    packed_rows._state["mask_dtype"] = torch.float32  # what the wrapped collator records with its first batch
+    loss_4d, grads_4d = summed_loss(model, row)
+    loss_numbers, grads_numbers = summed_loss(model, {**row, "attention_mask": numbered})
+    assert packed_rows._state["calls"] > calls
+    assert loss_numbers == loss_4d
+    for name, grad in grads_4d.items():
+        torch.testing.assert_close(grads_numbers[name], grad, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("release", ["2.10", "2.11"])
@@ -408,13 +526,18 @@ def test_the_cuda_varlen_kernel_equals_the_block_mask_forward_and_backward():
 
 
 def test_segments_are_read_off_the_mask_with_padding_as_its_own_segment():
+    """The same segments read off LLaMA-Factory's 4D mask and off its sample numbers; the device mask built from the
+    numbers is LLaMA-Factory's, entry for entry."""
     import torch
     from llamafactory.data.collator import prepare_4d_attention_mask
 
     numbered = torch.tensor([[1, 1, 2, 2, 2, 3, 0, 0], [1, 1, 1, 1, 2, 2, 2, 2]])
     for dtype in (torch.float32, torch.bfloat16):
         mask = prepare_4d_attention_mask(numbered, dtype)
+        assert torch.equal(packed_rows.block_causal_mask(numbered.to(torch.int32), dtype), mask)
         found = packed_rows.segments(mask)
+        from_numbers = packed_rows.numbered_segments(numbered)
+        assert from_numbers.spans == found.spans and torch.equal(from_numbers.position, found.position)
         assert found.spans == ((0, 0, 2, True), (0, 2, 5, True), (0, 5, 6, True), (0, 6, 8, False),
                                (1, 0, 4, True), (1, 4, 8, True))  # fmt: skip
         assert found.samples_per_row() == [3, 2]
@@ -535,6 +658,6 @@ def test_packing_trains_through_the_launcher_with_the_packed_path_proven(tmp_pat
     assert record["status"] == "applied" and record["packing"] is True
     batch, call, step = record["first_packed_batch"], record["first_packed_call"], record["first_training_step"]
     assert batch["row_length"] == 256 and max(batch["samples_per_row"]) >= 2, batch  # (cutoff_len - 1) + 1
-    assert batch["position_ids"].startswith("restart at 0")
+    assert batch["position_ids"].startswith("restart at 0") and batch["mask"].startswith("sample numbers (int32)")
     assert call["samples_per_row"] == batch["samples_per_row"] and call["kernel_label"] == "torch"
     assert step["packed_deltanet_calls"] >= 3  # the demo model's three DeltaNet layers, at least once each

@@ -1,0 +1,276 @@
+"""The full-attention kernels of a packed row against the unpacked step's, at the 27B shape, on one CUDA device.
+
+    python -m benchmarks.attention_bench --out DIR [--tokens 4096] [--samples 1200,1700,1100] [--repeats 20]
+                                         [--routes sdpa,sdpa-flash,sdpa-cudnn,varlen,padded,masked]
+                                         [--shape-rows 24]
+
+One layer's attention (24 query heads, 4 key heads, head dim 256, bf16: Qwen3.5-27B, docs/upstream.md) on one
+row of ``--tokens`` tokens, forward and backward, for every route of ``--routes``:
+
+- ``sdpa``: the unpacked step as transformers calls it (``scaled_dot_product_attention``, ``is_causal``,
+  ``enable_gqa``; torch picks the backend), and ``sdpa-flash`` / ``sdpa-cudnn``: the same call held to one
+  backend;
+- ``varlen`` and ``padded``: a packed row (the samples of ``--samples``, padding up to ``--tokens``) through the
+  product's two CUDA routes (``patches.packed_rows.varlen_attention``): ``TORCH_VARLEN`` (FlashAttention 2 with
+  the row's ``cu_seqlens``) and ``PADDED_SDPA`` (the samples batched, each padded at its end, causal SDPA);
+- ``masked``: SDPA with the 4D block-diagonal mask (the packed row's route where no varlen kernel is).
+
+Per route: 3 untimed calls, then ``R`` timed forwards and ``R`` timed forward+backward calls (CUDA events),
+medians in ms (a checkpointed layer runs the forward twice and the backward once: their sum); the kernels of one
+forward+backward by device time (``torch.profiler``), which tells the backend torch picked; and the relative L2
+difference of the output and of the q and k gradients against an fp32 reference (each sample alone, causal) on
+the real tokens. A route that fails records its error and the others go on.
+
+Also timed: ``mask``, LLaMA-Factory's ``prepare_4d_attention_mask`` of the row on the CPU (what its collator does
+for every packed batch) and its copy to the device, against ``packed_rows.block_causal_mask`` on the device; and,
+with ``padded``, ``new_shapes``: the first and second forward+backward of ``--shape-rows`` rows of random sample
+lengths (1,000 to 4,095 tokens, as the patch benchmark's spread), the cost of a batch shape not seen before.
+
+Results go to ``DIR/attention.json``. Measurement only: nothing of the product's state is changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROUTES = ("sdpa", "sdpa-flash", "sdpa-cudnn", "varlen", "padded", "masked")
+HEADS, KEY_HEADS, HEAD_DIM = 24, 4, 256  # Qwen3.5-27B full attention (benchmarks.bench_assets.QWEN3_5_27B)
+
+
+def numbered_row(torch, tokens: int, samples: list[int]):
+    """``[1, tokens]`` LLaMA-Factory's packed numbering: 1 for the first sample's tokens, 2 for the next, 0 padding."""
+    row = torch.zeros(1, tokens, dtype=torch.long)
+    start = 0
+    for number, length in enumerate(samples, 1):
+        row[0, start : start + length] = number
+        start += length
+    return row
+
+
+def _events(torch, fn, repeats: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def route_call(torch, route: str, q, k, v, numbered, mask4d):
+    """A function of ``(q, k, v)`` in ``[1, H, T, D]`` returning ``[T, H, D]`` for ``route``."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from patches import packed_rows
+
+    scale = HEAD_DIM**-0.5
+    if route.startswith("sdpa"):
+        backend = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}.get(route)
+
+        def call(q, k, v):
+            if backend is None:
+                out = sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                with sdpa_kernel(backend):
+                    out = sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            return out[0].transpose(0, 1)
+
+        return call
+    found = packed_rows.segments(mask4d)
+    if route == "masked":
+        return lambda q, k, v: sdpa(q, k, v, attn_mask=mask4d, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+    if route == "varlen":
+        return lambda q, k, v: packed_rows.varlen_attention(packed_rows.TORCH_VARLEN, q, k, v, found, scale)[0]
+    return lambda q, k, v: packed_rows.varlen_attention(packed_rows.PADDED_SDPA, q, k, v, found, scale)[0]
+
+
+def reference(torch, q, k, v, numbered) -> Any:
+    """fp32 causal attention of every sample alone, ``[T, H, D]``, zeros on padding."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    out = torch.zeros(q.shape[2], HEADS, HEAD_DIM, dtype=torch.float32, device=q.device)
+    rows = numbered[0].tolist()
+    for number in sorted(set(rows) - {0}):
+        index = torch.tensor([i for i, n in enumerate(rows) if n == number], device=q.device)
+        qs, ks, vs = (t[:, :, index].float() for t in (q, k, v))
+        out[index] = sdpa(qs, ks, vs, is_causal=True, scale=HEAD_DIM**-0.5, enable_gqa=True)[0].transpose(0, 1)
+    return out
+
+
+def relative(a, b, real) -> float:
+    a, b = a[real].float(), b[real].float()
+    return round(float((a - b).norm() / b.norm().clamp_min(1e-12)), 6)
+
+
+def measure_route(torch, route: str, tokens: int, samples: list[int], repeats: int) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    from patches import packed_rows
+
+    device = "cuda"
+    torch.manual_seed(0)
+    q = torch.randn(1, HEADS, tokens, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, KEY_HEADS, tokens, HEAD_DIM, device=device, dtype=torch.bfloat16) for _ in range(2))
+    packed = not route.startswith("sdpa")
+    numbered = numbered_row(torch, tokens, samples if packed else [tokens]).to(device)
+    mask4d = packed_rows.block_causal_mask(numbered, torch.bfloat16)
+    call = route_call(torch, route, q, k, v, numbered, mask4d)
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    grad = torch.randn(tokens, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+
+    def forward():
+        with torch.no_grad():
+            call(q, k, v)
+
+    def forward_backward():
+        for t in leaves:
+            t.grad = None
+        call(*leaves).backward(grad)
+
+    for _ in range(3):
+        forward_backward()
+    found: dict[str, Any] = {"route": route, "samples": samples if packed else [tokens]}
+    found["forward_ms"] = round(_events(torch, forward, repeats), 3)
+    found["forward_backward_ms"] = round(_events(torch, forward_backward, repeats), 3)
+    # a checkpointed layer runs the forward twice (forward, recompute) and the backward once
+    found["checkpointed_layer_ms"] = round(found["forward_ms"] + found["forward_backward_ms"], 3)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        forward_backward()
+        torch.cuda.synchronize()
+    kernels = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
+    found["kernels"] = [{"name": e.key[:120], "ms": round(e.device_time_total / 1000, 3)} for e in kernels[:4]]
+    leaves_ref = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    expected = reference(torch, *leaves_ref, numbered)
+    expected.backward(grad.float())
+    for t in leaves:
+        t.grad = None
+    got = call(*leaves)
+    got.backward(grad)
+    real = numbered[0] != 0
+    found["out_rel_l2"] = relative(got.detach(), expected.detach(), real)
+    found["dq_rel_l2"] = relative(leaves[0].grad[0].transpose(0, 1), leaves_ref[0].grad[0].transpose(0, 1), real)
+    found["dk_rel_l2"] = relative(leaves[1].grad[0].transpose(0, 1), leaves_ref[1].grad[0].transpose(0, 1), real)
+    return found
+
+
+def measure_mask(torch, tokens: int, samples: list[int], repeats: int) -> dict[str, Any]:
+    """LLaMA-Factory's CPU mask and its copy to the device, against the mask built on the device."""
+    from llamafactory.data.collator import prepare_4d_attention_mask
+
+    from patches.packed_rows import block_causal_mask
+
+    numbered = numbered_row(torch, tokens, samples)
+    cpu, copy = [], []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        mask = prepare_4d_attention_mask(numbered, torch.bfloat16)
+        built = time.perf_counter()
+        mask.to("cuda")
+        torch.cuda.synchronize()
+        cpu.append(built - began)
+        copy.append(time.perf_counter() - built)
+    on_device = numbered.to("cuda")
+    same = bool(torch.equal(block_causal_mask(on_device, torch.bfloat16).cpu(), mask))
+    ms = _events(torch, lambda: block_causal_mask(on_device, torch.bfloat16), repeats)
+    return {"cpu_build_ms": round(statistics.median(cpu) * 1000, 3),
+            "copy_ms": round(statistics.median(copy) * 1000, 3), "device_build_ms": round(ms, 3),
+            "same_mask": same, "torch_threads": torch.get_num_threads()}  # fmt: skip
+
+
+def measure_new_shapes(torch, tokens: int, rows: int) -> dict[str, Any]:
+    """``padded`` on ``rows`` rows of random sample lengths (as many as a spread dataset gives), in order: the
+    first forward+backward of each row (a new batch shape builds cuDNN graphs) against a second one."""
+    import random
+
+    from patches import packed_rows
+
+    rng = random.Random(0)
+    first, again, shapes = [], [], []
+    for _ in range(rows):
+        left, lengths = tokens - 1, []
+        while left >= 1000:
+            n = rng.randint(1000, min(4095, left))
+            lengths.append(n)
+            left -= n
+            if rng.random() < 0.5:
+                break
+        numbered = numbered_row(torch, tokens, lengths).to("cuda")
+        found = packed_rows.numbered_segments(numbered)
+        _, _, count, longest = found.padded(packed_rows.PAD_MULTIPLE, "cuda")
+        shapes.append([count, longest])
+        q = torch.randn(1, HEADS, tokens, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(1, KEY_HEADS, tokens, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
+                            requires_grad=True) for _ in range(2))  # fmt: skip
+
+        def step(q=q, k=k, v=v, found=found):
+            packed_rows.padded_attention(q, k, v, found, HEAD_DIM**-0.5).sum().backward()
+
+        first.append(_events(torch, step, 1))
+        again.append(_events(torch, step, 1))
+    return {"rows": rows, "distinct_shapes": len({tuple(x) for x in shapes}), "shapes": shapes,
+            "first_call_ms": [round(x, 2) for x in first], "second_call_ms": [round(x, 2) for x in again]}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="folder for attention.json")
+    parser.add_argument("--tokens", type=int, default=4096, help="row length (default 4096)")
+    parser.add_argument("--samples", default="1200,1700,1100",
+                        help="sample lengths of the packed row, comma separated; padding fills the rest")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per route (default 20)")
+    parser.add_argument(
+        "--shape-rows",
+        type=int,
+        default=24,
+        help="rows of random sample lengths for the padded route's new-shape cost (default 24)",
+    )
+    parser.add_argument("--routes", default=",".join(ROUTES), help=f"comma separated, of {', '.join(ROUTES)}")
+    args = parser.parse_args(argv)
+    import torch
+
+    samples = [int(x) for x in args.samples.split(",") if x.strip()]
+    routes = [r.strip() for r in args.routes.split(",") if r.strip()]
+    unknown = sorted(set(routes) - set(ROUTES))
+    if unknown or sum(samples) > args.tokens or not torch.cuda.is_available():
+        why = (f"unknown routes {unknown}" if unknown else "no CUDA device" if not torch.cuda.is_available()
+               else f"the samples ({sum(samples)} tokens) do not fit a row of {args.tokens}")  # fmt: skip
+        print(f"attention_bench: {why}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
+                               "cudnn": torch.backends.cudnn.version(), "tokens": args.tokens,
+                               "shape": {"heads": HEADS, "key_heads": KEY_HEADS, "head_dim": HEAD_DIM},
+                               "routes": {}}  # fmt: skip
+    for route in routes:
+        try:
+            results["routes"][route] = measure_route(torch, route, args.tokens, samples, args.repeats)
+        except Exception as error:  # noqa: BLE001 - a failing route is a result too
+            results["routes"][route] = {"route": route, "error": f"{type(error).__name__}: {error}"[:600]}
+        print(json.dumps(results["routes"][route]), flush=True)
+    try:
+        results["mask"] = measure_mask(torch, args.tokens, samples, args.repeats)
+    except Exception as error:  # noqa: BLE001
+        results["mask"] = {"error": f"{type(error).__name__}: {error}"[:600]}
+    print(json.dumps(results["mask"]), flush=True)
+    if "padded" in routes:
+        try:
+            results["new_shapes"] = measure_new_shapes(torch, args.tokens, args.shape_rows)
+        except Exception as error:  # noqa: BLE001
+            results["new_shapes"] = {"error": f"{type(error).__name__}: {error}"[:600]}
+        print(json.dumps(results["new_shapes"]), flush=True)
+    (args.out / "attention.json").write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
