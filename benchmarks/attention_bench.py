@@ -1,8 +1,7 @@
 """The full-attention kernels of a packed row against the unpacked step's, at the 27B shape, on one CUDA device.
 
     python -m benchmarks.attention_bench --out DIR [--tokens 4096] [--samples 1200,1700,1100] [--repeats 20]
-                                         [--routes sdpa,sdpa-flash,sdpa-cudnn,varlen,padded,masked]
-                                         [--shape-rows 24]
+                                         [--routes sdpa,sdpa-flash,sdpa-cudnn,varlen,masked]
 
 One layer's attention (24 query heads, 4 key heads, head dim 256, bf16: Qwen3.5-27B, docs/upstream.md) on one
 row of ``--tokens`` tokens, forward and backward, for every route of ``--routes``:
@@ -10,9 +9,9 @@ row of ``--tokens`` tokens, forward and backward, for every route of ``--routes`
 - ``sdpa``: the unpacked step as transformers calls it (``scaled_dot_product_attention``, ``is_causal``,
   ``enable_gqa``; torch picks the backend), and ``sdpa-flash`` / ``sdpa-cudnn``: the same call held to one
   backend;
-- ``varlen`` and ``padded``: a packed row (the samples of ``--samples``, padding up to ``--tokens``) through the
-  product's two CUDA routes (``patches.packed_rows.varlen_attention``): ``TORCH_VARLEN`` (FlashAttention 2 with
-  the row's ``cu_seqlens``) and ``PADDED_SDPA`` (the samples batched, each padded at its end, causal SDPA);
+- ``varlen``: a packed row (the samples of ``--samples``, padding up to ``--tokens``) as the product runs it on
+  CUDA (``patches.packed_rows.varlen_attention``: ``torch.nn.attention.varlen.varlen_attn``, FlashAttention 2
+  with the row's ``cu_seqlens``);
 - ``masked``: SDPA with the 4D block-diagonal mask (the packed row's route where no varlen kernel is).
 
 Per route: 3 untimed calls, then ``R`` timed forwards and ``R`` timed forward+backward calls (CUDA events),
@@ -21,10 +20,9 @@ forward+backward by device time (``torch.profiler``), which tells the backend to
 difference of the output and of the q and k gradients against an fp32 reference (each sample alone, causal) on
 the real tokens. A route that fails records its error and the others go on.
 
-Also timed: ``mask``, LLaMA-Factory's ``prepare_4d_attention_mask`` of the row on the CPU (what its collator does
-for every packed batch) and its copy to the device, against ``packed_rows.block_causal_mask`` on the device; and,
-with ``padded``, ``new_shapes``: the first and second forward+backward of ``--shape-rows`` rows of random sample
-lengths (1,000 to 4,095 tokens, as the patch benchmark's spread), the cost of a batch shape not seen before.
+Also timed (``mask``): LLaMA-Factory's ``prepare_4d_attention_mask`` of the row on the CPU (what its collator
+does for every packed batch unless ``packed_rows.device_mask``) and its copy to the device, against
+``packed_rows.block_causal_mask`` on the device.
 
 Results go to ``DIR/attention.json``. Measurement only: nothing of the product's state is changed.
 """
@@ -39,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROUTES = ("sdpa", "sdpa-flash", "sdpa-cudnn", "varlen", "padded", "masked")
+ROUTES = ("sdpa", "sdpa-flash", "sdpa-cudnn", "varlen", "masked")
 HEADS, KEY_HEADS, HEAD_DIM = 24, 4, 256  # Qwen3.5-27B full attention (benchmarks.bench_assets.QWEN3_5_27B)
 
 
@@ -89,9 +87,7 @@ def route_call(torch, route: str, q, k, v, numbered, mask4d):
     found = packed_rows.segments(mask4d)
     if route == "masked":
         return lambda q, k, v: sdpa(q, k, v, attn_mask=mask4d, scale=scale, enable_gqa=True)[0].transpose(0, 1)
-    if route == "varlen":
-        return lambda q, k, v: packed_rows.varlen_attention(packed_rows.TORCH_VARLEN, q, k, v, found, scale)[0]
-    return lambda q, k, v: packed_rows.varlen_attention(packed_rows.PADDED_SDPA, q, k, v, found, scale)[0]
+    return lambda q, k, v: packed_rows.varlen_attention(packed_rows.TORCH_VARLEN, q, k, v, found, scale)[0]
 
 
 def reference(torch, q, k, v, numbered) -> Any:
@@ -187,40 +183,6 @@ def measure_mask(torch, tokens: int, samples: list[int], repeats: int) -> dict[s
             "same_mask": same, "torch_threads": torch.get_num_threads()}  # fmt: skip
 
 
-def measure_new_shapes(torch, tokens: int, rows: int) -> dict[str, Any]:
-    """``padded`` on ``rows`` rows of random sample lengths (as many as a spread dataset gives), in order: the
-    first forward+backward of each row (a new batch shape builds cuDNN graphs) against a second one."""
-    import random
-
-    from patches import packed_rows
-
-    rng = random.Random(0)
-    first, again, shapes = [], [], []
-    for _ in range(rows):
-        left, lengths = tokens - 1, []
-        while left >= 1000:
-            n = rng.randint(1000, min(4095, left))
-            lengths.append(n)
-            left -= n
-            if rng.random() < 0.5:
-                break
-        numbered = numbered_row(torch, tokens, lengths).to("cuda")
-        found = packed_rows.numbered_segments(numbered)
-        _, _, count, longest = found.padded(packed_rows.PAD_MULTIPLE, "cuda")
-        shapes.append([count, longest])
-        q = torch.randn(1, HEADS, tokens, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k, v = (torch.randn(1, KEY_HEADS, tokens, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
-                            requires_grad=True) for _ in range(2))  # fmt: skip
-
-        def step(q=q, k=k, v=v, found=found):
-            packed_rows.padded_attention(q, k, v, found, HEAD_DIM**-0.5).sum().backward()
-
-        first.append(_events(torch, step, 1))
-        again.append(_events(torch, step, 1))
-    return {"rows": rows, "distinct_shapes": len({tuple(x) for x in shapes}), "shapes": shapes,
-            "first_call_ms": [round(x, 2) for x in first], "second_call_ms": [round(x, 2) for x in again]}  # fmt: skip
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder for attention.json")
@@ -228,12 +190,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", default="1200,1700,1100",
                         help="sample lengths of the packed row, comma separated; padding fills the rest")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per route (default 20)")
-    parser.add_argument(
-        "--shape-rows",
-        type=int,
-        default=24,
-        help="rows of random sample lengths for the padded route's new-shape cost (default 24)",
-    )
     parser.add_argument("--routes", default=",".join(ROUTES), help=f"comma separated, of {', '.join(ROUTES)}")
     args = parser.parse_args(argv)
     import torch
@@ -262,12 +218,6 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # noqa: BLE001
         results["mask"] = {"error": f"{type(error).__name__}: {error}"[:600]}
     print(json.dumps(results["mask"]), flush=True)
-    if "padded" in routes:
-        try:
-            results["new_shapes"] = measure_new_shapes(torch, args.tokens, args.shape_rows)
-        except Exception as error:  # noqa: BLE001
-            results["new_shapes"] = {"error": f"{type(error).__name__}: {error}"[:600]}
-        print(json.dumps(results["new_shapes"]), flush=True)
     (args.out / "attention.json").write_text(json.dumps(results, indent=2) + "\n")
     return 0
 

@@ -14,8 +14,8 @@ for every variant unless the caller sets it), ``profile``
 of them profiled), ``spread-packed`` (the spread's samples with ``packing: true``: rows of 4,096 tokens holding
 several samples each; the packing issue's target is 1.5x the supervised tokens/s of ``spread``),
 ``spread-packed-profile`` (``spread-packed`` through ``launcher profile``, like ``profile``),
-``spread-packed-varlen`` and ``spread-packed-cpu-mask`` (``spread-packed`` with ``packed_rows.cuda_attention:
-varlen``, or ``device_mask: false``: the packed row before each of those two options), ``short`` and
+``spread-packed-cpu-mask`` (``spread-packed`` with ``packed_rows.device_mask: false``: LLaMA-Factory's 4D mask
+built on the CPU, the packed row before that option), ``short`` and
 ``short-packed`` (the same pair with samples of about 500 to 2,048 tokens).
 
 1. ``DIR/model``: a config-only folder of the Qwen3.5-27B shape (``--shape 27b``; ``tiny`` for a CPU run of
@@ -91,14 +91,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "profile": {"steps": 5, "profile": True},
     "spread-packed": {"data": "spread", "steps": 24, "lf": {"packing": True}},
     "spread-packed-profile": {"data": "spread", "steps": 5, "profile": True, "lf": {"packing": True}},
-    # spread-packed with one of packed_rows' two speed options back to what it was before them: FlashAttention 2's
-    # varlen kernel for the attention layers, and LLaMA-Factory's 4D mask built on the CPU by its collator
-    "spread-packed-varlen": {
-        "data": "spread",
-        "steps": 24,
-        "lf": {"packing": True},
-        "patches": {"packed_rows": {"cuda_attention": "varlen"}},
-    },
+    # spread-packed with LLaMA-Factory's 4D mask built on the CPU by its collator (packed_rows before device_mask)
     "spread-packed-cpu-mask": {
         "data": "spread",
         "steps": 24,

@@ -33,11 +33,9 @@ What this patch does:
    (LLaMA-Factory's dummy image appended to a packed batch) stops the run.
 2. routes the full-attention layers of a packed row (``Qwen3_5Attention``, the MoE twin; through the ``sdpa``
    entry of transformers' attention functions, which the layers look up at every call) to a varlen kernel
-   where the device has one: on CUDA ``PADDED_SDPA`` (the row's samples as one batch, each padded at its end,
-   through causal SDPA: cuDNN's kernel on Hopper, 1.8x FlashAttention 2's speed there) where SDPA runs cuDNN,
-   else ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention with ``cu_seqlens``; option
-   ``cuda_attention``), on NPU ``torch_npu.npu_fusion_attention`` (layout ``TND`` with the samples' cumulative
-   lengths, causal ``sparse_mode`` 3), bf16/fp16 only; elsewhere (CPU, fp32) the block mask stays with SDPA. Its first
+   where the device has one: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention with ``cu_seqlens``)
+   on CUDA, ``torch_npu.npu_fusion_attention`` (layout ``TND`` with the samples' cumulative lengths, causal
+   ``sparse_mode`` 3) on NPU, bf16/fp16 only; elsewhere (CPU, fp32) the block mask stays with SDPA. Its first
    call is checked against SDPA with the mask on the row's real tokens; a disagreement stops the run (the
    option ``varlen_attention: false`` keeps the mask). Only the mask the DeltaNet layers read as packed rows
    (the same tensor object) takes this path; every other call goes to SDPA unchanged.
@@ -47,8 +45,9 @@ What this patch does:
    sample numbers, as ``int32`` (``NUMBERS``; its and the tokenizer's masks are int64, so the dtype marks them),
    and the wrapped ``Qwen3_5TextModel.forward`` (and the MoE twin) builds the same 4D mask from them on their
    device (``block_causal_mask``, entry for entry LLaMA-Factory's) and reads the samples off the numbers
-   (``numbered_segments``) instead of the mask's diagonals. At 4,096 tokens the CPU mask took ~13 ms and its copy
-   ~5 ms a batch, the device mask 0.24 ms (H100, ``benchmarks.attention_bench``).
+   (``numbered_segments``) instead of the mask's diagonals. At 4,096 tokens LLaMA-Factory's CPU mask took 7 to
+   13 ms and its copy to the device 2 to 5 ms a batch, the device mask 0.23 ms (three readings on H100 hosts,
+   ``benchmarks.attention_bench``), in the training process, between two steps.
 
 Nothing is shared between samples, which ``tests/patches/test_packing.py`` shows on the tiny model: each sample's
 loss and the LoRA gradients of a packed row equal those of the samples run alone (fp32, 1e-4), and a
@@ -72,7 +71,7 @@ import inspect
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from pydantic import BaseModel, ConfigDict
@@ -101,9 +100,7 @@ TEXT_MODEL = (
 COLLATOR = ("llamafactory.data.collator", "SFTDataCollatorWith4DAttentionMask")
 TORCH_VARLEN = "torch.nn.attention.varlen.varlen_attn"
 NPU_VARLEN = "torch_npu.npu_fusion_attention"
-PADDED_SDPA = "sdpa over the row's samples batched, each padded at its end"
 MASKED = "sdpa with the block mask"
-PAD_MULTIPLE = 256  # PADDED_SDPA pads every sample to a multiple of this: few shapes, each one cuDNN graph
 NUMBERS = "int32"  # the dtype that marks a batch's attention_mask as LLaMA-Factory's sample numbers (see device_mask)
 VARLEN_AGREEMENT = 2e-2  # relative L2 difference to SDPA with the mask on real tokens (bf16 rounding is ~4e-3)
 FIX = "turn packing off (packing: false, neat_packing: false), or report the LLaMA-Factory/transformers versions"
@@ -116,11 +113,8 @@ class Options(BaseModel):
     enabled: bool = True
     # attention of packed rows through a varlen kernel where the device has one (CUDA, NPU); false: the block mask
     varlen_attention: bool = True
-    # which one on CUDA: "padded" (PADDED_SDPA: the kernel torch's SDPA picks, cuDNN's on Hopper), "varlen"
-    # (FlashAttention 2 with cu_seqlens), "auto": padded where SDPA runs cuDNN attention (compute capability >= 9)
-    cuda_attention: Literal["auto", "padded", "varlen"] = "auto"
     # build the packed row's 4D mask on the device from LLaMA-Factory's sample numbers; false: its collator builds
-    # it on the CPU (32 MiB at 4,096 tokens in bf16, ~13 ms plus a 5 ms copy a batch, docs/benchmarks.md)
+    # it on the CPU (32 MiB at 4,096 tokens in bf16: 7 to 13 ms and a 2 to 5 ms copy a batch, docs/benchmarks.md)
     device_mask: bool = True
 
 
@@ -186,28 +180,6 @@ class Segments:
     def cu_seqlens(self) -> list[int]:
         """The segment boundaries of the rows laid end to end (FLA's varlen layout, batch 1)."""
         return [row * self.length + start for row, start, _, _ in self.spans] + [self.rows * self.length]
-
-    def padded(self, multiple: int, device) -> tuple[Any, Any, int, int]:
-        """``(take, scatter, count, longest)``: the samples (not padding) of the rows, laid end to end, as a batch
-        of ``count`` samples of ``longest`` tokens each (the longest sample rounded up to ``multiple``), and back.
-        ``take [count * longest]`` indexes the ``B * T`` tokens: a sample's own tokens, then its first token again
-        up to ``longest`` (causal attention never reads them for the sample's tokens; any token would do);
-        ``scatter [B * T]`` indexes the ``count * longest`` batch tokens plus one zero token after them (index
-        ``count * longest``, what the rows' padding gets). Index tensors on ``device``, built once."""
-        key = ("padded", multiple, str(device))
-        if key not in self._on_device:
-            import torch
-
-            samples = [(row * self.length + start, end - start) for row, start, end, real in self.spans if real]
-            longest = -(-max((n for _, n in samples), default=1) // multiple) * multiple
-            take = torch.zeros(len(samples), longest, dtype=torch.long)
-            scatter = torch.full((self.rows * self.length,), len(samples) * longest, dtype=torch.long)
-            for index, (first, count) in enumerate(samples):
-                take[index] = first
-                take[index, :count] = torch.arange(first, first + count)
-                scatter[first : first + count] = torch.arange(index * longest, index * longest + count)
-            self._on_device[key] = (take.flatten().to(device), scatter.to(device), len(samples), longest)
-        return self._on_device[key]
 
 
 def numbered_segments(numbered) -> Segments:
@@ -412,18 +384,8 @@ def torch_varlen_options() -> dict[str, Any] | None:
     return {"causal": causal, "scale": "scale" in params, "gqa": "enable_gqa" in params}
 
 
-def sdpa_runs_cudnn(device) -> bool:
-    """Whether torch's SDPA takes cuDNN's attention for a causal bf16 call on ``device``: compute capability 9 or
-    newer with cuDNN attention enabled (on an H100 with torch 2.11 it did, at 2.4 ms a checkpointed 27B attention
-    layer of 4,096 tokens against 4.3 ms for FlashAttention 2; ``benchmarks.attention_bench``)."""
-    import torch
-
-    return torch.cuda.get_device_capability(device)[0] >= 9 and torch.backends.cuda.cudnn_sdp_enabled()
-
-
-def varlen_kernel(query, scaling: float | None, dropout: float, cuda_attention: str = "auto") -> str | None:
-    """The attention kernel of packed rows for ``query``'s device and dtype (``Options.cuda_attention`` chooses
-    on CUDA), or None where the block mask is used."""
+def varlen_kernel(query, scaling: float | None, dropout: float) -> str | None:
+    """The varlen attention kernel for ``query``'s device and dtype, or None where the block mask is used."""
     import torch
 
     if dropout or query.dtype not in (torch.bfloat16, torch.float16):
@@ -432,8 +394,6 @@ def varlen_kernel(query, scaling: float | None, dropout: float, cuda_attention: 
         return NPU_VARLEN
     if query.device.type != "cuda" or torch.cuda.get_device_capability(query.device)[0] < 8:
         return None
-    if cuda_attention == "padded" or (cuda_attention == "auto" and sdpa_runs_cudnn(query.device)):
-        return PADDED_SDPA
     options = torch_varlen_options()
     if options is None or (not options["scale"] and scaling not in (None, query.shape[-1] ** -0.5)):
         return None
@@ -449,30 +409,6 @@ def npu_causal_tile(device: str):
     return torch.ones(2048, 2048, dtype=torch.bool, device=device).triu(1)
 
 
-def padded_attention(query, key, value, found: Segments, scaling: float):
-    """``PADDED_SDPA``: the samples of the rows as one batch ``[S, H, L, D]``, each sample's tokens first and filler
-    after them up to ``L`` (its longest sample rounded up to ``PAD_MULTIPLE``), through causal SDPA, and back to
-    ``[B, T, H, D]``. Exact for every sample's tokens: causal attention never reads a later token, so the filler
-    after a sample changes nothing before it (its outputs are dropped, so its gradients are zero); the rows'
-    padding gets zeros. The kernel is the one SDPA picks for an unpacked step (cuDNN's on Hopper), on fewer tokens
-    than the row when it holds several samples; ``L`` in steps of ``PAD_MULTIPLE`` keeps the shapes few (cuDNN
-    builds a graph per shape)."""
-    import torch.nn.functional as F
-
-    rows, heads, length, dim = query.shape
-    take, scatter, count, longest = found.padded(PAD_MULTIPLE, query.device)
-
-    def batched(t):  # [B, h, T, d] -> [S, h, L, d]; index_select: its backward is a plain index_add
-        flat = t.transpose(1, 2).reshape(rows * length, t.shape[1], t.shape[-1])
-        return flat.index_select(0, take).view(count, longest, t.shape[1], t.shape[-1]).transpose(1, 2)
-
-    out = F.scaled_dot_product_attention(batched(query), batched(key), batched(value), is_causal=True,
-                                         scale=scaling, enable_gqa=key.shape[1] != heads)  # fmt: skip
-    out = out.transpose(1, 2).reshape(count * longest, heads, value.shape[-1])
-    out = F.pad(out, (0, 0, 0, 0, 0, 1)).index_select(0, scatter)
-    return out.view(rows, length, heads, value.shape[-1])
-
-
 def varlen_attention(kernel: str, query, key, value, found: Segments, scaling: float | None):
     """Causal attention inside every segment of packed rows: ``query`` ``[B, H, T, D]``, ``key``/``value``
     ``[B, Hkv, T, D]`` (the layout transformers' attention functions take) to ``[B, T, H, D]`` (the one they
@@ -481,8 +417,6 @@ def varlen_attention(kernel: str, query, key, value, found: Segments, scaling: f
 
     rows, heads, length, _ = query.shape
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    if kernel == PADDED_SDPA:
-        return padded_attention(query, key, value, found, scaling)
     q, k, v = (t.transpose(1, 2).reshape(rows * length, t.shape[1], t.shape[-1]) for t in (query, key, value))
     if kernel == NPU_VARLEN:
         import torch_npu
@@ -560,8 +494,7 @@ def _make_attention(original):
         if found is None:
             return original(module, query, key, value, attention_mask, *args, **kwargs)
         scaling, dropout = kwargs.get("scaling"), kwargs.get("dropout", 0.0)
-        kernel = (varlen_kernel(query, scaling, dropout, cuda_attention=_state["cuda_attention"])
-                  if _state["varlen_attention"] else None)  # fmt: skip
+        kernel = varlen_kernel(query, scaling, dropout) if _state["varlen_attention"] else None
         if kernel is None:
             out = original(module, query, key, value, attention_mask, *args, **kwargs)
         else:
@@ -753,8 +686,7 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
     _state.clear()
     _cache.clear()
     _state.update(proof=proof, packing=bool(facts.get("packing")), calls=0, batches=0, samples=0, rows=0,
-                  varlen_attention=varlen, cuda_attention=options.get("cuda_attention", "auto"),
-                  device_mask=bool(options.get("device_mask", True)),
+                  varlen_attention=varlen, device_mask=bool(options.get("device_mask", True)),
                   attention=tuple(getattr(importlib.import_module(m), c) for m, c in ATTENTION))  # fmt: skip
     trainer_hook.on_first_training_step(NAME, before=_before_first_step, after=_after_first_step)
     trainer_hook.on_training_step(NAME, 2, before=_before_second_step)
@@ -763,7 +695,6 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
         + [".".join(COLLATOR) + ".__call__", "ALL_ATTENTION_FUNCTIONS['sdpa']"],
         "packing": _state["packing"],
         "varlen_attention": varlen,
-        "cuda_attention": _state["cuda_attention"],
         "device_mask": _state["device_mask"],
     }  # fmt: skip
 
