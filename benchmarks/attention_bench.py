@@ -64,7 +64,7 @@ def _events(torch, fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def route_call(torch, route: str, q, k, v, numbered, mask4d):
+def route_call(torch, route: str, mask4d):
     """A function of ``(q, k, v)`` in ``[1, H, T, D]`` returning ``[T, H, D]`` for ``route``."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -120,7 +120,7 @@ def measure_route(torch, route: str, tokens: int, samples: list[int], repeats: i
     packed = not route.startswith("sdpa")
     numbered = numbered_row(torch, tokens, samples if packed else [tokens]).to(device)
     mask4d = packed_rows.block_causal_mask(numbered, torch.bfloat16)
-    call = route_call(torch, route, q, k, v, numbered, mask4d)
+    call = route_call(torch, route, mask4d)
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     grad = torch.randn(tokens, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
 

@@ -42,9 +42,11 @@ What this patch does:
 3. wraps ``SFTDataCollatorWith4DAttentionMask.__call__``: on every packed batch it checks that the text
    position ids restart at 0 at every sample start and never go back inside it, and stops the run otherwise.
    With ``device_mask`` (the default) the collator's 4D step is skipped: the batch keeps LLaMA-Factory's 2D
-   sample numbers, as ``int32`` (``NUMBERS``; its and the tokenizer's masks are int64, so the dtype marks them),
-   and the wrapped ``Qwen3_5TextModel.forward`` (and the MoE twin) builds the same 4D mask from them on their
-   device (``block_causal_mask``, entry for entry LLaMA-Factory's) and reads the samples off the numbers
+   sample numbers, as ``int32`` (``NUMBERS``: the mark; LLaMA-Factory's masks come from transformers'
+   ``DataCollatorForSeq2Seq`` through ``tokenizer.pad``, int64, as the tokenizer's do), and the wrapped
+   ``Qwen3_5TextModel.forward`` (and the MoE twin) builds the same 4D mask from them on their device
+   (``block_causal_mask``, entry for entry LLaMA-Factory's, in the collator's ``compute_dtype``, or the
+   embeddings' dtype in a process that collated nothing) and reads the samples off the numbers
    (``numbered_segments``) instead of the mask's diagonals. At 4,096 tokens LLaMA-Factory's CPU mask took 7 to
    13 ms and its copy to the device 2 to 5 ms a batch, the device mask 0.23 ms (three readings on H100 hosts,
    ``benchmarks.attention_bench``), in the training process, between two steps.
@@ -188,16 +190,24 @@ def numbered_segments(numbered) -> Segments:
     import torch
 
     numbered = numbered.cpu()
-    rows, length = numbered.shape
     start = torch.ones_like(numbered, dtype=torch.bool)
     start[:, 1:] = numbered[:, 1:] != numbered[:, :-1]
-    index = torch.arange(length).expand(rows, length)
+    return _segments_from(start, numbered != 0)
+
+
+def _segments_from(start, real) -> Segments:
+    """Segments from ``[B, T]`` booleans: where a segment starts, and whether each token belongs to a sample."""
+    import torch
+
+    rows, length = start.shape
+    index = torch.arange(length, device=start.device).expand(rows, length)
     first = torch.where(start, index, torch.zeros_like(index)).cummax(-1).values
     spans = []
+    start_cpu, real_cpu = start.cpu(), real.cpu()
     for row in range(rows):
-        at = torch.nonzero(start[row]).flatten().tolist()
+        at = torch.nonzero(start_cpu[row]).flatten().tolist()
         for begin, end in zip(at, [*at[1:], length], strict=True):
-            spans.append((row, begin, end, bool(numbered[row, begin] != 0)))
+            spans.append((row, begin, end, bool(real_cpu[row, begin])))
     return Segments(rows=rows, length=length, spans=tuple(spans), position=index - first)
 
 
@@ -235,7 +245,6 @@ def segments(mask) -> Segments:
     """
     import torch
 
-    rows, length = mask.shape[0], mask.shape[-1]
     itself = diagonal_of(mask)  # [B, T]
     previous = torch.zeros_like(itself)
     previous[:, 1:] = diagonal_of(mask, -1)
@@ -243,15 +252,7 @@ def segments(mask) -> Segments:
     was_real[:, 1:] = itself[:, :-1]
     start = (itself & ~previous) | (~itself & was_real)
     start[:, 0] = True
-    index = torch.arange(length, device=mask.device).expand(rows, length)
-    first = torch.where(start, index, torch.zeros_like(index)).cummax(-1).values
-    spans = []
-    start_cpu, itself_cpu = start.cpu(), itself.cpu()
-    for row in range(rows):
-        at = torch.nonzero(start_cpu[row]).flatten().tolist()
-        for begin, end in zip(at, [*at[1:], length], strict=True):
-            spans.append((row, begin, end, bool(itself_cpu[row, begin])))
-    return Segments(rows=rows, length=length, spans=tuple(spans), position=index - first)
+    return _segments_from(start, itself)
 
 
 def block_causal_mismatch(mask, found: Segments, block: int = 1024) -> int:
@@ -579,14 +580,14 @@ def _collate_numbers(original, collator, features):
     """The batch with LLaMA-Factory's 2D sample numbers left as they are (its 4D step skipped), as ``NUMBERS``."""
     import torch
 
-    collator.block_diag_attn = False
+    before, collator.block_diag_attn = collator.block_diag_attn, False
     try:
         batch = original(collator, features)
     finally:
-        collator.block_diag_attn = True
+        collator.block_diag_attn = before
     mask = batch.get("attention_mask")
-    if torch.is_tensor(mask) and mask.dim() == 2:
-        batch["attention_mask"] = mask.to(getattr(torch, NUMBERS))
+    if torch.is_tensor(mask) and mask.dim() == 2 and not torch.is_floating_point(mask):
+        batch["attention_mask"] = mask.to(_numbers())
         _state["mask_dtype"] = collator.compute_dtype
     return batch
 
@@ -634,15 +635,25 @@ def _make_collate(original):
 
 def _make_text_forward(original):
     def forward(self, *args, **kwargs):
-        """Sample numbers from this patch's collator (``NUMBERS``) become the 4D mask here, on their device."""
-        mask, dtype = kwargs.get("attention_mask"), _state.get("mask_dtype")
-        if dtype is not None and mask is not None and mask.dim() == 2 and str(mask.dtype) == f"torch.{NUMBERS}":
-            found = numbered_segments(mask)
-            kwargs["attention_mask"] = block_causal_mask(mask, dtype)
-            _cache["held"] = (weakref.ref(kwargs["attention_mask"]), found)  # read once, not off the mask again
+        mask = kwargs.get("attention_mask")
+        if _state.get("device_mask") and mask is not None and mask.dim() == 2 and mask.dtype == _numbers():
+            kwargs["attention_mask"] = block_causal_mask(mask, _state.get("mask_dtype") or _embedding_dtype(self))
+            _cache["held"] = (weakref.ref(kwargs["attention_mask"]), numbered_segments(mask))  # not read again
         return original(self, *args, **kwargs)
 
     return forward
+
+
+def _numbers():
+    import torch
+
+    return getattr(torch, NUMBERS)
+
+
+def _embedding_dtype(model):
+    """The mask's dtype where this process collated no batch (the collator ran in a DataLoader worker, or another
+    rank collated for this one): the model's compute dtype, which LLaMA-Factory's ``compute_dtype`` is."""
+    return model.get_input_embeddings().weight.dtype
 
 
 def check_symbols() -> None:
@@ -667,11 +678,8 @@ def check_symbols() -> None:
     missing = [f for f in ("block_diag_attn", "attn_implementation", "compute_dtype")
                if f not in getattr(collator, "__dataclass_fields__", {})]  # fmt: skip
     if missing:
-        raise PatchError(
-            NAME,
-            f"{COLLATOR[1]} no longer has the field(s) {', '.join(missing)}",
-            "install llamafactory>=0.9.5,<0.9.6, or set launcher.patches.packed_rows.device_mask: false",
-        )
+        raise PatchError(NAME, f"{COLLATOR[1]} no longer has the field(s) {', '.join(missing)}",
+                         "install llamafactory>=0.9.5,<0.9.6, or turn packing off")  # fmt: skip
 
 
 def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dict[str, Any]) -> dict[str, Any]:

@@ -225,7 +225,7 @@ def test_packed_attention_through_a_varlen_kernel_keeps_samples_apart_and_its_ch
         calls.append(kernel)
         return attention_per_segment(query, key, value, found, scaling)
 
-    monkeypatch.setattr(packed_rows, "varlen_kernel", lambda query, scaling, dropout, **_: "stand-in varlen")
+    monkeypatch.setattr(packed_rows, "varlen_kernel", lambda query, scaling, dropout: "stand-in varlen")
     monkeypatch.setattr(packed_rows, "varlen_attention", stand_in)
     patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)
     model = packing_model(demo_assets["model"])
@@ -257,14 +257,19 @@ def test_packed_attention_through_a_varlen_kernel_keeps_samples_apart_and_its_ch
 
 
 @pytest.mark.usefixtures("restore_patches")
-def test_sample_numbers_from_the_collator_become_the_block_mask_on_the_device(tmp_path, demo_assets):
+@pytest.mark.parametrize("collated_here", [True, False])
+def test_sample_numbers_from_the_collator_become_the_block_mask_on_the_device(tmp_path, demo_assets, collated_here):
     """With ``device_mask`` the collator hands the model LLaMA-Factory's 2D sample numbers as int32 (its 4D step
-    skipped: the slow launcher test below runs the real collator); the text model builds the same 4D mask from them
+    skipped: the slow launcher test below runs the real collator); the text model builds the same 4D mask from them,
+    in the collator's dtype or, in a process that collated nothing (a DataLoader worker collated), the embeddings',
     and the DeltaNet layers take the samples read off the numbers. Loss and LoRA gradients equal those of the row
-    with LLaMA-Factory's own 4D mask, exactly. Before any collator said so, an int32 2D mask is left as it is."""
+    with LLaMA-Factory's own 4D mask, exactly. With ``device_mask: false`` the numbers reach transformers as they
+    are (a padding mask: not packed)."""
     import torch
 
     patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)
+    if collated_here:
+        packed_rows._state["mask_dtype"] = torch.float32  # what the wrapped collator records with a batch
     model = packing_model(demo_assets["model"])
     parts = samples(model.config.text_config.vocab_size)
     row = packed_row(parts)
@@ -273,17 +278,62 @@ def test_sample_numbers_from_the_collator_become_the_block_mask_on_the_device(tm
     for index, (ids, _) in enumerate(parts):
         numbered[0, at : at + len(ids)] = index + 1
         at += len(ids)
-    calls = packed_rows._state["calls"]
-    with torch.no_grad():
-        model(**{**row, "attention_mask": numbered})
-    assert packed_rows._state["calls"] == calls  # no collator said these are sample numbers: not packed
-    packed_rows._state["mask_dtype"] = torch.float32  # what the wrapped collator records with its first batch
     loss_4d, grads_4d = summed_loss(model, row)
+    calls = packed_rows._state["calls"]
     loss_numbers, grads_numbers = summed_loss(model, {**row, "attention_mask": numbered})
     assert packed_rows._state["calls"] > calls
     assert loss_numbers == loss_4d
     for name, grad in grads_4d.items():
         torch.testing.assert_close(grads_numbers[name], grad, rtol=0, atol=0)
+    packed_rows._state["device_mask"] = False
+    calls = packed_rows._state["calls"]
+    with torch.no_grad():
+        model(**{**row, "attention_mask": numbered})
+    assert packed_rows._state["calls"] == calls
+
+
+@pytest.mark.usefixtures("restore_patches")
+def test_the_collator_keeps_the_sample_numbers_and_restores_its_own_setting(tmp_path):
+    """The collator wrapper around a stand-in for LLaMA-Factory's ``SFTDataCollatorWith4DAttentionMask.__call__``
+    (its 4D step as 0.9.5 writes it, on ``block_diag_attn``; the real collator runs in the slow launcher test):
+    with ``device_mask`` two padded rows arrive as int32 numbers, their samples counted and recorded, and
+    ``block_diag_attn`` is what it was, also when the collator raises; with ``device_mask: false`` the 4D mask."""
+    import types
+
+    import torch
+    from llamafactory.data.collator import prepare_4d_attention_mask
+
+    numbered = torch.tensor([[1] * 5 + [2] * 3 + [0] * 2, [1] * 10])
+    position = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 0], list(range(10))])
+
+    def collate(self, features):  # LLaMA-Factory 0.9.5: numbers, then the 4D step unless flash_attention_2
+        if features == "fail":
+            raise ValueError("a broken batch")
+        batch = {"input_ids": torch.ones(2, 10, dtype=torch.long), "attention_mask": numbered.clone(),
+                 "position_ids": position}  # fmt: skip
+        if self.block_diag_attn and self.attn_implementation != "flash_attention_2":
+            batch["attention_mask"] = prepare_4d_attention_mask(batch["attention_mask"], self.compute_dtype)
+        return batch
+
+    wrapped = packed_rows._make_collate(collate)
+    collator = types.SimpleNamespace(block_diag_attn=True, attn_implementation="sdpa", compute_dtype=torch.bfloat16)
+    for device_mask in (True, False):
+        patches.apply_enabled({**ON, "packed_rows": {"device_mask": device_mask}}, backend="cpu",
+                              proof_dir=tmp_path / str(device_mask))  # fmt: skip
+        batch = wrapped(collator, [])
+        mask = batch["attention_mask"]
+        if device_mask:
+            assert mask.dtype == torch.int32 and torch.equal(mask, numbered.int())
+            assert packed_rows._state["mask_dtype"] == torch.bfloat16
+        else:
+            assert torch.equal(mask, prepare_4d_attention_mask(numbered, torch.bfloat16))
+        assert collator.block_diag_attn is True and packed_rows._state["samples"] == 3
+        first = read_proof(tmp_path / str(device_mask), "packed_rows")["first_packed_batch"]
+        assert first["samples_per_row"] == [2, 1] and first["mask"].startswith("sample" if device_mask else "4D")
+        with pytest.raises(ValueError, match="a broken batch"):
+            wrapped(collator, "fail")
+        assert collator.block_diag_attn is True
+        packed_rows.restore()
 
 
 @pytest.mark.parametrize("release", ["2.10", "2.11"])
