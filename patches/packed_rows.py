@@ -746,8 +746,9 @@ def _before_first_step(trainer, model) -> None:
     packed, or the run stops before any sample could see another."""
     if _state["packing"] and not _state["batches"]:
         error = PatchError(NAME, (
-            "the run packs samples, but the first batch reached the model without a 4D block mask (not packed by "
-            "LLaMA-Factory's neat packing), so state would flow between samples"), FIX)  # fmt: skip
+            "the run packs samples, but this process collated no packed batch before the first step (none came "
+            "from LLaMA-Factory's neat packing, or the collator ran in a DataLoader worker: dataloader_num_workers "
+            "must be 0), so the samples could not be told apart"), FIX)  # fmt: skip
         _state["proof"].update(status="failed", error=str(error))
         raise error
     _state["calls_before_step"] = _state["calls"]
