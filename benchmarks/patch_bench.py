@@ -41,8 +41,8 @@ built on the CPU, the packed row before that option), ``short`` and
    calls, and over the steps of lengths seen before), the step period and
    LLaMA-Factory's own throughput, peak allocated memory, which kernel ran (proof records), how layers were
    checkpointed in the first step, and the kernel check of the rank process (with each case's seconds as it ran,
-   ``kernel_check_progress``, and for a run that did not succeed the end of its job log); then the targets
-   (docs/benchmarks.md) are compared.
+   ``kernel_check_progress``, and for a run that did not succeed the end of its job log, Triton's reproducer
+   dumps folded); then the targets (docs/benchmarks.md) are compared.
    ``profile`` adds the run's ``profile.json`` (``launcher/results/profile_report.py``) and ``profile.md``, which
    is also copied to ``DIR/profile.md``; the traces stay in the run directory (their paths are in the results).
 """
@@ -137,6 +137,9 @@ KERNEL_CASES = {
 }
 PREFLIGHT_SKIP = "packages,kernel,model,data_stats"
 LOG_TAIL_LINES = 30  # of a run that did not succeed, the end of its job log in results.json
+# Triton's NVIDIA backend prints a failed ptxas run's PTX between two rules of 64 "=" and then this line (its
+# compiler.py); autotuning skips such a config and goes on, so in a job log the dump is noise that can fill a tail
+REPRODUCER_RULE, REPRODUCER_END = "=" * 64, "please share the reproducer above with Triton project."
 CENSUS_KEYS = ("layers", "gradient_checkpointing_true", "functions", "observed", "by_layer_type")
 CASE_KEYS = ("name", "shape", "key_heads", "status", "errors", "finite", "peak_memory_gib", "timing_ms", "note")
 
@@ -357,7 +360,7 @@ def summarize(run_dir: Path, warmup: int) -> dict[str, Any]:
         result["kernel_check"] = {k: check.get(k) for k in ("ok", "kernel", "glue_kernels", "error")} | {"cases": cases}
     result["kernel_check_progress"] = bench.get("kernel_check_progress")  # the cases' seconds; the one it stopped in
     if status.get("state") != "SUCCEEDED":  # where a failed or stopped run was: the end of what the job printed
-        result["job_log_tail"] = tail_lines(run_dir / JOB_LOG, LOG_TAIL_LINES).splitlines()
+        result["job_log_tail"] = readable_tail(run_dir / JOB_LOG, LOG_TAIL_LINES)
     result["proof"] = _proof_summary(run_dir)
     return result
 
@@ -420,6 +423,27 @@ def lengths_summary(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         "new_length_steps": len(new),
         "seconds_lost_to_new_lengths": lost,
     }
+
+
+def readable_tail(path: Path, count: int) -> list[str]:
+    """The last ``count`` lines of a job log, each of Triton's reproducer dumps among them folded to one line that
+    keeps the dump's first line (the ptxas error); a dump cut by the start of the window read folds the same way."""
+    lines = tail_lines(path, count * 200, block=1 << 20).splitlines()  # dumps run to thousands of lines
+    kept: list[str] = []
+    opened = None  # where the dump being read started in `kept`, or None outside one
+    for index, line in enumerate(lines):
+        closes = line.strip() == REPRODUCER_RULE and REPRODUCER_END in "".join(lines[index + 1 : index + 2])
+        if closes:
+            dump = kept[opened:] if opened is not None else kept[:]
+            del kept[len(kept) - len(dump) :]
+            first = next((x for x in dump if x.strip()), "")
+            kept.append(f"[a Triton reproducer dump of {len(dump)} lines, folded; its first line: {first[:200]}]")
+            opened = None
+        elif line.strip() == REPRODUCER_RULE:
+            opened = len(kept)
+        elif not (line.strip() == REPRODUCER_END and kept and kept[-1].startswith("[a Triton reproducer dump")):
+            kept.append(line)
+    return kept[-count:]
 
 
 def _lines(path: Path) -> list[str]:

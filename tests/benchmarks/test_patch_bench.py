@@ -221,6 +221,25 @@ def test_a_run_stopped_inside_the_kernel_check_says_which_case_and_ends_with_its
     assert found["job_log_tail"][-1] == "validate-kernels: [2/8] qwen3_5_27b ..."
 
 
+def test_the_job_log_tail_folds_tritons_reproducer_dumps(tmp_path):
+    """Triton prints a failed ptxas run's PTX between two rules and a request to share it (its compiler.py); an
+    autotune that skips such a config goes on, and the dump can fill the tail. Each dump folds to one line with its
+    first line (the error); one whose start is before the window read folds too; the lines around stay."""
+    rule, end = patch_bench.REPRODUCER_RULE, patch_bench.REPRODUCER_END
+    ptx = [f"  ld.global.u32 %r{i}, [%rd{i}];" for i in range(2000)]
+    first = ["step 0 begins", "", rule, "`ptxas` failed with error code 255", "", *ptx, rule, end]
+    second = [rule, "`ptxas` failed again", *ptx[:50], rule, end]
+    log = tmp_path / "job.log"
+    log.write_text("\n".join([*first, "validate-kernels: [3/8] conv_27b ...", *second, "last line"]) + "\n")
+    whole = patch_bench.readable_tail(log, 100)
+    folded = "[a Triton reproducer dump of {} lines, folded; its first line: {}]"
+    progress = "validate-kernels: [3/8] conv_27b ..."
+    assert whole == ["step 0 begins", "", folded.format(2002, "`ptxas` failed with error code 255"), progress,
+                     folded.format(51, "`ptxas` failed again"), "last line"]  # fmt: skip
+    cut = patch_bench.readable_tail(log, 5)  # reads the last 1,000 lines: from inside the first dump
+    assert cut[0].startswith("[a Triton reproducer dump of") and "ld.global" in cut[0] and cut[1:] == whole[3:]
+
+
 def test_the_device_reads_the_allocators_retry_counter():
     """The CPU has no such counter; a CUDA/NPU module is stood in by its ``memory_stats`` (no accelerator here)."""
     import types
