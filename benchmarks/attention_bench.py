@@ -1,7 +1,7 @@
 """The full-attention kernels of a packed row against the unpacked step's, at the 27B shape, on one CUDA device.
 
     python -m benchmarks.attention_bench --out DIR [--tokens 4096] [--samples 1200,1700,1100] [--repeats 20]
-                                         [--routes sdpa,sdpa-flash,sdpa-cudnn,varlen,masked]
+                                         [--routes sdpa,sdpa-flash,sdpa-cudnn,varlen,sliced,masked]
 
 One layer's attention (24 query heads, 4 key heads, head dim 256, bf16: Qwen3.5-27B, docs/upstream.md) on one
 row of ``--tokens`` tokens, forward and backward, for every route of ``--routes``:
@@ -9,12 +9,14 @@ row of ``--tokens`` tokens, forward and backward, for every route of ``--routes`
 - ``sdpa``: the unpacked step as transformers calls it (``scaled_dot_product_attention``, ``is_causal``,
   ``enable_gqa``; torch picks the backend), and ``sdpa-flash`` / ``sdpa-cudnn``: the same call held to one
   backend;
-- ``varlen``: a packed row (the samples of ``--samples``, padding up to ``--tokens``) as the product runs it on
-  CUDA (``patches.packed_rows.varlen_attention``: ``torch.nn.attention.varlen.varlen_attn``, FlashAttention 2
-  with the row's ``cu_seqlens``);
+- ``varlen`` and ``sliced``: a packed row (the samples of ``--samples``, padding up to ``--tokens``) through the
+  product's two CUDA routes (``patches.packed_rows.varlen_attention``): ``TORCH_VARLEN``
+  (``torch.nn.attention.varlen.varlen_attn``, FlashAttention 2 with the row's ``cu_seqlens``, the default) and
+  ``SLICED_SDPA`` (``cuda_attention: sliced``: causal SDPA per sample, each padded to a multiple of 256);
 - ``masked``: SDPA with the 4D block-diagonal mask (the packed row's route where no varlen kernel is).
 
-Per route: 3 untimed calls, then ``R`` timed forwards and ``R`` timed forward+backward calls (CUDA events),
+Per route: the first forward+backward timed alone (``first_call_ms``: with the graphs cuDNN builds for shapes new
+to the process), 3 untimed calls, then ``R`` timed forwards and ``R`` timed forward+backward calls (CUDA events),
 medians in ms (a checkpointed layer runs the forward twice and the backward once: their sum); the kernels of one
 forward+backward by device time (``torch.profiler``), which tells the backend torch picked; and the relative L2
 difference of the output and of the q and k gradients against an fp32 reference (each sample alone, causal) on
@@ -37,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROUTES = ("sdpa", "sdpa-flash", "sdpa-cudnn", "varlen", "masked")
+ROUTES = ("sdpa", "sdpa-flash", "sdpa-cudnn", "varlen", "sliced", "masked")
 HEADS, KEY_HEADS, HEAD_DIM = 24, 4, 256  # Qwen3.5-27B full attention (benchmarks.bench_assets.QWEN3_5_27B)
 
 
@@ -87,7 +89,8 @@ def route_call(torch, route: str, mask4d):
     found = packed_rows.segments(mask4d)
     if route == "masked":
         return lambda q, k, v: sdpa(q, k, v, attn_mask=mask4d, scale=scale, enable_gqa=True)[0].transpose(0, 1)
-    return lambda q, k, v: packed_rows.varlen_attention(packed_rows.TORCH_VARLEN, q, k, v, found, scale)[0]
+    kernel = packed_rows.SLICED_SDPA if route == "sliced" else packed_rows.TORCH_VARLEN
+    return lambda q, k, v: packed_rows.varlen_attention(kernel, q, k, v, found, scale)[0]
 
 
 def reference(torch, q, k, v, numbered) -> Any:
@@ -133,9 +136,10 @@ def measure_route(torch, route: str, tokens: int, samples: list[int], repeats: i
             t.grad = None
         call(*leaves).backward(grad)
 
+    found: dict[str, Any] = {"route": route, "samples": samples if packed else [tokens]}
+    found["first_call_ms"] = round(_events(torch, forward_backward, 1), 3)  # shapes new to this process: graphs
     for _ in range(3):
         forward_backward()
-    found: dict[str, Any] = {"route": route, "samples": samples if packed else [tokens]}
     found["forward_ms"] = round(_events(torch, forward, repeats), 3)
     found["forward_backward_ms"] = round(_events(torch, forward_backward, repeats), 3)
     # a checkpointed layer runs the forward twice (forward, recompute) and the backward once
