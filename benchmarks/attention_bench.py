@@ -187,6 +187,23 @@ def measure_mask(torch, tokens: int, samples: list[int], repeats: int) -> dict[s
             "same_mask": same, "torch_threads": torch.get_num_threads()}  # fmt: skip
 
 
+def input_problem(args) -> str | None:
+    """What is wrong with the arguments (which value, how to fix), or None; checked before anything is written."""
+    unknown = sorted({r.strip() for r in args.routes.split(",") if r.strip()} - set(ROUTES))
+    if unknown:
+        return f"--routes: unknown {', '.join(unknown)}; choose from {', '.join(ROUTES)}"
+    try:
+        samples = [int(x) for x in args.samples.split(",") if x.strip()]
+    except ValueError:
+        return f"--samples {args.samples!r}: write whole token counts separated by commas, such as 1200,1700,1100"
+    if not samples or min(samples) < 1 or sum(samples) > args.tokens:
+        return (f"--samples {args.samples!r}: give at least one sample, each of 1 token or more, {args.tokens} "
+                "tokens in all at most (--tokens)")  # fmt: skip
+    if (args.out / "attention.json").exists():
+        return f"{args.out / 'attention.json'} exists; choose another --out, or move that file away"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder for attention.json")
@@ -196,16 +213,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per route (default 20)")
     parser.add_argument("--routes", default=",".join(ROUTES), help=f"comma separated, of {', '.join(ROUTES)}")
     args = parser.parse_args(argv)
+    why = input_problem(args)
     import torch
 
-    samples = [int(x) for x in args.samples.split(",") if x.strip()]
-    routes = [r.strip() for r in args.routes.split(",") if r.strip()]
-    unknown = sorted(set(routes) - set(ROUTES))
-    if unknown or sum(samples) > args.tokens or not torch.cuda.is_available():
-        why = (f"unknown routes {unknown}" if unknown else "no CUDA device" if not torch.cuda.is_available()
-               else f"the samples ({sum(samples)} tokens) do not fit a row of {args.tokens}")  # fmt: skip
+    if why is None and not torch.cuda.is_available():
+        why = "no CUDA device here: run it on a machine with an NVIDIA GPU"
+    if why:
         print(f"attention_bench: {why}", file=sys.stderr)
         return 2
+    samples = [int(x) for x in args.samples.split(",") if x.strip()]
+    routes = [r.strip() for r in args.routes.split(",") if r.strip()]
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
                                "cudnn": torch.backends.cudnn.version(), "tokens": args.tokens,

@@ -438,19 +438,21 @@ def readable_tail(path: Path, count: int) -> list[str]:
     keeps the dump's first line (the ptxas error); a dump cut by the start of the window read folds the same way."""
     lines = tail_lines(path, count * 200, block=1 << 20).splitlines()  # dumps run to thousands of lines
     kept: list[str] = []
-    opened = None  # where the dump being read started in `kept`, or None outside one
+    opened = 0  # where in `kept` the dump being read began (0: before the window read, if it closes)
+    after_close = False
     for index, line in enumerate(lines):
-        closes = line.strip() == REPRODUCER_RULE and REPRODUCER_END in "".join(lines[index + 1 : index + 2])
-        if closes:
-            dump = kept[opened:] if opened is not None else kept[:]
-            del kept[len(kept) - len(dump) :]
+        if after_close:  # the request to share the dump, right after its closing rule
+            after_close = False
+            continue
+        if line.strip() != REPRODUCER_RULE:
+            kept.append(line)
+        elif REPRODUCER_END in "".join(lines[index + 1 : index + 2]):
+            dump, kept = kept[opened:], kept[:opened]
             first = next((x for x in dump if x.strip()), "")
             kept.append(f"[a Triton reproducer dump of {len(dump)} lines, folded; its first line: {first[:200]}]")
-            opened = None
-        elif line.strip() == REPRODUCER_RULE:
+            opened, after_close = len(kept), True
+        else:
             opened = len(kept)
-        elif not (line.strip() == REPRODUCER_END and kept and kept[-1].startswith("[a Triton reproducer dump")):
-            kept.append(line)
     return kept[-count:]
 
 

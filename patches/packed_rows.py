@@ -46,11 +46,12 @@ What this patch does:
    sample numbers, as ``int32`` (``NUMBERS``: the mark; LLaMA-Factory's masks come from transformers'
    ``DataCollatorForSeq2Seq`` through ``tokenizer.pad``, int64, as the tokenizer's do), and the wrapped
    ``Qwen3_5TextModel.forward`` (and the MoE twin) builds the same 4D mask from them on their device
-   (``block_causal_mask``, entry for entry LLaMA-Factory's, in the collator's ``compute_dtype``, or the
+   (``block_causal_mask``: LLaMA-Factory's own function, on that device, in the collator's ``compute_dtype``, or the
    embeddings' dtype in a process that collated nothing) and reads the samples off the numbers
    (``numbered_segments``) instead of the mask's diagonals. At 4,096 tokens LLaMA-Factory's CPU mask took 7 to
-   13 ms and its copy to the device 2 to 5 ms a batch, the device mask 0.23 ms (three readings on H100 hosts,
-   ``benchmarks.attention_bench``), in the training process, between two steps.
+   13 ms and its copy to the device 2 to 5 ms a batch, in the training process between two steps; the same mask
+   built on the device 0.23 ms (three readings on H100 hosts, ``benchmarks.attention_bench``; then by an
+   elementwise build of our own, equal entry for entry, since replaced by LLaMA-Factory's function).
 
 Nothing is shared between samples, which ``tests/patches/test_packing.py`` shows on the tiny model: each sample's
 loss and the LoRA gradients of a packed row equal those of the samples run alone (fp32, 1e-4), and a
@@ -219,15 +220,13 @@ def _segments_from(start, real) -> Segments:
 
 def block_causal_mask(numbered, dtype) -> Any:
     """The 4D additive block-diagonal causal mask ``[B, 1, T, T]`` of sample numbers ``[B, T]``, built where
-    ``numbered`` lives: LLaMA-Factory's ``prepare_4d_attention_mask`` (0 where a token attends, the dtype's
-    minimum elsewhere; padding attends to nothing), entry for entry."""
+    ``numbered`` lives: LLaMA-Factory's own ``prepare_4d_attention_mask``, run under ``numbered``'s device as the
+    default device (it makes its causal triangle and its zero with factory calls, which then land there too)."""
     import torch
+    from llamafactory.data.collator import prepare_4d_attention_mask
 
-    length = numbered.shape[-1]
-    allowed = numbered[:, None, :, None] == numbered[:, None, None, :]
-    allowed &= (numbered != 0)[:, None, None, :]
-    allowed &= torch.ones(length, length, dtype=torch.bool, device=numbered.device).tril()
-    return torch.zeros((), dtype=dtype, device=numbered.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    with torch.device(numbered.device):
+        return prepare_4d_attention_mask(numbered, dtype)
 
 
 def allowed_of(mask) -> Any:

@@ -81,9 +81,11 @@ def check_run_config(config: RunConfig, *, problems: list[str] | None = None, mo
     placeholder = Path(launcher.output_root).resolve() / "validate" / OUTPUT_SUBDIR
     args = config.llamafactory_args(name, placeholder)
     torch_version = None if elsewhere else installed_version("torch")  # another machine's torch is not this one's
-    for key, problem in patch_problems(config.patches, args, backend=name, distribution=launcher.distribution,
-                                       torch_version=torch_version):  # fmt: skip
-        out.add(key, ERROR, problem)
+    # with launcher.patches unreadable (its problem is above) the settings are unknown: no rule on them
+    if not any(problem.startswith("launcher.patches:") for problem in problems or []):
+        for key, problem in patch_problems(config.patches, args, backend=name, distribution=launcher.distribution,
+                                           torch_version=torch_version):  # fmt: skip
+            out.add(key, ERROR, problem)
     out.items.extend(check_llamafactory(args, model=model, devices=devices, elsewhere=elsewhere).items)
     if output:
         _check_output_root(config, out, elsewhere)

@@ -75,8 +75,8 @@ def packing_problems(patches: dict[str, dict[str, Any]], lf: dict[str, Any]) -> 
                 f"{shown} needs launcher.patches.{name}: without it transformers' DeltaNet layers run a packed "
                 "row as one sequence (the convolution and the recurrent state flow from one sample into the "
                 f"next); enable {name}, or turn packing off")))  # fmt: skip
-    workers = lf.get("dataloader_num_workers") or 0
-    if workers > 0 and patches.get("packed_rows", {}).get("enabled"):
+    workers = lf.get("dataloader_num_workers")  # not a whole number: LLaMA-Factory's parser says so
+    if isinstance(workers, int) and workers > 0 and patches.get("packed_rows", {}).get("enabled"):
         problems.append(("dataloader_num_workers", (
             f"dataloader_num_workers: {workers} with {shown}: launcher.patches.packed_rows checks and counts every "
             "packed batch in the collator, which then runs in DataLoader workers, so the training process counts "

@@ -453,6 +453,20 @@ def test_patch_options_that_cannot_work_are_refused_naming_the_key(tmp_path, dem
     assert len(errors) == 1, errors
 
 
+@pytest.mark.parametrize(
+    ("option", "shown"),
+    [({"cuda_attention": "fast"}, "launcher.patches.packed_rows.cuda_attention is 'fast'; expected one of 'varlen' "
+      "or 'sliced'"), ({"device_mask": "yes"}, "launcher.patches.packed_rows.device_mask")],
+)  # fmt: skip
+def test_a_bad_packed_rows_option_is_the_one_error_of_a_packing_config(tmp_path, demo_assets, option, shown):
+    """The option's own message names the key and the value; the packing rules, which read the patch settings, say
+    nothing more while those settings could not be read (they would report every patch as off)."""
+    cfg = make_config(tmp_path, demo_assets, launcher={"backend": "cpu", "patches": {"packed_rows": option}},
+                      packing=True)  # fmt: skip
+    errors = errors_of(cfg)
+    assert len(errors) == 1 and shown in errors[0], errors
+
+
 def test_the_layer_plan_is_accepted_under_fsdp2(tmp_path, demo_assets):
     """The plan is measured inside the model's own forward (patches/layer_meter.py), so FSDP2 takes it too."""
     plan = {

@@ -575,6 +575,8 @@ def test_segments_are_read_off_the_mask_with_padding_as_its_own_segment():
     for dtype in (torch.float32, torch.bfloat16):
         mask = prepare_4d_attention_mask(numbered, dtype)
         assert torch.equal(packed_rows.block_causal_mask(numbered.to(torch.int32), dtype), mask)
+        on_meta = packed_rows.block_causal_mask(numbered.to("meta", torch.int32), dtype)  # no tensor left on the CPU
+        assert on_meta.device.type == "meta" and on_meta.shape == mask.shape and on_meta.dtype == dtype
         found = packed_rows.segments(mask)
         from_numbers = packed_rows.numbered_segments(numbered)
         assert from_numbers.spans == found.spans and torch.equal(from_numbers.position, found.position)

@@ -1,0 +1,50 @@
+"""The attention benchmark's arguments and its CPU-runnable parts (the measurement itself needs CUDA: its results
+and command are in docs/benchmarks.md, "Tenth invocation")."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import attention_bench
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--routes", "sdpa,fastest"], "--routes: unknown fastest; choose from sdpa, sdpa-flash"),
+        (["--samples", "1200,lots"], "--samples '1200,lots': write whole token counts separated by commas"),
+        (["--samples", "3000,2000"], "4096 tokens in all at most (--tokens)"),
+        (["--samples", "0"], "each of 1 token or more"),
+    ],
+)
+def test_bad_arguments_end_in_one_message_and_write_nothing(tmp_path, capsys, argv, said):
+    out = tmp_path / "out"
+    assert attention_bench.main(["--out", str(out), *argv]) == 2
+    assert said in capsys.readouterr().err and not out.exists()
+
+
+def test_an_earlier_result_is_not_overwritten(tmp_path, capsys):
+    (tmp_path / "attention.json").write_text('{"kept": true}\n')
+    assert attention_bench.main(["--out", str(tmp_path)]) == 2
+    assert "attention.json exists; choose another --out" in capsys.readouterr().err
+    assert (tmp_path / "attention.json").read_text() == '{"kept": true}\n'
+
+
+def test_the_routes_agree_with_the_per_sample_reference_on_the_cpu(monkeypatch):
+    """The routes that run on the CPU (SDPA's math kernel; the varlen kernels need CUDA), at a small shape: the
+    packed ones equal each sample alone; the unpacked call over the whole row does not (it is the unpacked step)."""
+    import torch
+
+    from patches import packed_rows
+
+    monkeypatch.setattr(attention_bench, "HEADS", 6)
+    monkeypatch.setattr(attention_bench, "KEY_HEADS", 2)
+    monkeypatch.setattr(attention_bench, "HEAD_DIM", 16)
+    numbered = attention_bench.numbered_row(torch, 64, [20, 30])
+    q, k, v = torch.randn(1, 6, 64, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+    mask = packed_rows.block_causal_mask(numbered, torch.float32)
+    expected = attention_bench.reference(torch, q, k, v, numbered)
+    real = numbered[0] != 0
+    for route in ("masked", "sliced"):
+        assert attention_bench.relative(attention_bench.route_call(torch, route, mask)(q, k, v), expected, real) < 1e-5
+    assert attention_bench.relative(attention_bench.route_call(torch, "sdpa", mask)(q, k, v), expected, real) > 0.1
