@@ -1,7 +1,7 @@
 """The full-attention kernels of a packed row against the unpacked step's, at the 27B shape, on one CUDA device.
 
     python -m benchmarks.attention_bench --out DIR [--tokens 4096] [--samples 1200,1700,1100] [--repeats 20]
-                                         [--routes sdpa,sdpa-flash,sdpa-cudnn,varlen,sliced,masked]
+                                         [--routes sdpa,sdpa-flash,sdpa-cudnn,varlen,masked]
 
 One layer's attention (24 query heads, 4 key heads, head dim 256, bf16: Qwen3.5-27B, docs/upstream.md) on one
 row of ``--tokens`` tokens, forward and backward, for every route of ``--routes``:
@@ -9,10 +9,9 @@ row of ``--tokens`` tokens, forward and backward, for every route of ``--routes`
 - ``sdpa``: the unpacked step as transformers calls it (``scaled_dot_product_attention``, ``is_causal``,
   ``enable_gqa``; torch picks the backend), and ``sdpa-flash`` / ``sdpa-cudnn``: the same call held to one
   backend;
-- ``varlen`` and ``sliced``: a packed row (the samples of ``--samples``, padding up to ``--tokens``) through the
-  product's two CUDA routes (``patches.packed_rows.varlen_attention``): ``TORCH_VARLEN``
-  (``torch.nn.attention.varlen.varlen_attn``, FlashAttention 2 with the row's ``cu_seqlens``, the default) and
-  ``SLICED_SDPA`` (``cuda_attention: sliced``: causal SDPA per sample, each padded to a multiple of 256);
+- ``varlen``: a packed row (the samples of ``--samples``, padding up to ``--tokens``) through the product's CUDA
+  route (``patches.packed_rows.varlen_attention``): ``TORCH_VARLEN`` (``torch.nn.attention.varlen.varlen_attn``,
+  FlashAttention 2 with the row's ``cu_seqlens``);
 - ``masked``: SDPA with the 4D block-diagonal mask (the packed row's route where no varlen kernel is).
 
 Per route: the first forward+backward timed alone (``first_call_ms``: with the graphs cuDNN builds for shapes new
@@ -39,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROUTES = ("sdpa", "sdpa-flash", "sdpa-cudnn", "varlen", "sliced", "masked")
+ROUTES = ("sdpa", "sdpa-flash", "sdpa-cudnn", "varlen", "masked")
 HEADS, KEY_HEADS, HEAD_DIM = 24, 4, 256  # Qwen3.5-27B full attention (benchmarks.bench_assets.QWEN3_5_27B)
 
 
@@ -89,8 +88,7 @@ def route_call(torch, route: str, mask4d):
     found = packed_rows.segments(mask4d)
     if route == "masked":
         return lambda q, k, v: sdpa(q, k, v, attn_mask=mask4d, scale=scale, enable_gqa=True)[0].transpose(0, 1)
-    kernel = packed_rows.SLICED_SDPA if route == "sliced" else packed_rows.TORCH_VARLEN
-    return lambda q, k, v: packed_rows.varlen_attention(kernel, q, k, v, found, scale)[0]
+    return lambda q, k, v: packed_rows.varlen_attention(packed_rows.TORCH_VARLEN, q, k, v, found, scale)[0]
 
 
 def reference(torch, q, k, v, numbered) -> Any:

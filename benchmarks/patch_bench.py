@@ -14,9 +14,8 @@ for every variant unless the caller sets it), ``profile``
 of them profiled), ``spread-packed`` (the spread's samples with ``packing: true``: rows of 4,096 tokens holding
 several samples each; the packing issue's target is 1.5x the supervised tokens/s of ``spread``),
 ``spread-packed-profile`` (``spread-packed`` through ``launcher profile``, like ``profile``),
-``spread-packed-cpu-mask`` and ``spread-packed-sliced`` (``spread-packed`` with ``packed_rows.device_mask:
-false``: LLaMA-Factory's 4D mask built on the CPU, the packed row before that option; or with
-``cuda_attention: sliced``), ``short`` and
+``spread-packed-cpu-mask`` (``spread-packed`` with ``packed_rows.device_mask: false``: LLaMA-Factory's 4D mask
+built on the CPU, the packed row before that option), ``short`` and
 ``short-packed`` (the same pair with samples of about 500 to 2,048 tokens).
 
 1. ``DIR/model``: a config-only folder of the Qwen3.5-27B shape (``--shape 27b``; ``tiny`` for a CPU run of
@@ -98,13 +97,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "steps": 24,
         "lf": {"packing": True},
         "patches": {"packed_rows": {"device_mask": False}},
-    },
-    # spread-packed with the attention of packed rows through causal SDPA per sample (cuDNN's kernel on Hopper)
-    "spread-packed-sliced": {
-        "data": "spread",
-        "steps": 24,
-        "lf": {"packing": True},
-        "patches": {"packed_rows": {"cuda_attention": "sliced"}},
     },
     # shorter samples (about 500 to 2,048 tokens): where several share a row
     "short": {"data": "short", "steps": 32},

@@ -33,9 +33,8 @@ What this patch does:
    (LLaMA-Factory's dummy image appended to a packed batch) stops the run.
 2. routes the full-attention layers of a packed row (``Qwen3_5Attention``, the MoE twin; through the ``sdpa`` entry
    of transformers' attention functions, which the layers look up at every call) to a varlen kernel where the
-   device has one: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention with ``cu_seqlens``) on CUDA (or, with
-   ``cuda_attention: sliced``, ``SLICED_SDPA``: causal SDPA per sample, cuDNN's kernel on Hopper; opt-in until
-   measured in training), ``torch_npu.npu_fusion_attention`` (layout ``TND`` with the samples' cumulative lengths,
+   device has one: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention with ``cu_seqlens``) on CUDA,
+   ``torch_npu.npu_fusion_attention`` (layout ``TND`` with the samples' cumulative lengths,
    causal ``sparse_mode`` 3) on NPU, bf16/fp16 only; elsewhere (CPU, fp32) the block mask stays with SDPA. Its
    first call is checked against SDPA with the mask on the row's real tokens; a disagreement stops the run (the
    option ``varlen_attention: false`` keeps the mask). Only the mask the DeltaNet layers read as packed rows (the
@@ -75,7 +74,7 @@ import inspect
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from pydantic import BaseModel, ConfigDict
@@ -104,8 +103,6 @@ TEXT_MODEL = (
 COLLATOR = ("llamafactory.data.collator", "SFTDataCollatorWith4DAttentionMask")
 TORCH_VARLEN = "torch.nn.attention.varlen.varlen_attn"
 NPU_VARLEN = "torch_npu.npu_fusion_attention"
-SLICED_SDPA = "sdpa per sample, each padded at its end to a multiple of 256 tokens"
-SLICE_MULTIPLE = 256  # SLICED_SDPA's lengths: few shapes (cuDNN builds a graph per shape, 60 to 127 ms each on an H100)
 MASKED = "sdpa with the block mask"
 NUMBERS = "int32"  # the dtype that marks a batch's attention_mask as LLaMA-Factory's sample numbers (see device_mask)
 VARLEN_AGREEMENT = 2e-2  # relative L2 difference to SDPA with the mask on real tokens (bf16 rounding is ~4e-3)
@@ -119,9 +116,6 @@ class Options(BaseModel):
     enabled: bool = True
     # attention of packed rows through a varlen kernel where the device has one (CUDA, NPU); false: the block mask
     varlen_attention: bool = True
-    # on CUDA: "varlen" (torch's varlen_attn: FlashAttention 2 with the row's cu_seqlens) or "sliced" (SLICED_SDPA:
-    # causal SDPA per sample, the kernel SDPA takes for an unpacked step, cuDNN's on Hopper; not measured in training)
-    cuda_attention: Literal["varlen", "sliced"] = "varlen"
     # build the packed row's 4D mask on the device from LLaMA-Factory's sample numbers; false: its collator builds
     # it on the CPU (32 MiB at 4,096 tokens in bf16: 7 to 13 ms and a 2 to 5 ms copy a batch, docs/benchmarks.md)
     device_mask: bool = True
@@ -390,9 +384,8 @@ def torch_varlen_options() -> dict[str, Any] | None:
     return {"causal": causal, "scale": "scale" in params, "gqa": "enable_gqa" in params}
 
 
-def varlen_kernel(query, scaling: float | None, dropout: float, cuda_attention: str = "varlen") -> str | None:
-    """The attention kernel of packed rows for ``query``'s device and dtype (on CUDA as ``Options.cuda_attention``
-    says), or None where the block mask is used."""
+def varlen_kernel(query, scaling: float | None, dropout: float) -> str | None:
+    """The attention kernel of packed rows for ``query``'s device and dtype, or None where the block mask is used."""
     import torch
 
     if dropout or query.dtype not in (torch.bfloat16, torch.float16):
@@ -401,8 +394,6 @@ def varlen_kernel(query, scaling: float | None, dropout: float, cuda_attention: 
         return NPU_VARLEN
     if query.device.type != "cuda" or torch.cuda.get_device_capability(query.device)[0] < 8:
         return None
-    if cuda_attention == "sliced":
-        return SLICED_SDPA
     options = torch_varlen_options()
     if options is None or (not options["scale"] and scaling not in (None, query.shape[-1] ** -0.5)):
         return None
@@ -418,34 +409,6 @@ def npu_causal_tile(device: str):
     return torch.ones(2048, 2048, dtype=torch.bool, device=device).triu(1)
 
 
-def sliced_attention(query, key, value, found: Segments, scaling: float):
-    """``SLICED_SDPA``: causal SDPA over each sample alone, its tokens followed by zeros up to a multiple of
-    ``SLICE_MULTIPLE``; the rows' padding gets zeros. Exact for every sample's tokens: causal attention never reads
-    a later token, so the zeros after a sample change nothing before them (their outputs are dropped, so their
-    gradients are zero). The kernel is the one SDPA takes for an unpacked step (cuDNN's on Hopper, 1.8x
-    FlashAttention 2's speed at the 27B shape, docs/benchmarks.md), on each sample's tokens only. The row is cut
-    with ``split`` and put back with ``cat``, whose backwards allocate nothing per sample; lengths in steps of
-    ``SLICE_MULTIPLE`` keep the shapes few (an earlier route of one call per sample at its exact length paid a new
-    graph for almost every sample)."""
-    import torch
-    import torch.nn.functional as F
-
-    rows, heads, length, _ = query.shape
-    lengths = [end - start for _, start, end, _ in found.spans]
-    cut = [torch.split(t.transpose(1, 2).reshape(rows * length, t.shape[1], t.shape[-1]), lengths)
-           for t in (query, key, value)]  # fmt: skip
-    pieces = []
-    for (_, start, end, real), *qkv in zip(found.spans, *cut, strict=True):
-        if not real:
-            pieces.append(qkv[0].new_zeros(end - start, heads, value.shape[-1]))
-            continue
-        fill = -(end - start) % SLICE_MULTIPLE
-        q, k, v = (F.pad(t, (0, 0, 0, 0, 0, fill)).unsqueeze(0).transpose(1, 2) for t in qkv)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=k.shape[1] != heads)
-        pieces.append(out[0, :, : end - start].transpose(0, 1))
-    return torch.cat(pieces).view(rows, length, heads, value.shape[-1])
-
-
 def varlen_attention(kernel: str, query, key, value, found: Segments, scaling: float | None):
     """Causal attention inside every segment of packed rows: ``query`` ``[B, H, T, D]``, ``key``/``value``
     ``[B, Hkv, T, D]`` (the layout transformers' attention functions take) to ``[B, T, H, D]`` (the one they
@@ -454,8 +417,6 @@ def varlen_attention(kernel: str, query, key, value, found: Segments, scaling: f
 
     rows, heads, length, _ = query.shape
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    if kernel == SLICED_SDPA:
-        return sliced_attention(query, key, value, found, scaling)
     q, k, v = (t.transpose(1, 2).reshape(rows * length, t.shape[1], t.shape[-1]) for t in (query, key, value))
     if kernel == NPU_VARLEN:
         import torch_npu
@@ -533,8 +494,7 @@ def _make_attention(original):
         if found is None:
             return original(module, query, key, value, attention_mask, *args, **kwargs)
         scaling, dropout = kwargs.get("scaling"), kwargs.get("dropout", 0.0)
-        kernel = (varlen_kernel(query, scaling, dropout, cuda_attention=_state["cuda_attention"])
-                  if _state["varlen_attention"] else None)  # fmt: skip
+        kernel = varlen_kernel(query, scaling, dropout) if _state["varlen_attention"] else None
         if kernel is None:
             out = original(module, query, key, value, attention_mask, *args, **kwargs)
         else:
@@ -733,8 +693,7 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
     _state.clear()
     _cache.clear()
     _state.update(proof=proof, packing=bool(facts.get("packing")), calls=0, batches=0, samples=0, rows=0,
-                  varlen_attention=varlen, cuda_attention=options.get("cuda_attention", "varlen"),
-                  device_mask=bool(options.get("device_mask", True)),
+                  varlen_attention=varlen, device_mask=bool(options.get("device_mask", True)),
                   attention=tuple(getattr(importlib.import_module(m), c) for m, c in ATTENTION))  # fmt: skip
     trainer_hook.on_first_training_step(NAME, before=_before_first_step, after=_after_first_step)
     trainer_hook.on_training_step(NAME, 2, before=_before_second_step)
@@ -743,7 +702,6 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
         + [".".join(COLLATOR) + ".__call__", "ALL_ATTENTION_FUNCTIONS['sdpa']"],
         "packing": _state["packing"],
         "varlen_attention": varlen,
-        "cuda_attention": _state["cuda_attention"],
         "device_mask": _state["device_mask"],
     }  # fmt: skip
 

@@ -256,66 +256,9 @@ def test_packed_attention_through_a_varlen_kernel_keeps_samples_apart_and_its_ch
     assert record["status"] == "failed" and record["first_multi_sample_attention"]["samples_per_row"] == [3]
 
 
-@pytest.mark.usefixtures("restore_patches")
-def test_packed_rows_through_the_sliced_sdpa_route_equal_the_samples_alone(tmp_path, demo_assets, monkeypatch):
-    """``SLICED_SDPA`` is plain SDPA, so it runs here for real (the math kernel on CPU; cuDNN's on Hopper): routed
-    to it, the tiny model's packed row still equals its samples alone, and the first call's check against the block
-    mask is recorded with that kernel."""
-    monkeypatch.setattr(packed_rows, "varlen_kernel", lambda query, scaling, dropout, **_: packed_rows.SLICED_SDPA)
-    patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)
-    model = packing_model(demo_assets["model"])
-    parts = samples(model.config.text_config.vocab_size)
-    loss_gap, grad_gap = compare(model, parts)
-    assert loss_gap < 1e-4 and grad_gap < 1e-4, (loss_gap, grad_gap)
-    attention = read_proof(tmp_path, "packed_rows")["first_packed_attention"]  # its first row holds three samples
-    assert attention["kernel"] == packed_rows.SLICED_SDPA and attention["samples_per_row"] == [3]
-    assert attention["relative_l2_difference"] < 1e-5
-
-
-@pytest.mark.parametrize("multiple", [1, 8, 256])
-def test_the_sliced_route_equals_attention_per_sample_and_pads_only_after_each_sample(monkeypatch, multiple):
-    """Two rows (samples of 9 and 20 tokens then 3 of padding; 16 and 16), 6 query heads on 2 key heads: causal SDPA
-    per sample, each padded at its end, equals causal attention over each sample alone, forward and the gradients of
-    q, k, v, on the samples' tokens; the rows' padding gets zeros. The padding put in front of each sample instead
-    (what causal attention would read) fails the same comparison."""
-    import torch
-    import torch.nn.functional as F
-
-    monkeypatch.setattr(packed_rows, "SLICE_MULTIPLE", multiple)
-    torch.manual_seed(0)
-    found = packed_rows.numbered_segments(torch.tensor([[1] * 9 + [2] * 20 + [0] * 3, [1] * 16 + [2] * 16]))
-    q = torch.randn(2, 6, 32, 8, requires_grad=True)
-    k, v = torch.randn(2, 2, 32, 8, requires_grad=True), torch.randn(2, 2, 32, 8, requires_grad=True)
-    real = found.real_tokens("cpu").reshape(2, 32)
-    weight = torch.randn(2, 32, 6, 8) * real[..., None, None]
-    shapes = []
-    sdpa = F.scaled_dot_product_attention
-
-    def seen(q, *args, **kwargs):
-        shapes.append(q.shape[2])
-        return sdpa(q, *args, **kwargs)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", seen)
-    ours = packed_rows.varlen_attention(packed_rows.SLICED_SDPA, q, k, v, found, 0.3)
-    assert shapes == [-(-n // multiple) * multiple for n in (9, 20, 16, 16)]
-    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
-    expected = attention_per_segment(q, k, v, found, 0.3)
-    torch.testing.assert_close(ours[real], expected[real], rtol=1e-5, atol=1e-6)
-    assert not ours[~real].any()
-    for a, b in zip(torch.autograd.grad((ours * weight).sum(), (q, k, v)),
-                    torch.autograd.grad((expected * weight).sum(), (q, k, v)), strict=True):  # fmt: skip
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    if multiple > 1:
-        padded_in_front = F.pad
-        monkeypatch.setattr(F, "pad", lambda t, pad, *a, **kw: padded_in_front(t, (*pad[:4], pad[5], pad[4]), *a, **kw))
-        wrong = packed_rows.varlen_attention(packed_rows.SLICED_SDPA, q, k, v, found, 0.3)
-        assert not torch.allclose(wrong[real], expected[real], rtol=1e-3, atol=1e-4)
-
-
-def test_the_cuda_attention_route_is_varlen_unless_sliced_is_asked(monkeypatch):
-    """No GPU here: the device's capability is a stand-in, the choice is the product's. FlashAttention's varlen by
-    default, ``SLICED_SDPA`` when ``cuda_attention: sliced``; no varlen kernel below compute capability 8, in fp32 or
-    with dropout."""
+def test_the_cuda_attention_route_is_varlen_from_compute_capability_8_in_half_precision_without_dropout(monkeypatch):
+    """No GPU here: the device's capability is a stand-in, the choice is the product's. FlashAttention's varlen;
+    no varlen kernel below compute capability 8, in fp32 or with dropout."""
     import types
 
     import torch
@@ -326,12 +269,11 @@ def test_the_cuda_attention_route_is_varlen_unless_sliced_is_asked(monkeypatch):
     monkeypatch.setattr(packed_rows, "torch_varlen_options", lambda: {"causal": {"is_causal": True}, "scale": True,
                                                                       "gqa": False})  # fmt: skip
     assert packed_rows.varlen_kernel(query, None, 0.0) == packed_rows.TORCH_VARLEN
-    assert packed_rows.varlen_kernel(query, None, 0.0, cuda_attention="sliced") == packed_rows.SLICED_SDPA
-    assert packed_rows.varlen_kernel(query, None, 0.1, cuda_attention="sliced") is None
+    assert packed_rows.varlen_kernel(query, None, 0.1) is None
     fp32 = types.SimpleNamespace(**{**vars(query), "dtype": torch.float32})
-    assert packed_rows.varlen_kernel(fp32, None, 0.0, cuda_attention="sliced") is None
+    assert packed_rows.varlen_kernel(fp32, None, 0.0) is None
     capability["major"] = 7
-    assert packed_rows.varlen_kernel(query, None, 0.0, cuda_attention="sliced") is None
+    assert packed_rows.varlen_kernel(query, None, 0.0) is None
 
 
 @pytest.mark.usefixtures("restore_patches")
