@@ -51,16 +51,19 @@ What this patch does:
    13 ms and its copy to the device 2 to 5 ms a batch, in the training process between two steps; the same mask
    built on the device 0.23 ms (three readings on H100 hosts, ``benchmarks.attention_bench``; then by an
    elementwise build of our own, equal entry for entry, since replaced by LLaMA-Factory's function).
+   The collator wrapper only checks and converts, so it may run in DataLoader workers
+   (``dataloader_num_workers > 0``); the packed batches are counted and recorded where the model meets them, in the
+   wrapped text model's forward, in the training process.
 
 Nothing is shared between samples, which ``tests/patches/test_packing.py`` shows on the tiny model: each sample's
 loss and the LoRA gradients of a packed row equal those of the samples run alone (fp32, 1e-4), and a
 planted leak (no convolution reset, or no ``cu_seqlens``) fails that comparison.
 
-Proof per rank: the first packed batch (rows, samples per row, position ids checked), the first packed
-DeltaNet call (kernel, ``cu_seqlens``, mask checked), the first packed attention call (kernel, its check) and,
-at the first training step, the packed calls in it (recomputes included). When the launcher's facts say the
-run packs, a first batch that is not packed stops the run before the first step, and a first step whose
-DeltaNet layers met no packed row stops it before the second.
+Proof per rank: the first packed batch the model met (rows, samples per row, position ids checked), the first
+packed DeltaNet call (kernel, ``cu_seqlens``, mask checked), the first packed attention call (kernel, its check)
+and, at the first training step, the packed calls in it (recomputes included). When the launcher's facts say the
+run packs, a first training batch that reaches the model unpacked stops the run before any layer runs it, and a
+first step whose DeltaNet layers met no packed row stops it before the second.
 
 Versions: written and tested against transformers 5.6.0 and llamafactory 0.9.5 (``SUPPORTED``). Delete this
 patch when transformers' Qwen3.5 DeltaNet takes ``cu_seqlens`` from packed inputs by itself.
@@ -616,31 +619,50 @@ def _make_collate(original):
             raise PatchError(NAME, (
                 f"the position ids of {len(bad)} packed sample(s) do not restart at 0 at the sample start (row, "
                 f"position: {bad[:3]}), so rotary positions would run on across samples"), FIX)  # fmt: skip
-        _state["batches"] += 1
-        _state["samples"] += sum(found.samples_per_row())
-        _state["rows"] += found.rows
-        if not _state.get("first_batch"):
-            _state["first_batch"] = True
-            _state["proof"].update(first_packed_batch={
-                "rows": found.rows, "row_length": found.length, "samples_per_row": found.samples_per_row(),
-                "position_ids": "restart at 0 in every sample (checked on every batch)",
-                "mask": (f"sample numbers ({NUMBERS}); the 4D mask is built on the device" if numbers
-                         else "4D, built by LLaMA-Factory's collator"), "recorded_at": utc_now(),
-            })  # fmt: skip
-        return batch
+        return batch  # counted where the model meets it (_record_batch): this may be a DataLoader worker
 
     return __call__
 
 
 def _make_text_forward(original):
     def forward(self, *args, **kwargs):
-        mask = kwargs.get("attention_mask")
-        if _state.get("device_mask") and mask is not None and mask.dim() == 2 and mask.dtype == _numbers():
+        if not _state:
+            return original(self, *args, **kwargs)
+        mask, found, numbers = kwargs.get("attention_mask"), None, False
+        if _state["device_mask"] and mask is not None and mask.dim() == 2 and mask.dtype == _numbers():
+            found, numbers = numbered_segments(mask), True
             kwargs["attention_mask"] = block_causal_mask(mask, _state.get("mask_dtype") or _embedding_dtype(self))
-            _cache["held"] = (weakref.ref(kwargs["attention_mask"]), numbered_segments(mask))  # not read again
+            _cache["held"] = (weakref.ref(kwargs["attention_mask"]), found)  # the numbers are not read again
+        elif mask is not None and mask.dim() == 4:
+            found = _segments_of(mask)  # held for the DeltaNet layers, which get the same mask
+        if self.training and _state.pop("awaiting_first_batch", False) and found is None:
+            error = PatchError(NAME, (
+                "the run packs samples, but its first training batch reached the model unpacked (no sample numbers "
+                "and no 4D block mask: none came from LLaMA-Factory's neat packing), so the samples could not be "
+                "told apart"), FIX)  # fmt: skip
+            _state["proof"].update(status="failed", error=str(error))
+            raise error
+        if found is not None:
+            _record_batch(found, numbers)
         return original(self, *args, **kwargs)
 
     return forward
+
+
+def _record_batch(found: Segments, numbers: bool) -> None:
+    """Count a packed batch the model met, and record the first (in the training process: the collator may have run
+    in a DataLoader worker, whose counts and proof writes would never reach it)."""
+    _state["batches"] += 1
+    _state["samples"] += sum(found.samples_per_row())
+    _state["rows"] += found.rows
+    if not _state.get("first_batch"):
+        _state["first_batch"] = True
+        _state["proof"].update(first_packed_batch={
+            "rows": found.rows, "row_length": found.length, "samples_per_row": found.samples_per_row(),
+            "position_ids": "restart at 0 in every sample (checked by the collator on every batch)",
+            "mask": (f"sample numbers ({NUMBERS}); the 4D mask is built on the device" if numbers
+                     else "4D, built by LLaMA-Factory's collator"), "recorded_at": utc_now(),
+        })  # fmt: skip
 
 
 def _numbers():
@@ -650,8 +672,8 @@ def _numbers():
 
 
 def _embedding_dtype(model):
-    """The mask's dtype where this process collated no batch (the collator ran in a DataLoader worker, or another
-    rank collated for this one): the model's compute dtype, which LLaMA-Factory's ``compute_dtype`` is."""
+    """The mask's dtype where this process collated no batch (the collator ran in a DataLoader worker): the model's
+    compute dtype, which LLaMA-Factory's ``compute_dtype`` is."""
     return model.get_input_embeddings().weight.dtype
 
 
@@ -741,15 +763,9 @@ def _remove_attention() -> None:
 
 
 def _before_first_step(trainer, model) -> None:
-    """A run that packs has collated its first batch by now (the loader runs ahead of the step): it must be
-    packed, or the run stops before any sample could see another."""
-    if _state["packing"] and not _state["batches"]:
-        error = PatchError(NAME, (
-            "the run packs samples, but this process collated no packed batch before the first step (none came "
-            "from LLaMA-Factory's neat packing, or the collator ran in a DataLoader worker: dataloader_num_workers "
-            "must be 0), so the samples could not be told apart"), FIX)  # fmt: skip
-        _state["proof"].update(status="failed", error=str(error))
-        raise error
+    """A run that packs must meet a packed row in its first training batch: the text model's forward checks it
+    before any layer runs the batch, so the run stops before any sample could see another."""
+    _state["awaiting_first_batch"] = _state["packing"]
     _state["calls_before_step"] = _state["calls"]
 
 

@@ -7,9 +7,7 @@
 - packing (``packing``/``neat_packing``) keeps the samples of a row apart only for stage ``sft`` (LLaMA-Factory's
   neat packing), with attention through the 4D block mask (not ``flash_attn: fa2``, where LLaMA-Factory 0.9.5
   swaps in its own Qwen3.5 forwards calling FLA directly), and with ``deltanet_routing`` and ``packed_rows`` on
-  (transformers' DeltaNet layers alone run a packed row as one sequence), and with the collator in the training
-  process (``dataloader_num_workers: 0``: ``packed_rows`` checks and counts the packed batches there; in a
-  DataLoader worker the count never reaches the training process and the first step stops the run);
+  (transformers' DeltaNet layers alone run a packed row as one sequence);
 - ``fsdp2_frozen_dtype.trainable_units: shared`` under ``distribution: fsdp2`` needs torch >= 2.8 (the installed
   torch is asked; a check made for another machine passes ``torch_version=None`` and skips this rule).
 """
@@ -75,13 +73,6 @@ def packing_problems(patches: dict[str, dict[str, Any]], lf: dict[str, Any]) -> 
                 f"{shown} needs launcher.patches.{name}: without it transformers' DeltaNet layers run a packed "
                 "row as one sequence (the convolution and the recurrent state flow from one sample into the "
                 f"next); enable {name}, or turn packing off")))  # fmt: skip
-    workers = lf.get("dataloader_num_workers")  # not a whole number: LLaMA-Factory's parser says so
-    if isinstance(workers, int) and workers > 0 and patches.get("packed_rows", {}).get("enabled"):
-        problems.append(("dataloader_num_workers", (
-            f"dataloader_num_workers: {workers} with {shown}: launcher.patches.packed_rows checks and counts every "
-            "packed batch in the collator, which then runs in DataLoader workers, so the training process counts "
-            "none and its first step stops the run; set dataloader_num_workers: 0 (the packed rows' 4D mask is "
-            "built on the device, launcher.patches.packed_rows.device_mask), or turn packing off")))  # fmt: skip
     if stage == "sft":
         problems += _dummy_image_problems(patches, lf, shown)
     return problems

@@ -175,17 +175,31 @@ def test_a_planted_leak_fails_the_comparison(tmp_path, demo_assets, monkeypatch,
 @pytest.mark.usefixtures("restore_patches")
 def test_a_packed_row_that_cannot_be_split_stops_the_run(tmp_path, demo_assets):
     """A mask shorter than the row (LLaMA-Factory's dummy image appended to a packed batch), a packed row with a
-    cache, and a packing run whose first batch is not packed: each stops with the reason."""
+    cache, and a packing run whose first training batch reaches the model unpacked (before any layer runs it): each
+    stops with the reason. A packed first batch, or an unpacked batch outside training, passes."""
     import torch
     from transformers import DynamicCache
 
     from patches.errors import PatchError
 
     patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path, facts={"packing": True})
-    with pytest.raises(PatchError, match="collated no packed batch before the first step"):
-        packed_rows._before_first_step(None, None)
     model = packing_model(demo_assets["model"])
     row = packed_row(samples(model.config.text_config.vocab_size))
+    unpacked = {**row, "attention_mask": torch.ones(1, ROW, dtype=torch.long), "labels": None}
+    calls = packed_rows._state["calls"]
+    with torch.no_grad():
+        model.eval()
+        model(**unpacked)  # not a training batch: nothing checked
+        model.train()
+        packed_rows._before_first_step(None, model)
+        with pytest.raises(PatchError, match="first training batch reached the model unpacked"):
+            model(**unpacked)
+    assert packed_rows._state["calls"] == calls  # stopped before any DeltaNet layer ran the row
+    assert read_proof(tmp_path, "packed_rows")["status"] == "failed"
+    packed_rows._before_first_step(None, model)
+    with torch.no_grad():
+        model(**{**row, "labels": None})  # the first training batch packed: it runs
+    assert packed_rows._state["calls"] > calls and packed_rows._state["batches"] == 1
     with torch.no_grad(), pytest.raises(PatchError, match="mask covers 64 positions but the row has 72 tokens"):
         model(**{**row, "input_ids": torch.nn.functional.pad(row["input_ids"], (0, 8)), "labels": None,
                  "position_ids": torch.nn.functional.pad(row["position_ids"], (0, 8))})  # fmt: skip
@@ -301,7 +315,9 @@ def test_sample_numbers_from_the_collator_become_the_block_mask_on_the_device(tm
     loss_4d, grads_4d = summed_loss(model, row)
     calls = packed_rows._state["calls"]
     loss_numbers, grads_numbers = summed_loss(model, {**row, "attention_mask": numbered})
-    assert packed_rows._state["calls"] > calls
+    assert packed_rows._state["calls"] > calls and packed_rows._state["batches"] == 2  # the 4D row, then these
+    first = read_proof(tmp_path, "packed_rows")["first_packed_batch"]
+    assert first["samples_per_row"] == [3] and first["mask"].startswith("4D")
     assert loss_numbers == loss_4d
     for name, grad in grads_4d.items():
         torch.testing.assert_close(grads_numbers[name], grad, rtol=0, atol=0)
@@ -316,8 +332,9 @@ def test_sample_numbers_from_the_collator_become_the_block_mask_on_the_device(tm
 def test_the_collator_keeps_the_sample_numbers_and_restores_its_own_setting(tmp_path):
     """The collator wrapper around a stand-in for LLaMA-Factory's ``SFTDataCollatorWith4DAttentionMask.__call__``
     (its 4D step as 0.9.5 writes it, on ``block_diag_attn``; the real collator runs in the slow launcher test):
-    with ``device_mask`` two padded rows arrive as int32 numbers, their samples counted and recorded, and
-    ``block_diag_attn`` is what it was, also when the collator raises; with ``device_mask: false`` the 4D mask."""
+    with ``device_mask`` two padded rows arrive as int32 numbers and ``block_diag_attn`` is what it was, also when
+    the collator raises; with ``device_mask: false`` the 4D mask. The wrapper counts and records nothing (it may run
+    in a DataLoader worker): the text model does, where it meets the batch (the sample-numbers test above)."""
     import types
 
     import torch
@@ -347,9 +364,8 @@ def test_the_collator_keeps_the_sample_numbers_and_restores_its_own_setting(tmp_
             assert packed_rows._state["mask_dtype"] == torch.bfloat16
         else:
             assert torch.equal(mask, prepare_4d_attention_mask(numbered, torch.bfloat16))
-        assert collator.block_diag_attn is True and packed_rows._state["samples"] == 3
-        first = read_proof(tmp_path / str(device_mask), "packed_rows")["first_packed_batch"]
-        assert first["samples_per_row"] == [2, 1] and first["mask"].startswith("sample" if device_mask else "4D")
+        assert collator.block_diag_attn is True and packed_rows._state["batches"] == 0
+        assert "first_packed_batch" not in read_proof(tmp_path / str(device_mask), "packed_rows")
         with pytest.raises(ValueError, match="a broken batch"):
             wrapped(collator, "fail")
         assert collator.block_diag_attn is True
@@ -626,18 +642,23 @@ def test_the_segment_convolution_equals_the_convolution_of_each_sample_alone():
 
 
 @pytest.mark.slow
-def test_packing_trains_through_the_launcher_with_the_packed_path_proven(tmp_path, demo_assets):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_packing_trains_through_the_launcher_with_the_packed_path_proven(tmp_path, demo_assets, workers):
     """``packing: true`` through ``launcher run`` and real LLaMA-Factory 0.9.5 on CPU: the launcher turns it into
-    neat packing, the collator's position ids restart per sample, the DeltaNet layers run the packed path."""
+    neat packing, the collator's position ids restart per sample, the DeltaNet layers run the packed path; also
+    with the collator in a DataLoader worker (``dataloader_num_workers: 1``), where the training process counts
+    and records the packed batches the model meets."""
     import yaml
 
     from tests.support.common import launcher_cmd, make_config, only_run_dir
 
-    cfg = make_config(tmp_path, demo_assets, packing=True, max_steps=2, save_strategy="no", eval_steps=2)
+    cfg = make_config(tmp_path, demo_assets, packing=True, max_steps=2, save_strategy="no", eval_steps=2,
+                      dataloader_num_workers=workers)  # fmt: skip
     proc = launcher_cmd("run", cfg, "--quiet")
     run_dir = only_run_dir(tmp_path / "runs")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert yaml.safe_load((run_dir / "llamafactory.yaml").read_text())["neat_packing"] is True
+    written = yaml.safe_load((run_dir / "llamafactory.yaml").read_text())
+    assert written["neat_packing"] is True and written["dataloader_num_workers"] == workers
     record = read_proof(run_dir / "proof", "packed_rows")
     assert record["status"] == "applied" and record["packing"] is True
     batch, call, step = record["first_packed_batch"], record["first_packed_call"], record["first_training_step"]
