@@ -7,7 +7,9 @@
 - packing (``packing``/``neat_packing``) keeps the samples of a row apart only for stage ``sft`` (LLaMA-Factory's
   neat packing), with attention through the 4D block mask (not ``flash_attn: fa2``, where LLaMA-Factory 0.9.5
   swaps in its own Qwen3.5 forwards calling FLA directly), and with ``deltanet_routing`` and ``packed_rows`` on
-  (transformers' DeltaNet layers alone run a packed row as one sequence);
+  (transformers' DeltaNet layers alone run a packed row as one sequence), and not with
+  ``include_num_input_tokens_seen: non_padding`` (the Trainer sums the attention mask, which on a packed row holds
+  LLaMA-Factory's sample numbers or its 4D mask, not ones: the count of tokens seen would be wrong);
 - ``fsdp2_frozen_dtype.trainable_units: shared`` under ``distribution: fsdp2`` needs torch >= 2.8 (the installed
   torch is asked; a check made for another machine passes ``torch_version=None`` and skips this rule).
 """
@@ -73,6 +75,13 @@ def packing_problems(patches: dict[str, dict[str, Any]], lf: dict[str, Any]) -> 
                 f"{shown} needs launcher.patches.{name}: without it transformers' DeltaNet layers run a packed "
                 "row as one sequence (the convolution and the recurrent state flow from one sample into the "
                 f"next); enable {name}, or turn packing off")))  # fmt: skip
+    if lf.get("include_num_input_tokens_seen") == "non_padding":
+        problems.append(("include_num_input_tokens_seen", (
+            f"include_num_input_tokens_seen: non_padding with {shown}: the Trainer counts the tokens seen by summing "
+            "the attention mask, which on a packed row holds LLaMA-Factory's sample numbers (1, 2, 3 ... per "
+            "sample) or its 4D mask, not ones, so the total_tokens and throughput of trainer_log.jsonl would be "
+            "wrong; use include_num_input_tokens_seen: all (each packed row counts its full length, padding "
+            "included), or turn packing off")))  # fmt: skip
     if stage == "sft":
         problems += _dummy_image_problems(patches, lf, shown)
     return problems

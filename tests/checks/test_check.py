@@ -440,9 +440,11 @@ def test_logs_show_the_supervisors_own_output_when_the_job_never_started(tmp_pat
         ({"patches": {"packed_rows": False}}, {"packing": True}, "neat_packing: true needs "
          "launcher.patches.packed_rows: without it transformers' DeltaNet layers run a packed row as one sequence"),
         ({"patches": {"deltanet_routing": False}}, {"packing": True}, "needs launcher.patches.deltanet_routing"),
+        ({}, {"packing": True, "include_num_input_tokens_seen": "non_padding"}, "include_num_input_tokens_seen: "
+         "non_padding with neat_packing: true: the Trainer counts the tokens seen by summing the attention mask"),
     ],
     ids=["accuracy-needs-logits", "label-smoothing", "budget-on-cpu",
-         "packing-without-the-patch", "packing-without-routing"],
+         "packing-without-the-patch", "packing-without-routing", "packing-counting-the-mask"],
 )  # fmt: skip
 def test_patch_options_that_cannot_work_are_refused_naming_the_key(tmp_path, demo_assets, launcher, lf, expected):
     cfg = make_config(tmp_path, demo_assets, launcher={"backend": "cpu", **launcher}, **lf)
