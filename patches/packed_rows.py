@@ -113,7 +113,7 @@ FIX = "turn packing off (packing: false, neat_packing: false), or report the LLa
 
 
 class Options(BaseModel):
-    """``launcher.patches.packed_rows``: no options besides ``enabled``."""
+    """``launcher.patches.packed_rows``: ``enabled``, ``varlen_attention``, ``device_mask``."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     enabled: bool = True
@@ -650,8 +650,9 @@ def _make_text_forward(original):
 
 
 def _record_batch(found: Segments, numbers: bool) -> None:
-    """Count a packed batch the model met, and record the first (in the training process: the collator may have run
-    in a DataLoader worker, whose counts and proof writes would never reach it)."""
+    """Count a packed batch the model met, and record the first, in the training process: the collator may have run
+    in a DataLoader worker, whose counts never reach the training process and which writes no proof
+    (``patches.proof``)."""
     _state["batches"] += 1
     _state["samples"] += sum(found.samples_per_row())
     _state["rows"] += found.rows
@@ -672,8 +673,8 @@ def _numbers():
 
 
 def _embedding_dtype(model):
-    """The mask's dtype where this process collated no batch (the collator ran in a DataLoader worker): the model's
-    compute dtype, which LLaMA-Factory's ``compute_dtype`` is."""
+    """The mask's dtype where neither this process's collator nor the Trainer's said it (a forward outside a
+    training run): the model's compute dtype, which LLaMA-Factory's ``compute_dtype`` is."""
     return model.get_input_embeddings().weight.dtype
 
 
@@ -767,6 +768,8 @@ def _before_first_step(trainer, model) -> None:
     before any layer runs the batch, so the run stops before any sample could see another."""
     _state["awaiting_first_batch"] = _state["packing"]
     _state["calls_before_step"] = _state["calls"]
+    if not _state.get("mask_dtype"):  # the collator ran in DataLoader workers: its dtype, not the embeddings'
+        _state["mask_dtype"] = getattr(getattr(trainer, "data_collator", None), "compute_dtype", None)
 
 
 def _after_first_step(trainer, model) -> None:

@@ -4,13 +4,16 @@ Every write goes to a temporary file in the same folder, is fsynced, and replace
 ``os.replace``, so a reader (``launcher status`` on the host) never sees half a file; a write the disk refuses is a
 warning (``launcher.files.write_json_or_warn``), and the next one writes the whole record again. A record starts when
 the patch is applied (or found disabled) and later facts, such as the first kernel call or the first training step,
-are merged into it by the same process. Each rank writes only its own folder, so ranks never race.
+are merged into it by the same process. Each rank writes only its own folder, so ranks never race. A DataLoader
+worker (``dataloader_num_workers > 0``: a fork of the rank, where LLaMA-Factory's collator runs) writes nothing: its
+copy of a record is the rank's as it was at the fork, and writing it would undo what the rank merged since.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -69,6 +72,8 @@ class ProofFile:
         self.refused: dict[str, Any] | None = None  # the last write the disk refused (files.disk_error)
 
     def _write(self) -> None:
+        if in_loader_worker():
+            return
         self.refused = files.write_json_or_warn(self.path, self.record, f"the proof of patch {self.patch}")
 
     def start(self, record: dict[str, Any]) -> None:
@@ -89,6 +94,12 @@ class ProofFile:
         """Merge ``fields`` into the top level of the record."""
         self.record = {**(self.record if self.record is not None else self.read()), **fields, "updated_at": utc_now()}
         self._write()
+
+
+def in_loader_worker() -> bool:
+    """Whether this process is a torch DataLoader worker (never true where torch's data module is not loaded)."""
+    data = sys.modules.get("torch.utils.data")
+    return data is not None and data.get_worker_info() is not None
 
 
 def proof_path(proof_dir: Path, patch: str, rank: int) -> Path:

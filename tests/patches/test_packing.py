@@ -329,6 +329,23 @@ def test_sample_numbers_from_the_collator_become_the_block_mask_on_the_device(tm
 
 
 @pytest.mark.usefixtures("restore_patches")
+def test_the_first_step_takes_the_mask_dtype_from_the_trainers_collator_when_workers_collated(tmp_path):
+    """With DataLoader workers this process's collator never ran, so the first step reads LLaMA-Factory's
+    ``compute_dtype`` off the Trainer's collator; a dtype this process's collator recorded is kept."""
+    import types
+
+    import torch
+
+    trainer = types.SimpleNamespace(data_collator=types.SimpleNamespace(compute_dtype=torch.bfloat16))
+    patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path, facts={"packing": True})
+    packed_rows._before_first_step(trainer, None)
+    assert packed_rows._state["mask_dtype"] == torch.bfloat16
+    packed_rows._state["mask_dtype"] = torch.float16
+    packed_rows._before_first_step(trainer, None)
+    assert packed_rows._state["mask_dtype"] == torch.float16
+
+
+@pytest.mark.usefixtures("restore_patches")
 def test_the_collator_keeps_the_sample_numbers_and_restores_its_own_setting(tmp_path):
     """The collator wrapper around a stand-in for LLaMA-Factory's ``SFTDataCollatorWith4DAttentionMask.__call__``
     (its 4D step as 0.9.5 writes it, on ``block_diag_attn``; the real collator runs in the slow launcher test):
