@@ -15,7 +15,8 @@ of them profiled), ``spread-packed`` (the spread's samples with ``packing: true`
 several samples each; the packing issue's target is 1.5x the supervised tokens/s of ``spread``),
 ``spread-packed-profile`` (``spread-packed`` through ``launcher profile``, like ``profile``),
 ``spread-packed-cpu-mask`` (``spread-packed`` with ``packed_rows.device_mask: false``: LLaMA-Factory's 4D mask
-built on the CPU, the packed row before that option), ``short`` and
+built on the CPU, the packed row before that option), ``spread-packed-workers`` and ``on-workers`` (the batches
+collated in 2 DataLoader workers instead of the training process), ``short`` and
 ``short-packed`` (the same pair with samples of about 500 to 2,048 tokens).
 
 1. ``DIR/model``: a config-only folder of the Qwen3.5-27B shape (``--shape 27b``; ``tiny`` for a CPU run of
@@ -98,6 +99,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "lf": {"packing": True},
         "patches": {"packed_rows": {"device_mask": False}},
     },
+    # spread-packed and on with the batches collated in 2 DataLoader workers, off the training process
+    "spread-packed-workers": {"data": "spread", "steps": 24, "lf": {"packing": True, "dataloader_num_workers": 2}},
+    "on-workers": {"lf": {"dataloader_num_workers": 2}},
     # shorter samples (about 500 to 2,048 tokens): where several share a row
     "short": {"data": "short", "steps": 32},
     "short-packed": {"data": "short", "steps": 24, "lf": {"packing": True}},
