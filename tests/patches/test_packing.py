@@ -239,7 +239,7 @@ def test_packed_attention_through_a_varlen_kernel_keeps_samples_apart_and_its_ch
         calls.append(kernel)
         return attention_per_segment(query, key, value, found, scaling)
 
-    monkeypatch.setattr(packed_rows, "varlen_kernel", lambda query, scaling, dropout, **_: "stand-in varlen")
+    monkeypatch.setattr(packed_rows, "varlen_kernel", lambda query, scaling, dropout: "stand-in varlen")
     monkeypatch.setattr(packed_rows, "varlen_attention", stand_in)
     patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)
     model = packing_model(demo_assets["model"])
