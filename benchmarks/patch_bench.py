@@ -2,6 +2,7 @@
 
     python -m benchmarks.patch_bench --out DIR [--steps 6] [--all-steps N] [--variants on,off,...]
                                      [--shape 27b|tiny] [--backend cuda|cpu] [--kernel-check first|each|none]
+                                     [--rounds R]
 
 Variants (``VARIANTS``, run in the order given): ``on`` (the product's defaults), ``off`` (every patch off:
 LLaMA-Factory 0.9.5's own behaviour), ``budget120`` (``checkpoint_all_layers.memory_budget_gib: 120``),
@@ -43,7 +44,10 @@ collated in 2 DataLoader workers instead of the training process), ``short`` and
    LLaMA-Factory's own throughput, peak allocated memory, which kernel ran (proof records), how layers were
    checkpointed in the first step, and the kernel check of the rank process (with each case's seconds as it ran,
    ``kernel_check_progress``, and for a run that did not succeed the end of its job log, Triton's reproducer
-   dumps folded); then the targets (docs/benchmarks.md) are compared.
+   dumps folded); then the targets (docs/benchmarks.md) are compared. With ``--rounds R`` the list runs R times in
+   turn, round R's runs keyed ``VARIANT#R``; a packed variant's target (``spread-packed-row``: its median step
+   period and forward+backward against ``on``'s, with a 95 % bootstrap interval of the difference) pools the
+   rounds.
    ``profile`` adds the run's ``profile.json`` (``launcher/results/profile_report.py``) and ``profile.md``, which
    is also copied to ``DIR/profile.md``; the traces stay in the run directory (their paths are in the results).
 """
@@ -133,6 +137,10 @@ TARGETS: dict[str, dict[str, float]] = {
     "ctx64k": {"peak_max": 125.0},
 }
 PACKING_GAIN_MIN = 1.5  # supervised tokens/s of spread-packed over spread (the packing issue)
+# the fused-glue issue's last target, a packed 4,096-token row no slower than an unpacked 4,096-token step: packed
+# variant -> the unpacked one it is held against (same collation: in the training process, or in workers)
+PACKED_ROW_PAIRS = {"spread-packed": "on", "spread-packed-workers": "on-workers"}
+BOOTSTRAP_DRAWS = 2000  # resamples of each side's measured steps for the interval of a difference of medians
 # the routed chunk kernel (and its packed call with the key heads unrepeated, as packed rows make it) and the fused
 # glue, in the rank, with FLA's guard lifted as for training
 KERNEL_CASES = {
@@ -336,6 +344,7 @@ def summarize(run_dir: Path, warmup: int) -> dict[str, Any]:
             seq_lens=sorted({s.get("seq_len") for s in steps}),
             tokens_per_step=sorted({s.get("tokens") for s in steps}),
             step_seconds=[s["seconds"] for s in steps],
+            step_periods=[s.get("period_s") for s in steps],
             step_seq_lens=[s.get("seq_len") for s in steps],
             median_fwd_bwd_s=round(median_s, 4),
             tokens_per_s=round(tokens / median_s, 1) if median_s else None,
@@ -481,12 +490,62 @@ def targets(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
             row["other_compute_s"] = {"value": other, "limit": target["other_compute_max_s"],
                                       "met": other is not None and other <= target["other_compute_max_s"]}  # fmt: skip
         found[name] = row
+    for packed, unpacked in PACKED_ROW_PAIRS.items():
+        row = packed_row_target(variants, packed, unpacked)
+        if row:
+            found[f"{packed}-row"] = row
     for name in ("spread", "short"):
         packed, unpacked = variants.get(f"{name}-packed"), variants.get(name)
         if packed and unpacked:
             keys = ("supervised_tokens_per_s", "supervised_tokens_per_s_minus_compile")
             found[f"{name}-packed"] = {key: _gain(packed.get(key), unpacked.get(key), PACKING_GAIN_MIN) for key in keys}
     return found
+
+
+def round_key(variant: str, round_: int) -> str:
+    """A variant's key in ``results["variants"]``: its name in the first round, ``name#R`` in round ``R``."""
+    return variant if round_ == 1 else f"{variant}#{round_}"
+
+
+def measured_steps(variants: dict[str, dict[str, Any]], variant: str, key: str) -> list[float]:
+    """``key`` (``step_seconds`` or ``step_periods``) of every step after the warm-up, over every round of
+    ``variant`` that succeeded."""
+    found: list[float] = []
+    for name, v in variants.items():
+        if name.split("#")[0] == variant and v.get("state") == "SUCCEEDED":
+            found += [x for x in (v.get(key) or [])[v.get("warmup_steps", 0) :] if x]
+    return found
+
+
+def median_difference(a: list[float], b: list[float], draws: int = BOOTSTRAP_DRAWS) -> dict[str, Any]:
+    """median(a) - median(b) in seconds, with a 95 % bootstrap interval (each side's steps resampled; seeded, so a
+    results file is reproducible from its steps). The interval speaks of the noise between steps of these runs
+    only, not of the machine's drift from one invocation to the next."""
+    import random
+
+    rng = random.Random(0)
+    spread = sorted(statistics.median(rng.choices(a, k=len(a))) - statistics.median(rng.choices(b, k=len(b)))
+                    for _ in range(draws))  # fmt: skip
+    return {"difference_s": round(statistics.median(a) - statistics.median(b), 4),
+            "ci95_s": [round(spread[int(0.025 * draws)], 4), round(spread[int(0.975 * draws) - 1], 4)],
+            "steps": [len(a), len(b)]}  # fmt: skip
+
+
+def packed_row_target(variants: dict[str, dict[str, Any]], packed: str, unpacked: str) -> dict[str, Any] | None:
+    """The packed rows of ``packed`` against the unpacked steps of ``unpacked`` (every round pooled): forward+backward
+    and the step period (which adds the collation and everything else between two steps). Met when the packed
+    median period is no longer than the unpacked one; ``resolved`` when the 95 % interval lies on one side of 0."""
+    rows: dict[str, Any] = {}
+    for key, label in (("step_seconds", "fwd_bwd"), ("step_periods", "period")):
+        a, b = measured_steps(variants, packed, key), measured_steps(variants, unpacked, key)
+        if len(a) >= 2 and len(b) >= 2:
+            rows[label] = {"packed_s": round(statistics.median(a), 4), "unpacked_s": round(statistics.median(b), 4),
+                           **median_difference(a, b)}  # fmt: skip
+    if "period" not in rows:
+        return None
+    period = rows["period"]
+    low, high = period["ci95_s"]
+    return {**rows, "against": unpacked, "met": period["difference_s"] <= 0, "resolved": high < 0 or low > 0}
 
 
 def _gain(packed: float | None, unpacked: float | None, least: float) -> dict[str, Any]:
@@ -546,6 +605,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="default: cuda for 27b, cpu for tiny")  # fmt: skip
     parser.add_argument("--samples", type=int, default=8, help="dataset samples (default 8)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per variant before a graceful stop")
+    rounds = ("run the --variants list this many times in turn (default 1; for example --variants on,spread-packed "
+              "--rounds 3 alternates them, so that the card's warming shows in both); round R's results are keyed "
+              "VARIANT#R, and the packed-row target pools them")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=1, help=rounds)
     parser.add_argument("--kernel-check", choices=("first", "each", "none"), default="first",
                         help="which variants' ranks run the kernel-check cases (KERNEL_CASES) before training: "
                              "the first (default: every variant routes its kernels as auto, so the first rank's "
@@ -559,6 +622,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    if ns.rounds < 1:
+        parser.error(f"--rounds is {ns.rounds}; give at least 1")
     if ns.all_steps is not None and ns.all_steps < 1:
         parser.error(f"--all-steps is {ns.all_steps}; give at least 1, or leave it out for each variant's own count")
     steps = {v: steps_of(v, ns.steps, ns.all_steps) for v in variants}
@@ -580,27 +645,28 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     checked = {"first": range(1), "each": range(len(variants)), "none": range(0)}[ns.kernel_check]
     results["kernel_check_in"] = [variants[i] for i in checked]  # by position: --variants on,on checks the first
-    for position, variant in enumerate(variants):
+    for round_, position, variant in [(r, p, v) for r in range(1, ns.rounds + 1) for p, v in enumerate(variants)]:
+        key = round_key(variant, round_)
         config = run_config(out, variant, ns.shape, backend, steps[variant])
         path = out / "configs" / f"{variant}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         args = launcher_args(variant, path, config["max_steps"], ns.warmup)
-        print(f"[patch_bench] {variant}: python -m launcher {' '.join(args)}", flush=True)
+        print(f"[patch_bench] {key}: python -m launcher {' '.join(args)}", flush=True)
         skip = VARIANTS[variant].get("preflight_skip")
         run_env = {**env, "LAUNCHER_PREFLIGHT_SKIP": f"{PREFLIGHT_SKIP},{skip}"} if skip else env
-        if position not in checked:
+        if round_ > 1 or position not in checked:
             run_env = {**run_env, bench_entry.KERNEL_CASES_ENV: "none"}
         forecast = forecast_of(path)
-        run = run_variant(args, run_env, ns.timeout, out / "logs" / f"{variant}.supervisor.log")
+        run = run_variant(args, run_env, ns.timeout, out / "logs" / f"{key}.supervisor.log")
         profiled = VARIANTS[variant].get("profile")
         run_dir = _newest_run(out / "runs", config["launcher"]["run_name"] + ("-profile" if profiled else ""))
         summary = summarize(run_dir, ns.warmup) if run_dir else {"state": None, "reason": "no run directory"}
         if run_dir and profiled:
             summary["profile"] = profile_summary(run_dir, out)
         if run_dir and (run_dir / "launcher.log").exists():
-            shutil.copyfile(run_dir / "launcher.log", out / "logs" / f"{variant}.job.log")
-        results["variants"][variant] = {**run, **summary, "forecast": forecast}
-        print(f"[patch_bench] {variant}: {_one_line(results['variants'][variant])}", flush=True)
+            shutil.copyfile(run_dir / "launcher.log", out / "logs" / f"{key}.job.log")
+        results["variants"][key] = {**run, **summary, "forecast": forecast}
+        print(f"[patch_bench] {key}: {_one_line(results['variants'][key])}", flush=True)
         (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     if ns.shape == "27b":
         results["targets"] = targets(results["variants"])

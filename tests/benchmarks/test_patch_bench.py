@@ -186,6 +186,34 @@ def test_targets_compare_with_the_documented_ones():
     assert "ctx32k" not in found
 
 
+def test_the_packed_row_target_pools_the_rounds_after_the_warm_up_and_says_whether_the_noise_decides_it():
+    """A packed variant against its unpacked pair: every succeeded round's steps after the warm-up pooled, the
+    difference of the medians of the period (the target) and of forward+backward, with a seeded bootstrap interval."""
+
+    def run(seconds, periods, state="SUCCEEDED"):
+        return {"state": state, "warmup_steps": 1, "step_seconds": [9.0, *seconds], "step_periods": [9.5, *periods]}
+
+    variants = {
+        "on": run([1.20, 1.21, 1.19], [1.25, 1.26, 1.24]),
+        "spread-packed": run([1.18, 1.19, 1.17], [1.22, 1.23, 1.21]),
+        "on#2": run([5.0, 5.0], [5.0, 5.0], state="TERMINATED"),  # a round that did not succeed: left out
+        "spread-packed#2": run([1.185, 1.175, 1.18], [1.225, 1.215, 1.22]),
+    }
+    row = patch_bench.targets(variants)["spread-packed-row"]
+    assert row["against"] == "on" and row["met"] and row["resolved"]
+    assert row["period"]["steps"] == [6, 3] and row["period"]["unpacked_s"] == 1.25
+    assert row["period"]["difference_s"] == pytest.approx(1.22 - 1.25)
+    assert row["fwd_bwd"]["difference_s"] == pytest.approx(1.18 - 1.20)
+    low, high = row["period"]["ci95_s"]
+    assert low <= row["period"]["difference_s"] <= high < 0
+    assert patch_bench.targets(variants) == patch_bench.targets(variants)  # seeded: the same file, the same interval
+    variants["spread-packed"] = run([1.18, 1.22, 1.21], [1.20, 1.27, 1.26])  # straddles the unpacked steps
+    variants["spread-packed#2"] = run([1.2], [1.24])
+    row = patch_bench.targets(variants)["spread-packed-row"]
+    assert not row["resolved"] and row["period"]["ci95_s"][0] < 0 < row["period"]["ci95_s"][1]
+    assert "spread-packed-workers-row" not in row and "spread-packed-workers-row" not in patch_bench.targets(variants)
+
+
 def run_tiny_bench(out, *args: str) -> dict:
     """``patch_bench`` with the tiny shape on the CPU; its results, once it exited 0."""
     code = patch_bench.main(["--out", str(out), "--shape", "tiny", "--samples", "3", "--timeout", "600", *args])
@@ -278,6 +306,20 @@ def test_tiny_benchmark_runs_both_variants_through_launcher_run(tmp_path):
     linear = off["proof"]["checkpoint_all_layers"]["by_layer_type"]["linear_attention"]
     assert linear["observed"] == {"not_checkpointed": 3}  # LLaMA-Factory's own rule: frozen layers run plain
     assert (out / "logs" / "on.job.log").is_file() and results["preflight_skipped"] == patch_bench.PREFLIGHT_SKIP
+
+
+@pytest.mark.slow
+def test_rounds_run_the_variant_list_again_under_their_own_keys_with_the_kernel_check_once(tmp_path):
+    out = tmp_path / "bench"
+    results = run_tiny_bench(out, "--variants", "on", "--rounds", "2", "--steps", "3", "--warmup", "1")
+    assert sorted(results["variants"]) == ["on", "on#2"] and results["kernel_check_in"] == ["on"]
+    first, second = results["variants"]["on"], results["variants"]["on#2"]
+    assert first["kernel_check"]["ok"] and second["kernel_check"] is None
+    assert first["run_dir"] != second["run_dir"]
+    for variant in (first, second):
+        assert variant["state"] == "SUCCEEDED" and variant["steps_recorded"] == 3
+        assert len(variant["step_periods"]) == 3 and variant["median_period_s"] > 0
+    assert (out / "logs" / "on.job.log").is_file() and (out / "logs" / "on#2.job.log").is_file()
 
 
 def test_profile_variant_runs_launcher_profile_on_the_on_config(tmp_path):
