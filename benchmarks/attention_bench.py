@@ -1,7 +1,7 @@
 """The full-attention kernels of a packed row against the unpacked step's, at the 27B shape, on one CUDA device.
 
     python -m benchmarks.attention_bench --out DIR [--tokens 4096] [--samples 1200,1700,1100] [--repeats 20]
-                                         [--routes sdpa,sdpa-flash,sdpa-cudnn,varlen,masked]
+                                         [--routes sdpa,sdpa-flash,sdpa-cudnn,varlen,aten-flash,aten-cudnn,masked]
 
 One layer's attention (24 query heads, 4 key heads, head dim 256, bf16: Qwen3.5-27B, docs/upstream.md) on one
 row of ``--tokens`` tokens, forward and backward, for every route of ``--routes``:
@@ -12,6 +12,7 @@ row of ``--tokens`` tokens, forward and backward, for every route of ``--routes`
 - ``varlen``: a packed row (the samples of ``--samples``, padding up to ``--tokens``) through the product's CUDA
   route (``patches.packed_rows.varlen_attention``): ``TORCH_VARLEN`` (``torch.nn.attention.varlen.varlen_attn``,
   FlashAttention 2 with the row's ``cu_seqlens``);
+- ``aten-flash`` and ``aten-cudnn``: the packed row through torch's own varlen operators (``aten_call``);
 - ``masked``: SDPA with the 4D block-diagonal mask (the packed row's route where no varlen kernel is).
 
 Per route: the first forward+backward timed alone (``first_call_ms``: with the graphs cuDNN builds for shapes new
@@ -38,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROUTES = ("sdpa", "sdpa-flash", "sdpa-cudnn", "varlen", "masked")
+ROUTES = ("sdpa", "sdpa-flash", "sdpa-cudnn", "varlen", "aten-flash", "aten-cudnn", "masked")
 HEADS, KEY_HEADS, HEAD_DIM = 24, 4, 256  # Qwen3.5-27B full attention (benchmarks.bench_assets.QWEN3_5_27B)
 
 
@@ -88,7 +89,29 @@ def route_call(torch, route: str, mask4d):
     found = packed_rows.segments(mask4d)
     if route == "masked":
         return lambda q, k, v: sdpa(q, k, v, attn_mask=mask4d, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+    if route.startswith("aten"):
+        return aten_call(torch, route, found, scale)
     return lambda q, k, v: packed_rows.varlen_attention(packed_rows.TORCH_VARLEN, q, k, v, found, scale)[0]
+
+
+def aten_call(torch, route: str, found, scale: float):
+    """The packed row through torch's own varlen operators, as candidates for the product's CUDA route: ``aten-flash``
+    (``aten._flash_attention_forward`` with the row's ``cu_seqlens``: FlashAttention 2, key heads shared natively;
+    in torch since before 2.7) and ``aten-cudnn`` (``aten._cudnn_attention_forward`` with the same ``cu_seqlens``:
+    cuDNN's ragged attention, key heads repeated; its backward in torch 2.11 but not 2.7)."""
+    cu, _ = found.cu_seqlens_tensors("cuda", torch.int32)
+    longest = found.longest()
+
+    def call(q, k, v):
+        q3, k3, v3 = (t[0].transpose(0, 1) for t in (q, k, v))  # [T, H, D], a view
+        if route == "aten-flash":
+            return torch.ops.aten._flash_attention_forward(q3, k3, v3, cu, cu, longest, longest, 0.0, True, False,
+                                                           scale=scale)[0]  # fmt: skip
+        k3, v3 = (t.repeat_interleave(HEADS // KEY_HEADS, dim=1) for t in (k3, v3))
+        return torch.ops.aten._cudnn_attention_forward(q3, k3, v3, None, cu, cu, longest, longest, True, 0.0, True,
+                                                       False, scale=scale)[0]  # fmt: skip
+
+    return call
 
 
 def reference(torch, q, k, v, numbered) -> Any:
