@@ -95,18 +95,19 @@ def route_call(torch, route: str, mask4d):
 
 
 def aten_call(torch, route: str, found, scale: float):
-    """The packed row through torch's own varlen operators, as candidates for the product's CUDA route: ``aten-flash``
-    (``aten._flash_attention_forward`` with the row's ``cu_seqlens``: FlashAttention 2, key heads shared natively;
-    in torch since before 2.7) and ``aten-cudnn`` (``aten._cudnn_attention_forward`` with the same ``cu_seqlens``:
-    cuDNN's ragged attention, key heads repeated; its backward in torch 2.11 but not 2.7)."""
+    """The packed row through torch's own varlen operators: ``aten-flash`` (``packed_rows.ATEN_FLASH``, the product's
+    route where torch has no ``varlen_attn``: ``aten._flash_attention_forward`` with the row's ``cu_seqlens``,
+    FlashAttention 2, key heads shared) and ``aten-cudnn``, a candidate (``aten._cudnn_attention_forward`` with the
+    same ``cu_seqlens``: cuDNN's ragged attention, key heads repeated; its backward is in torch 2.11, not in 2.7.1)."""
+    from patches import packed_rows
+
     cu, _ = found.cu_seqlens_tensors("cuda", torch.int32)
     longest = found.longest()
 
     def call(q, k, v):
+        if route == "aten-flash":  # the product's route where torch has no varlen_attn
+            return packed_rows.varlen_attention(packed_rows.ATEN_FLASH, q, k, v, found, scale)[0]
         q3, k3, v3 = (t[0].transpose(0, 1) for t in (q, k, v))  # [T, H, D], a view
-        if route == "aten-flash":
-            return torch.ops.aten._flash_attention_forward(q3, k3, v3, cu, cu, longest, longest, 0.0, True, False,
-                                                           scale=scale)[0]  # fmt: skip
         k3, v3 = (t.repeat_interleave(HEADS // KEY_HEADS, dim=1) for t in (k3, v3))
         return torch.ops.aten._cudnn_attention_forward(q3, k3, v3, None, cu, cu, longest, longest, True, 0.0, True,
                                                        False, scale=scale)[0]  # fmt: skip

@@ -33,7 +33,9 @@ What this patch does:
    (LLaMA-Factory's dummy image appended to a packed batch) stops the run.
 2. routes the full-attention layers of a packed row (``Qwen3_5Attention``, the MoE twin; through the ``sdpa`` entry
    of transformers' attention functions, which the layers look up at every call) to a varlen kernel where the
-   device has one: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention with ``cu_seqlens``) on CUDA,
+   device has one: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention with ``cu_seqlens``) on CUDA, or
+   where that torch has none (before 2.10: the images' 2.7.1) the operator it wraps and torch's nested tensors call,
+   ``torch.ops.aten._flash_attention_forward`` (``ATEN_FLASH``: the same FlashAttention 2 kernel, key heads shared),
    ``torch_npu.npu_fusion_attention`` (layout ``TND`` with the samples' cumulative lengths,
    causal ``sparse_mode`` 3) on NPU, bf16/fp16 only; elsewhere (CPU, fp32) the block mask stays with SDPA. Its
    first call is checked against SDPA with the mask on the row's real tokens; a disagreement stops the run (the
@@ -105,6 +107,10 @@ TEXT_MODEL = (
 )
 COLLATOR = ("llamafactory.data.collator", "SFTDataCollatorWith4DAttentionMask")
 TORCH_VARLEN = "torch.nn.attention.varlen.varlen_attn"
+ATEN_FLASH = "torch.ops.aten._flash_attention_forward"
+# the leading arguments ATEN_FLASH is called with (torch 2.7.1 through 2.14, in this order), and its keyword
+FLASH_ARGUMENTS = ("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal",
+                   "return_debug_mask")  # fmt: skip
 NPU_VARLEN = "torch_npu.npu_fusion_attention"
 MASKED = "sdpa with the block mask"
 NUMBERS = "int32"  # the dtype that marks a batch's attention_mask as LLaMA-Factory's sample numbers (see device_mask)
@@ -387,6 +393,22 @@ def torch_varlen_options() -> dict[str, Any] | None:
     return {"causal": causal, "scale": "scale" in params, "gqa": "enable_gqa" in params}
 
 
+@functools.cache
+def aten_flash_op() -> Any:
+    """torch's FlashAttention 2 operator with cumulative sequence lengths (``ATEN_FLASH``), or None where this torch
+    lacks it, was built without FlashAttention, or names its leading arguments otherwise than ``FLASH_ARGUMENTS``
+    with a ``scale`` keyword (its autograd formula gives the backward)."""
+    import torch
+
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    if op is None or not getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)():
+        return None
+    names = [argument.name for argument in op.default._schema.arguments]
+    if tuple(names[: len(FLASH_ARGUMENTS)]) != FLASH_ARGUMENTS or "scale" not in names:
+        return None
+    return op
+
+
 def varlen_kernel(query, scaling: float | None, dropout: float) -> str | None:
     """The attention kernel of packed rows for ``query``'s device and dtype, or None where the block mask is used."""
     import torch
@@ -398,9 +420,9 @@ def varlen_kernel(query, scaling: float | None, dropout: float) -> str | None:
     if query.device.type != "cuda" or torch.cuda.get_device_capability(query.device)[0] < 8:
         return None
     options = torch_varlen_options()
-    if options is None or (not options["scale"] and scaling not in (None, query.shape[-1] ** -0.5)):
-        return None
-    return TORCH_VARLEN
+    if options is not None and (options["scale"] or scaling in (None, query.shape[-1] ** -0.5)):
+        return TORCH_VARLEN
+    return ATEN_FLASH if aten_flash_op() is not None else None
 
 
 @functools.cache
@@ -428,6 +450,10 @@ def varlen_attention(kernel: str, query, key, value, found: Segments, scaling: f
         out = torch_npu.npu_fusion_attention(q, k, v, heads, "TND", atten_mask=npu_causal_tile(str(q.device)),
                                              scale=scaling, sparse_mode=3, actual_seq_qlen=ends,
                                              actual_seq_kvlen=ends)[0]  # fmt: skip
+    elif kernel == ATEN_FLASH:  # key heads as they are: FlashAttention shares each among its query heads
+        cu, _ = found.cu_seqlens_tensors(q.device, torch.int32)
+        longest = found.longest()
+        out = aten_flash_op()(q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scaling)[0]
     else:
         from torch.nn.attention.varlen import varlen_attn
 

@@ -271,8 +271,9 @@ def test_packed_attention_through_a_varlen_kernel_keeps_samples_apart_and_its_ch
 
 
 def test_the_cuda_attention_route_is_varlen_from_compute_capability_8_in_half_precision_without_dropout(monkeypatch):
-    """No GPU here: the device's capability is a stand-in, the choice is the product's. FlashAttention's varlen;
-    no varlen kernel below compute capability 8, in fp32 or with dropout."""
+    """No GPU here: the device's capability and the operators' presence are stand-ins, the choice is the product's.
+    FlashAttention's varlen through ``varlen_attn``, else through torch's operator; no varlen kernel below compute
+    capability 8, in fp32, with dropout, or where torch has neither."""
     import types
 
     import torch
@@ -282,10 +283,20 @@ def test_the_cuda_attention_route_is_varlen_from_compute_capability_8_in_half_pr
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability["major"], 0))
     monkeypatch.setattr(packed_rows, "torch_varlen_options", lambda: {"causal": {"is_causal": True}, "scale": True,
                                                                       "gqa": False})  # fmt: skip
+    monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: "the operator")
     assert packed_rows.varlen_kernel(query, None, 0.0) == packed_rows.TORCH_VARLEN
     assert packed_rows.varlen_kernel(query, None, 0.1) is None
     fp32 = types.SimpleNamespace(**{**vars(query), "dtype": torch.float32})
     assert packed_rows.varlen_kernel(fp32, None, 0.0) is None
+    # a torch without varlen_attn (before 2.10, as in the images), or one whose varlen_attn takes no scale when the
+    # layer has its own: the FlashAttention operator itself; neither: the mask
+    monkeypatch.setattr(packed_rows, "torch_varlen_options", lambda: None)
+    assert packed_rows.varlen_kernel(query, None, 0.0) == packed_rows.ATEN_FLASH
+    monkeypatch.setattr(packed_rows, "torch_varlen_options", lambda: {"causal": {"is_causal": True}, "scale": False,
+                                                                      "gqa": False})  # fmt: skip
+    assert packed_rows.varlen_kernel(query, 0.5, 0.0) == packed_rows.ATEN_FLASH
+    monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: None)
+    assert packed_rows.varlen_kernel(query, 0.5, 0.0) is None
     capability["major"] = 7
     assert packed_rows.varlen_kernel(query, None, 0.0) is None
 
@@ -440,6 +451,47 @@ def test_the_torch_varlen_call_fits_each_releases_arguments(monkeypatch, release
         packed_rows.torch_varlen_options.cache_clear()
 
 
+def test_the_flash_operator_is_called_with_cumulative_lengths_and_the_key_heads_unrepeated(monkeypatch):
+    """``aten._flash_attention_forward`` runs only on CUDA: a stand-in with its leading arguments checks the call
+    (rows end to end, ``cu_seqlens`` int32 for queries and keys, the longest sample, no dropout, causal, the layer's
+    scale; two key heads for six query heads, as FlashAttention shares them) and computes causal attention per
+    segment, its definition. The real operator's argument names are what ``aten_flash_op`` requires."""
+    import torch
+    from llamafactory.data.collator import prepare_4d_attention_mask
+
+    uncached = packed_rows.aten_flash_op.__wrapped__
+    assert uncached() is not None  # this torch's operator has the arguments, in order
+    seen = {}
+
+    def flash(query, key, value, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, debug, *, scale):
+        assert cu_q is cu_k and cu_q.dtype == torch.int32 and (dropout_p, is_causal, debug) == (0.0, True, False)
+        assert query.shape[1] == 6 and key.shape[1] == value.shape[1] == 2
+        bounds = cu_q.tolist()
+        assert max_q == max_k == max(e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True))
+        out = torch.empty_like(query)
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            part = torch.nn.functional.scaled_dot_product_attention(
+                *(t[start:end].transpose(0, 1)[None] for t in (query, key, value)),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[start:end] = part[0].transpose(0, 1)
+        seen.update(bounds=bounds, scale=scale)
+        return out, None, None, None, None
+
+    monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: flash)
+    torch.manual_seed(0)
+    numbered = torch.tensor([[1] * 9 + [2] * 20 + [0] * 3, [1] * 16 + [2] * 16])
+    found = packed_rows.segments(prepare_4d_attention_mask(numbered, torch.float32))
+    query, key, value = torch.randn(2, 6, 32, 8), torch.randn(2, 2, 32, 8), torch.randn(2, 2, 32, 8)
+    ours = packed_rows.varlen_attention(packed_rows.ATEN_FLASH, query, key, value, found, 0.3)
+    assert seen == {"bounds": [0, 9, 29, 32, 48, 64], "scale": 0.3}
+    torch.testing.assert_close(ours, attention_per_segment(query, key, value, found, 0.3), rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: False)
+    assert uncached() is None  # a torch built without FlashAttention: the mask
+
+
 def test_the_npu_varlen_call_passes_tnd_layout_cumulative_lengths_and_the_causal_tile(monkeypatch):
     """``npu_fusion_attention`` cannot run here (no NPU, no CANN): a stand-in ``torch_npu`` checks the call as
     Ascend documents it (layout ``TND``, ``actual_seq_qlen``/``actual_seq_kvlen`` the cumulative sample lengths
@@ -506,9 +558,12 @@ def test_the_fla_convolution_with_cu_seqlens_equals_the_segment_reset_convolutio
 
 
 @pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="FlashAttention's varlen kernel needs CUDA")
-def test_the_cuda_varlen_kernel_equals_the_block_mask_forward_and_backward():
-    """The real ``varlen_attn`` on the 27B attention shape (24 query heads, 4 key heads, head dim 256, bf16)
-    against SDPA under LLaMA-Factory's block mask: outputs and the gradients of q, k, v on real tokens."""
+@pytest.mark.parametrize("route", ["chosen", "operator"])
+def test_the_cuda_varlen_kernel_equals_the_block_mask_forward_and_backward(route):
+    """The real varlen route on the 27B attention shape (24 query heads, 4 key heads, head dim 256, bf16) against
+    SDPA under LLaMA-Factory's block mask: outputs and the gradients of q, k, v on real tokens. ``chosen``: the
+    route this torch gets (``varlen_attn`` from torch 2.10); ``operator``: ``aten._flash_attention_forward``, the
+    route of a torch without ``varlen_attn``, held to on any torch."""
     import torch
     from llamafactory.data.collator import prepare_4d_attention_mask
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -522,8 +577,8 @@ def test_the_cuda_varlen_kernel_equals_the_block_mask_forward_and_backward():
     query = torch.randn(2, 24, 2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     key = torch.randn(2, 4, 2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     value = torch.randn(2, 4, 2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    kernel = packed_rows.varlen_kernel(query, 256**-0.5, 0.0)
-    assert kernel == packed_rows.TORCH_VARLEN, packed_rows.torch_varlen_options()
+    kernel = packed_rows.varlen_kernel(query, 256**-0.5, 0.0) if route == "chosen" else packed_rows.ATEN_FLASH
+    assert kernel in (packed_rows.TORCH_VARLEN, packed_rows.ATEN_FLASH), packed_rows.torch_varlen_options()
     results = []
     for run in ("varlen", "mask"):
         if run == "varlen":
