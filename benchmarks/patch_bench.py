@@ -47,7 +47,7 @@ collated in 2 DataLoader workers instead of the training process), ``short`` and
    dumps folded); then the targets (docs/benchmarks.md) are compared. With ``--rounds R`` the list runs R times in
    turn, round R's runs keyed ``VARIANT#R``; a packed variant's target (``spread-packed-row``: its median step
    period and forward+backward against ``on``'s, with a 95 % bootstrap interval of the difference) pools the
-   rounds.
+   rounds; the other targets read the first round.
    ``profile`` adds the run's ``profile.json`` (``launcher/results/profile_report.py``) and ``profile.md``, which
    is also copied to ``DIR/profile.md``; the traces stay in the run directory (their paths are in the results).
 """
@@ -507,45 +507,57 @@ def round_key(variant: str, round_: int) -> str:
     return variant if round_ == 1 else f"{variant}#{round_}"
 
 
-def measured_steps(variants: dict[str, dict[str, Any]], variant: str, key: str) -> list[float]:
-    """``key`` (``step_seconds`` or ``step_periods``) of every step after the warm-up, over every round of
-    ``variant`` that succeeded."""
-    found: list[float] = []
+def measured_steps(variants: dict[str, dict[str, Any]], variant: str, key: str) -> dict[int, list[float]]:
+    """``key`` (``step_seconds`` or ``step_periods``) of the steps after the warm-up, over every round of ``variant``
+    that succeeded, by the step's position in its run: the data's order is seeded, so position ``i`` is the same
+    batch in every round (one row's rounds are one observation of that row, not several)."""
+    found: dict[int, list[float]] = {}
     for name, v in variants.items():
         if name.split("#")[0] == variant and v.get("state") == "SUCCEEDED":
-            found += [x for x in (v.get(key) or [])[v.get("warmup_steps", 0) :] if x]
+            for position, value in enumerate((v.get(key) or [])[v.get("warmup_steps", 0) :]):
+                if value:  # the last step has no period
+                    found.setdefault(position, []).append(value)
     return found
 
 
-def median_difference(a: list[float], b: list[float], draws: int = BOOTSTRAP_DRAWS) -> dict[str, Any]:
-    """median(a) - median(b) in seconds, with a 95 % bootstrap interval (each side's steps resampled; seeded, so a
-    results file is reproducible from its steps). The interval speaks of the noise between steps of these runs
-    only, not of the machine's drift from one invocation to the next."""
+def median_difference(a: dict[int, list[float]], b: dict[int, list[float]],
+                      draws: int = BOOTSTRAP_DRAWS) -> dict[str, Any]:  # fmt: skip
+    """median(a) - median(b) in seconds over all their steps, with a 95 % bootstrap interval that resamples step
+    positions, each with all its rounds (``measured_steps``), so that the rows' differences in content count once
+    per row. Seeded: a results file gives the same interval again. It speaks of the steps of these runs only, not
+    of the machine's drift from one invocation to the next."""
     import random
 
     rng = random.Random(0)
-    spread = sorted(statistics.median(rng.choices(a, k=len(a))) - statistics.median(rng.choices(b, k=len(b)))
+
+    def median_of(steps: dict[int, list[float]], positions) -> float:
+        return statistics.median(value for position in positions for value in steps[position])
+
+    spread = sorted(median_of(a, rng.choices(sorted(a), k=len(a))) - median_of(b, rng.choices(sorted(b), k=len(b)))
                     for _ in range(draws))  # fmt: skip
-    return {"difference_s": round(statistics.median(a) - statistics.median(b), 4),
+    return {"difference_s": round(median_of(a, a) - median_of(b, b), 4),
             "ci95_s": [round(spread[int(0.025 * draws)], 4), round(spread[int(0.975 * draws) - 1], 4)],
-            "steps": [len(a), len(b)]}  # fmt: skip
+            "steps": [sum(map(len, a.values())), sum(map(len, b.values()))], "positions": [len(a), len(b)]}  # fmt: skip
 
 
 def packed_row_target(variants: dict[str, dict[str, Any]], packed: str, unpacked: str) -> dict[str, Any] | None:
     """The packed rows of ``packed`` against the unpacked steps of ``unpacked`` (every round pooled): forward+backward
     and the step period (which adds the collation and everything else between two steps). Met when the packed
-    median period is no longer than the unpacked one; ``resolved`` when the 95 % interval lies on one side of 0."""
+    median period is no longer than the unpacked one (forward+backward where no period was recorded); ``resolved``
+    when its 95 % interval lies on one side of 0. None until both have two measured step positions."""
     rows: dict[str, Any] = {}
     for key, label in (("step_seconds", "fwd_bwd"), ("step_periods", "period")):
         a, b = measured_steps(variants, packed, key), measured_steps(variants, unpacked, key)
         if len(a) >= 2 and len(b) >= 2:
-            rows[label] = {"packed_s": round(statistics.median(a), 4), "unpacked_s": round(statistics.median(b), 4),
+            rows[label] = {"packed_s": round(statistics.median(v for vs in a.values() for v in vs), 4),
+                           "unpacked_s": round(statistics.median(v for vs in b.values() for v in vs), 4),
                            **median_difference(a, b)}  # fmt: skip
-    if "period" not in rows:
+    if not rows:
         return None
-    period = rows["period"]
-    low, high = period["ci95_s"]
-    return {**rows, "against": unpacked, "met": period["difference_s"] <= 0, "resolved": high < 0 or low > 0}
+    decides = rows.get("period") or rows["fwd_bwd"]
+    low, high = decides["ci95_s"]
+    return {**rows, "against": unpacked, "decided_by": "period" if "period" in rows else "fwd_bwd",
+            "met": decides["difference_s"] <= 0, "resolved": high < 0 or low > 0}  # fmt: skip
 
 
 def _gain(packed: float | None, unpacked: float | None, least: float) -> dict[str, Any]:
@@ -657,9 +669,12 @@ def main(argv: list[str] | None = None) -> int:
         if round_ > 1 or position not in checked:
             run_env = {**run_env, bench_entry.KERNEL_CASES_ENV: "none"}
         forecast = forecast_of(path)
+        earlier = set((out / "runs").glob("*"))
         run = run_variant(args, run_env, ns.timeout, out / "logs" / f"{key}.supervisor.log")
         profiled = VARIANTS[variant].get("profile")
         run_dir = _newest_run(out / "runs", config["launcher"]["run_name"] + ("-profile" if profiled else ""))
+        if run_dir in earlier:  # this run made no directory: an earlier round's is not its result
+            run_dir = None
         summary = summarize(run_dir, ns.warmup) if run_dir else {"state": None, "reason": "no run directory"}
         if run_dir and profiled:
             summary["profile"] = profile_summary(run_dir, out)

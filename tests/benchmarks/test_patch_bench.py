@@ -188,7 +188,8 @@ def test_targets_compare_with_the_documented_ones():
 
 def test_the_packed_row_target_pools_the_rounds_after_the_warm_up_and_says_whether_the_noise_decides_it():
     """A packed variant against its unpacked pair: every succeeded round's steps after the warm-up pooled, the
-    difference of the medians of the period (the target) and of forward+backward, with a seeded bootstrap interval."""
+    difference of the medians of the period (the target) and of forward+backward, with a seeded bootstrap interval
+    over step positions (a position's rounds resampled together)."""
 
     def run(seconds, periods, state="SUCCEEDED"):
         return {"state": state, "warmup_steps": 1, "step_seconds": [9.0, *seconds], "step_periods": [9.5, *periods]}
@@ -201,17 +202,27 @@ def test_the_packed_row_target_pools_the_rounds_after_the_warm_up_and_says_wheth
     }
     row = patch_bench.targets(variants)["spread-packed-row"]
     assert row["against"] == "on" and row["met"] and row["resolved"]
-    assert row["period"]["steps"] == [6, 3] and row["period"]["unpacked_s"] == 1.25
+    assert row["period"]["steps"] == [6, 3] and row["period"]["positions"] == [3, 3]
+    assert row["period"]["unpacked_s"] == 1.25 and row["decided_by"] == "period"
     assert row["period"]["difference_s"] == pytest.approx(1.22 - 1.25)
     assert row["fwd_bwd"]["difference_s"] == pytest.approx(1.18 - 1.20)
     low, high = row["period"]["ci95_s"]
     assert low <= row["period"]["difference_s"] <= high < 0
-    assert patch_bench.targets(variants) == patch_bench.targets(variants)  # seeded: the same file, the same interval
+    assert row["period"]["ci95_s"] == [-0.0425, -0.0175]  # seeded: the same file gives the same interval
     variants["spread-packed"] = run([1.18, 1.22, 1.21], [1.20, 1.27, 1.26])  # straddles the unpacked steps
     variants["spread-packed#2"] = run([1.2], [1.24])
     row = patch_bench.targets(variants)["spread-packed-row"]
     assert not row["resolved"] and row["period"]["ci95_s"][0] < 0 < row["period"]["ci95_s"][1]
-    assert "spread-packed-workers-row" not in row and "spread-packed-workers-row" not in patch_bench.targets(variants)
+    assert "spread-packed-workers-row" not in patch_bench.targets(variants)  # no workers variant ran
+    # the rounds replay the same rows in the same order: three rounds of the same steps are one observation of
+    # each row, so they leave the interval as one round gives it (resampling steps would narrow it threefold)
+    one = {"on": run([1.20, 1.18, 1.21, 1.19, 1.22], [1.25, 1.22, 1.26, 1.24, 1.23]),
+           "spread-packed": run([1.15, 1.30, 1.17, 1.24, 1.19], [1.19, 1.33, 1.21, 1.28, 1.22])}  # fmt: skip
+    three = {**one, **{f"{name}#{r}": one[name] for name in one for r in (2, 3)}}
+    once, thrice = (patch_bench.targets(v)["spread-packed-row"]["period"] for v in (one, three))
+    assert thrice["steps"] == [15, 15] and once["steps"] == [5, 5] and thrice["positions"] == [5, 5]
+    assert thrice["ci95_s"] == once["ci95_s"] and thrice["difference_s"] == once["difference_s"]
+    assert once["ci95_s"][0] < 0 < once["ci95_s"][1]
 
 
 def run_tiny_bench(out, *args: str) -> dict:

@@ -460,7 +460,8 @@ def test_the_flash_operator_is_called_with_cumulative_lengths_and_the_key_heads_
     from llamafactory.data.collator import prepare_4d_attention_mask
 
     uncached = packed_rows.aten_flash_op.__wrapped__
-    assert uncached() is not None  # this torch's operator has the arguments, in order
+    if torch.backends.cuda.is_flash_attention_available():  # a CUDA build: its operator has the arguments, in order
+        assert uncached() is not None
     seen = {}
 
     def flash(query, key, value, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, debug, *, scale):
@@ -578,7 +579,8 @@ def test_the_cuda_varlen_kernel_equals_the_block_mask_forward_and_backward(route
     key = torch.randn(2, 4, 2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     value = torch.randn(2, 4, 2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     kernel = packed_rows.varlen_kernel(query, 256**-0.5, 0.0) if route == "chosen" else packed_rows.ATEN_FLASH
-    assert kernel in (packed_rows.TORCH_VARLEN, packed_rows.ATEN_FLASH), packed_rows.torch_varlen_options()
+    chosen = packed_rows.TORCH_VARLEN if packed_rows.torch_varlen_options() else packed_rows.ATEN_FLASH
+    assert kernel == (chosen if route == "chosen" else packed_rows.ATEN_FLASH), packed_rows.torch_varlen_options()
     results = []
     for run in ("varlen", "mask"):
         if run == "varlen":
