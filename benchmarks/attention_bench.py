@@ -12,7 +12,9 @@ row of ``--tokens`` tokens, forward and backward, for every route of ``--routes`
 - ``varlen``: a packed row (the samples of ``--samples``, padding up to ``--tokens``) through the product's CUDA
   route (``patches.packed_rows.varlen_attention``): ``TORCH_VARLEN`` (``torch.nn.attention.varlen.varlen_attn``,
   FlashAttention 2 with the row's ``cu_seqlens``);
-- ``aten-flash`` and ``aten-cudnn``: the packed row through torch's own varlen operators (``aten_call``);
+- ``aten-flash``: the packed row through the product's route where torch has no ``varlen_attn``
+  (``ATEN_FLASH``: ``aten._flash_attention_forward``, the operator ``varlen_attn`` wraps); ``aten-cudnn``: a
+  candidate, cuDNN's ragged attention (``cudnn_call``);
 - ``masked``: SDPA with the 4D block-diagonal mask (the packed row's route where no varlen kernel is).
 
 Per route: the first forward+backward timed alone (``first_call_ms``: with the graphs cuDNN builds for shapes new
@@ -89,24 +91,19 @@ def route_call(torch, route: str, mask4d):
     found = packed_rows.segments(mask4d)
     if route == "masked":
         return lambda q, k, v: sdpa(q, k, v, attn_mask=mask4d, scale=scale, enable_gqa=True)[0].transpose(0, 1)
-    if route.startswith("aten"):
-        return aten_call(torch, route, found, scale)
-    return lambda q, k, v: packed_rows.varlen_attention(packed_rows.TORCH_VARLEN, q, k, v, found, scale)[0]
+    if route == "aten-cudnn":
+        return cudnn_call(torch, found, scale)
+    kernel = packed_rows.ATEN_FLASH if route == "aten-flash" else packed_rows.TORCH_VARLEN
+    return lambda q, k, v: packed_rows.varlen_attention(kernel, q, k, v, found, scale)[0]
 
 
-def aten_call(torch, route: str, found, scale: float):
-    """The packed row through torch's own varlen operators: ``aten-flash`` (``packed_rows.ATEN_FLASH``, the product's
-    route where torch has no ``varlen_attn``: ``aten._flash_attention_forward`` with the row's ``cu_seqlens``,
-    FlashAttention 2, key heads shared) and ``aten-cudnn``, a candidate (``aten._cudnn_attention_forward`` with the
-    same ``cu_seqlens``: cuDNN's ragged attention, key heads repeated; its backward is in torch 2.11, not in 2.7.1)."""
-    from patches import packed_rows
-
+def cudnn_call(torch, found, scale: float):
+    """A candidate route, not the product's: the packed row through ``aten._cudnn_attention_forward`` with the row's
+    ``cu_seqlens`` (cuDNN's ragged attention; key heads repeated; its backward is in torch 2.11, not in 2.7.1)."""
     cu, _ = found.cu_seqlens_tensors("cuda", torch.int32)
     longest = found.longest()
 
     def call(q, k, v):
-        if route == "aten-flash":  # the product's route where torch has no varlen_attn
-            return packed_rows.varlen_attention(packed_rows.ATEN_FLASH, q, k, v, found, scale)[0]
         q3, k3, v3 = (t[0].transpose(0, 1) for t in (q, k, v))  # [T, H, D], a view
         k3, v3 = (t.repeat_interleave(HEADS // KEY_HEADS, dim=1) for t in (k3, v3))
         return torch.ops.aten._cudnn_attention_forward(q3, k3, v3, None, cu, cu, longest, longest, True, 0.0, True,

@@ -522,10 +522,10 @@ def measured_steps(variants: dict[str, dict[str, Any]], variant: str, key: str) 
 
 def median_difference(a: dict[int, list[float]], b: dict[int, list[float]],
                       draws: int = BOOTSTRAP_DRAWS) -> dict[str, Any]:  # fmt: skip
-    """median(a) - median(b) in seconds over all their steps, with a 95 % bootstrap interval that resamples step
-    positions, each with all its rounds (``measured_steps``), so that the rows' differences in content count once
-    per row. Seeded: a results file gives the same interval again. It speaks of the steps of these runs only, not
-    of the machine's drift from one invocation to the next."""
+    """Both medians and median(a) - median(b), in seconds, over all their steps, with a 95 % bootstrap interval of
+    the difference that resamples step positions, each with all its rounds (``measured_steps``), so that the rows'
+    differences in content count once per row. Seeded: a results file gives the same interval again. It speaks of
+    the steps of these runs only, not of the machine's drift from one invocation to the next."""
     import random
 
     rng = random.Random(0)
@@ -535,7 +535,8 @@ def median_difference(a: dict[int, list[float]], b: dict[int, list[float]],
 
     spread = sorted(median_of(a, rng.choices(sorted(a), k=len(a))) - median_of(b, rng.choices(sorted(b), k=len(b)))
                     for _ in range(draws))  # fmt: skip
-    return {"difference_s": round(median_of(a, a) - median_of(b, b), 4),
+    return {"packed_s": round(median_of(a, a), 4), "unpacked_s": round(median_of(b, b), 4),
+            "difference_s": round(median_of(a, a) - median_of(b, b), 4),
             "ci95_s": [round(spread[int(0.025 * draws)], 4), round(spread[int(0.975 * draws) - 1], 4)],
             "steps": [sum(map(len, a.values())), sum(map(len, b.values()))], "positions": [len(a), len(b)]}  # fmt: skip
 
@@ -549,9 +550,7 @@ def packed_row_target(variants: dict[str, dict[str, Any]], packed: str, unpacked
     for key, label in (("step_seconds", "fwd_bwd"), ("step_periods", "period")):
         a, b = measured_steps(variants, packed, key), measured_steps(variants, unpacked, key)
         if len(a) >= 2 and len(b) >= 2:
-            rows[label] = {"packed_s": round(statistics.median(v for vs in a.values() for v in vs), 4),
-                           "unpacked_s": round(statistics.median(v for vs in b.values() for v in vs), 4),
-                           **median_difference(a, b)}  # fmt: skip
+            rows[label] = median_difference(a, b)
     if not rows:
         return None
     decides = rows.get("period") or rows["fwd_bwd"]

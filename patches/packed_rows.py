@@ -450,26 +450,29 @@ def varlen_attention(kernel: str, query, key, value, found: Segments, scaling: f
         out = torch_npu.npu_fusion_attention(q, k, v, heads, "TND", atten_mask=npu_causal_tile(str(q.device)),
                                              scale=scaling, sparse_mode=3, actual_seq_qlen=ends,
                                              actual_seq_kvlen=ends)[0]  # fmt: skip
-    elif kernel == ATEN_FLASH:  # key heads as they are: FlashAttention shares each among its query heads
+    else:  # FlashAttention 2 on CUDA: the operator itself, or varlen_attn, which wraps it
         cu, _ = found.cu_seqlens_tensors(q.device, torch.int32)
         longest = found.longest()
-        out = aten_flash_op()(q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scaling)[0]
-    else:
-        from torch.nn.attention.varlen import varlen_attn
-
-        options = torch_varlen_options()
-        extra = dict(options["causal"])
-        if options["scale"]:
-            extra["scale"] = scaling
-        if k.shape[1] != heads:
-            if options["gqa"]:
-                extra["enable_gqa"] = True
-            else:
-                k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
-        cu, _ = found.cu_seqlens_tensors(q.device, torch.int32)
-        longest = found.longest()
-        out = varlen_attn(q, k, v, cu, cu, longest, longest, **extra)
+        out = (aten_flash_op()(q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scaling)[0]
+               if kernel == ATEN_FLASH else torch_varlen(q, k, v, cu, longest, scaling))  # fmt: skip
     return out.reshape(rows, length, heads, out.shape[-1])
+
+
+def torch_varlen(q, k, v, cu, longest: int, scaling: float):
+    """``varlen_attn`` of this torch, causal, with ``scaling`` where it takes one; key heads repeated for the query
+    heads where it cannot share them (``torch_varlen_options``). ATEN_FLASH shares them: FlashAttention does."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    options = torch_varlen_options()
+    extra = dict(options["causal"])
+    if options["scale"]:
+        extra["scale"] = scaling
+    if k.shape[1] != q.shape[1]:
+        if options["gqa"]:
+            extra["enable_gqa"] = True
+        else:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return varlen_attn(q, k, v, cu, cu, longest, longest, **extra)
 
 
 def agreement(out, reference, found: Segments) -> float:

@@ -333,7 +333,7 @@ def test_rounds_run_the_variant_list_again_under_their_own_keys_with_the_kernel_
     assert (out / "logs" / "on.job.log").is_file() and (out / "logs" / "on#2.job.log").is_file()
 
 
-def test_profile_variant_runs_launcher_profile_on_the_on_config(tmp_path):
+def test_profile_variant_runs_launcher_profile_on_the_on_config(tmp_path, capsys):
     bench_assets.write_model_dir(tmp_path / "model", "tiny")
     config, on = (patch_bench.run_config(tmp_path, v, "27b", "cuda", patch_bench.steps_of(v, 6))
                   for v in ("profile", "on"))  # fmt: skip
@@ -346,11 +346,12 @@ def test_profile_variant_runs_launcher_profile_on_the_on_config(tmp_path):
     assert patch_bench.launcher_args("profile", path, 5, 2) == ["profile", str(path), "--steps", "3", "--warmup", "2",
                                                                 "--quiet"]  # fmt: skip
     assert patch_bench.launcher_args("on", path, 6, 2) == ["run", str(path), "--quiet"]
-    # no step left to profile; a bad N; no variant at all
-    for args in (["--warmup", "5"], ["--all-steps", "2"], ["--all-steps", "0"], ["--variants", ","]):
-        with pytest.raises(SystemExit):
+    # no step left to profile; a bad N; no variant at all; no round
+    for args in (["--warmup", "5"], ["--all-steps", "2"], ["--all-steps", "0"], ["--variants", ","], ["--rounds", "0"]):
+        with pytest.raises(SystemExit) as refused:
             patch_bench.main(["--out", str(tmp_path / "b"), "--shape", "tiny", "--variants", "profile", *args])
-        assert not (tmp_path / "b").exists()  # refused before anything is written
+        assert refused.value.code == 2 and not (tmp_path / "b").exists()  # refused before anything is written
+    assert "--rounds is 0; give at least 1" in capsys.readouterr().err
 
 
 @pytest.mark.slow
