@@ -1,6 +1,7 @@
 """The full-attention kernels of a packed row against the unpacked step's, at the 27B shape, on one CUDA device.
 
     python -m benchmarks.attention_bench --out DIR [--tokens 4096] [--samples 1200,1700,1100] [--repeats 20]
+                                         [--padding-piece 128]
                                          [--routes sdpa,sdpa-flash,sdpa-cudnn,varlen,aten-flash,aten-cudnn,masked]
 
 One layer's attention (24 query heads, 4 key heads, head dim 256, bf16: Qwen3.5-27B, docs/upstream.md) on one
@@ -11,7 +12,8 @@ row of ``--tokens`` tokens, forward and backward, for every route of ``--routes`
   backend;
 - ``varlen``: a packed row (the samples of ``--samples``, padding up to ``--tokens``) through the product's CUDA
   route (``patches.packed_rows.varlen_attention``): ``TORCH_VARLEN`` (``torch.nn.attention.varlen.varlen_attn``,
-  FlashAttention 2 with the row's ``cu_seqlens``);
+  FlashAttention 2 with the row's ``cu_seqlens``, the padding cut into segments of ``--padding-piece`` tokens,
+  ``packed_rows.PADDING_PIECE`` by default; 0: the padding one segment, the product before that cut);
 - ``aten-flash``: the packed row through the product's route where torch has no ``varlen_attn``
   (``ATEN_FLASH``: ``aten._flash_attention_forward``, the operator ``varlen_attn`` wraps); ``aten-cudnn``: a
   candidate, cuDNN's ragged attention (``cudnn_call``);
@@ -68,7 +70,7 @@ def _events(torch, fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def route_call(torch, route: str, mask4d):
+def route_call(torch, route: str, mask4d, piece: int):
     """A function of ``(q, k, v)`` in ``[1, H, T, D]`` returning ``[T, H, D]`` for ``route``."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -92,16 +94,16 @@ def route_call(torch, route: str, mask4d):
     if route == "masked":
         return lambda q, k, v: sdpa(q, k, v, attn_mask=mask4d, scale=scale, enable_gqa=True)[0].transpose(0, 1)
     if route == "aten-cudnn":
-        return cudnn_call(torch, found, scale)
+        return cudnn_call(torch, found, scale, piece)
     kernel = packed_rows.ATEN_FLASH if route == "aten-flash" else packed_rows.TORCH_VARLEN
-    return lambda q, k, v: packed_rows.varlen_attention(kernel, q, k, v, found, scale)[0]
+    return lambda q, k, v: packed_rows.varlen_attention(kernel, q, k, v, found, scale, piece)[0]
 
 
-def cudnn_call(torch, found, scale: float):
+def cudnn_call(torch, found, scale: float, piece: int):
     """A candidate route, not the product's: the packed row through ``aten._cudnn_attention_forward`` with the row's
     ``cu_seqlens`` (cuDNN's ragged attention; key heads repeated; its backward is in torch 2.11, not in 2.7.1)."""
-    cu, _ = found.cu_seqlens_tensors("cuda", torch.int32)
-    longest = found.longest()
+    cu, _ = found.cu_seqlens_tensors("cuda", torch.int32, piece)
+    longest = found.longest(piece)
 
     def call(q, k, v):
         q3, k3, v3 = (t[0].transpose(0, 1) for t in (q, k, v))  # [T, H, D], a view
@@ -130,7 +132,7 @@ def relative(a, b, real) -> float:
     return round(float((a - b).norm() / b.norm().clamp_min(1e-12)), 6)
 
 
-def measure_route(torch, route: str, tokens: int, samples: list[int], repeats: int) -> dict[str, Any]:
+def measure_route(torch, route: str, tokens: int, samples: list[int], repeats: int, piece: int) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     from patches import packed_rows
@@ -142,7 +144,7 @@ def measure_route(torch, route: str, tokens: int, samples: list[int], repeats: i
     packed = not route.startswith("sdpa")
     numbered = numbered_row(torch, tokens, samples if packed else [tokens]).to(device)
     mask4d = packed_rows.block_causal_mask(numbered, torch.bfloat16)
-    call = route_call(torch, route, mask4d)
+    call = route_call(torch, route, mask4d, piece)
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     grad = torch.randn(tokens, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
 
@@ -156,6 +158,8 @@ def measure_route(torch, route: str, tokens: int, samples: list[int], repeats: i
         call(*leaves).backward(grad)
 
     found: dict[str, Any] = {"route": route, "samples": samples if packed else [tokens]}
+    if packed and route != "masked":
+        found["padding_piece"] = piece
     found["first_call_ms"] = round(_events(torch, forward_backward, 1), 3)  # shapes new to this process: graphs
     for _ in range(3):
         forward_backward()
@@ -218,6 +222,8 @@ def input_problem(args) -> str | None:
     if not samples or min(samples) < 1 or sum(samples) > args.tokens:
         return (f"--samples {args.samples!r}: give at least one sample, each of 1 token or more, {args.tokens} "
                 "tokens in all at most (--tokens)")  # fmt: skip
+    if args.padding_piece is not None and args.padding_piece < 0:
+        return f"--padding-piece {args.padding_piece}: give 0 (padding as one segment) or a positive token count"
     if (args.out / "attention.json").exists():
         return f"{args.out / 'attention.json'} exists; choose another --out, or move that file away"
     return None
@@ -231,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="sample lengths of the packed row, comma separated; padding fills the rest")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per route (default 20)")
     parser.add_argument("--routes", default=",".join(ROUTES), help=f"comma separated, of {', '.join(ROUTES)}")
+    parser.add_argument("--padding-piece", type=int, default=None, metavar="N",
+                        help="the varlen routes take the padding as segments of at most N tokens (default: the "
+                             "product's PADDING_PIECE; 0: one segment); for example --samples 2482 "
+                             "--padding-piece 0 against --padding-piece 128")  # fmt: skip
     args = parser.parse_args(argv)
     why = input_problem(args)
     import torch
@@ -240,7 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"attention_bench: {why}", file=sys.stderr)
         return 2
+    from patches.packed_rows import PADDING_PIECE
+
     samples = [int(x) for x in args.samples.split(",") if x.strip()]
+    piece = PADDING_PIECE if args.padding_piece is None else args.padding_piece
     routes = [r.strip() for r in args.routes.split(",") if r.strip()]
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
@@ -249,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                                "routes": {}}  # fmt: skip
     for route in routes:
         try:
-            results["routes"][route] = measure_route(torch, route, args.tokens, samples, args.repeats)
+            results["routes"][route] = measure_route(torch, route, args.tokens, samples, args.repeats, piece)
         except Exception as error:  # noqa: BLE001 - a failing route is a result too
             results["routes"][route] = {"route": route, "error": f"{type(error).__name__}: {error}"[:600]}
         print(json.dumps(results["routes"][route]), flush=True)

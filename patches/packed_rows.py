@@ -114,6 +114,12 @@ FLASH_ARGUMENTS = ("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "
 NPU_VARLEN = "torch_npu.npu_fusion_attention"
 MASKED = "sdpa with the block mask"
 NUMBERS = "int32"  # the dtype that marks a batch's attention_mask as LLaMA-Factory's sample numbers (see device_mask)
+# The varlen attention kernels take a row's padding as segments of at most this many tokens (``attention_bounds``):
+# padding attends only to padding and its outputs are never read, so any cut is exact for the samples, and a run of
+# P padding tokens as one causal segment costs about (P / 4096)^2 of a full row's attention (LLaMA-Factory pads each
+# packed row to cutoff_len: 1,614 of 4,096 tokens in a row holding one sample of 2,482), cut into pieces of 128
+# (two of FlashAttention 2's 64-token tiles at head dim 256) about 128 / P of that
+PADDING_PIECE = 128
 VARLEN_AGREEMENT = 2e-2  # relative L2 difference to SDPA with the mask on real tokens (bf16 rounding is ~4e-3)
 FIX = "turn packing off (packing: false, neat_packing: false), or report the LLaMA-Factory/transformers versions"
 
@@ -158,21 +164,23 @@ class Segments:
                                          for column in zip(*found, strict=True))  # fmt: skip
         return self._on_device[key]
 
-    def cu_seqlens_tensors(self, device, dtype=None) -> tuple[Any, Any]:
+    def cu_seqlens_tensors(self, device, dtype=None, piece: int = 0) -> tuple[Any, Any]:
         """``cu_seqlens`` on ``device`` and on the CPU (FLA takes both, so it never reads them back); int64
-        unless ``dtype`` (FlashAttention takes int32)."""
-        key = ("cu_seqlens", str(device), str(dtype))
+        unless ``dtype`` (FlashAttention takes int32); with ``piece``, the ``attention_bounds``."""
+        key = ("cu_seqlens", str(device), str(dtype), piece)
         if key not in self._on_device:
             import torch
 
-            bounds = self.cu_seqlens()
+            bounds = self.attention_bounds(piece) if piece else self.cu_seqlens()
             dtype = dtype or torch.long
             self._on_device[key] = (torch.tensor(bounds, dtype=dtype, device=device),
                                     torch.tensor(bounds, dtype=dtype))  # fmt: skip
         return self._on_device[key]
 
-    def longest(self) -> int:
-        return max(end - start for _, start, end, _ in self.spans)
+    def longest(self, piece: int = 0) -> int:
+        """The longest segment, or with ``piece`` the longest of the ``attention_bounds``."""
+        bounds = self.attention_bounds(piece) if piece else self.cu_seqlens()
+        return max(end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True))
 
     def real_tokens(self, device) -> Any:
         """``[B * T]`` booleans: the tokens of samples (not padding), rows laid end to end."""
@@ -192,6 +200,13 @@ class Segments:
     def cu_seqlens(self) -> list[int]:
         """The segment boundaries of the rows laid end to end (FLA's varlen layout, batch 1)."""
         return [row * self.length + start for row, start, _, _ in self.spans] + [self.rows * self.length]
+
+    def attention_bounds(self, piece: int) -> list[int]:
+        """``cu_seqlens`` with every run of padding cut into segments of at most ``piece`` tokens (``PADDING_PIECE``;
+        0: uncut); the samples' boundaries unchanged."""
+        bounds = [row * self.length + at for row, start, end, real in self.spans
+                  for at in range(start, end, piece if piece and not real else end - start)]  # fmt: skip
+        return bounds + [self.rows * self.length]
 
 
 def numbered_segments(numbered) -> Segments:
@@ -434,10 +449,11 @@ def npu_causal_tile(device: str):
     return torch.ones(2048, 2048, dtype=torch.bool, device=device).triu(1)
 
 
-def varlen_attention(kernel: str, query, key, value, found: Segments, scaling: float | None):
+def varlen_attention(kernel: str, query, key, value, found: Segments, scaling: float | None,
+                     padding_piece: int = PADDING_PIECE):  # fmt: skip
     """Causal attention inside every segment of packed rows: ``query`` ``[B, H, T, D]``, ``key``/``value``
     ``[B, Hkv, T, D]`` (the layout transformers' attention functions take) to ``[B, T, H, D]`` (the one they
-    return), the rows laid end to end as the varlen kernels take them."""
+    return), the rows laid end to end as the varlen kernels take them, the padding in pieces of ``padding_piece``."""
     import torch
 
     rows, heads, length, _ = query.shape
@@ -446,13 +462,13 @@ def varlen_attention(kernel: str, query, key, value, found: Segments, scaling: f
     if kernel == NPU_VARLEN:
         import torch_npu
 
-        ends = found.cu_seqlens()[1:]  # cumulative lengths without the leading 0
+        ends = found.attention_bounds(padding_piece)[1:]  # cumulative lengths without the leading 0
         out = torch_npu.npu_fusion_attention(q, k, v, heads, "TND", atten_mask=npu_causal_tile(str(q.device)),
                                              scale=scaling, sparse_mode=3, actual_seq_qlen=ends,
                                              actual_seq_kvlen=ends)[0]  # fmt: skip
     else:  # FlashAttention 2 on CUDA: the operator itself, or varlen_attn, which wraps it
-        cu, _ = found.cu_seqlens_tensors(q.device, torch.int32)
-        longest = found.longest()
+        cu, _ = found.cu_seqlens_tensors(q.device, torch.int32, padding_piece)
+        longest = found.longest(padding_piece)
         out = (aten_flash_op()(q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scaling)[0]
                if kernel == ATEN_FLASH else torch_varlen(q, k, v, cu, longest, scaling))  # fmt: skip
     return out.reshape(rows, length, heads, out.shape[-1])

@@ -15,6 +15,7 @@ from benchmarks import attention_bench
         (["--samples", "1200,lots"], "--samples '1200,lots': write whole token counts separated by commas"),
         (["--samples", "3000,2000"], "4096 tokens in all at most (--tokens)"),
         (["--samples", "0"], "each of 1 token or more"),
+        (["--padding-piece", "-1"], "--padding-piece -1: give 0 (padding as one segment) or a positive token count"),
     ],
 )
 def test_bad_arguments_end_in_one_message_and_write_nothing(tmp_path, capsys, argv, said):
@@ -46,5 +47,15 @@ def test_the_routes_agree_with_the_per_sample_reference_on_the_cpu(monkeypatch):
     mask = packed_rows.block_causal_mask(numbered, torch.float32)
     expected = attention_bench.reference(torch, q, k, v, numbered)
     real = numbered[0] != 0
-    assert attention_bench.relative(attention_bench.route_call(torch, "masked", mask)(q, k, v), expected, real) < 1e-5
-    assert attention_bench.relative(attention_bench.route_call(torch, "sdpa", mask)(q, k, v), expected, real) > 0.1
+    assert (
+        attention_bench.relative(
+            attention_bench.route_call(torch, "masked", mask, packed_rows.PADDING_PIECE)(q, k, v), expected, real
+        )
+        < 1e-5
+    )
+    assert (
+        attention_bench.relative(
+            attention_bench.route_call(torch, "sdpa", mask, packed_rows.PADDING_PIECE)(q, k, v), expected, real
+        )
+        > 0.1
+    )

@@ -493,6 +493,47 @@ def test_the_flash_operator_is_called_with_cumulative_lengths_and_the_key_heads_
     assert uncached() is None  # a torch built without FlashAttention: the mask
 
 
+def test_the_padding_reaches_the_varlen_kernel_in_pieces_and_leaves_the_samples_unchanged(monkeypatch):
+    """A row's padding goes to the varlen attention kernels as segments of at most ``PADDING_PIECE`` tokens (one
+    causal segment of P padding tokens costs like a sample of P); the samples' boundaries, the DeltaNet layers'
+    ``cu_seqlens`` and every sample token's output stay as they were. The stand-in operator is causal SDPA per
+    segment (FlashAttention's definition; it runs only on CUDA)."""
+    import torch
+
+    piece = packed_rows.PADDING_PIECE
+    seen = []
+
+    def flash(query, key, value, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, debug, *, scale):
+        bounds = cu_q.tolist()
+        assert max_q == max_k == max(e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True))
+        seen.append(bounds)
+        out = torch.empty_like(query)
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            part = torch.nn.functional.scaled_dot_product_attention(
+                *(t[start:end].transpose(0, 1)[None] for t in (query, key, value)), is_causal=True, scale=scale,
+                enable_gqa=True)  # fmt: skip
+            out[start:end] = part[0].transpose(0, 1)
+        return out, None, None, None, None
+
+    monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: flash)
+    length = 2 * piece + 300
+    numbered = torch.tensor([[1] * 300 + [0] * (2 * piece), [1] * 200 + [2] * (length - 200)])
+    found = packed_rows.numbered_segments(numbered)
+    assert found.cu_seqlens() == [0, 300, length, length + 200, 2 * length]  # the DeltaNet layers' bounds
+    torch.manual_seed(0)
+    query, key, value = torch.randn(2, 6, length, 8), torch.randn(2, 2, length, 8), torch.randn(2, 2, length, 8)
+    cut = packed_rows.varlen_attention(packed_rows.ATEN_FLASH, query, key, value, found, 0.3)
+    whole = packed_rows.varlen_attention(packed_rows.ATEN_FLASH, query, key, value, found, 0.3, padding_piece=0)
+    assert seen == [[0, 300, 300 + piece, length, length + 200, 2 * length], found.cu_seqlens()]
+    real = found.real_tokens("cpu").reshape(2, length)
+    torch.testing.assert_close(cut[real], whole[real], rtol=0, atol=0)
+    torch.testing.assert_close(cut[real], attention_per_segment(query, key, value, found, 0.3)[real])
+    assert found.longest(piece) == found.longest() == length - 200
+    padded_alone = packed_rows.numbered_segments(torch.tensor([[1] * 10 + [0] * (piece + 1)]))
+    assert padded_alone.attention_bounds(piece) == [0, 10, 10 + piece, 11 + piece]
+    assert padded_alone.longest(piece) == piece and padded_alone.longest() == piece + 1
+
+
 def test_the_npu_varlen_call_passes_tnd_layout_cumulative_lengths_and_the_causal_tile(monkeypatch):
     """``npu_fusion_attention`` cannot run here (no NPU, no CANN): a stand-in ``torch_npu`` checks the call as
     Ascend documents it (layout ``TND``, ``actual_seq_qlen``/``actual_seq_kvlen`` the cumulative sample lengths
