@@ -2,7 +2,7 @@
 
     python -m benchmarks.attention_bench --out DIR [--tokens 4096] [--samples 1200,1700,1100] [--repeats 20]
                                          [--padding-piece 128]
-                                         [--routes sdpa,sdpa-flash,sdpa-cudnn,varlen,aten-flash,aten-cudnn,masked]
+                                         [--routes sdpa,sdpa-flash,sdpa-cudnn,varlen,aten-flash,masked]
 
 One layer's attention (24 query heads, 4 key heads, head dim 256, bf16: Qwen3.5-27B, docs/upstream.md) on one
 row of ``--tokens`` tokens, forward and backward, for every route of ``--routes``:
@@ -10,13 +10,13 @@ row of ``--tokens`` tokens, forward and backward, for every route of ``--routes`
 - ``sdpa``: the unpacked step as transformers calls it (``scaled_dot_product_attention``, ``is_causal``,
   ``enable_gqa``; torch picks the backend), and ``sdpa-flash`` / ``sdpa-cudnn``: the same call held to one
   backend;
-- ``varlen``: a packed row (the samples of ``--samples``, padding up to ``--tokens``) through the product's CUDA
-  route (``patches.packed_rows.varlen_attention``): ``TORCH_VARLEN`` (``torch.nn.attention.varlen.varlen_attn``,
-  FlashAttention 2 with the row's ``cu_seqlens``, the padding cut into segments of ``--padding-piece`` tokens,
-  ``packed_rows.PADDING_PIECE`` by default; 0: the padding one segment, the product before that cut);
-- ``aten-flash``: the packed row through the product's route where torch has no ``varlen_attn``
-  (``ATEN_FLASH``: ``aten._flash_attention_forward``, the operator ``varlen_attn`` wraps); ``aten-cudnn``: a
-  candidate, cuDNN's ragged attention (``cudnn_call``);
+- ``varlen``: a packed row (the samples of ``--samples``, padding up to ``--tokens``) through
+  ``patches.packed_rows.varlen_attention`` with ``TORCH_VARLEN`` (``torch.nn.attention.varlen.varlen_attn``,
+  FlashAttention 2 with the row's ``cu_seqlens``, key heads repeated where it cannot share them), the padding cut
+  into segments of ``--padding-piece`` tokens (``packed_rows.PADDING_PIECE`` by default; 0: the padding one
+  segment, the product before that cut);
+- ``aten-flash``: the packed row through the product's CUDA route (``ATEN_FLASH``: ``aten._flash_attention_forward``,
+  the operator ``varlen_attn`` wraps, key heads shared);
 - ``masked``: SDPA with the 4D block-diagonal mask (the packed row's route where no varlen kernel is).
 
 Per route: the first forward+backward timed alone (``first_call_ms``: with the graphs cuDNN builds for shapes new
@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROUTES = ("sdpa", "sdpa-flash", "sdpa-cudnn", "varlen", "aten-flash", "aten-cudnn", "masked")
+ROUTES = ("sdpa", "sdpa-flash", "sdpa-cudnn", "varlen", "aten-flash", "masked")
 HEADS, KEY_HEADS, HEAD_DIM = 24, 4, 256  # Qwen3.5-27B full attention (benchmarks.bench_assets.QWEN3_5_27B)
 
 
@@ -93,25 +93,8 @@ def route_call(torch, route: str, mask4d, piece: int):
     found = packed_rows.segments(mask4d)
     if route == "masked":
         return lambda q, k, v: sdpa(q, k, v, attn_mask=mask4d, scale=scale, enable_gqa=True)[0].transpose(0, 1)
-    if route == "aten-cudnn":
-        return cudnn_call(torch, found, scale, piece)
     kernel = packed_rows.ATEN_FLASH if route == "aten-flash" else packed_rows.TORCH_VARLEN
     return lambda q, k, v: packed_rows.varlen_attention(kernel, q, k, v, found, scale, piece)[0]
-
-
-def cudnn_call(torch, found, scale: float, piece: int):
-    """A candidate route, not the product's: the packed row through ``aten._cudnn_attention_forward`` with the row's
-    ``cu_seqlens`` (cuDNN's ragged attention; key heads repeated; its backward is in torch 2.11, not in 2.7.1)."""
-    cu, _ = found.cu_seqlens_tensors("cuda", torch.int32, piece)
-    longest = found.longest(piece)
-
-    def call(q, k, v):
-        q3, k3, v3 = (t[0].transpose(0, 1) for t in (q, k, v))  # [T, H, D], a view
-        k3, v3 = (t.repeat_interleave(HEADS // KEY_HEADS, dim=1) for t in (k3, v3))
-        return torch.ops.aten._cudnn_attention_forward(q3, k3, v3, None, cu, cu, longest, longest, True, 0.0, True,
-                                                       False, scale=scale)[0]  # fmt: skip
-
-    return call
 
 
 def reference(torch, q, k, v, numbered) -> Any:

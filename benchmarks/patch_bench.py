@@ -243,13 +243,21 @@ def run_config(out: Path, variant: str, shape: str, backend: str, steps: int) ->
 
 def run_variant(args: list[str], env: dict[str, str], timeout_s: float, log: Path) -> dict[str, Any]:
     """``launcher ARGS`` (``run CONFIG --quiet``, ``profile ...``) in a child process; SIGTERM (a graceful stop)
-    when it overruns."""
+    when it overruns. Interrupted itself (Ctrl-C, ``timeout -s INT``), the benchmark stops the run and waits for
+    its supervisor to end it before going on: the job runs in a session of its own and would otherwise outlive the
+    benchmark, holding the device the next command meets (63 GiB of an H100 once, which the next variant ran out of)."""
     cmd = [sys.executable, "-m", "launcher", *args]
     started = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
             code = proc.wait(timeout=timeout_s)
+        except KeyboardInterrupt:
+            print("[patch_bench] interrupted: stopping the run and waiting for it to end", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            proc.send_signal(signal.SIGTERM)  # the supervisor keeps the first stop signal (the group's SIGINT)
+            proc.wait()
+            raise
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGTERM)  # the supervisor stops the job's whole process tree
             try:

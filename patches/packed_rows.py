@@ -33,11 +33,14 @@ What this patch does:
    (LLaMA-Factory's dummy image appended to a packed batch) stops the run.
 2. routes the full-attention layers of a packed row (``Qwen3_5Attention``, the MoE twin; through the ``sdpa`` entry
    of transformers' attention functions, which the layers look up at every call) to a varlen kernel where the
-   device has one: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention with ``cu_seqlens``) on CUDA, or
-   where that torch has none (before 2.10: the images' 2.7.1) the operator it wraps and torch's nested tensors call,
-   ``torch.ops.aten._flash_attention_forward`` (``ATEN_FLASH``: the same FlashAttention 2 kernel, key heads shared),
-   ``torch_npu.npu_fusion_attention`` (layout ``TND`` with the samples' cumulative lengths,
-   causal ``sparse_mode`` 3) on NPU, bf16/fp16 only; elsewhere (CPU, fp32) the block mask stays with SDPA. Its
+   device has one: on CUDA FlashAttention 2 with the row's ``cu_seqlens`` through
+   ``torch.ops.aten._flash_attention_forward`` (``ATEN_FLASH``: the operator ``varlen_attn`` wraps and torch's nested
+   tensors call, in every torch from 2.7.1, the images', to 2.14; it shares key heads), or through
+   ``torch.nn.attention.varlen.varlen_attn`` where that shares key heads too (``enable_gqa``) or the operator's
+   arguments are not the ones expected (before ``enable_gqa`` it repeats the key heads: a 27B attention layer 0.8 ms
+   slower on an H100, docs/benchmarks.md); ``torch_npu.npu_fusion_attention`` (layout ``TND`` with the samples'
+   cumulative lengths, causal ``sparse_mode`` 3) on NPU; bf16/fp16 only, the row's padding cut into segments of
+   ``PADDING_PIECE`` tokens (``Segments.attention_bounds``); elsewhere (CPU, fp32) the block mask stays with SDPA. Its
    first call is checked against SDPA with the mask on the row's real tokens; a disagreement stops the run (the
    option ``varlen_attention: false`` keeps the mask). Only the mask the DeltaNet layers read as packed rows (the
    same tensor object) takes this path; every other call goes to SDPA unchanged.
@@ -435,9 +438,14 @@ def varlen_kernel(query, scaling: float | None, dropout: float) -> str | None:
     if query.device.type != "cuda" or torch.cuda.get_device_capability(query.device)[0] < 8:
         return None
     options = torch_varlen_options()
-    if options is not None and (options["scale"] or scaling in (None, query.shape[-1] ** -0.5)):
+    public = options is not None and (options["scale"] or scaling in (None, query.shape[-1] ** -0.5))
+    if public and options["gqa"]:
         return TORCH_VARLEN
-    return ATEN_FLASH if aten_flash_op() is not None else None
+    # the operator shares key heads; varlen_attn before enable_gqa repeats them (2.11: 3.07 against 2.22 ms a
+    # checkpointed 27B attention layer on an H100, docs/benchmarks.md)
+    if aten_flash_op() is not None:
+        return ATEN_FLASH
+    return TORCH_VARLEN if public else None
 
 
 @functools.cache

@@ -7,6 +7,7 @@ shape through ``launcher run``, so a broken path fails before anyone spends GPU 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import types
 from pathlib import Path
@@ -394,3 +395,37 @@ def test_the_rank_kernel_check_names_cases_the_suites_have():
         suite, _, names = spec.partition(":")
         assert set(names.split(",")) <= {c.name for c in SUITES[suite]}, shape
     assert "varlen_grouped" in patch_bench.KERNEL_CASES["27b"]  # packed rows' call, checked where they train
+
+
+@pytest.mark.slow
+def test_an_interrupted_benchmark_ends_its_run_before_it_exits(tmp_path):
+    """Ctrl-C or ``timeout -s INT`` signals the benchmark's whole process group, ``launcher run`` (the supervisor)
+    in it; the job runs in a session of its own, so the signal does not reach it, and the supervisor's graceful stop
+    waits for its next step. The benchmark waits for that end: once it has exited, no process of the run is alive
+    and the run's record holds its end state."""
+    import signal
+    import subprocess
+
+    import psutil
+
+    from launcher.state.states import RunState
+    from tests.support.fake_runs import read_status, wait_for, wait_for_run_dir
+
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "benchmarks.patch_bench", "--out", str(out), "--shape", "tiny", "--samples", "3",
+           "--variants", "on", "--steps", "100000", "--kernel-check", "none", "--timeout", "900"]  # fmt: skip
+    bench = subprocess.Popen(cmd, cwd=patch_bench.REPO, start_new_session=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        run_dir = wait_for_run_dir(out / "runs", timeout=300)
+        wait_for("the run to train", lambda: read_status(run_dir).get("state") == RunState.RUNNING
+                 and read_status(run_dir).get("processes"), timeout=300)  # fmt: skip
+        job = [psutil.Process(p["pid"]) for p in read_status(run_dir)["processes"]]
+        os.killpg(bench.pid, signal.SIGINT)
+        _, err = bench.communicate(timeout=300)
+        assert [p.pid for p in job if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+        assert read_status(run_dir)["state"] not in (RunState.PENDING, RunState.RUNNING, RunState.FINISHING)
+        assert bench.returncode != 0 and "stopping the run and waiting for it to end" in err
+    finally:
+        if bench.poll() is None:
+            os.killpg(bench.pid, signal.SIGKILL)

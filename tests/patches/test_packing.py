@@ -272,8 +272,9 @@ def test_packed_attention_through_a_varlen_kernel_keeps_samples_apart_and_its_ch
 
 def test_the_cuda_attention_route_is_varlen_from_compute_capability_8_in_half_precision_without_dropout(monkeypatch):
     """No GPU here: the device's capability and the operators' presence are stand-ins, the choice is the product's.
-    FlashAttention's varlen through ``varlen_attn``, else through torch's operator; no varlen kernel below compute
-    capability 8, in fp32, with dropout, or where torch has neither."""
+    FlashAttention's varlen through torch's operator, which shares key heads, unless ``varlen_attn`` shares them too
+    (``enable_gqa``); ``varlen_attn`` where the operator is missing; no varlen kernel below compute capability 8,
+    in fp32, with dropout, or where torch has neither."""
     import types
 
     import torch
@@ -284,8 +285,15 @@ def test_the_cuda_attention_route_is_varlen_from_compute_capability_8_in_half_pr
     monkeypatch.setattr(packed_rows, "torch_varlen_options", lambda: {"causal": {"is_causal": True}, "scale": True,
                                                                       "gqa": False})  # fmt: skip
     monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: "the operator")
-    assert packed_rows.varlen_kernel(query, None, 0.0) == packed_rows.TORCH_VARLEN
+    assert packed_rows.varlen_kernel(query, None, 0.0) == packed_rows.ATEN_FLASH  # varlen_attn would repeat key heads
     assert packed_rows.varlen_kernel(query, None, 0.1) is None
+    gqa = {"causal": {"window_size": (-1, 0)}, "scale": True, "gqa": True}
+    monkeypatch.setattr(packed_rows, "torch_varlen_options", lambda: gqa)
+    assert packed_rows.varlen_kernel(query, 0.5, 0.0) == packed_rows.TORCH_VARLEN
+    monkeypatch.setattr(packed_rows, "torch_varlen_options", lambda: {**gqa, "gqa": False})
+    monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: None)  # a torch whose operator changed its arguments
+    assert packed_rows.varlen_kernel(query, 0.5, 0.0) == packed_rows.TORCH_VARLEN
+    monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: "the operator")
     fp32 = types.SimpleNamespace(**{**vars(query), "dtype": torch.float32})
     assert packed_rows.varlen_kernel(fp32, None, 0.0) is None
     # a torch without varlen_attn (before 2.10, as in the images), or one whose varlen_attn takes no scale when the
@@ -600,12 +608,12 @@ def test_the_fla_convolution_with_cu_seqlens_equals_the_segment_reset_convolutio
 
 
 @pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="FlashAttention's varlen kernel needs CUDA")
-@pytest.mark.parametrize("route", ["chosen", "operator"])
+@pytest.mark.parametrize("route", ["chosen", "varlen_attn"])
 def test_the_cuda_varlen_kernel_equals_the_block_mask_forward_and_backward(route):
     """The real varlen route on the 27B attention shape (24 query heads, 4 key heads, head dim 256, bf16) against
     SDPA under LLaMA-Factory's block mask: outputs and the gradients of q, k, v on real tokens. ``chosen``: the
-    route this torch gets (``varlen_attn`` from torch 2.10); ``operator``: ``aten._flash_attention_forward``, the
-    route of a torch without ``varlen_attn``, held to on any torch."""
+    route this torch gets (``aten._flash_attention_forward``, or ``varlen_attn`` where it shares key heads);
+    ``varlen_attn``: that function, where this torch has it (from 2.10)."""
     import torch
     from llamafactory.data.collator import prepare_4d_attention_mask
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -619,9 +627,12 @@ def test_the_cuda_varlen_kernel_equals_the_block_mask_forward_and_backward(route
     query = torch.randn(2, 24, 2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     key = torch.randn(2, 4, 2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     value = torch.randn(2, 4, 2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    kernel = packed_rows.varlen_kernel(query, 256**-0.5, 0.0) if route == "chosen" else packed_rows.ATEN_FLASH
-    chosen = packed_rows.TORCH_VARLEN if packed_rows.torch_varlen_options() else packed_rows.ATEN_FLASH
-    assert kernel == (chosen if route == "chosen" else packed_rows.ATEN_FLASH), packed_rows.torch_varlen_options()
+    kernel = packed_rows.varlen_kernel(query, 256**-0.5, 0.0) if route == "chosen" else packed_rows.TORCH_VARLEN
+    options = packed_rows.torch_varlen_options()
+    if route == "varlen_attn" and options is None:
+        pytest.skip("this torch has no varlen_attn (before 2.10)")
+    chosen = packed_rows.TORCH_VARLEN if options and options["gqa"] else packed_rows.ATEN_FLASH
+    assert kernel == (chosen if route == "chosen" else packed_rows.TORCH_VARLEN), options
     results = []
     for run in ("varlen", "mask"):
         if run == "varlen":
