@@ -241,6 +241,11 @@ def run_config(out: Path, variant: str, shape: str, backend: str, steps: int) ->
     return config
 
 
+# an interrupted benchmark waits this long for its run to end: the supervisor's graceful stop (a checkpoint at the
+# job's next step, within launcher.stop_grace_s, 120 s by default) and the end of its record
+INTERRUPT_WAIT_S = 300
+
+
 def run_variant(args: list[str], env: dict[str, str], timeout_s: float, log: Path) -> dict[str, Any]:
     """``launcher ARGS`` (``run CONFIG --quiet``, ``profile ...``) in a child process; SIGTERM (a graceful stop)
     when it overruns. Interrupted itself (Ctrl-C, ``timeout -s INT``), the benchmark stops the run and waits for
@@ -253,10 +258,16 @@ def run_variant(args: list[str], env: dict[str, str], timeout_s: float, log: Pat
         try:
             code = proc.wait(timeout=timeout_s)
         except KeyboardInterrupt:
-            print("[patch_bench] interrupted: stopping the run and waiting for it to end", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print("[patch_bench] interrupted: stopping the run and waiting for it to end (at most "
+                  f"{INTERRUPT_WAIT_S} s; another Ctrl-C leaves it running)", file=sys.stderr, flush=True)  # fmt: skip
             proc.send_signal(signal.SIGTERM)  # the supervisor keeps the first stop signal (the group's SIGINT)
-            proc.wait()
+            try:
+                proc.wait(timeout=INTERRUPT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                print(f"[patch_bench] the run did not end in {INTERRUPT_WAIT_S} s; its supervisor was killed and "
+                      f"its job may still run (`launcher status`; the supervisor's log: {log})", file=sys.stderr,
+                      flush=True)  # fmt: skip
             raise
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGTERM)  # the supervisor stops the job's whole process tree
@@ -719,4 +730,5 @@ def _one_line(v: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `timeout` and `kill` stop the run as Ctrl-C does
     sys.exit(main())

@@ -35,10 +35,10 @@ What this patch does:
    of transformers' attention functions, which the layers look up at every call) to a varlen kernel where the
    device has one: on CUDA FlashAttention 2 with the row's ``cu_seqlens`` through
    ``torch.ops.aten._flash_attention_forward`` (``ATEN_FLASH``: the operator ``varlen_attn`` wraps and torch's nested
-   tensors call, in every torch from 2.7.1, the images', to 2.14; it shares key heads), or through
-   ``torch.nn.attention.varlen.varlen_attn`` where that shares key heads too (``enable_gqa``) or the operator's
-   arguments are not the ones expected (before ``enable_gqa`` it repeats the key heads: a 27B attention layer 0.8 ms
-   slower on an H100, docs/benchmarks.md); ``torch_npu.npu_fusion_attention`` (layout ``TND`` with the samples'
+   tensors call, in every torch from 2.7.1, the images', to 2.14; it shares key heads, which ``varlen_attn`` before
+   ``enable_gqa`` repeats: a 27B attention layer 0.8 ms slower on an H100, docs/benchmarks.md), or through
+   ``torch.nn.attention.varlen.varlen_attn`` where the operator's arguments are not the ones expected;
+   ``torch_npu.npu_fusion_attention`` (layout ``TND`` with the samples'
    cumulative lengths, causal ``sparse_mode`` 3) on NPU; bf16/fp16 only, the row's padding cut into segments of
    ``PADDING_PIECE`` tokens (``Segments.attention_bounds``); elsewhere (CPU, fp32) the block mask stays with SDPA. Its
    first call is checked against SDPA with the mask on the row's real tokens; a disagreement stops the run (the
@@ -207,6 +207,8 @@ class Segments:
     def attention_bounds(self, piece: int) -> list[int]:
         """``cu_seqlens`` with every run of padding cut into segments of at most ``piece`` tokens (``PADDING_PIECE``;
         0: uncut); the samples' boundaries unchanged."""
+        if piece < 0:
+            raise ValueError(f"a padding piece of {piece} tokens; give 0 (uncut) or more")
         bounds = [row * self.length + at for row, start, end, real in self.spans
                   for at in range(start, end, piece if piece and not real else end - start)]  # fmt: skip
         return bounds + [self.rows * self.length]
@@ -437,15 +439,14 @@ def varlen_kernel(query, scaling: float | None, dropout: float) -> str | None:
         return NPU_VARLEN
     if query.device.type != "cuda" or torch.cuda.get_device_capability(query.device)[0] < 8:
         return None
-    options = torch_varlen_options()
-    public = options is not None and (options["scale"] or scaling in (None, query.shape[-1] ** -0.5))
-    if public and options["gqa"]:
-        return TORCH_VARLEN
-    # the operator shares key heads; varlen_attn before enable_gqa repeats them (2.11: 3.07 against 2.22 ms a
-    # checkpointed 27B attention layer on an H100, docs/benchmarks.md)
+    # the operator shares key heads, which varlen_attn before enable_gqa repeats (torch 2.11: 3.07 against 2.22 ms a
+    # checkpointed 27B attention layer on an H100, docs/benchmarks.md); later varlen_attn wraps the same call
     if aten_flash_op() is not None:
         return ATEN_FLASH
-    return TORCH_VARLEN if public else None
+    options = torch_varlen_options()
+    if options is not None and (options["scale"] or scaling in (None, query.shape[-1] ** -0.5)):
+        return TORCH_VARLEN
+    return None
 
 
 @functools.cache
@@ -458,12 +459,14 @@ def npu_causal_tile(device: str):
 
 
 def varlen_attention(kernel: str, query, key, value, found: Segments, scaling: float | None,
-                     padding_piece: int = PADDING_PIECE):  # fmt: skip
+                     padding_piece: int | None = None):  # fmt: skip
     """Causal attention inside every segment of packed rows: ``query`` ``[B, H, T, D]``, ``key``/``value``
     ``[B, Hkv, T, D]`` (the layout transformers' attention functions take) to ``[B, T, H, D]`` (the one they
-    return), the rows laid end to end as the varlen kernels take them, the padding in pieces of ``padding_piece``."""
+    return), the rows laid end to end as the varlen kernels take them, the padding in pieces of ``padding_piece``
+    (``PADDING_PIECE`` unless given; 0: whole)."""
     import torch
 
+    padding_piece = PADDING_PIECE if padding_piece is None else padding_piece
     rows, heads, length, _ = query.shape
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     q, k, v = (t.transpose(1, 2).reshape(rows * length, t.shape[1], t.shape[-1]) for t in (query, key, value))

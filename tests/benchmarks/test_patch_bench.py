@@ -398,11 +398,13 @@ def test_the_rank_kernel_check_names_cases_the_suites_have():
 
 
 @pytest.mark.slow
-def test_an_interrupted_benchmark_ends_its_run_before_it_exits(tmp_path):
+@pytest.mark.parametrize("signalled", ["group", "benchmark"])
+def test_an_interrupted_benchmark_ends_its_run_before_it_exits(tmp_path, signalled):
     """Ctrl-C or ``timeout -s INT`` signals the benchmark's whole process group, ``launcher run`` (the supervisor)
-    in it; the job runs in a session of its own, so the signal does not reach it, and the supervisor's graceful stop
-    waits for its next step. The benchmark waits for that end: once it has exited, no process of the run is alive
-    and the run's record holds its end state."""
+    in it (``group``); ``kill -INT`` or ``kill`` signals the benchmark alone (``benchmark``, SIGINT here). The job runs
+    in a session of its own, so neither signal reaches it, and the supervisor's graceful stop waits for its next
+    step. The benchmark stops the run and waits for that end: once it has exited, no process of the job is alive and
+    the run's record holds its end state."""
     import signal
     import subprocess
 
@@ -416,16 +418,23 @@ def test_an_interrupted_benchmark_ends_its_run_before_it_exits(tmp_path):
            "--variants", "on", "--steps", "100000", "--kernel-check", "none", "--timeout", "900"]  # fmt: skip
     bench = subprocess.Popen(cmd, cwd=patch_bench.REPO, start_new_session=True, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    job: list[psutil.Process] = []
     try:
         run_dir = wait_for_run_dir(out / "runs", timeout=300)
         wait_for("the run to train", lambda: read_status(run_dir).get("state") == RunState.RUNNING
                  and read_status(run_dir).get("processes"), timeout=300)  # fmt: skip
         job = [psutil.Process(p["pid"]) for p in read_status(run_dir)["processes"]]
-        os.killpg(bench.pid, signal.SIGINT)
+        if signalled == "group":
+            os.killpg(bench.pid, signal.SIGINT)
+        else:
+            bench.send_signal(signal.SIGINT)
         _, err = bench.communicate(timeout=300)
         assert [p.pid for p in job if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
-        assert read_status(run_dir)["state"] not in (RunState.PENDING, RunState.RUNNING, RunState.FINISHING)
+        assert RunState(read_status(run_dir)["state"]).terminal, read_status(run_dir)["state"]
         assert bench.returncode != 0 and "stopping the run and waiting for it to end" in err
     finally:
         if bench.poll() is None:
             os.killpg(bench.pid, signal.SIGKILL)
+        for process in job:
+            if process.is_running():
+                process.kill()

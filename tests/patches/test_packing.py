@@ -223,32 +223,52 @@ def attention_per_segment(query, key, value, found, scaling=None):
     return out
 
 
+def flash_stand_in(seen: list):
+    """A stand-in for ``aten._flash_attention_forward`` (it runs only on CUDA): causal SDPA over every ``cu_seqlens``
+    segment alone, FlashAttention's definition, key heads shared; the bounds of every call go to ``seen``."""
+    import torch
+
+    def flash(query, key, value, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, debug, *, scale):
+        bounds = cu_q.tolist()
+        assert cu_q is cu_k and is_causal and max_q == max(e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True))
+        seen.append(bounds)
+        out = torch.empty_like(query)
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            part = torch.nn.functional.scaled_dot_product_attention(
+                *(t[start:end].transpose(0, 1)[None] for t in (query, key, value)), is_causal=True, scale=scale,
+                enable_gqa=True)  # fmt: skip
+            out[start:end] = part[0].transpose(0, 1)
+        return out, None, None, None, None
+
+    return flash
+
+
 @pytest.mark.usefixtures("restore_patches")
 def test_packed_attention_through_a_varlen_kernel_keeps_samples_apart_and_its_check_catches_a_leak(
     tmp_path, demo_assets, monkeypatch
 ):
-    """The attention layers' varlen route, end to end on the tiny model: with a stand-in kernel (FlashAttention
-    and ``npu_fusion_attention`` do not run on CPU; the stand-in is causal SDPA per segment, their definition)
-    the packed row still equals its samples alone, and the first call's check against the block mask is
-    recorded. A kernel that lets samples see each other (causal over the whole row) stops the run at that check."""
+    """The attention layers' varlen route, end to end on the tiny model: the product's ``varlen_attention`` with a
+    stand-in FlashAttention operator (FlashAttention and ``npu_fusion_attention`` do not run on CPU; the stand-in is
+    causal SDPA per segment, their definition) and the row's padding cut into pieces (``PADDING_PIECE`` lowered to
+    the tiny row's scale): the packed row still equals its samples alone, loss and LoRA gradients, and the first
+    call's check against the block mask is recorded. A kernel that lets samples see each other (causal over the whole
+    row) stops the run at that check."""
     from patches.errors import PatchError
 
-    calls = []
-
-    def stand_in(kernel, query, key, value, found, scaling):
-        calls.append(kernel)
-        return attention_per_segment(query, key, value, found, scaling)
-
-    monkeypatch.setattr(packed_rows, "varlen_kernel", lambda query, scaling, dropout: "stand-in varlen")
-    monkeypatch.setattr(packed_rows, "varlen_attention", stand_in)
+    seen = []
+    monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: flash_stand_in(seen))
+    monkeypatch.setattr(packed_rows, "varlen_kernel", lambda query, scaling, dropout: packed_rows.ATEN_FLASH)
+    monkeypatch.setattr(packed_rows, "PADDING_PIECE", 4)
     patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)
     model = packing_model(demo_assets["model"])
     parts = samples(model.config.text_config.vocab_size)
     loss_gap, grad_gap = compare(model, parts)
     assert loss_gap < 1e-4 and grad_gap < 1e-4, (loss_gap, grad_gap)
     attention = read_proof(tmp_path, "packed_rows")["first_packed_attention"]
-    assert attention["kernel"] == "stand-in varlen" and attention["checked_against"] == packed_rows.MASKED
-    assert attention["relative_l2_difference"] < 1e-5 and calls
+    assert attention["kernel"] == packed_rows.ATEN_FLASH and attention["checked_against"] == packed_rows.MASKED
+    assert attention["relative_l2_difference"] < 1e-5
+    padding = ROW - sum(LENGTHS)
+    assert padding > 4 and any(len(bounds) == len(LENGTHS) + 1 + -(-padding // 4) for bounds in seen), seen
 
     def leaking(kernel, query, key, value, found, scaling):
         whole = packed_rows.Segments(found.rows, found.length, tuple((r, 0, found.length, True)
@@ -272,9 +292,9 @@ def test_packed_attention_through_a_varlen_kernel_keeps_samples_apart_and_its_ch
 
 def test_the_cuda_attention_route_is_varlen_from_compute_capability_8_in_half_precision_without_dropout(monkeypatch):
     """No GPU here: the device's capability and the operators' presence are stand-ins, the choice is the product's.
-    FlashAttention's varlen through torch's operator, which shares key heads, unless ``varlen_attn`` shares them too
-    (``enable_gqa``); ``varlen_attn`` where the operator is missing; no varlen kernel below compute capability 8,
-    in fp32, with dropout, or where torch has neither."""
+    FlashAttention's varlen through torch's operator, which shares key heads, on any torch that has it with the
+    expected arguments; ``varlen_attn`` where it has not; no varlen kernel below compute capability 8, in fp32,
+    with dropout, or where torch has neither."""
     import types
 
     import torch
@@ -289,9 +309,10 @@ def test_the_cuda_attention_route_is_varlen_from_compute_capability_8_in_half_pr
     assert packed_rows.varlen_kernel(query, None, 0.1) is None
     gqa = {"causal": {"window_size": (-1, 0)}, "scale": True, "gqa": True}
     monkeypatch.setattr(packed_rows, "torch_varlen_options", lambda: gqa)
+    assert packed_rows.varlen_kernel(query, 0.5, 0.0) == packed_rows.ATEN_FLASH  # varlen_attn wraps the same call
+    monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: None)  # a torch whose operator changed its arguments
     assert packed_rows.varlen_kernel(query, 0.5, 0.0) == packed_rows.TORCH_VARLEN
     monkeypatch.setattr(packed_rows, "torch_varlen_options", lambda: {**gqa, "gqa": False})
-    monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: None)  # a torch whose operator changed its arguments
     assert packed_rows.varlen_kernel(query, 0.5, 0.0) == packed_rows.TORCH_VARLEN
     monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: "the operator")
     fp32 = types.SimpleNamespace(**{**vars(query), "dtype": torch.float32})
@@ -510,20 +531,7 @@ def test_the_padding_reaches_the_varlen_kernel_in_pieces_and_leaves_the_samples_
 
     piece = packed_rows.PADDING_PIECE
     seen = []
-
-    def flash(query, key, value, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, debug, *, scale):
-        bounds = cu_q.tolist()
-        assert max_q == max_k == max(e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True))
-        seen.append(bounds)
-        out = torch.empty_like(query)
-        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-            part = torch.nn.functional.scaled_dot_product_attention(
-                *(t[start:end].transpose(0, 1)[None] for t in (query, key, value)), is_causal=True, scale=scale,
-                enable_gqa=True)  # fmt: skip
-            out[start:end] = part[0].transpose(0, 1)
-        return out, None, None, None, None
-
-    monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: flash)
+    monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: flash_stand_in(seen))
     length = 2 * piece + 300
     numbered = torch.tensor([[1] * 300 + [0] * (2 * piece), [1] * 200 + [2] * (length - 200)])
     found = packed_rows.numbered_segments(numbered)
@@ -540,6 +548,8 @@ def test_the_padding_reaches_the_varlen_kernel_in_pieces_and_leaves_the_samples_
     padded_alone = packed_rows.numbered_segments(torch.tensor([[1] * 10 + [0] * (piece + 1)]))
     assert padded_alone.attention_bounds(piece) == [0, 10, 10 + piece, 11 + piece]
     assert padded_alone.longest(piece) == piece and padded_alone.longest() == piece + 1
+    with pytest.raises(ValueError, match="a padding piece of -1 tokens"):
+        padded_alone.attention_bounds(-1)
 
 
 def test_the_npu_varlen_call_passes_tnd_layout_cumulative_lengths_and_the_causal_tile(monkeypatch):
@@ -608,31 +618,33 @@ def test_the_fla_convolution_with_cu_seqlens_equals_the_segment_reset_convolutio
 
 
 @pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="FlashAttention's varlen kernel needs CUDA")
-@pytest.mark.parametrize("route", ["chosen", "varlen_attn"])
-def test_the_cuda_varlen_kernel_equals_the_block_mask_forward_and_backward(route):
-    """The real varlen route on the 27B attention shape (24 query heads, 4 key heads, head dim 256, bf16) against
-    SDPA under LLaMA-Factory's block mask: outputs and the gradients of q, k, v on real tokens. ``chosen``: the
-    route this torch gets (``aten._flash_attention_forward``, or ``varlen_attn`` where it shares key heads);
-    ``varlen_attn``: that function, where this torch has it (from 2.10)."""
+@pytest.mark.parametrize("kernel", [packed_rows.ATEN_FLASH, packed_rows.TORCH_VARLEN])
+def test_the_cuda_varlen_kernel_equals_the_block_mask_forward_and_backward(kernel):
+    """Each CUDA varlen route on the 27B attention shape (24 query heads, 4 key heads, head dim 256, bf16) against
+    SDPA under LLaMA-Factory's block mask: outputs and the gradients of q, k, v on real tokens, on rows whose padding
+    the routes take in several pieces (``PADDING_PIECE``). ``ATEN_FLASH`` is the route a torch with the operator
+    gets (checked here); ``varlen_attn`` where this torch has it (from 2.10)."""
     import torch
     from llamafactory.data.collator import prepare_4d_attention_mask
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if kernel == packed_rows.TORCH_VARLEN and packed_rows.torch_varlen_options() is None:
+        pytest.skip("this torch has no varlen_attn (before 2.10)")
+    if kernel == packed_rows.ATEN_FLASH and packed_rows.aten_flash_op() is None:
+        pytest.skip("this torch has no FlashAttention operator with the expected arguments")
     torch.manual_seed(0)
-    numbered = torch.tensor([[1] * 700 + [2] * 1200 + [3] * 100 + [0] * 48, [1] * 2000 + [2] * 48])
+    padding = 3 * packed_rows.PADDING_PIECE + 40
+    numbered = torch.tensor([[1] * 700 + [2] * (2048 - 700 - padding) + [0] * padding, [1] * 1748 + [0] * 300])
     mask = prepare_4d_attention_mask(numbered, torch.bfloat16).cuda()
     found = packed_rows.segments(mask)
+    assert len(found.attention_bounds(packed_rows.PADDING_PIECE)) == len(found.cu_seqlens()) + 3 + 2
     module = types_module = __import__("types").SimpleNamespace(is_causal=True, num_key_value_groups=6, training=True)
     del types_module
     query = torch.randn(2, 24, 2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     key = torch.randn(2, 4, 2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     value = torch.randn(2, 4, 2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    kernel = packed_rows.varlen_kernel(query, 256**-0.5, 0.0) if route == "chosen" else packed_rows.TORCH_VARLEN
-    options = packed_rows.torch_varlen_options()
-    if route == "varlen_attn" and options is None:
-        pytest.skip("this torch has no varlen_attn (before 2.10)")
-    chosen = packed_rows.TORCH_VARLEN if options and options["gqa"] else packed_rows.ATEN_FLASH
-    assert kernel == (chosen if route == "chosen" else packed_rows.TORCH_VARLEN), options
+    if packed_rows.aten_flash_op() is not None:
+        assert packed_rows.varlen_kernel(query, 256**-0.5, 0.0) == packed_rows.ATEN_FLASH
     results = []
     for run in ("varlen", "mask"):
         if run == "varlen":
