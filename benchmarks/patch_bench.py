@@ -246,6 +246,17 @@ def run_config(out: Path, variant: str, shape: str, backend: str, steps: int) ->
 INTERRUPT_WAIT_S = 300
 
 
+def _stop(proc: subprocess.Popen, wait_s: float) -> tuple[int, bool]:
+    """SIGTERM to ``launcher``'s supervisor, which stops the job's whole process tree (it keeps the first stop signal
+    it gets); its exit code, and whether it ended by itself within ``wait_s`` seconds (else it was killed)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=wait_s), True
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(), False
+
+
 def run_variant(args: list[str], env: dict[str, str], timeout_s: float, log: Path) -> dict[str, Any]:
     """``launcher ARGS`` (``run CONFIG --quiet``, ``profile ...``) in a child process; SIGTERM (a graceful stop)
     when it overruns. Interrupted itself (Ctrl-C, ``timeout -s INT``), the benchmark stops the run and waits for
@@ -260,22 +271,13 @@ def run_variant(args: list[str], env: dict[str, str], timeout_s: float, log: Pat
         except KeyboardInterrupt:
             print("[patch_bench] interrupted: stopping the run and waiting for it to end (at most "
                   f"{INTERRUPT_WAIT_S} s; another Ctrl-C leaves it running)", file=sys.stderr, flush=True)  # fmt: skip
-            proc.send_signal(signal.SIGTERM)  # the supervisor keeps the first stop signal (the group's SIGINT)
-            try:
-                proc.wait(timeout=INTERRUPT_WAIT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            if not _stop(proc, INTERRUPT_WAIT_S)[1]:
                 print(f"[patch_bench] the run did not end in {INTERRUPT_WAIT_S} s; its supervisor was killed and "
                       f"its job may still run (`launcher status`; the supervisor's log: {log})", file=sys.stderr,
                       flush=True)  # fmt: skip
             raise
         except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)  # the supervisor stops the job's whole process tree
-            try:
-                code = proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = proc.wait()
+            code, _ = _stop(proc, 90)
     wall = time.monotonic() - started
     return {"command": " ".join(["python", *cmd[1:]]), "exit_code": code, "wall_s": round(wall, 1),
             "timed_out": wall >= timeout_s}  # fmt: skip

@@ -40,7 +40,7 @@ What this patch does:
    ``torch.nn.attention.varlen.varlen_attn`` where the operator's arguments are not the ones expected;
    ``torch_npu.npu_fusion_attention`` (layout ``TND`` with the samples'
    cumulative lengths, causal ``sparse_mode`` 3) on NPU; bf16/fp16 only, the row's padding cut into segments of
-   ``PADDING_PIECE`` tokens (``Segments.attention_bounds``); elsewhere (CPU, fp32) the block mask stays with SDPA. Its
+   ``PADDING_PIECE`` tokens (``Segments.cu_seqlens``); elsewhere (CPU, fp32) the block mask stays with SDPA. Its
    first call is checked against SDPA with the mask on the row's real tokens; a disagreement stops the run (the
    option ``varlen_attention: false`` keeps the mask). Only the mask the DeltaNet layers read as packed rows (the
    same tensor object) takes this path; every other call goes to SDPA unchanged.
@@ -117,8 +117,9 @@ FLASH_ARGUMENTS = ("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "
 NPU_VARLEN = "torch_npu.npu_fusion_attention"
 MASKED = "sdpa with the block mask"
 NUMBERS = "int32"  # the dtype that marks a batch's attention_mask as LLaMA-Factory's sample numbers (see device_mask)
-# The varlen attention kernels take a row's padding as segments of at most this many tokens (``attention_bounds``):
-# padding attends only to padding and its outputs are never read, so any cut is exact for the samples, and a run of
+# The varlen attention kernels take a row's padding as segments of at most this many tokens (``Segments.cu_seqlens``):
+# padding attends only to padding and no sample token or loss term depends on its outputs, so any cut is exact for
+# the samples, and a run of
 # P padding tokens as one causal segment costs about (P / 4096)^2 of a full row's attention (LLaMA-Factory pads each
 # packed row to cutoff_len: 1,614 of 4,096 tokens in a row holding one sample of 2,482), cut into pieces of 128
 # (two of FlashAttention 2's 64-token tiles at head dim 256) about 128 / P of that
@@ -169,20 +170,20 @@ class Segments:
 
     def cu_seqlens_tensors(self, device, dtype=None, piece: int = 0) -> tuple[Any, Any]:
         """``cu_seqlens`` on ``device`` and on the CPU (FLA takes both, so it never reads them back); int64
-        unless ``dtype`` (FlashAttention takes int32); with ``piece``, the ``attention_bounds``."""
+        unless ``dtype`` (FlashAttention takes int32); the padding in pieces of ``piece`` tokens (``cu_seqlens``)."""
         key = ("cu_seqlens", str(device), str(dtype), piece)
         if key not in self._on_device:
             import torch
 
-            bounds = self.attention_bounds(piece) if piece else self.cu_seqlens()
+            bounds = self.cu_seqlens(piece)
             dtype = dtype or torch.long
             self._on_device[key] = (torch.tensor(bounds, dtype=dtype, device=device),
                                     torch.tensor(bounds, dtype=dtype))  # fmt: skip
         return self._on_device[key]
 
     def longest(self, piece: int = 0) -> int:
-        """The longest segment, or with ``piece`` the longest of the ``attention_bounds``."""
-        bounds = self.attention_bounds(piece) if piece else self.cu_seqlens()
+        """The longest segment of ``cu_seqlens(piece)``."""
+        bounds = self.cu_seqlens(piece)
         return max(end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True))
 
     def real_tokens(self, device) -> Any:
@@ -200,13 +201,10 @@ class Segments:
     def samples_per_row(self) -> list[int]:
         return [sum(1 for r, _, _, real in self.spans if r == row and real) for row in range(self.rows)]
 
-    def cu_seqlens(self) -> list[int]:
-        """The segment boundaries of the rows laid end to end (FLA's varlen layout, batch 1)."""
-        return [row * self.length + start for row, start, _, _ in self.spans] + [self.rows * self.length]
-
-    def attention_bounds(self, piece: int) -> list[int]:
-        """``cu_seqlens`` with every run of padding cut into segments of at most ``piece`` tokens (``PADDING_PIECE``;
-        0: uncut); the samples' boundaries unchanged."""
+    def cu_seqlens(self, piece: int = 0) -> list[int]:
+        """The segment boundaries of the rows laid end to end (FLA's varlen layout, batch 1); with ``piece``, every
+        run of padding cut into segments of at most that many tokens (``PADDING_PIECE``, the attention kernels'
+        bounds), the samples' boundaries unchanged."""
         if piece < 0:
             raise ValueError(f"a padding piece of {piece} tokens; give 0 (uncut) or more")
         bounds = [row * self.length + at for row, start, end, real in self.spans
@@ -473,7 +471,7 @@ def varlen_attention(kernel: str, query, key, value, found: Segments, scaling: f
     if kernel == NPU_VARLEN:
         import torch_npu
 
-        ends = found.attention_bounds(padding_piece)[1:]  # cumulative lengths without the leading 0
+        ends = found.cu_seqlens(padding_piece)[1:]  # cumulative lengths without the leading 0
         out = torch_npu.npu_fusion_attention(q, k, v, heads, "TND", atten_mask=npu_causal_tile(str(q.device)),
                                              scale=scaling, sparse_mode=3, actual_seq_qlen=ends,
                                              actual_seq_kvlen=ends)[0]  # fmt: skip

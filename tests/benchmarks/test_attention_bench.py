@@ -47,15 +47,7 @@ def test_the_routes_agree_with_the_per_sample_reference_on_the_cpu(monkeypatch):
     mask = packed_rows.block_causal_mask(numbered, torch.float32)
     expected = attention_bench.reference(torch, q, k, v, numbered)
     real = numbered[0] != 0
-    assert (
-        attention_bench.relative(
-            attention_bench.route_call(torch, "masked", mask, packed_rows.PADDING_PIECE)(q, k, v), expected, real
-        )
-        < 1e-5
-    )
-    assert (
-        attention_bench.relative(
-            attention_bench.route_call(torch, "sdpa", mask, packed_rows.PADDING_PIECE)(q, k, v), expected, real
-        )
-        > 0.1
-    )
+    masked, whole_row = (attention_bench.route_call(torch, route, mask, packed_rows.PADDING_PIECE) for route in
+                         ("masked", "sdpa"))  # fmt: skip
+    assert attention_bench.relative(masked(q, k, v), expected, real) < 1e-5
+    assert attention_bench.relative(whole_row(q, k, v), expected, real) > 0.1

@@ -224,14 +224,17 @@ def attention_per_segment(query, key, value, found, scaling=None):
 
 
 def flash_stand_in(seen: list):
-    """A stand-in for ``aten._flash_attention_forward`` (it runs only on CUDA): causal SDPA over every ``cu_seqlens``
-    segment alone, FlashAttention's definition, key heads shared; the bounds of every call go to ``seen``."""
+    """A stand-in for ``aten._flash_attention_forward`` (it runs only on CUDA) that checks the call as the product
+    makes it (``cu_seqlens`` int32, the same for queries and keys, the longest segment, no dropout, causal) and
+    computes causal SDPA over every segment alone, FlashAttention's definition, key heads shared; each call's bounds,
+    scale and head counts go to ``seen``."""
     import torch
 
     def flash(query, key, value, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, debug, *, scale):
+        assert cu_q is cu_k and cu_q.dtype == torch.int32 and (dropout_p, is_causal, debug) == (0.0, True, False)
         bounds = cu_q.tolist()
-        assert cu_q is cu_k and is_causal and max_q == max(e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True))
-        seen.append(bounds)
+        assert max_q == max_k == max(e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True))
+        seen.append({"bounds": bounds, "scale": scale, "heads": (query.shape[1], key.shape[1], value.shape[1])})
         out = torch.empty_like(query)
         for start, end in zip(bounds[:-1], bounds[1:], strict=True):
             part = torch.nn.functional.scaled_dot_product_attention(
@@ -268,7 +271,7 @@ def test_packed_attention_through_a_varlen_kernel_keeps_samples_apart_and_its_ch
     assert attention["kernel"] == packed_rows.ATEN_FLASH and attention["checked_against"] == packed_rows.MASKED
     assert attention["relative_l2_difference"] < 1e-5
     padding = ROW - sum(LENGTHS)
-    assert padding > 4 and any(len(bounds) == len(LENGTHS) + 1 + -(-padding // 4) for bounds in seen), seen
+    assert padding > 4 and any(len(call["bounds"]) == len(LENGTHS) + 1 + -(-padding // 4) for call in seen), seen
 
     def leaking(kernel, query, key, value, found, scaling):
         whole = packed_rows.Segments(found.rows, found.length, tuple((r, 0, found.length, True)
@@ -491,32 +494,14 @@ def test_the_flash_operator_is_called_with_cumulative_lengths_and_the_key_heads_
     uncached = packed_rows.aten_flash_op.__wrapped__
     if torch.backends.cuda.is_flash_attention_available():  # a CUDA build: its operator has the arguments, in order
         assert uncached() is not None
-    seen = {}
-
-    def flash(query, key, value, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, debug, *, scale):
-        assert cu_q is cu_k and cu_q.dtype == torch.int32 and (dropout_p, is_causal, debug) == (0.0, True, False)
-        assert query.shape[1] == 6 and key.shape[1] == value.shape[1] == 2
-        bounds = cu_q.tolist()
-        assert max_q == max_k == max(e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True))
-        out = torch.empty_like(query)
-        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-            part = torch.nn.functional.scaled_dot_product_attention(
-                *(t[start:end].transpose(0, 1)[None] for t in (query, key, value)),
-                is_causal=True,
-                scale=scale,
-                enable_gqa=True,
-            )
-            out[start:end] = part[0].transpose(0, 1)
-        seen.update(bounds=bounds, scale=scale)
-        return out, None, None, None, None
-
-    monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: flash)
+    seen = []
+    monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: flash_stand_in(seen))
     torch.manual_seed(0)
     numbered = torch.tensor([[1] * 9 + [2] * 20 + [0] * 3, [1] * 16 + [2] * 16])
     found = packed_rows.segments(prepare_4d_attention_mask(numbered, torch.float32))
     query, key, value = torch.randn(2, 6, 32, 8), torch.randn(2, 2, 32, 8), torch.randn(2, 2, 32, 8)
     ours = packed_rows.varlen_attention(packed_rows.ATEN_FLASH, query, key, value, found, 0.3)
-    assert seen == {"bounds": [0, 9, 29, 32, 48, 64], "scale": 0.3}
+    assert seen == [{"bounds": [0, 9, 29, 32, 48, 64], "scale": 0.3, "heads": (6, 2, 2)}]  # key heads unrepeated
     torch.testing.assert_close(ours, attention_per_segment(query, key, value, found, 0.3), rtol=1e-5, atol=1e-6)
     monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: False)
     assert uncached() is None  # a torch built without FlashAttention: the mask
@@ -540,16 +525,17 @@ def test_the_padding_reaches_the_varlen_kernel_in_pieces_and_leaves_the_samples_
     query, key, value = torch.randn(2, 6, length, 8), torch.randn(2, 2, length, 8), torch.randn(2, 2, length, 8)
     cut = packed_rows.varlen_attention(packed_rows.ATEN_FLASH, query, key, value, found, 0.3)
     whole = packed_rows.varlen_attention(packed_rows.ATEN_FLASH, query, key, value, found, 0.3, padding_piece=0)
-    assert seen == [[0, 300, 300 + piece, length, length + 200, 2 * length], found.cu_seqlens()]
+    assert [call["bounds"] for call in seen] == [[0, 300, 300 + piece, length, length + 200, 2 * length],
+                                                 found.cu_seqlens()]  # fmt: skip
     real = found.real_tokens("cpu").reshape(2, length)
     torch.testing.assert_close(cut[real], whole[real], rtol=0, atol=0)
     torch.testing.assert_close(cut[real], attention_per_segment(query, key, value, found, 0.3)[real])
     assert found.longest(piece) == found.longest() == length - 200
     padded_alone = packed_rows.numbered_segments(torch.tensor([[1] * 10 + [0] * (piece + 1)]))
-    assert padded_alone.attention_bounds(piece) == [0, 10, 10 + piece, 11 + piece]
+    assert padded_alone.cu_seqlens(piece) == [0, 10, 10 + piece, 11 + piece]
     assert padded_alone.longest(piece) == piece and padded_alone.longest() == piece + 1
     with pytest.raises(ValueError, match="a padding piece of -1 tokens"):
-        padded_alone.attention_bounds(-1)
+        padded_alone.cu_seqlens(-1)
 
 
 def test_the_npu_varlen_call_passes_tnd_layout_cumulative_lengths_and_the_causal_tile(monkeypatch):
@@ -637,7 +623,7 @@ def test_the_cuda_varlen_kernel_equals_the_block_mask_forward_and_backward(kerne
     numbered = torch.tensor([[1] * 700 + [2] * (2048 - 700 - padding) + [0] * padding, [1] * 1748 + [0] * 300])
     mask = prepare_4d_attention_mask(numbered, torch.bfloat16).cuda()
     found = packed_rows.segments(mask)
-    assert len(found.attention_bounds(packed_rows.PADDING_PIECE)) == len(found.cu_seqlens()) + 3 + 2
+    assert len(found.cu_seqlens(packed_rows.PADDING_PIECE)) == len(found.cu_seqlens()) + 3 + 2
     module = types_module = __import__("types").SimpleNamespace(is_causal=True, num_key_value_groups=6, training=True)
     del types_module
     query = torch.randn(2, 24, 2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
