@@ -186,15 +186,16 @@ def install_shard_materialization(device: str, seed: int, recorder: Recorder) ->
 
 
 def real_tokens(mask, ids) -> int | None:
-    """The batch's tokens that are not padding: the 2D mask's ones, or the tokens a packed row's 4D mask lets
-    attend to themselves (neat packing)."""
+    """The batch's tokens that are not padding: the 2D mask's non-zero entries (its ones, or a packed row's sample
+    numbers, 1, 1, 2, 2, 2, 0, as ``packed_rows.device_mask`` hands them to the model), or the tokens a packed row's
+    4D mask lets attend to themselves (neat packing)."""
     if mask is None:
         return int(ids.numel()) if ids is not None else None
     if mask.dim() == 4:
         from patches.packed_rows import diagonal_of
 
         return int(diagonal_of(mask).sum())
-    return int(mask.sum())
+    return int((mask != 0).sum())
 
 
 def install_step_timer(torch, dev, recorder: Recorder) -> None:

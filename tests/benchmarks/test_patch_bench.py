@@ -141,6 +141,20 @@ def test_the_steady_state_takes_triton_compile_time_out_of_the_steps():
     assert summary["supervised_tokens_per_s"] == pytest.approx(4500 / 18.01, rel=1e-3)
 
 
+def test_a_step_counts_the_tokens_of_every_kind_of_mask():
+    """A packed row reaches the model as LLaMA-Factory's sample numbers (``packed_rows.device_mask``): its tokens are
+    the non-zero numbers, not their sum (which counted a row's second sample twice, its third three times)."""
+    import torch
+
+    from patches.packed_rows import block_causal_mask
+
+    numbers = torch.tensor([[1, 1, 2, 2, 2, 3, 0, 0]], dtype=torch.int32)
+    assert bench_entry.real_tokens(numbers, None) == 6
+    assert bench_entry.real_tokens(block_causal_mask(numbers, torch.float32), None) == 6
+    assert bench_entry.real_tokens(torch.tensor([[1, 1, 1, 0]]), None) == 3
+    assert bench_entry.real_tokens(None, torch.zeros(2, 5)) == 10
+
+
 def test_random_init_builds_a_marked_folder_without_weights(tmp_path, monkeypatch):
     import torch
     from transformers import AutoModelForImageTextToText, PreTrainedModel
