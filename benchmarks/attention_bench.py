@@ -57,7 +57,8 @@ def numbered_row(torch, tokens: int, samples: list[int]):
     return row
 
 
-def _events(torch, fn, repeats: int) -> float:
+def cuda_median_ms(torch, fn, repeats: int) -> float:
+    """The median milliseconds of ``repeats`` calls of ``fn`` on the current CUDA stream (events, synchronised)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(repeats):
@@ -143,11 +144,11 @@ def measure_route(torch, route: str, tokens: int, samples: list[int], repeats: i
     found: dict[str, Any] = {"route": route, "samples": samples if packed else [tokens]}
     if packed and route != "masked":
         found["padding_piece"] = piece
-    found["first_call_ms"] = round(_events(torch, forward_backward, 1), 3)  # shapes new to this process: graphs
+    found["first_call_ms"] = round(cuda_median_ms(torch, forward_backward, 1), 3)  # shapes new to this process: graphs
     for _ in range(3):
         forward_backward()
-    found["forward_ms"] = round(_events(torch, forward, repeats), 3)
-    found["forward_backward_ms"] = round(_events(torch, forward_backward, repeats), 3)
+    found["forward_ms"] = round(cuda_median_ms(torch, forward, repeats), 3)
+    found["forward_backward_ms"] = round(cuda_median_ms(torch, forward_backward, repeats), 3)
     # a checkpointed layer runs the forward twice (forward, recompute) and the backward once
     found["checkpointed_layer_ms"] = round(found["forward_ms"] + found["forward_backward_ms"], 3)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -187,7 +188,7 @@ def measure_mask(torch, tokens: int, samples: list[int], repeats: int) -> dict[s
         copy.append(time.perf_counter() - built)
     on_device = numbered.to("cuda")
     same = bool(torch.equal(block_causal_mask(on_device, torch.bfloat16).cpu(), mask))
-    ms = _events(torch, lambda: block_causal_mask(on_device, torch.bfloat16), repeats)
+    ms = cuda_median_ms(torch, lambda: block_causal_mask(on_device, torch.bfloat16), repeats)
     return {"cpu_build_ms": round(statistics.median(cpu) * 1000, 3),
             "copy_ms": round(statistics.median(copy) * 1000, 3), "device_build_ms": round(ms, 3),
             "same_mask": same, "torch_threads": torch.get_num_threads()}  # fmt: skip

@@ -99,7 +99,8 @@ class FlaConv:
         return out.transpose(1, 2)
 
     def varlen(self, x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu):
-        """Packed rows laid end to end, ``x`` ``[1, N, D]``: each sample convolved alone (``cu_seqlens``)."""
+        """Packed rows laid end to end, ``x`` ``[1, N, D]``: each sample convolved alone (``cu_seqlens``; None: the
+        row as one sequence)."""
         self.calls += 1
         out, _ = self.kernel(x, weight=weight, bias=bias, activation=activation, cu_seqlens=cu_seqlens,
                              cu_seqlens_cpu=cu_seqlens_cpu)  # fmt: skip

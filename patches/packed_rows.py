@@ -28,7 +28,9 @@ What this patch does:
    sample computed again from that sample alone; where the layer is bound to FLA's convolution by the ``fused_ops``
    patch, that kernel takes the row's ``cu_seqlens`` instead) and the routed chunk kernel per sample: FLA's kernel
    once, with the row's ``cu_seqlens`` (the rows flattened to batch 1, as FLA requires) and the key heads unrepeated
-   (``value_heads``); the torch reference once per sample. Other masks go to the upstream forward unchanged
+   (``value_heads``); the torch reference once per sample. FLA's two kernels take the padding joined to the sample
+   before it (``Segments.state_bounds``), so a row of one sample goes to them without ``cu_seqlens``, as an unpacked
+   step does. Other masks go to the upstream forward unchanged
    (unpacked training, generation). A packed row with a cache (generation) or whose mask is not as long as the row
    (LLaMA-Factory's dummy image appended to a packed batch) stops the run.
 2. routes the full-attention layers of a packed row (``Qwen3_5Attention``, the MoE twin; through the ``sdpa`` entry
@@ -168,17 +170,30 @@ class Segments:
                                          for column in zip(*found, strict=True))  # fmt: skip
         return self._on_device[key]
 
-    def cu_seqlens_tensors(self, device, dtype=None, piece: int = 0) -> tuple[Any, Any]:
+    def cu_seqlens_tensors(self, device, dtype=None, piece: int = 0, joined: bool = False) -> tuple[Any, Any]:
         """``cu_seqlens`` on ``device`` and on the CPU (FLA takes both, so it never reads them back); int64
-        unless ``dtype`` (FlashAttention takes int32); the padding in pieces of ``piece`` tokens (``cu_seqlens``)."""
-        key = ("cu_seqlens", str(device), str(dtype), piece)
+        unless ``dtype`` (FlashAttention takes int32); the padding in pieces of ``piece`` tokens, or ``joined`` to
+        the sample before it (``cu_seqlens``)."""
+        key = ("cu_seqlens", str(device), str(dtype), piece, joined)
         if key not in self._on_device:
             import torch
 
-            bounds = self.cu_seqlens(piece)
+            bounds = self.cu_seqlens(piece, joined)
             dtype = dtype or torch.long
             self._on_device[key] = (torch.tensor(bounds, dtype=dtype, device=device),
                                     torch.tensor(bounds, dtype=dtype))  # fmt: skip
+        return self._on_device[key]
+
+    def state_bounds(self, device) -> tuple[Any, Any]:
+        """The ``cu_seqlens`` (on ``device``, on the CPU) FLA's DeltaNet kernels, the convolution and the chunk
+        kernel, take for these rows: the padding joined to the sample before it, and (None, None) where that leaves
+        one sequence (one row of one sample), which the kernels then run as they run an unpacked step: FLA's
+        convolution took 1.59 ms forward+backward with ``cu_seqlens`` against 1.39 without at the 27B width on an
+        H100 (docs/benchmarks.md, "Fourteenth invocation"), in each of 48 layers a step."""
+        key = ("state", str(device))
+        if key not in self._on_device:
+            one = len(self.cu_seqlens(joined=True)) == 2
+            self._on_device[key] = (None, None) if one else self.cu_seqlens_tensors(device, joined=True)
         return self._on_device[key]
 
     def longest(self, piece: int = 0) -> int:
@@ -201,14 +216,23 @@ class Segments:
     def samples_per_row(self) -> list[int]:
         return [sum(1 for r, _, _, real in self.spans if r == row and real) for row in range(self.rows)]
 
-    def cu_seqlens(self, piece: int = 0) -> list[int]:
+    def cu_seqlens(self, piece: int = 0, joined: bool = False) -> list[int]:
         """The segment boundaries of the rows laid end to end (FLA's varlen layout, batch 1); with ``piece``, every
         run of padding cut into segments of at most that many tokens (``PADDING_PIECE``, the attention kernels'
-        bounds), the samples' boundaries unchanged."""
+        bounds), the samples' boundaries unchanged; ``joined``, every run of padding that follows a sample in its
+        row made part of that sample (the DeltaNet kernels' bounds, ``state_bounds``: no sample token reads a later
+        token, so this changes only the padding's outputs, which no sample token and no loss term depends on)."""
         if piece < 0:
             raise ValueError(f"a padding piece of {piece} tokens; give 0 (uncut) or more")
-        bounds = [row * self.length + at for row, start, end, real in self.spans
-                  for at in range(start, end, piece if piece and not real else end - start)]  # fmt: skip
+        if piece and joined:
+            raise ValueError("padding is either cut into pieces or joined to the sample before it, not both")
+        bounds, after_sample = [], False
+        for row, start, end, real in self.spans:
+            if not (joined and not real and start and after_sample):
+                bounds += [
+                    row * self.length + at for at in range(start, end, piece if piece and not real else end - start)
+                ]
+            after_sample = real
         return bounds + [self.rows * self.length]
 
 
@@ -338,8 +362,9 @@ def chunk_per_segment(kernel, query, key, value, g, beta, found: Segments):
     if kernel.label == "fla":
         rows, length = query.shape[:2]
         flat = [t.reshape(1, rows * length, *t.shape[2:]) for t in (query, key, value, g, beta)]
-        cu, cu_cpu = found.cu_seqlens_tensors(query.device)
-        out, _ = kernel(*flat[:3], g=flat[3], beta=flat[4], cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, **options)
+        cu, cu_cpu = found.state_bounds(query.device)
+        bounds = {} if cu is None else {"cu_seqlens": cu, "cu_seqlens_cpu": cu_cpu}
+        out, _ = kernel(*flat[:3], g=flat[3], beta=flat[4], **bounds, **options)
         return out.reshape(rows, length, *out.shape[2:])
     rows = [
         torch.cat([kernel(query[r : r + 1, s:e], key[r : r + 1, s:e], value[r : r + 1, s:e],
@@ -373,7 +398,7 @@ def packed_forward(layer, hidden_states, found: Segments):
     projected = layer.in_proj_qkv(hidden_states)
     conv = fused_ops.conv_of(layer)
     if conv is not None:  # FLA's convolution takes the samples' boundaries itself
-        cu, cu_cpu = found.cu_seqlens_tensors(hidden_states.device)
+        cu, cu_cpu = found.state_bounds(hidden_states.device)
         mixed = conv.varlen(projected.reshape(1, batch * length, -1), layer.conv1d.weight.squeeze(1),
                             layer.conv1d.bias, layer.activation, cu, cu_cpu).reshape(batch, length, -1)  # fmt: skip
     else:
@@ -612,7 +637,8 @@ def _make_forward(original):
                 "rows": found.rows, "row_length": found.length, "samples_per_row": found.samples_per_row(),
                 "kernel": getattr(kernel, "kernel_name", type(kernel).__name__),
                 "kernel_label": label,
-                "cu_seqlens": "one kernel call per batch" if label == "fla" else "one kernel call per sample",
+                "cu_seqlens": ("one kernel call per batch, the padding joined to the sample before it (none for "
+                               "a row of one sample)") if label == "fla" else "one kernel call per sample",
                 "conv_reset": ("cu_seqlens (FLA causal_conv1d)" if fused_ops.conv_of(self) is not None
                                else "at every sample start"), "mask": "block-diagonal causal (checked)",
                 "device": str(hidden_states.device), "recorded_at": utc_now(),

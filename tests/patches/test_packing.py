@@ -118,10 +118,12 @@ def test_each_packed_sample_equals_the_sample_alone_and_so_do_the_lora_gradients
 
 
 @pytest.mark.usefixtures("restore_patches")
-def test_with_the_fla_convolution_the_packed_row_hands_it_cu_seqlens(tmp_path, demo_assets, stub_fla):
+@pytest.mark.parametrize("count", [3, 1])
+def test_with_the_fla_convolution_the_packed_row_hands_it_cu_seqlens(tmp_path, demo_assets, stub_fla, count):
     """The ``fused_ops`` route (backend cuda or npu) binds FLA's convolution; a packed row then passes its samples'
-    bounds to that kernel instead of recomputing the first K-1 tokens. The stand-in FLA convolution (fla-core's
-    contract in plain torch, on CPU) convolves each ``cu_seqlens`` span alone."""
+    bounds to that kernel instead of recomputing the first K-1 tokens, the padding joined to the last sample; a row
+    of one sample is one sequence and goes without them. The stand-in FLA convolution (fla-core's contract in plain
+    torch, on CPU) convolves each ``cu_seqlens`` span alone, the whole row without them."""
     from patches.fused_kernels import FlaConv
 
     stub_fla(platform="cuda")
@@ -133,11 +135,12 @@ def test_with_the_fla_convolution_the_packed_row_hands_it_cu_seqlens(tmp_path, d
     layers = [m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet"]
     for layer in layers:
         layer.causal_conv1d_fn = conv  # what fused_ops binds at construction on an accelerator
-    parts = samples(model.config.text_config.vocab_size)
+    parts = samples(model.config.text_config.vocab_size)[:count]
     loss_gap, grad_gap = compare(model, parts)
     assert loss_gap < 1e-4 and grad_gap < 1e-4, (loss_gap, grad_gap)
-    assert CALLS["varlen"] >= len(layers)
-    assert read_proof(tmp_path, "packed_rows")["first_packed_call"]["conv_reset"] == "cu_seqlens (FLA causal_conv1d)"
+    assert CALLS["n"] >= len(layers) and (CALLS["varlen"] >= len(layers) if count > 1 else CALLS["varlen"] == 0)
+    first = read_proof(tmp_path, "packed_rows")["first_packed_call"]
+    assert first["conv_reset"] == "cu_seqlens (FLA causal_conv1d)" and first["samples_per_row"] == [count]
 
 
 @pytest.mark.usefixtures("restore_patches")
@@ -674,8 +677,9 @@ def test_segments_are_read_off_the_mask_with_padding_as_its_own_segment():
 
 
 def test_the_varlen_call_equals_the_kernel_run_per_sample():
-    """The FLA route (one call, rows flattened to batch 1, ``cu_seqlens``) against the per-sample route; the
-    stand-in varlen kernel is transformers' torch reference split at ``cu_seqlens``, as FLA defines it."""
+    """The FLA route (one call, rows flattened to batch 1, ``cu_seqlens`` with the padding joined to the sample before
+    it) against the per-sample route, on every sample token; the stand-in varlen kernel is transformers' torch
+    reference split at ``cu_seqlens``, as FLA defines it. A row of one sample goes without ``cu_seqlens``."""
     import torch
     from llamafactory.data.collator import prepare_4d_attention_mask
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
@@ -685,8 +689,8 @@ def test_the_varlen_call_equals_the_kernel_run_per_sample():
     seen = []
 
     def varlen(q, k, v, g, beta, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
-        seen.append((q.shape[0], cu_seqlens.tolist(), cu_seqlens_cpu.tolist()))
-        bounds = cu_seqlens.tolist()
+        seen.append((q.shape[0], *(None if t is None else t.tolist() for t in (cu_seqlens, cu_seqlens_cpu))))
+        bounds = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
         spans = zip(bounds[:-1], bounds[1:], strict=True)
         pieces = [torch_chunk_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
                                                **kwargs)[0] for s, e in spans]  # fmt: skip
@@ -697,16 +701,42 @@ def test_the_varlen_call_equals_the_kernel_run_per_sample():
                               patch="test", backend="cpu")  # fmt: skip
 
     torch.manual_seed(0)
-    numbered = torch.tensor([[1] * 9 + [2] * 20 + [0] * 3, [1] * 16 + [2] * 16])
-    found = packed_rows.segments(prepare_4d_attention_mask(numbered, torch.float32))
-    q, k = torch.randn(2, 32, 2, 16), torch.randn(2, 32, 2, 16)
-    v, g, beta = torch.randn(2, 32, 2, 16), -torch.rand(2, 32, 2), torch.rand(2, 32, 2)
-    fla = packed_rows.chunk_per_segment(recorder(varlen, "fla"), q, k, v, g, beta, found)
-    per_sample = packed_rows.chunk_per_segment(recorder(torch_chunk_gated_delta_rule, "torch"), q, k, v, g, beta,
-                                               found)  # fmt: skip
-    assert seen == [(1, [0, 9, 29, 32, 48, 64], [0, 9, 29, 32, 48, 64])]
-    torch.testing.assert_close(fla, per_sample, rtol=1e-5, atol=1e-6)
-    assert fla.shape == v.shape
+    for numbered, bounds in (([[1] * 9 + [2] * 20 + [0] * 3, [1] * 16 + [2] * 16], [0, 9, 32, 48, 64]),
+                             ([[1] * 29 + [0] * 3], None)):  # fmt: skip
+        seen.clear()
+        found = packed_rows.segments(prepare_4d_attention_mask(torch.tensor(numbered), torch.float32))
+        rows = found.rows
+        q, k = torch.randn(rows, 32, 2, 16), torch.randn(rows, 32, 2, 16)
+        v, g, beta = torch.randn(rows, 32, 2, 16), -torch.rand(rows, 32, 2), torch.rand(rows, 32, 2)
+        fla = packed_rows.chunk_per_segment(recorder(varlen, "fla"), q, k, v, g, beta, found)
+        per_sample = packed_rows.chunk_per_segment(recorder(torch_chunk_gated_delta_rule, "torch"), q, k, v, g,
+                                                   beta, found)  # fmt: skip
+        assert seen == [(1, bounds, bounds)]
+        real = found.real_tokens("cpu").reshape(rows, 32)
+        torch.testing.assert_close(fla[real], per_sample[real], rtol=1e-5, atol=1e-6)
+        assert fla.shape == v.shape and not torch.allclose(fla[~real], per_sample[~real])  # the padding joined
+
+
+def test_the_deltanet_bounds_join_the_padding_to_the_sample_before_it():
+    """``cu_seqlens(joined=True)`` and ``state_bounds``: padding after a sample becomes part of it, padding that
+    opens a row stays its own segment, and one row of one sample is one sequence (no ``cu_seqlens``)."""
+    import torch
+
+    def found(numbered):
+        return packed_rows.numbered_segments(torch.tensor(numbered, dtype=torch.int32))
+
+    two_rows = found([[1, 1, 2, 2, 2, 3, 0, 0], [1, 1, 1, 1, 2, 2, 2, 2]])
+    assert two_rows.cu_seqlens() == [0, 2, 5, 6, 8, 12, 16]
+    assert two_rows.cu_seqlens(joined=True) == [0, 2, 5, 8, 12, 16]
+    cu, cu_cpu = two_rows.state_bounds("cpu")
+    assert cu.tolist() == cu_cpu.tolist() == [0, 2, 5, 8, 12, 16] and cu.dtype == torch.long
+    assert two_rows.state_bounds("cpu")[0] is cu  # built once per batch
+    assert found([[0, 0, 1, 1, 1, 0]]).cu_seqlens(joined=True) == [0, 2, 6]
+    assert found([[1, 1, 1, 0, 0]]).state_bounds("cpu") == (None, None)
+    assert found([[1, 1, 1, 1]]).state_bounds("cpu") == (None, None)
+    assert found([[1, 1, 0, 0], [1, 1, 1, 0]]).cu_seqlens(joined=True) == [0, 4, 8]  # two rows: two sequences
+    with pytest.raises(ValueError, match="either cut into pieces or joined"):
+        two_rows.cu_seqlens(piece=2, joined=True)
 
 
 def test_the_fla_route_takes_key_heads_unrepeated_and_pairs_them_as_transformers_does():
