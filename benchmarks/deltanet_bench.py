@@ -21,7 +21,8 @@ sample before it): ``--samples 2482,1614`` is a row of one 2,482-token sample wi
 own, the bounds the product gave such a row before ``state_bounds``; ``--samples 1200,1700,1196`` three samples.
 
 Per call: the first forward+backward timed alone (``first_call_s``: Triton's compile and autotune on a cold
-cache), 3 untimed calls, then ``R`` timed forwards and ``R`` timed forward+backward calls (CUDA events), medians
+cache), 3 untimed calls, then ``R`` timed forwards and ``R`` timed forward+backward calls (CUDA events, the device
+idle before each, so the host's launch time is inside them where a training step would partly hide it), medians
 in ms, and their sum (``checkpointed_layer_ms``: a checkpointed layer runs the forward twice and the backward
 once). FLA's Hopper guard is lifted in this process as ``benchmarks.fla_guard`` does for a run (fla-core 0.6.0
 refuses Hopper under Triton 3.4 to 3.7.1). A call that fails records its error and the others go on.

@@ -29,8 +29,8 @@ What this patch does:
    patch, that kernel takes the row's ``cu_seqlens`` instead) and the routed chunk kernel per sample: FLA's kernel
    once, with the row's ``cu_seqlens`` (the rows flattened to batch 1, as FLA requires) and the key heads unrepeated
    (``value_heads``); the torch reference once per sample. FLA's two kernels take the padding joined to the sample
-   before it (``Segments.state_bounds``), so a row of one sample goes to them without ``cu_seqlens``, as an unpacked
-   step does. Other masks go to the upstream forward unchanged
+   before it (``Segments.state_bounds``), so a batch of one row holding one sample goes to them without
+   ``cu_seqlens``, as an unpacked step does. Other masks go to the upstream forward unchanged
    (unpacked training, generation). A packed row with a cache (generation) or whose mask is not as long as the row
    (LLaMA-Factory's dummy image appended to a packed batch) stops the run.
 2. routes the full-attention layers of a packed row (``Qwen3_5Attention``, the MoE twin; through the ``sdpa`` entry
@@ -187,7 +187,8 @@ class Segments:
     def state_bounds(self, device) -> tuple[Any, Any]:
         """The ``cu_seqlens`` (on ``device``, on the CPU) FLA's DeltaNet kernels, the convolution and the chunk
         kernel, take for these rows: the padding joined to the sample before it, and (None, None) where that leaves
-        one sequence (one row of one sample), which the kernels then run as they run an unpacked step: FLA's
+        one sequence (a batch of one row holding one sample: batch size 1 per device), which the kernels then run as
+        they run an unpacked step: FLA's
         convolution took 1.59 ms forward+backward with ``cu_seqlens`` against 1.39 without at the 27B width on an
         H100 (docs/benchmarks.md, "Fourteenth invocation"), in each of 48 layers a step."""
         key = ("state", str(device))
@@ -221,7 +222,10 @@ class Segments:
         run of padding cut into segments of at most that many tokens (``PADDING_PIECE``, the attention kernels'
         bounds), the samples' boundaries unchanged; ``joined``, every run of padding that follows a sample in its
         row made part of that sample (the DeltaNet kernels' bounds, ``state_bounds``: no sample token reads a later
-        token, so this changes only the padding's outputs, which no sample token and no loss term depends on)."""
+        token, so this changes only the padding's outputs, which no sample token and no loss term depends on; a loss
+        over every position, such as an MoE router's auxiliary loss, would: LLaMA-Factory 0.9.5 turns that one on for
+        ``qwen3_moe``, not for ``qwen3_5_moe``, ``model_utils/moe.py``). A row that
+        opens with padding keeps it as a segment of its own, and every row starts a segment."""
         if piece < 0:
             raise ValueError(f"a padding piece of {piece} tokens; give 0 (uncut) or more")
         if piece and joined:
@@ -632,14 +636,18 @@ def _make_forward(original):
                     "so its samples cannot be told apart"), FIX)  # fmt: skip
             kernel = self.chunk_gated_delta_rule
             label = getattr(kernel, "label", None)
+            bounds = found.cu_seqlens(joined=True)
+            one = len(bounds) == 2  # state_bounds gives FLA's kernels no cu_seqlens
             _state["first_call"] = True
             _state["proof"].update(first_packed_call={
                 "rows": found.rows, "row_length": found.length, "samples_per_row": found.samples_per_row(),
                 "kernel": getattr(kernel, "kernel_name", type(kernel).__name__),
                 "kernel_label": label,
-                "cu_seqlens": ("one kernel call per batch, the padding joined to the sample before it (none for "
-                               "a row of one sample)") if label == "fla" else "one kernel call per sample",
-                "conv_reset": ("cu_seqlens (FLA causal_conv1d)" if fused_ops.conv_of(self) is not None
+                "cu_seqlens": (("none: one row of one sample, its padding joined to it" if one else
+                                f"one kernel call per batch, the padding joined to the sample before it: {bounds}")
+                               if label == "fla" else "one kernel call per sample"),
+                "conv_reset": (("none needed: one row of one sample (FLA causal_conv1d)" if one else
+                                "cu_seqlens (FLA causal_conv1d)") if fused_ops.conv_of(self) is not None
                                else "at every sample start"), "mask": "block-diagonal causal (checked)",
                 "device": str(hidden_states.device), "recorded_at": utc_now(),
             })  # fmt: skip

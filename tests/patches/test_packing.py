@@ -10,6 +10,8 @@ planted leak (the convolution not reset, the chunk kernel run over the whole row
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 import patches
@@ -138,9 +140,13 @@ def test_with_the_fla_convolution_the_packed_row_hands_it_cu_seqlens(tmp_path, d
     parts = samples(model.config.text_config.vocab_size)[:count]
     loss_gap, grad_gap = compare(model, parts)
     assert loss_gap < 1e-4 and grad_gap < 1e-4, (loss_gap, grad_gap)
-    assert CALLS["n"] >= len(layers) and (CALLS["varlen"] >= len(layers) if count > 1 else CALLS["varlen"] == 0)
+    joined = [0, *itertools.accumulate(LENGTHS[: count - 1]), ROW]  # the last sample runs on through the padding
+    assert CALLS["bounds"] == ([joined] * CALLS["varlen"] if count > 1 else [])
+    assert CALLS["varlen"] >= (len(layers) if count > 1 else 0) and CALLS["n"] > CALLS["varlen"]
     first = read_proof(tmp_path, "packed_rows")["first_packed_call"]
-    assert first["conv_reset"] == "cu_seqlens (FLA causal_conv1d)" and first["samples_per_row"] == [count]
+    assert first["samples_per_row"] == [count] and first["conv_reset"] == (
+        "cu_seqlens (FLA causal_conv1d)" if count > 1 else "none needed: one row of one sample (FLA causal_conv1d)"
+    )
 
 
 @pytest.mark.usefixtures("restore_patches")
@@ -706,15 +712,21 @@ def test_the_varlen_call_equals_the_kernel_run_per_sample():
         seen.clear()
         found = packed_rows.segments(prepare_4d_attention_mask(torch.tensor(numbered), torch.float32))
         rows = found.rows
-        q, k = torch.randn(rows, 32, 2, 16), torch.randn(rows, 32, 2, 16)
-        v, g, beta = torch.randn(rows, 32, 2, 16), -torch.rand(rows, 32, 2), torch.rand(rows, 32, 2)
-        fla = packed_rows.chunk_per_segment(recorder(varlen, "fla"), q, k, v, g, beta, found)
-        per_sample = packed_rows.chunk_per_segment(recorder(torch_chunk_gated_delta_rule, "torch"), q, k, v, g,
-                                                   beta, found)  # fmt: skip
-        assert seen == [(1, bounds, bounds)]
+        inputs = [torch.randn(rows, 32, 2, 16), torch.randn(rows, 32, 2, 16), torch.randn(rows, 32, 2, 16),
+                  -torch.rand(rows, 32, 2), torch.rand(rows, 32, 2)]  # fmt: skip
         real = found.real_tokens("cpu").reshape(rows, 32)
+        results = []
+        for kernel, label in ((varlen, "fla"), (torch_chunk_gated_delta_rule, "torch")):
+            leaves = [t.clone().requires_grad_() for t in inputs]
+            out = packed_rows.chunk_per_segment(recorder(kernel, label), *leaves, found)
+            (out[real] ** 2).sum().backward()  # the loss reads the samples' tokens only
+            results.append((out.detach(), [t.grad for t in leaves]))
+        assert seen == [(1, bounds, bounds)]
+        (fla, fla_grads), (per_sample, per_sample_grads) = results
         torch.testing.assert_close(fla[real], per_sample[real], rtol=1e-5, atol=1e-6)
-        assert fla.shape == v.shape and not torch.allclose(fla[~real], per_sample[~real])  # the padding joined
+        assert fla.shape == inputs[2].shape and not torch.allclose(fla[~real], per_sample[~real])  # padding joined
+        for ours, reference in zip(fla_grads, per_sample_grads, strict=True):  # padding tokens' gradients: 0 in both
+            torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
 
 
 def test_the_deltanet_bounds_join_the_padding_to_the_sample_before_it():

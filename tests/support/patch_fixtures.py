@@ -140,7 +140,7 @@ _STUB_FILES = {
         import torch
         import torch.nn.functional as F
 
-        CALLS = {"n": 0, "varlen": 0}
+        CALLS = {"n": 0, "varlen": 0, "bounds": []}
 
 
         def causal_conv1d(x, weight=None, bias=None, activation=None, cu_seqlens=None, cu_seqlens_cpu=None, **kw):
@@ -158,6 +158,7 @@ _STUB_FILES = {
                 assert cu_seqlens.device == x.device and cu_seqlens.dtype in (torch.int32, torch.int64), cu_seqlens
                 CALLS["varlen"] += 1
                 bounds = cu_seqlens_cpu.tolist()
+                CALLS["bounds"].append(bounds)
                 y = torch.cat([one(x[:, s:e]) for s, e in zip(bounds[:-1], bounds[1:])], dim=1)
             return (F.silu(y) if activation in ("silu", "swish") else y), None
         """,
