@@ -30,8 +30,8 @@ What this patch does:
    once, with the row's ``cu_seqlens`` (the rows flattened to batch 1, as FLA requires) and the key heads unrepeated
    (``value_heads``); the torch reference once per sample. FLA's two kernels take the padding joined to the sample
    before it (``Segments.state_bounds``), so a batch of one row holding one sample goes to them without
-   ``cu_seqlens``, as an unpacked step does. Other masks go to the upstream forward unchanged
-   (unpacked training, generation). A packed row with a cache (generation) or whose mask is not as long as the row
+   ``cu_seqlens``, as an unpacked step does. Other masks go to the upstream forward unchanged (unpacked training,
+   generation). A packed row with a cache (generation) or whose mask is not as long as the row
    (LLaMA-Factory's dummy image appended to a packed batch) stops the run.
 2. routes the full-attention layers of a packed row (``Qwen3_5Attention``, the MoE twin; through the ``sdpa`` entry
    of transformers' attention functions, which the layers look up at every call) to a varlen kernel where the
@@ -188,9 +188,9 @@ class Segments:
         """The ``cu_seqlens`` (on ``device``, on the CPU) FLA's DeltaNet kernels, the convolution and the chunk
         kernel, take for these rows: the padding joined to the sample before it, and (None, None) where that leaves
         one sequence (a batch of one row holding one sample: batch size 1 per device), which the kernels then run as
-        they run an unpacked step: FLA's
-        convolution took 1.59 ms forward+backward with ``cu_seqlens`` against 1.39 without at the 27B width on an
-        H100 (docs/benchmarks.md, "Fourteenth invocation"), in each of 48 layers a step."""
+        they run an unpacked step. FLA's convolution took 1.59 ms forward+backward with ``cu_seqlens`` against 1.39
+        without at the 27B width on an H100 (docs/benchmarks.md, "Fourteenth invocation"), in each of 48 layers a
+        step."""
         key = ("state", str(device))
         if key not in self._on_device:
             one = len(self.cu_seqlens(joined=True)) == 2
@@ -224,8 +224,8 @@ class Segments:
         row made part of that sample (the DeltaNet kernels' bounds, ``state_bounds``: no sample token reads a later
         token, so this changes only the padding's outputs, which no sample token and no loss term depends on; a loss
         over every position, such as an MoE router's auxiliary loss, would: LLaMA-Factory 0.9.5 turns that one on for
-        ``qwen3_moe``, not for ``qwen3_5_moe``, ``model_utils/moe.py``). A row that
-        opens with padding keeps it as a segment of its own, and every row starts a segment."""
+        ``qwen3_moe``, not for ``qwen3_5_moe``, ``model_utils/moe.py``). A row that opens with padding keeps it as a
+        segment of its own, and every row starts a segment."""
         if piece < 0:
             raise ValueError(f"a padding piece of {piece} tokens; give 0 (uncut) or more")
         if piece and joined:
