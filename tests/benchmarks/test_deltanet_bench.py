@@ -35,3 +35,14 @@ def test_an_earlier_result_is_not_overwritten(tmp_path, capsys):
 def test_the_varlen_bounds_run_the_last_segment_to_the_end_of_the_row():
     assert deltanet_bench.bounds_of([2482, 1614], 4096) == [0, 2482, 4096]
     assert deltanet_bench.bounds_of([1200, 1700, 1100], 4096) == [0, 1200, 2900, 4096]  # the rest joined to the last
+
+
+def test_without_cuda_it_says_so_and_writes_nothing(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the benchmark would run")
+    out = tmp_path / "out"
+    assert deltanet_bench.main(["--out", str(out)]) == 2
+    assert "no CUDA device here: run it on a machine with an NVIDIA GPU" in capsys.readouterr().err
+    assert not out.exists()
