@@ -62,11 +62,10 @@ def draw_inputs(torch, kernel: str, tokens: int) -> dict[str, Any]:
         width = (2 * KEY_HEADS + VALUE_HEADS) * HEAD_DIM
         found = {"x": draw(1, tokens, width), "weight": draw(width, CONV_WIDTH, scale=0.5)}
     else:
-        heads = VALUE_HEADS
+        gates = (1, tokens, VALUE_HEADS)  # one gate and one beta per value head and token
         found = {"q": draw(1, tokens, KEY_HEADS, HEAD_DIM), "k": draw(1, tokens, KEY_HEADS, HEAD_DIM),
-                 "v": draw(1, tokens, heads, HEAD_DIM),
-                 "g": -torch.rand(1, tokens, heads, generator=gen, device="cuda"),
-                 "beta": torch.rand(1, tokens, heads, generator=gen, device="cuda").to(torch.bfloat16)}  # fmt: skip
+                 "v": draw(*gates, HEAD_DIM), "g": -torch.rand(*gates, generator=gen, device="cuda"),
+                 "beta": torch.rand(*gates, generator=gen, device="cuda").to(torch.bfloat16)}  # fmt: skip
     return {name: t.requires_grad_() for name, t in found.items()}
 
 

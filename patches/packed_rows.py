@@ -193,9 +193,12 @@ class Segments:
         step."""
         key = ("state", str(device))
         if key not in self._on_device:
-            one = len(self.cu_seqlens(joined=True)) == 2
-            self._on_device[key] = (None, None) if one else self.cu_seqlens_tensors(device, joined=True)
+            self._on_device[key] = (None, None) if self.one_sequence() else self.cu_seqlens_tensors(device, joined=True)
         return self._on_device[key]
+
+    def one_sequence(self) -> bool:
+        """Whether the DeltaNet kernels see one sequence here (one row of one sample, its padding joined to it)."""
+        return len(self.cu_seqlens(joined=True)) == 2
 
     def longest(self, piece: int = 0) -> int:
         """The longest segment of ``cu_seqlens(piece)``."""
@@ -636,15 +639,15 @@ def _make_forward(original):
                     "so its samples cannot be told apart"), FIX)  # fmt: skip
             kernel = self.chunk_gated_delta_rule
             label = getattr(kernel, "label", None)
-            bounds = found.cu_seqlens(joined=True)
-            one = len(bounds) == 2  # state_bounds gives FLA's kernels no cu_seqlens
+            one = found.one_sequence()  # state_bounds gives FLA's kernels no cu_seqlens
             _state["first_call"] = True
             _state["proof"].update(first_packed_call={
                 "rows": found.rows, "row_length": found.length, "samples_per_row": found.samples_per_row(),
                 "kernel": getattr(kernel, "kernel_name", type(kernel).__name__),
                 "kernel_label": label,
                 "cu_seqlens": (("none: one row of one sample, its padding joined to it" if one else
-                                f"one kernel call per batch, the padding joined to the sample before it: {bounds}")
+                                f"one kernel call per batch, the padding joined to the sample before it: "
+                                f"{found.cu_seqlens(joined=True)}")
                                if label == "fla" else "one kernel call per sample"),
                 "conv_reset": (("none needed: one row of one sample (FLA causal_conv1d)" if one else
                                 "cu_seqlens (FLA causal_conv1d)") if fused_ops.conv_of(self) is not None

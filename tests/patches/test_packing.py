@@ -744,7 +744,7 @@ def test_the_deltanet_bounds_join_the_padding_to_the_sample_before_it():
     assert cu.tolist() == cu_cpu.tolist() == [0, 2, 5, 8, 12, 16] and cu.dtype == torch.long
     assert two_rows.state_bounds("cpu")[0] is cu  # built once per batch
     assert found([[0, 0, 1, 1, 1, 0]]).cu_seqlens(joined=True) == [0, 2, 6]
-    assert found([[1, 1, 1, 0, 0]]).state_bounds("cpu") == (None, None)
+    assert found([[1, 1, 1, 0, 0]]).state_bounds("cpu") == (None, None) and not two_rows.one_sequence()
     assert found([[1, 1, 1, 1]]).state_bounds("cpu") == (None, None)
     assert found([[1, 1, 0, 0], [1, 1, 1, 0]]).cu_seqlens(joined=True) == [0, 4, 8]  # two rows: two sequences
     with pytest.raises(ValueError, match="either cut into pieces or joined"):
