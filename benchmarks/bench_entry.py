@@ -18,7 +18,9 @@ LLaMA-Factory exactly as a real run does):
 4. times every ``Trainer.training_step`` (forward + backward, device synchronised before and after) and the
    host seconds Triton compiled and autotuned in it (``launcher.rank.profiling.TRITON_CLOCK``), the
    period from its start to the next step's start (the whole optimizer step: forward, backward, optimizer,
-   logging, the next batch; the last step has none) and
+   logging, the next batch; the last step has none), the host seconds Python's garbage collector ran inside
+   each (``GcClock``; with ``$BENCH_GC_FREEZE=1`` the collector's objects are frozen at the first step), the
+   batch's samples (a packed row's, ``row_samples``) and
    reads the peak allocated memory after each step (``torch.cuda.max_memory_allocated``, the counter
    LLaMA-Factory's ``vram_allocated`` reads too; reset after the kernel check, so it holds the weights and
    the training, not the check).
@@ -44,6 +46,9 @@ from launcher.rank import entry
 from patches.proof import utc_now
 
 KERNEL_CASES_ENV = "BENCH_KERNEL_CASES"
+# "1": the rank freezes Python's garbage collector's objects at its first training step (gc.freeze: later full
+# collections walk only what is made after it), to measure whether a step's stall is the collector's
+GC_FREEZE_ENV = "BENCH_GC_FREEZE"
 RECORD_ENV = "BENCH_RECORD_ENV"
 RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "ACCELERATE_USE_FSDP", "FSDP_VERSION")
 
@@ -198,42 +203,89 @@ def real_tokens(mask, ids) -> int | None:
     return int((mask != 0).sum())
 
 
+def row_samples(mask) -> int | None:
+    """The batch's samples: a packed row's largest sample number (its 2D mask as ``packed_rows.device_mask`` hands
+    it, 1, 1, 2, 2, 2, 0), one for each row of an unpacked batch (its ones), summed over the rows; None for a 4D mask
+    (LLaMA-Factory's own, built on the CPU), whose samples are not counted."""
+    if mask is None or mask.dim() != 2:
+        return None
+    return int(mask.amax(dim=-1).sum())
+
+
+class GcClock:
+    """Host seconds inside Python's cyclic garbage collector (``gc.callbacks``), and its full collections (generation
+    2, which walk every tracked object of the process), since the clock was installed."""
+
+    def __init__(self) -> None:
+        self.seconds, self.full, self._start = 0.0, 0, None
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self.full += info["generation"] == 2
+            self._start = None
+
+    def read(self) -> tuple[float, int]:
+        return self.seconds, self.full
+
+
 def install_step_timer(torch, dev, recorder: Recorder) -> None:
     """Time each ``Trainer.training_step`` and the period between step starts, and the host seconds Triton spent
-    compiling and autotuning inside it; read peak memory after it."""
+    compiling and autotuning inside it and Python's garbage collector spent inside it and inside its period (``gc_s``,
+    ``period_gc_s``, with the full collections); read peak memory after it."""
+    import gc
+
     from transformers import Trainer
 
     from launcher.rank.profiling import TRITON_CLOCK
 
     original = Trainer.training_step
-    state: dict[str, Any] = {"last_start": None}
+    gc_clock = GcClock()
+    gc.callbacks.append(gc_clock)
+    state: dict[str, Any] = {"last_start": None, "gc_at_last_start": gc_clock.read()}
 
     @functools.wraps(original)
     def training_step(self, model, inputs, *args, **kwargs):
+        if state["last_start"] is None and os.environ.get(GC_FREEZE_ENV) == "1":
+            gc.collect()
+            gc.freeze()
+            recorder.update(gc_frozen={"objects": gc.get_freeze_count(), "at": "the first training step"})
         dev.sync()
         start = time.perf_counter()
+        collected = gc_clock.read()
         if state["last_start"] is not None:  # the previous step's whole period ends where this one starts
-            recorder.data["steps"][-1]["period_s"] = round(start - state["last_start"], 4)
-        state["last_start"] = start
+            before = state["gc_at_last_start"]
+            recorder.data["steps"][-1].update(period_s=round(start - state["last_start"], 4),
+                                              period_gc_s=round(collected[0] - before[0], 4),
+                                              period_full_gcs=collected[1] - before[1])  # fmt: skip
+        state["last_start"], state["gc_at_last_start"] = start, collected
         allocated = dev.module.memory_allocated() / 2**30 if dev.module is not None else None
         clock = TRITON_CLOCK.read()
         result = original(self, model, inputs, *args, **kwargs)
         dev.sync()
         compiled = {key: value - clock[key] for key, value in TRITON_CLOCK.read().items()}
+        after = gc_clock.read()
         ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
         mask = inputs.get("attention_mask") if hasattr(inputs, "get") else None
         labels = inputs.get("labels") if hasattr(inputs, "get") else None
         recorder.add_step({
             "step": len(recorder.data["steps"]) + 1,
             "seconds": round(time.perf_counter() - start, 4),
-            "period_s": None,
+            "period_s": None,  # with period_gc_s and period_full_gcs, set when the next step starts
+            "period_gc_s": None,
+            "period_full_gcs": None,
             # LLaMA-Factory's collator appends a masked dummy image to text-only batches of VL models (and pads
             # to a multiple of 8): seq_len counts those positions, tokens only the sample's own tokens.
             "tokens": real_tokens(mask, ids),
+            "samples": row_samples(mask),
             "seq_len": int(ids.shape[-1]) if ids is not None else None,
             "supervised_tokens": int((labels[..., 1:] != -100).sum()) if labels is not None else None,
             "compile_autotune_s": round(compiled["compile_autotune_s"], 3),
             "compiles": compiled["compiles"] + compiled["autotunes"],
+            "gc_s": round(after[0] - collected[0], 4),
+            "full_gcs": after[1] - collected[1],
             "allocated_at_start_gib": None if allocated is None else round(allocated, 3),
             "peak_allocated_gib": dev.peak_gib(),
             "alloc_retries": dev.alloc_retries(),

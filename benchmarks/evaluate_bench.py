@@ -190,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     # written before any evaluation: one stopped from outside (a `timeout`) leaves the run for ``--reuse``
     write_json_atomic(out / "results.json", results)
+    if run["interrupted"]:
+        print(f"[evaluate_bench] interrupted while training: {out / 'results.json'} holds the run", file=sys.stderr)
+        return 130
     if run_dir is None or results["training"]["state"] != "SUCCEEDED":
         print(f"[evaluate_bench] the training run did not succeed: {results['training']}", file=sys.stderr)
         return 1

@@ -295,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
                                                              **summary}  # fmt: skip
             print(f"[fsdp_bench] {option}, {label}: {_one_line(results['runs'][option][label])}", flush=True)
             (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+            if run["interrupted"]:
+                print(f"[fsdp_bench] interrupted: the runs so far are in {out / 'results.json'}", file=sys.stderr)
+                return 130
     if len(devices) > 1:
         results["targets"] = compare(results, devices, options, param_bytes=4 if backend == "cpu" else 2)
     else:

@@ -18,7 +18,9 @@ several samples each; the packing issue's target is 1.5x the supervised tokens/s
 ``spread-packed-cpu-mask`` (``spread-packed`` with ``packed_rows.device_mask: false``: LLaMA-Factory's 4D mask
 built on the CPU, the packed row before that option), ``spread-packed-workers`` and ``on-workers`` (the batches
 collated in 2 DataLoader workers instead of the training process), ``short`` and
-``short-packed`` (the same pair with samples of about 500 to 2,048 tokens).
+``short-packed`` (the same pair with samples of about 500 to 2,048 tokens), ``on-gc-frozen`` (``on`` with Python's
+garbage collector's objects frozen at the first step, in the benchmark's rank only: a measurement, not a product
+option).
 
 1. ``DIR/model``: a config-only folder of the Qwen3.5-27B shape (``--shape 27b``; ``tiny`` for a CPU run of
    the plumbing) with the demo tokenizer and a matching processor (``benchmarks.bench_assets``); the rank
@@ -38,9 +40,10 @@ collated in 2 DataLoader workers instead of the training process), ``short`` and
    ``--kernel-check``), the folder has no weights (model), and
    the samples are longer than the cutoff on purpose, which a formal run's data check refuses (data_stats).
 5. ``DIR/results.json``: the steps each variant ran (``steps``, by variant), then per variant the run's end
-   state, step times (median after ``--warmup`` steps), tokens/s = tokens per step / median forward+backward
-   time, supervised tokens/s after the warm-up (less the host's seconds inside Triton's compile and autotune
-   calls, and over the steps of lengths seen before), the step period and
+   state, step times (median after ``--warmup`` steps, and by the samples of the step's batch: ``by_samples``),
+   tokens/s = tokens per step / median forward+backward time, the garbage collector's host seconds and full
+   collections over the measured steps, supervised tokens/s after the warm-up (less the host's seconds inside
+   Triton's compile and autotune calls, and over the steps of lengths seen before), the step period and
    LLaMA-Factory's own throughput, peak allocated memory, which kernel ran (proof records), how layers were
    checkpointed in the first step, and the kernel check of the rank process (with each case's seconds as it ran,
    ``kernel_check_progress``, and for a run that did not succeed the end of its job log, Triton's reproducer
@@ -48,6 +51,8 @@ collated in 2 DataLoader workers instead of the training process), ``short`` and
    turn, round R's runs keyed ``VARIANT#R``; a packed variant's target (``spread-packed-row``: its median step
    period and forward+backward against ``on``'s, with a 95 % bootstrap interval of the difference) pools the
    rounds; the other targets read the first round.
+   Interrupted (Ctrl-C, ``timeout -s INT``, SIGTERM), it stops the running variant's run, waits for it to end,
+   records it (``interrupted``) and exits 130.
    ``profile`` adds the run's ``profile.json`` (``launcher/results/profile_report.py``) and ``profile.md``, which
    is also copied to ``DIR/profile.md``; the traces stay in the run directory (their paths are in the results).
 """
@@ -106,6 +111,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # spread-packed and on with the batches collated in 2 DataLoader workers, off the training process
     "spread-packed-workers": {"data": "spread", "steps": 24, "lf": {"packing": True, "dataloader_num_workers": 2}},
     "on-workers": {"lf": {"dataloader_num_workers": 2}},
+    # "on" with Python's garbage collector's objects frozen at the first step (bench_entry.GC_FREEZE_ENV), in the
+    # benchmark only: whether the stall the 27B runs show about every 17 steps is the collector's full collections
+    "on-gc-frozen": {"env": {bench_entry.GC_FREEZE_ENV: "1"}},
     # shorter samples (about 500 to 2,048 tokens): where several share a row
     "short": {"data": "short", "steps": 32},
     "short-packed": {"data": "short", "steps": 24, "lf": {"packing": True}},
@@ -260,27 +268,30 @@ def _stop(proc: subprocess.Popen, wait_s: float) -> tuple[int, bool]:
 def run_variant(args: list[str], env: dict[str, str], timeout_s: float, log: Path) -> dict[str, Any]:
     """``launcher ARGS`` (``run CONFIG --quiet``, ``profile ...``) in a child process; SIGTERM (a graceful stop)
     when it overruns. Interrupted itself (Ctrl-C, ``timeout -s INT``), the benchmark stops the run and waits for
-    its supervisor to end it before going on: the job runs in a session of its own and would otherwise outlive the
-    benchmark, holding the device the next command meets (63 GiB of an H100 once, which the next variant ran out of)."""
+    its supervisor to end it, and says so in what it returns (``interrupted``), so that the caller keeps what the run
+    recorded and goes no further: the job runs in a session of its own and would otherwise outlive the benchmark,
+    holding the device the next command meets (63 GiB of an H100 once, which the next variant ran out of)."""
     cmd = [sys.executable, "-m", "launcher", *args]
     started = time.monotonic()
+    interrupted = False
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
             code = proc.wait(timeout=timeout_s)
         except KeyboardInterrupt:
+            interrupted = True
             print("[patch_bench] interrupted: stopping the run and waiting for it to end (at most "
                   f"{INTERRUPT_WAIT_S} s; another Ctrl-C leaves it running)", file=sys.stderr, flush=True)  # fmt: skip
-            if not _stop(proc, INTERRUPT_WAIT_S)[1]:
+            code, ended = _stop(proc, INTERRUPT_WAIT_S)
+            if not ended:
                 print(f"[patch_bench] the run did not end in {INTERRUPT_WAIT_S} s; its supervisor was killed and "
                       f"its job may still run (`launcher status`; the supervisor's log: {log})", file=sys.stderr,
                       flush=True)  # fmt: skip
-            raise
         except subprocess.TimeoutExpired:
             code, _ = _stop(proc, 90)
     wall = time.monotonic() - started
     return {"command": " ".join(["python", *cmd[1:]]), "exit_code": code, "wall_s": round(wall, 1),
-            "timed_out": wall >= timeout_s}  # fmt: skip
+            "timed_out": not interrupted and wall >= timeout_s, "interrupted": interrupted}  # fmt: skip
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -367,6 +378,10 @@ def summarize(run_dir: Path, warmup: int) -> dict[str, Any]:
             step_seconds=[s["seconds"] for s in steps],
             step_periods=[s.get("period_s") for s in steps],
             step_seq_lens=[s.get("seq_len") for s in steps],
+            step_samples=[s.get("samples") for s in steps],
+            step_period_gc_s=[s.get("period_gc_s") for s in steps],
+            by_samples=by_samples(measured),
+            **gc_summary(measured),
             median_fwd_bwd_s=round(median_s, 4),
             tokens_per_s=round(tokens / median_s, 1) if median_s else None,
             median_period_s=round(statistics.median(periods), 4) if periods else None,
@@ -386,6 +401,7 @@ def summarize(run_dir: Path, warmup: int) -> dict[str, Any]:
             "loss": [x.get("loss") for x in log if "loss" in x],
         }
     result["model_build"] = bench.get("model_build")
+    result["gc_frozen"] = bench.get("gc_frozen")
     result["fla_guard"] = bench.get("fla_guard")
     check = bench.get("kernel_check") or {}
     result["kernel_check"] = None
@@ -397,6 +413,37 @@ def summarize(run_dir: Path, warmup: int) -> dict[str, Any]:
         result["job_log_tail"] = readable_tail(run_dir / JOB_LOG, LOG_TAIL_LINES)
     result["proof"] = _proof_summary(run_dir)
     return result
+
+
+def by_samples(measured: list[dict[str, Any]]) -> dict[str, dict[str, Any]] | None:
+    """The measured steps grouped by the samples their batch held (``bench_entry.row_samples``: for a packed row of
+    batch size 1, its samples), each group's count and median forward+backward and period: which rows cost what.
+    None where the steps did not count their samples (a 4D mask, or a record from before they were counted)."""
+    groups: dict[int, list[dict[str, Any]]] = {}
+    for step in measured:
+        if step.get("samples") is not None:
+            groups.setdefault(step["samples"], []).append(step)
+    if not groups:
+        return None
+    found = {}
+    for samples, group in sorted(groups.items()):
+        periods = [s["period_s"] for s in group if s.get("period_s")]
+        seconds, period = statistics.median(s["seconds"] for s in group), statistics.median(periods or [0])
+        found[str(samples)] = {"steps": len(group), "median_fwd_bwd_s": round(seconds, 4),
+                               "median_period_s": round(period, 4) if periods else None}  # fmt: skip
+    return found
+
+
+def gc_summary(measured: list[dict[str, Any]]) -> dict[str, Any]:
+    """Python's garbage collector over the measured steps and their periods (``bench_entry.GcClock``): its host
+    seconds in all, its full collections, and the longest single period's seconds (a full collection stalls the
+    host, and with it the device once its queue drains)."""
+    periods = [s.get("period_gc_s") for s in measured if s.get("period_gc_s") is not None]
+    if not periods:
+        return {}
+    return {"gc_s_measured": round(sum(periods), 3),
+            "full_gcs_measured": sum(s.get("period_full_gcs") or 0 for s in measured),
+            "gc_s_longest_period": round(max(periods), 3)}  # fmt: skip
 
 
 def profile_summary(run_dir: Path, out: Path) -> dict[str, Any]:
@@ -688,6 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         run_env = {**env, "LAUNCHER_PREFLIGHT_SKIP": f"{PREFLIGHT_SKIP},{skip}"} if skip else env
         if round_ > 1 or position not in checked:
             run_env = {**run_env, bench_entry.KERNEL_CASES_ENV: "none"}
+        run_env = {**run_env, **VARIANTS[variant].get("env", {})}
         forecast = forecast_of(path)
         earlier = set((out / "runs").glob("*"))
         run = run_variant(args, run_env, ns.timeout, out / "logs" / f"{key}.supervisor.log")
@@ -703,10 +751,16 @@ def main(argv: list[str] | None = None) -> int:
         results["variants"][key] = {**run, **summary, "forecast": forecast}
         print(f"[patch_bench] {key}: {_one_line(results['variants'][key])}", flush=True)
         (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+        if run["interrupted"]:
+            break
     if ns.shape == "27b":
         results["targets"] = targets(results["variants"])
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     print(json.dumps({"targets": results.get("targets")}, default=str))
+    if any(v.get("interrupted") for v in results["variants"].values()):
+        print(f"[patch_bench] interrupted: the variants run so far are in {out / 'results.json'}", file=sys.stderr,
+              flush=True)  # fmt: skip
+        return 130
     return 0 if all(v.get("state") == "SUCCEEDED" for v in results["variants"].values()) else 1
 
 

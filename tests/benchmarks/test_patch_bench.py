@@ -155,6 +155,58 @@ def test_a_step_counts_the_tokens_of_every_kind_of_mask():
     assert bench_entry.real_tokens(None, torch.zeros(2, 5)) == 10
 
 
+def test_a_step_counts_its_samples_from_a_packed_rows_numbers_or_one_a_row():
+    import torch
+
+    from patches.packed_rows import block_causal_mask
+
+    numbers = torch.tensor([[1, 1, 2, 2, 2, 3, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0]], dtype=torch.int32)
+    assert bench_entry.row_samples(numbers) == 4  # three in the first row, one in the second
+    assert bench_entry.row_samples(torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])) == 2  # unpacked: one a row
+    assert bench_entry.row_samples(block_causal_mask(numbers, torch.float32)) is None  # a 4D mask: not counted
+    assert bench_entry.row_samples(None) is None
+
+
+def test_the_gc_clock_counts_a_full_collection_and_its_seconds():
+    import gc
+
+    clock = bench_entry.GcClock()
+    gc.callbacks.append(clock)
+    try:
+        gc.collect(0)
+        assert clock.read()[1] == 0  # a young generation's collection is no full one
+        gc.collect()
+    finally:
+        gc.callbacks.remove(clock)
+    seconds, full = clock.read()
+    assert full == 1 and seconds > 0
+
+
+def test_the_summary_splits_the_measured_steps_by_their_samples_and_sums_the_collectors_seconds(tmp_path):
+    """Steps as the rank records them (written here): the warm-up left out, each sample count its own medians, the
+    garbage collector's seconds summed over the measured periods."""
+    from launcher.files import write_json_atomic
+
+    def step(seconds, samples, period, gc_s, full):
+        return {"seconds": seconds, "samples": samples, "period_s": period, "period_gc_s": gc_s,
+                "period_full_gcs": full, "tokens": 4000, "seq_len": 4096, "peak_allocated_gib": 55.0}  # fmt: skip
+
+    steps = [step(9.0, 2, 9.5, 0.5, 1), step(1.10, 1, 1.15, 0.001, 0), step(1.20, 2, 1.25, 0.0, 0),
+             step(1.12, 1, 1.60, 0.4, 1), step(1.22, 2, 1.27, 0.002, 0), step(1.14, 1, None, None, None)]  # fmt: skip
+    run_dir = tmp_path / "run"
+    (run_dir / "bench").mkdir(parents=True)
+    write_json_atomic(run_dir / "bench" / "rank0.json", {"steps": steps})
+    write_json_atomic(run_dir / "status.json", {"state": "SUCCEEDED"})
+    found = patch_bench.summarize(run_dir, warmup=1)
+    assert found["step_samples"] == [2, 1, 2, 1, 2, 1]
+    assert found["by_samples"] == {
+        "1": {"steps": 3, "median_fwd_bwd_s": 1.12, "median_period_s": 1.375},
+        "2": {"steps": 2, "median_fwd_bwd_s": 1.21, "median_period_s": 1.26},
+    }
+    assert found["gc_s_measured"] == pytest.approx(0.403) and found["full_gcs_measured"] == 1
+    assert found["gc_s_longest_period"] == 0.4
+
+
 def test_random_init_builds_a_marked_folder_without_weights(tmp_path, monkeypatch):
     import torch
     from transformers import AutoModelForImageTextToText, PreTrainedModel
@@ -321,6 +373,8 @@ def test_tiny_benchmark_runs_both_variants_through_launcher_run(tmp_path):
     for variant in (on, off):
         assert variant["state"] == "SUCCEEDED" and variant["steps_recorded"] == 3
         assert variant["tokens_per_step"] == [256]  # exactly cutoff_len
+        assert variant["step_samples"] == [1, 1, 1] and variant["by_samples"]["1"]["steps"] == 2
+        assert variant["gc_s_measured"] >= 0 and variant["full_gcs_measured"] >= 0
         assert variant["model_build"]["parameters"] > 0 and "job_log_tail" not in variant
         assert variant["tokens_per_s"] > 0 and variant["llamafactory"]["loss"]
         assert variant["alloc_retries_measured"] is None  # the CPU's allocator has no retry counter
@@ -332,6 +386,17 @@ def test_tiny_benchmark_runs_both_variants_through_launcher_run(tmp_path):
     linear = off["proof"]["checkpoint_all_layers"]["by_layer_type"]["linear_attention"]
     assert linear["observed"] == {"not_checkpointed": 3}  # LLaMA-Factory's own rule: frozen layers run plain
     assert (out / "logs" / "on.job.log").is_file() and results["preflight_skipped"] == patch_bench.PREFLIGHT_SKIP
+
+
+@pytest.mark.slow
+def test_the_gc_frozen_variant_freezes_the_collectors_objects_in_the_rank_only(tmp_path):
+    """``on-gc-frozen`` hands the rank ``BENCH_GC_FREEZE=1``; the rank freezes the collector's objects at its first
+    step and says how many; ``on`` beside it freezes none."""
+    results = run_tiny_bench(tmp_path / "bench", "--variants", "on-gc-frozen,on", "--steps", "2", "--warmup", "1",
+                             "--kernel-check", "none")  # fmt: skip
+    frozen, plain = results["variants"]["on-gc-frozen"], results["variants"]["on"]
+    assert frozen["state"] == plain["state"] == "SUCCEEDED"
+    assert frozen["gc_frozen"]["objects"] > 10_000 and plain["gc_frozen"] is None
 
 
 @pytest.mark.slow
@@ -445,7 +510,10 @@ def test_an_interrupted_benchmark_ends_its_run_before_it_exits(tmp_path, signall
         _, err = bench.communicate(timeout=300)
         assert [p.pid for p in job if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
         assert RunState(read_status(run_dir)["state"]).terminal, read_status(run_dir)["state"]
-        assert bench.returncode != 0 and "stopping the run and waiting for it to end" in err
+        assert bench.returncode == 130 and "stopping the run and waiting for it to end" in err
+        assert "Traceback" not in err and "the variants run so far are in" in err
+        kept = json.loads((out / "results.json").read_text())["variants"]["on"]  # what the run recorded is kept
+        assert kept["interrupted"] and not kept["timed_out"] and RunState(kept["state"]).terminal
     finally:
         if bench.poll() is None:
             os.killpg(bench.pid, signal.SIGKILL)
