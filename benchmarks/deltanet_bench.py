@@ -27,7 +27,9 @@ in ms, and their sum (``checkpointed_layer_ms``: a checkpointed layer runs the f
 once). FLA's Hopper guard is lifted in this process as ``benchmarks.fla_guard`` does for a run (fla-core 0.6.0
 refuses Hopper under Triton 3.4 to 3.7.1). A call that fails records its error and the others go on.
 
-Results go to ``DIR/deltanet.json``. Measurement only: nothing of the product's state is changed.
+Results go to ``DIR/deltanet.json``, rewritten after every call; interrupted (Ctrl-C, ``timeout``, SIGTERM), it
+keeps the calls done, names the one it was in (``interrupted_in``) and exits 130. Measurement only: nothing of the
+product's state is changed.
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks.attention_bench import cuda_median_ms
+from launcher.files import write_json_atomic
 
 KERNELS = ("conv", "chunk", "chunk-repeated")
 KEY_HEADS, VALUE_HEADS, HEAD_DIM, CONV_WIDTH = 16, 48, 128, 4  # Qwen3.5-27B (benchmarks.bench_assets.QWEN3_5_27B)
@@ -164,13 +168,20 @@ def main(argv: list[str] | None = None) -> int:
         for cut in (None,) if kernel == "chunk-repeated" else (None, bounds):
             try:
                 found = measure(torch, kernel, cut, args.tokens, args.repeats)
+            except KeyboardInterrupt:  # a time limit inside a cold compile: the calls done are kept
+                results["interrupted_in"] = {"kernel": kernel, "cu_seqlens": cut}
+                write_json_atomic(args.out / "deltanet.json", results)
+                print(f"deltanet_bench: interrupted in {kernel} ({'varlen' if cut else 'plain'}); the calls done "
+                      f"are in {args.out / 'deltanet.json'}", file=sys.stderr)  # fmt: skip
+                return 130
             except Exception as error:  # noqa: BLE001 - a failing call is a result too
                 found = {"kernel": kernel, "cu_seqlens": cut, "error": f"{type(error).__name__}: {error}"[:600]}
             results["calls"].append(found)
             print(json.dumps(found), flush=True)
-    (args.out / "deltanet.json").write_text(json.dumps(results, indent=2) + "\n")
+            write_json_atomic(args.out / "deltanet.json", results)  # after every call: a cut-off run keeps them
     return 0
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `timeout` and `kill` end it as Ctrl-C does
     sys.exit(main())

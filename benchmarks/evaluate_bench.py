@@ -42,6 +42,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -242,4 +243,5 @@ def _evaluate(out: Path, run_dir: Path, results: dict[str, Any], command: str, n
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `timeout` and `kill` stop the run as Ctrl-C does
     sys.exit(main())

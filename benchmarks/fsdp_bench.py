@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 from pathlib import Path
@@ -314,4 +315,5 @@ def _one_line(r: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `timeout` and `kill` stop the run as Ctrl-C does
     sys.exit(main())

@@ -51,8 +51,9 @@ option).
    turn, round R's runs keyed ``VARIANT#R``; a packed variant's target (``spread-packed-row``: its median step
    period and forward+backward against ``on``'s, with a 95 % bootstrap interval of the difference) pools the
    rounds; the other targets read the first round.
-   Interrupted (Ctrl-C, ``timeout -s INT``, SIGTERM), it stops the running variant's run, waits for it to end,
-   records it (``interrupted``) and exits 130.
+   Interrupted (Ctrl-C, ``timeout -s INT``, SIGTERM) while it runs the variants, it stops the running variant's
+   run, waits for it to end, records it (``interrupted``), writes what it has and exits 130 (between two runs:
+   ``"interrupted": "between runs"`` at the top of the results).
    ``profile`` adds the run's ``profile.json`` (``launcher/results/profile_report.py``) and ``profile.md``, which
    is also copied to ``DIR/profile.md``; the traces stay in the run directory (their paths are in the results).
 """
@@ -288,7 +289,11 @@ def run_variant(args: list[str], env: dict[str, str], timeout_s: float, log: Pat
                       f"its job may still run (`launcher status`; the supervisor's log: {log})", file=sys.stderr,
                       flush=True)  # fmt: skip
         except subprocess.TimeoutExpired:
-            code, _ = _stop(proc, 90)
+            try:
+                code, _ = _stop(proc, 90)
+            except KeyboardInterrupt:  # interrupted while its overrun stops it: wait as an interrupted run does
+                interrupted = True
+                code, _ = _stop(proc, INTERRUPT_WAIT_S)
     wall = time.monotonic() - started
     return {"command": " ".join(["python", *cmd[1:]]), "exit_code": code, "wall_s": round(wall, 1),
             "timed_out": not interrupted and wall >= timeout_s, "interrupted": interrupted}  # fmt: skip
@@ -435,9 +440,9 @@ def by_samples(measured: list[dict[str, Any]]) -> dict[str, dict[str, Any]] | No
 
 
 def gc_summary(measured: list[dict[str, Any]]) -> dict[str, Any]:
-    """Python's garbage collector over the measured steps and their periods (``bench_entry.GcClock``): its host
-    seconds in all, its full collections, and the longest single period's seconds (a full collection stalls the
-    host, and with it the device once its queue drains)."""
+    """Python's garbage collector over the periods of the measured steps (``bench_entry.GcClock``; a period holds
+    its step, and the last step has none): its host seconds in all, its full collections, and the most seconds in
+    one period (a full collection stalls the host, and with it the device once its queue drains)."""
     periods = [s.get("period_gc_s") for s in measured if s.get("period_gc_s") is not None]
     if not periods:
         return {}
@@ -724,40 +729,43 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     checked = {"first": range(1), "each": range(len(variants)), "none": range(0)}[ns.kernel_check]
     results["kernel_check_in"] = [variants[i] for i in checked]  # by position: --variants on,on checks the first
-    for round_, position, variant in [(r, p, v) for r in range(1, ns.rounds + 1) for p, v in enumerate(variants)]:
-        key = round_key(variant, round_)
-        config = run_config(out, variant, ns.shape, backend, steps[variant])
-        path = out / "configs" / f"{variant}.yaml"
-        path.write_text(yaml.safe_dump(config, sort_keys=False))
-        args = launcher_args(variant, path, config["max_steps"], ns.warmup)
-        print(f"[patch_bench] {key}: python -m launcher {' '.join(args)}", flush=True)
-        skip = VARIANTS[variant].get("preflight_skip")
-        run_env = {**env, "LAUNCHER_PREFLIGHT_SKIP": f"{PREFLIGHT_SKIP},{skip}"} if skip else env
-        if round_ > 1 or position not in checked:
-            run_env = {**run_env, bench_entry.KERNEL_CASES_ENV: "none"}
-        run_env = {**run_env, **VARIANTS[variant].get("env", {})}
-        forecast = forecast_of(path)
-        earlier = set((out / "runs").glob("*"))
-        run = run_variant(args, run_env, ns.timeout, out / "logs" / f"{key}.supervisor.log")
-        profiled = VARIANTS[variant].get("profile")
-        run_dir = _newest_run(out / "runs", config["launcher"]["run_name"] + ("-profile" if profiled else ""))
-        if run_dir in earlier:  # this run made no directory: an earlier round's is not its result
-            run_dir = None
-        summary = summarize(run_dir, ns.warmup) if run_dir else {"state": None, "reason": "no run directory"}
-        if run_dir and profiled:
-            summary["profile"] = profile_summary(run_dir, out)
-        if run_dir and (run_dir / "launcher.log").exists():
-            shutil.copyfile(run_dir / "launcher.log", out / "logs" / f"{key}.job.log")
-        results["variants"][key] = {**run, **summary, "forecast": forecast}
-        print(f"[patch_bench] {key}: {_one_line(results['variants'][key])}", flush=True)
-        (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-        if run["interrupted"]:
-            break
+    try:
+        for round_, position, variant in [(r, p, v) for r in range(1, ns.rounds + 1) for p, v in enumerate(variants)]:
+            key = round_key(variant, round_)
+            config = run_config(out, variant, ns.shape, backend, steps[variant])
+            path = out / "configs" / f"{variant}.yaml"
+            path.write_text(yaml.safe_dump(config, sort_keys=False))
+            args = launcher_args(variant, path, config["max_steps"], ns.warmup)
+            print(f"[patch_bench] {key}: python -m launcher {' '.join(args)}", flush=True)
+            skip = VARIANTS[variant].get("preflight_skip")
+            run_env = {**env, "LAUNCHER_PREFLIGHT_SKIP": f"{PREFLIGHT_SKIP},{skip}"} if skip else env
+            if round_ > 1 or position not in checked:
+                run_env = {**run_env, bench_entry.KERNEL_CASES_ENV: "none"}
+            run_env = {**run_env, **VARIANTS[variant].get("env", {})}
+            forecast = forecast_of(path)
+            earlier = set((out / "runs").glob("*"))
+            run = run_variant(args, run_env, ns.timeout, out / "logs" / f"{key}.supervisor.log")
+            profiled = VARIANTS[variant].get("profile")
+            run_dir = _newest_run(out / "runs", config["launcher"]["run_name"] + ("-profile" if profiled else ""))
+            if run_dir in earlier:  # this run made no directory: an earlier round's is not its result
+                run_dir = None
+            summary = summarize(run_dir, ns.warmup) if run_dir else {"state": None, "reason": "no run directory"}
+            if run_dir and profiled:
+                summary["profile"] = profile_summary(run_dir, out)
+            if run_dir and (run_dir / "launcher.log").exists():
+                shutil.copyfile(run_dir / "launcher.log", out / "logs" / f"{key}.job.log")
+            results["variants"][key] = {**run, **summary, "forecast": forecast}
+            print(f"[patch_bench] {key}: {_one_line(results['variants'][key])}", flush=True)
+            (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+            if run["interrupted"]:
+                break
+    except KeyboardInterrupt:  # between two runs (a config, a forecast, a summary): none of them is alive
+        results["interrupted"] = "between runs"
     if ns.shape == "27b":
         results["targets"] = targets(results["variants"])
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     print(json.dumps({"targets": results.get("targets")}, default=str))
-    if any(v.get("interrupted") for v in results["variants"].values()):
+    if results.get("interrupted") or any(v.get("interrupted") for v in results["variants"].values()):
         print(f"[patch_bench] interrupted: the variants run so far are in {out / 'results.json'}", file=sys.stderr,
               flush=True)  # fmt: skip
         return 130

@@ -1,7 +1,9 @@
 """The DeltaNet kernel benchmark's arguments and bounds (the measurement needs CUDA and FLA's Triton kernels: its
-results and command are in docs/benchmarks.md, "Fourteenth invocation")."""
+results and commands are in docs/benchmarks.md, "Fourteenth invocation" and "Fifteenth invocation")."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -46,3 +48,29 @@ def test_without_cuda_it_says_so_and_writes_nothing(tmp_path, capsys):
     assert deltanet_bench.main(["--out", str(out)]) == 2
     assert "no CUDA device here: run it on a machine with an NVIDIA GPU" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_an_interrupted_run_keeps_the_calls_done_and_names_the_one_it_was_in(tmp_path, monkeypatch, capsys):
+    """The measurement needs CUDA, which this machine may not have: ``torch.cuda``'s two queries and ``measure`` are
+    stood in (the first call measured, the second interrupted as a time limit would during a cold compile)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "stand-in")
+    calls = []
+
+    def measure(torch, kernel, cut, tokens, repeats):
+        calls.append((kernel, cut))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return {"kernel": kernel, "cu_seqlens": cut, "forward_ms": 0.2}
+
+    monkeypatch.setattr(deltanet_bench, "measure", measure)
+    assert deltanet_bench.main(["--out", str(tmp_path), "--kernels", "conv,chunk"]) == 130
+    kept = json.loads((tmp_path / "deltanet.json").read_text())
+    assert kept["calls"] == [{"kernel": "conv", "cu_seqlens": None, "forward_ms": 0.2}]
+    assert kept["interrupted_in"] == {"kernel": "conv", "cu_seqlens": [0, 2482, 4096]}
+    assert "interrupted in conv (varlen)" in capsys.readouterr().err and calls == [
+        ("conv", None),
+        ("conv", [0, 2482, 4096]),
+    ]
