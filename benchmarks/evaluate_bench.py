@@ -182,7 +182,10 @@ def main(argv: list[str] | None = None) -> int:
                 "in these figures",
     }  # fmt: skip
     print(f"[evaluate_bench] training: python -m launcher run {path} --quiet", flush=True)
-    run = patch_bench.run_variant(["run", str(path), "--quiet"], env, ns.timeout, out / "logs" / "train.log")
+    try:
+        run = patch_bench.run_variant(["run", str(path), "--quiet"], env, ns.timeout, out / "logs" / "train.log")
+    except patch_bench.RunInterrupted as stop:  # its run has ended: record it, then go no further
+        run = stop.run
     run_dir = patch_bench._newest_run(out / "runs", config["launcher"]["run_name"])
     results["training"] = {
         **run,
@@ -191,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     # written before any evaluation: one stopped from outside (a `timeout`) leaves the run for ``--reuse``
     write_json_atomic(out / "results.json", results)
-    if run["interrupted"]:
+    if run.get("interrupted"):
         print(f"[evaluate_bench] interrupted while training: {out / 'results.json'} holds the run", file=sys.stderr)
         return 130
     if run_dir is None or results["training"]["state"] != "SUCCEEDED":

@@ -284,8 +284,11 @@ def main(argv: list[str] | None = None) -> int:
             profiled = variant in PROFILED
             args = patch_bench.launcher_args(label, path, ns.steps, ns.warmup, profiled=profiled)
             print(f"[fsdp_bench] {option}, {label}: python -m launcher {' '.join(args)}", flush=True)
-            run = patch_bench.run_variant(args, env, ns.timeout,
-                                          out / "logs" / f"{option}-{label}.supervisor.log")  # fmt: skip
+            try:
+                run = patch_bench.run_variant(args, env, ns.timeout,
+                                              out / "logs" / f"{option}-{label}.supervisor.log")  # fmt: skip
+            except patch_bench.RunInterrupted as stop:  # its run has ended: record it, then go no further
+                run = stop.run
             run_dir = patch_bench._newest_run(out / "runs", config["launcher"]["run_name"] + ("-profile" * profiled))
             summary = {"state": None, "reason": "no run directory"}
             if run_dir:
@@ -296,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                                                              **summary}  # fmt: skip
             print(f"[fsdp_bench] {option}, {label}: {_one_line(results['runs'][option][label])}", flush=True)
             (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-            if run["interrupted"]:
+            if run.get("interrupted"):
                 print(f"[fsdp_bench] interrupted: the runs so far are in {out / 'results.json'}", file=sys.stderr)
                 return 130
     if len(devices) > 1:

@@ -266,12 +266,21 @@ def _stop(proc: subprocess.Popen, wait_s: float) -> tuple[int, bool]:
         return proc.wait(), False
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """``run_variant`` was interrupted and has ended its run: ``run`` is the run's record (``interrupted``), for a
+    caller that keeps it before it stops; one that does not catch it stops as at any Ctrl-C."""
+
+    def __init__(self, run: dict[str, Any]) -> None:
+        super().__init__("interrupted; the run was stopped")
+        self.run = run
+
+
 def run_variant(args: list[str], env: dict[str, str], timeout_s: float, log: Path) -> dict[str, Any]:
     """``launcher ARGS`` (``run CONFIG --quiet``, ``profile ...``) in a child process; SIGTERM (a graceful stop)
     when it overruns. Interrupted itself (Ctrl-C, ``timeout -s INT``), the benchmark stops the run and waits for
-    its supervisor to end it, and says so in what it returns (``interrupted``), so that the caller keeps what the run
-    recorded and goes no further: the job runs in a session of its own and would otherwise outlive the benchmark,
-    holding the device the next command meets (63 GiB of an H100 once, which the next variant ran out of)."""
+    its supervisor to end it, then raises ``RunInterrupted`` with the run's record: the job runs in a session of its
+    own and would otherwise outlive the benchmark, holding the device the next command meets (63 GiB of an H100
+    once, which the next variant ran out of)."""
     cmd = [sys.executable, "-m", "launcher", *args]
     started = time.monotonic()
     interrupted = False
@@ -295,8 +304,11 @@ def run_variant(args: list[str], env: dict[str, str], timeout_s: float, log: Pat
                 interrupted = True
                 code, _ = _stop(proc, INTERRUPT_WAIT_S)
     wall = time.monotonic() - started
-    return {"command": " ".join(["python", *cmd[1:]]), "exit_code": code, "wall_s": round(wall, 1),
-            "timed_out": not interrupted and wall >= timeout_s, "interrupted": interrupted}  # fmt: skip
+    run = {"command": " ".join(["python", *cmd[1:]]), "exit_code": code, "wall_s": round(wall, 1),
+           "timed_out": not interrupted and wall >= timeout_s}  # fmt: skip
+    if interrupted:
+        raise RunInterrupted({**run, "interrupted": True})
+    return run
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -433,9 +445,11 @@ def by_samples(measured: list[dict[str, Any]]) -> dict[str, dict[str, Any]] | No
     found = {}
     for samples, group in sorted(groups.items()):
         periods = [s["period_s"] for s in group if s.get("period_s")]
-        seconds, period = statistics.median(s["seconds"] for s in group), statistics.median(periods or [0])
-        found[str(samples)] = {"steps": len(group), "median_fwd_bwd_s": round(seconds, 4),
-                               "median_period_s": round(period, 4) if periods else None}  # fmt: skip
+        found[str(samples)] = {
+            "steps": len(group),
+            "median_fwd_bwd_s": round(statistics.median(s["seconds"] for s in group), 4),
+            "median_period_s": round(statistics.median(periods), 4) if periods else None,
+        }
     return found
 
 
@@ -744,7 +758,10 @@ def main(argv: list[str] | None = None) -> int:
             run_env = {**run_env, **VARIANTS[variant].get("env", {})}
             forecast = forecast_of(path)
             earlier = set((out / "runs").glob("*"))
-            run = run_variant(args, run_env, ns.timeout, out / "logs" / f"{key}.supervisor.log")
+            try:
+                run = run_variant(args, run_env, ns.timeout, out / "logs" / f"{key}.supervisor.log")
+            except RunInterrupted as stop:  # its run has ended: record it, then go no further
+                run = stop.run
             profiled = VARIANTS[variant].get("profile")
             run_dir = _newest_run(out / "runs", config["launcher"]["run_name"] + ("-profile" if profiled else ""))
             if run_dir in earlier:  # this run made no directory: an earlier round's is not its result
@@ -757,7 +774,7 @@ def main(argv: list[str] | None = None) -> int:
             results["variants"][key] = {**run, **summary, "forecast": forecast}
             print(f"[patch_bench] {key}: {_one_line(results['variants'][key])}", flush=True)
             (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-            if run["interrupted"]:
+            if run.get("interrupted"):
                 break
     except KeyboardInterrupt:  # between two runs (a config, a forecast, a summary): none of them is alive
         results["interrupted"] = "between runs"
