@@ -34,6 +34,8 @@ in these figures. ``--reuse`` skips steps 1 and 2: it evaluates again the run an
 same ``DIR`` and adds its evaluations to that ``results.json`` (each evaluation names the command that made it), so
 a warm evaluation can follow a cold one in a later call on the same machine. ``results.json`` is first written once
 the training run succeeded, before any evaluation, so an evaluation stopped from outside leaves the run to ``--reuse``.
+Interrupted (Ctrl-C, ``timeout``, SIGTERM), it stops the run or the evaluation's child, writes ``results.json`` with
+what is done (an interrupted evaluation is recorded as such) and exits 130.
 """
 
 from __future__ import annotations
@@ -226,8 +228,12 @@ def _evaluate(out: Path, run_dir: Path, results: dict[str, Any], command: str, n
     os.environ.update({k: v for k, v in env.items() if k in ("TRITON_CACHE_DIR", "TOKENIZERS_PARALLELISM")})
     evaluations: list[dict[str, Any]] = results.setdefault("evaluations", [])
     for repeat in range(1, ns.repeats + 1):
-        found = evaluate_checkpoint(run_dir, max_new_tokens=ns.max_new_tokens, max_prompts=ns.max_prompts,
-                                    batch_size=ns.batch_size)  # fmt: skip
+        started = time.monotonic()
+        try:
+            found = evaluate_checkpoint(run_dir, max_new_tokens=ns.max_new_tokens, max_prompts=ns.max_prompts,
+                                        batch_size=ns.batch_size)  # fmt: skip
+        except KeyboardInterrupt:  # launcher.run.evaluate has stopped its child: keep the evaluations done
+            found = {"ok": False, "interrupted": True, "wall_s": round(time.monotonic() - started, 1)}
         found["command"] = command  # with the settings it ran with: --reuse may differ from the first invocation
         found["settings"] = {"batch_size": ns.batch_size, "max_new_tokens": ns.max_new_tokens,
                              "max_prompts": ns.max_prompts,
@@ -236,6 +242,10 @@ def _evaluate(out: Path, run_dir: Path, results: dict[str, Any], command: str, n
         if found["ok"] and ns.shape == "27b":
             found["target"] = {"max_s": TARGET_S, "met": found["wall_s"] <= TARGET_S}
         write_json_atomic(out / "results.json", results)  # after each one
+        if found.get("interrupted"):
+            print(f"[evaluate_bench] interrupted in evaluation {repeat}: {out / 'results.json'} holds the ones "
+                  "done", file=sys.stderr)  # fmt: skip
+            return 130
         summary = {k: found.get(k) for k in ("ok", "wall_s", "checkpoint_seconds", "prompts", "decoding", "error",
                                              "target")}  # fmt: skip
         print(f"[evaluate_bench] evaluation {repeat} of {ns.repeats}: "

@@ -27,6 +27,7 @@ from launcher.data.privacy import log_examples_wanted
 from launcher.demo import is_demo_model
 from launcher.errors import ExitCode, LauncherError
 from launcher.files import read_json_object, sha256_file, write_json_atomic, write_text_atomic
+from launcher.procs import terminate, tree
 from launcher.results.curves import read_trainer_state
 from launcher.results.evaluate import (
     build_document,
@@ -57,6 +58,7 @@ DEFAULT_MAX_PROMPTS = 32
 # forecast of a row (``launcher.rank.evaluate_decode.auto_rows``; docs/evaluate.md, "Batch size")
 DEFAULT_BATCH_SIZE = "auto"
 LOG_TAIL = 40
+CHILD_STOP_GRACE_S = 30  # an interrupted evaluation's child: SIGTERM, then SIGKILL after this
 CHILD = "launcher.rank.evaluate"
 
 
@@ -241,19 +243,25 @@ def build_request(run_dir: Path, *, checkpoints: str, prompts_file: Path | None,
 
 def _run_child(cmd: list[str], backend, log: Path, scratch_log: Path) -> int:
     """Run the child with its whole output in ``log``; only its ``evaluate:`` progress lines (counts) are
-    printed, plus the log's last lines when it fails. The log replaces the previous one when the child ends."""
+    printed, plus the log's last lines when it fails. The log replaces the previous one when the child ends;
+    interrupted here (Ctrl-C, or a signal this process turns into KeyboardInterrupt), the child is stopped before
+    the interrupt goes on, and the previous log stays."""
     tail: list[str] = []
     # the user's working folder, as for the job: relative paths in the run's YAML mean the same here
     with scratch_log.open("w", encoding="utf-8") as out:
         proc = subprocess.Popen(cmd, env=child_env(backend), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, errors="replace")  # fmt: skip
         assert proc.stdout is not None
-        for line in proc.stdout:
-            out.write(line)
-            tail = [*tail[-(LOG_TAIL - 1) :], line]
-            if line.startswith("evaluate: "):
-                print(line, end="", flush=True)
-        code = proc.wait()
+        try:
+            for line in proc.stdout:
+                out.write(line)
+                tail = [*tail[-(LOG_TAIL - 1) :], line]
+                if line.startswith("evaluate: "):
+                    print(line, end="", flush=True)
+            code = proc.wait()
+        except BaseException:  # Ctrl-C or a kill of this process alone: the child holds the device, it goes too
+            terminate(tree(proc.pid), CHILD_STOP_GRACE_S)
+            raise
     scratch_log.replace(log)
     if code != 0:
         print("".join(tail), end="", file=sys.stderr, flush=True)

@@ -104,3 +104,12 @@ def test_one_checkpoint_is_trained_then_evaluated_with_the_default_prompt_set(tm
     assert again["evaluations"][2]["command"].endswith("--reuse") and again["evaluations"][2]["prompts"] == 16
     assert again["evaluations"][2]["settings"]["batch_size"] == 8 == again["evaluations"][0]["settings"]["batch_size"]
     assert len(list((out / "runs").glob("evaluate-bench-tiny-*"))) == 1  # no second run
+
+    def interrupted(*args, **kwargs):  # as launcher.run.evaluate raises it once it has stopped its child
+        raise KeyboardInterrupt  # (tests/results/test_evaluate.py stops a real child with a real SIGINT)
+
+    monkeypatch.setattr(evaluate_bench, "evaluate_checkpoint", interrupted)
+    assert evaluate_bench.main(["--out", str(out), "--shape", "tiny", "--max-prompts", "10", "--reuse"]) == 130
+    stopped = json.loads((out / "results.json").read_text())
+    assert stopped["evaluations"][:3] == again["evaluations"]  # the evaluations done are kept
+    assert stopped["evaluations"][3]["interrupted"] and not stopped["evaluations"][3]["ok"]

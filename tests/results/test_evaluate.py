@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
+import psutil
 import pytest
 
 from launcher.data.prepare import Options, prepare
 from launcher.state.runs import EVALUATE_JSON, EVALUATE_MD
 from tests.support import soulchat_fixtures as sf
-from tests.support.common import launcher_cmd, make_config, only_run_dir
+from tests.support.common import REPO, launcher_cmd, make_config, only_run_dir
 
 pytest_plugins = ["tests.support.patch_fixtures"]
 
@@ -295,3 +300,39 @@ def test_several_checkpoints_load_the_base_model_once(prepared_run, monkeypatch,
         assert ckpt["decoding"]["batch_size_basis"]["setting"] == "auto" and ckpt["test_loss_seconds"] >= 0
     assert adapters == ["checkpoint-3", "checkpoint-6", "output"]
     assert len(bases) == 1, bases
+
+
+def test_an_interrupted_evaluation_stops_its_child_and_keeps_the_earlier_log(tmp_path):
+    """A SIGINT to the evaluating process alone (``kill -INT``; a terminal's Ctrl-C reaches the child as well) stops
+    the child it started before the interrupt goes on: real processes, a real signal. The child is a stand-in that
+    prints a progress line and waits, because the real one finishes on the tiny model before a signal can be aimed
+    inside it without waiting on time."""
+    parent_py = tmp_path / "parent.py"
+    parent_py.write_text(
+        textwrap.dedent("""
+        import sys
+        from pathlib import Path
+        from launcher.backend import BACKENDS
+        from launcher.run.evaluate import _run_child
+        folder = Path(sys.argv[1])
+        waits = "import time; print('evaluate: started', flush=True); time.sleep(600)"
+        _run_child([sys.executable, "-c", waits], BACKENDS["cpu"], folder / "evaluate.log", folder / "scratch.log")
+    """)
+    )
+    (tmp_path / "evaluate.log").write_text("earlier\n")
+    parent = subprocess.Popen([sys.executable, str(parent_py), str(tmp_path)], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    children: list[psutil.Process] = []
+    try:
+        assert parent.stdout.readline() == "evaluate: started\n"  # the child runs and its progress is shown
+        children = psutil.Process(parent.pid).children()
+        assert len(children) == 1
+        parent.send_signal(signal.SIGINT)
+        _, err = parent.communicate(timeout=120)
+        assert parent.returncode != 0 and "KeyboardInterrupt" in err  # the interrupt went on to the caller
+        assert not children[0].is_running()  # and the child did not outlive it
+        assert (tmp_path / "evaluate.log").read_text() == "earlier\n"
+    finally:
+        for proc in [*children, psutil.Process(parent.pid)] if parent.poll() is None else children:
+            if proc.is_running():
+                proc.kill()
