@@ -19,8 +19,7 @@ LLaMA-Factory exactly as a real run does):
    host seconds Triton compiled and autotuned in it (``launcher.rank.profiling.TRITON_CLOCK``), the
    period from its start to the next step's start (the whole optimizer step: forward, backward, optimizer,
    logging, the next batch; the last step has none), the host seconds Python's garbage collector ran inside
-   each (``GcClock``; with ``$BENCH_GC_FREEZE=1`` the collector's objects are frozen at the first step), the
-   batch's samples (a packed row's, ``row_samples``) and
+   each (``GcClock``), the batch's samples (a packed row's, ``row_samples``) and
    reads the peak allocated memory after each step (``torch.cuda.max_memory_allocated``, the counter
    LLaMA-Factory's ``vram_allocated`` reads too; reset after the kernel check, so it holds the weights and
    the training, not the check).
@@ -46,9 +45,6 @@ from launcher.rank import entry
 from patches.proof import utc_now
 
 KERNEL_CASES_ENV = "BENCH_KERNEL_CASES"
-# "1": the rank freezes Python's garbage collector's objects at its first training step (gc.freeze: later full
-# collections walk only what is made after it), to measure whether a step's stall is the collector's
-GC_FREEZE_ENV = "BENCH_GC_FREEZE"
 RECORD_ENV = "BENCH_RECORD_ENV"
 RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "ACCELERATE_USE_FSDP", "FSDP_VERSION")
 
@@ -248,10 +244,6 @@ def install_step_timer(torch, dev, recorder: Recorder) -> None:
 
     @functools.wraps(original)
     def training_step(self, model, inputs, *args, **kwargs):
-        if state["last_start"] is None and os.environ.get(GC_FREEZE_ENV) == "1":
-            gc.collect()
-            gc.freeze()
-            recorder.update(gc_frozen={"objects": gc.get_freeze_count(), "at": "the first training step"})
         dev.sync()
         start = time.perf_counter()
         collected = gc_clock.read()

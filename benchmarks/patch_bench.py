@@ -18,9 +18,8 @@ several samples each; the packing issue's target is 1.5x the supervised tokens/s
 ``spread-packed-cpu-mask`` (``spread-packed`` with ``packed_rows.device_mask: false``: LLaMA-Factory's 4D mask
 built on the CPU, the packed row before that option), ``spread-packed-workers`` and ``on-workers`` (the batches
 collated in 2 DataLoader workers instead of the training process), ``short`` and
-``short-packed`` (the same pair with samples of about 500 to 2,048 tokens), ``on-gc-frozen`` (``on`` with Python's
-garbage collector's objects frozen at the first step, in the benchmark's rank only: a measurement, not a product
-option).
+``short-packed`` (the same pair with samples of about 500 to 2,048 tokens), ``gc-off`` (``on`` with ``gc_freeze``
+off: Python's collector as upstream leaves it).
 
 1. ``DIR/model``: a config-only folder of the Qwen3.5-27B shape (``--shape 27b``; ``tiny`` for a CPU run of
    the plumbing) with the demo tokenizer and a matching processor (``benchmarks.bench_assets``); the rank
@@ -82,7 +81,8 @@ from launcher.state.runs import JOB_LOG
 REPO = Path(__file__).resolve().parent.parent
 ALL_OFF = {"deltanet_routing": False, "fused_ops": False, "checkpoint_all_layers": False, "chunked_loss": False,
            "text_only_batches": False, "final_eval_once": False, "lora_input_cast": False,
-           "packed_rows": False, "fsdp2_frozen_dtype": False, "fsdp2_resume_adapter": False}  # fmt: skip
+           "packed_rows": False, "fsdp2_frozen_dtype": False, "fsdp2_resume_adapter": False,
+           "gc_freeze": False}  # fmt: skip
 GLUE_OFF = {"fused_ops": False, "lora_input_cast": False}  # the product before the fused-glue issue
 # name -> patches (on top of the product's defaults), cutoff factor, data ("full": every sample at the cutoff;
 # "spread": about 1,000 to 4,096 tokens), steps (None: --steps)
@@ -112,9 +112,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # spread-packed and on with the batches collated in 2 DataLoader workers, off the training process
     "spread-packed-workers": {"data": "spread", "steps": 24, "lf": {"packing": True, "dataloader_num_workers": 2}},
     "on-workers": {"lf": {"dataloader_num_workers": 2}},
-    # "on" with Python's garbage collector's objects frozen at the first step (bench_entry.GC_FREEZE_ENV), in the
-    # benchmark only: whether the stall the 27B runs show about every 17 steps is the collector's full collections
-    "on-gc-frozen": {"env": {bench_entry.GC_FREEZE_ENV: "1"}},
+    # "on" with Python's garbage collector as upstream leaves it: a full collection walks the whole heap, 0.4 s
+    # about every 17 steps on the 27B shape (docs/benchmarks.md, "Sixteenth invocation")
+    "gc-off": {"patches": {"gc_freeze": False}},
     # shorter samples (about 500 to 2,048 tokens): where several share a row
     "short": {"data": "short", "steps": 32},
     "short-packed": {"data": "short", "steps": 24, "lf": {"packing": True}},
@@ -357,6 +357,9 @@ def _proof_summary(run_dir: Path) -> dict[str, Any]:
         **{name: {k: v for k, v in _read_json(run_dir / "proof" / "rank0" / f"{name}.json").items()
                   if k in ("status", "ops", "first_training_step", "error")}
            for name in ("fused_ops", "lora_input_cast")},
+        "gc_freeze": {k: v for k, v in _read_json(run_dir / "proof" / "rank0" / "gc_freeze.json").items()
+                      if k in ("status", "frozen_objects", "full_collection_s", "full_collection_after_freeze_s",
+                               "upstream")},
     }  # fmt: skip
 
 
@@ -418,7 +421,6 @@ def summarize(run_dir: Path, warmup: int) -> dict[str, Any]:
             "loss": [x.get("loss") for x in log if "loss" in x],
         }
     result["model_build"] = bench.get("model_build")
-    result["gc_frozen"] = bench.get("gc_frozen")
     result["fla_guard"] = bench.get("fla_guard")
     check = bench.get("kernel_check") or {}
     result["kernel_check"] = None
@@ -755,7 +757,6 @@ def main(argv: list[str] | None = None) -> int:
             run_env = {**env, "LAUNCHER_PREFLIGHT_SKIP": f"{PREFLIGHT_SKIP},{skip}"} if skip else env
             if round_ > 1 or position not in checked:
                 run_env = {**run_env, bench_entry.KERNEL_CASES_ENV: "none"}
-            run_env = {**run_env, **VARIANTS[variant].get("env", {})}
             forecast = forecast_of(path)
             earlier = set((out / "runs").glob("*"))
             try:

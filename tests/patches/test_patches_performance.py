@@ -1,4 +1,5 @@
-"""The performance patches on CPU: chunked loss, text-only batches, the layer plan, one final evaluation.
+"""The performance patches on CPU: chunked loss, text-only batches, the layer plan, one final evaluation, the
+collector's freeze.
 
 In-process tests use a tiny ``Qwen3_5ForConditionalGeneration`` (the demo model's config, random weights,
 fp32) with real PEFT LoRA on q/k/v/o; the layer-plan tests replace ``Trainer.training_step`` by a stub that
@@ -235,7 +236,7 @@ def trainings(demo_assets, tiny_training, tmp_path_factory):
         "on": tiny_training(root / "on", demo_assets, {"checkpoint_all_layers": {"uncheckpointed_layers": 1}},
                             lf=extra, entry="tests.support.eval_count_entry"),
         "off": tiny_training(root / "off", demo_assets, {"chunked_loss": False, "text_only_batches": False,
-                                                         "final_eval_once": False}, lf=extra,
+                                                         "final_eval_once": False, "gc_freeze": False}, lf=extra,
                              entry="tests.support.eval_count_entry"),
     }  # fmt: skip
     for name, result in results.items():
@@ -286,6 +287,19 @@ def test_the_final_evaluation_runs_once(trainings):
     results = json.loads((trainings["on"] / "output" / "eval_results.json").read_text())
     logged = [x["eval_loss"] for x in trainer_log(trainings["on"]) if "eval_loss" in x]
     assert results["eval_loss"] == pytest.approx(logged[-1])
+
+
+@pytest.mark.slow
+def test_the_collectors_objects_are_frozen_after_the_first_step_unless_gc_freeze_is_off(trainings):
+    """On (the default), the rank froze what the first step left alive, timed a full collection before and after,
+    and trained to the same loss and LoRA update as the run with it off (the two tests above)."""
+    on = read_proof(trainings["on"] / "proof", "gc_freeze")
+    assert on["status"] == "applied" and on["at"] == "after the first training step"
+    assert on["frozen_objects"] > 10_000  # the model, the optimizer, LLaMA-Factory's and transformers' objects
+    assert {"full_collection_s", "full_collection_after_freeze_s", "frozen_at"} <= set(on)
+    off = read_proof(trainings["off"] / "proof", "gc_freeze")
+    assert off["status"] == "disabled" and off["upstream"]["frozen_objects"] == 0
+    assert off["upstream"]["thresholds"][0] > 0  # the collector runs as upstream leaves it
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ DEFAULTS = {
     "packed_rows": {"enabled": True, "varlen_attention": True, "device_mask": True},
     "fsdp2_frozen_dtype": {"enabled": True, "trainable_units": "auto", "embedding_units": True},
     "fsdp2_resume_adapter": {"enabled": True},
+    "gc_freeze": {"enabled": True},
 }
 
 
@@ -33,7 +34,7 @@ def test_registry_order_is_routing_then_checkpointing_then_the_rest():
     assert patches.PATCH_NAMES == (
         "deltanet_routing", "fused_ops", "checkpoint_all_layers", "chunked_loss", "text_only_batches",
         "final_eval_once", "pad_lengths", "lora_input_cast", "packed_rows", "fsdp2_frozen_dtype",
-        "fsdp2_resume_adapter",
+        "fsdp2_resume_adapter", "gc_freeze",
     )  # fmt: skip
     assert tuple(PATCHES) == patches.PATCH_NAMES
 

@@ -66,6 +66,7 @@ def test_turning_the_refused_patch_off_lets_the_run_go_on_and_is_recorded(tmp_pa
         "lora_input_cast",
         "fsdp2_frozen_dtype",
         "fsdp2_resume_adapter",
+        "gc_freeze",
     ]
     record = read_proof(tmp_path, "checkpoint_all_layers")
     assert record["enabled"] is False
