@@ -2,13 +2,16 @@
 packed row does (with ``cu_seqlens``).
 
     python -m benchmarks.deltanet_bench --out DIR [--tokens 4096] [--samples 2482,1614] [--repeats 10]
-                                        [--kernels conv,chunk,chunk-repeated]
+                                        [--kernels conv,conv-per-sample,chunk,chunk-repeated]
 
 One Gated DeltaNet layer of Qwen3.5-27B (16 key heads and 48 value heads of 128; the short convolution over the
 10,240 channels of q, k and v, width 4, SiLU; docs/upstream.md), bf16, one row of ``--tokens`` tokens, forward
 and backward:
 
 - ``conv``: FLA's ``causal_conv1d`` (the kernel ``fused_ops`` binds on CUDA);
+- ``conv-per-sample``: the same kernel without ``cu_seqlens``, called once on each segment's slice of the row
+  and the outputs joined (``torch.cat``): another way for a packed row to keep its samples apart, priced
+  against ``conv``'s varlen call (0.50 ms more than the plain one a checkpointed layer on an H100);
 - ``chunk``: FLA's ``chunk_gated_delta_rule`` with the key heads as they are (``packed_rows.value_heads`` hands
   them so), q and k L2-normed in the kernel;
 - ``chunk-repeated``: the same with the key heads first repeated for the value heads, as transformers' forward
@@ -19,6 +22,7 @@ Each is called ``plain``, without ``cu_seqlens`` (an unpacked step; a packed row
 ``--samples`` segments, the last running to the end of the row (``state_bounds`` joins a row's padding to the
 sample before it): ``--samples 2482,1614`` is a row of one 2,482-token sample with its padding as a segment of its
 own, the bounds the product gave such a row before ``state_bounds``; ``--samples 1200,1700,1196`` three samples.
+``conv-per-sample`` runs on those segments only.
 
 Per call: the first forward+backward timed alone (``first_call_s``: Triton's compile and autotune on a cold
 cache), 3 untimed calls, then ``R`` timed forwards and ``R`` timed forward+backward calls (CUDA events, the device
@@ -46,7 +50,7 @@ from typing import Any
 from benchmarks.attention_bench import cuda_median_ms
 from launcher.files import write_json_atomic
 
-KERNELS = ("conv", "chunk", "chunk-repeated")
+KERNELS = ("conv", "conv-per-sample", "chunk", "chunk-repeated")
 KEY_HEADS, VALUE_HEADS, HEAD_DIM, CONV_WIDTH = 16, 48, 128, 4  # Qwen3.5-27B (benchmarks.bench_assets.QWEN3_5_27B)
 
 
@@ -62,7 +66,7 @@ def draw_inputs(torch, kernel: str, tokens: int) -> dict[str, Any]:
     def draw(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(torch.bfloat16)
 
-    if kernel == "conv":
+    if kernel.startswith("conv"):
         width = (2 * KEY_HEADS + VALUE_HEADS) * HEAD_DIM
         found = {"x": draw(1, tokens, width), "weight": draw(width, CONV_WIDTH, scale=0.5)}
     else:
@@ -75,6 +79,13 @@ def draw_inputs(torch, kernel: str, tokens: int) -> dict[str, Any]:
 
 def kernel_call(torch, kernel: str, bounds: list[int] | None):
     """A function of the inputs returning the kernel's output, with ``cu_seqlens`` (device and CPU) of ``bounds``."""
+    if kernel == "conv-per-sample":  # no cu_seqlens: the plain kernel on each segment's slice, the outputs joined
+        from fla.modules.causal_conv1d import causal_conv1d
+
+        assert bounds is not None, "conv-per-sample runs on segments"
+        edges = list(itertools.pairwise(bounds))
+        return lambda t: torch.cat([causal_conv1d(t["x"][:, a:b], weight=t["weight"], bias=None,
+                                                  activation="silu")[0] for a, b in edges], dim=1)  # fmt: skip
     extra = {} if bounds is None else {"cu_seqlens": torch.tensor(bounds, device="cuda"),
                                        "cu_seqlens_cpu": torch.tensor(bounds)}  # fmt: skip
     if kernel == "conv":
@@ -165,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
                                "tokens": args.tokens, "fla_guard": guard, "calls": []}  # fmt: skip
     for kernel in [k.strip() for k in args.kernels.split(",") if k.strip()]:
-        for cut in (None,) if kernel == "chunk-repeated" else (None, bounds):
+        cuts = {"chunk-repeated": (None,), "conv-per-sample": (bounds,)}.get(kernel, (None, bounds))
+        for cut in cuts:
             try:
                 found = measure(torch, kernel, cut, args.tokens, args.repeats)
             except KeyboardInterrupt:  # a time limit inside a cold compile: the calls done are kept
