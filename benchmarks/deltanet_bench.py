@@ -83,9 +83,9 @@ def kernel_call(torch, kernel: str, bounds: list[int] | None):
         from fla.modules.causal_conv1d import causal_conv1d
 
         assert bounds is not None, "conv-per-sample runs on segments"
-        edges = list(itertools.pairwise(bounds))
-        return lambda t: torch.cat([causal_conv1d(t["x"][:, a:b], weight=t["weight"], bias=None,
-                                                  activation="silu")[0] for a, b in edges], dim=1)  # fmt: skip
+        sizes = [b - a for a, b in itertools.pairwise(bounds)]  # split, not slices: its backward is one join
+        return lambda t: torch.cat([causal_conv1d(part, weight=t["weight"], bias=None, activation="silu")[0]
+                                    for part in t["x"].split(sizes, dim=1)], dim=1)  # fmt: skip
     extra = {} if bounds is None else {"cu_seqlens": torch.tensor(bounds, device="cuda"),
                                        "cu_seqlens_cpu": torch.tensor(bounds)}  # fmt: skip
     if kernel == "conv":
