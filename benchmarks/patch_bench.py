@@ -358,8 +358,7 @@ def _proof_summary(run_dir: Path) -> dict[str, Any]:
                   if k in ("status", "ops", "first_training_step", "error")}
            for name in ("fused_ops", "lora_input_cast")},
         "gc_freeze": {k: v for k, v in _read_json(run_dir / "proof" / "rank0" / "gc_freeze.json").items()
-                      if k in ("status", "frozen_objects", "full_collection_s", "full_collection_after_freeze_s",
-                               "upstream")},
+                      if k in ("status", "frozen_objects", "full_collection_s", "before_training_step", "upstream")},
     }  # fmt: skip
 
 

@@ -18,7 +18,7 @@ logits), ``text_only_batches`` (no dummy image for text-only data), ``final_eval
 final model) ``pad_lengths`` (off unless named: padding to a multiple of N tokens), ``lora_input_cast`` (no fp32 copy
 of LoRA inputs under autocast), ``packed_rows`` (samples of a packed row kept apart), ``fsdp2_frozen_dtype`` (FSDP2
 keeps the frozen base in its load dtype), ``fsdp2_resume_adapter`` (an FSDP2 resume restores every rank's LoRA
-shards) and ``gc_freeze`` (full garbage collections skip the objects alive after the first step).
+shards) and ``gc_freeze`` (full garbage collections skip the objects alive after the first optimizer step).
 Each module's docstring says which upstream behaviour it changes, for which versions, and when it can be deleted.
 """
 

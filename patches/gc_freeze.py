@@ -1,22 +1,24 @@
-"""Python's garbage collector without the model: the objects alive after the first training step are frozen.
+"""Python's garbage collector without the model: the objects alive after the first optimizer step are frozen.
 
-Upstream behaviour (CPython 3.11, ``Modules/gcmodule.c``; the images run 3.11): the cyclic collector runs a
-young collection every 700 net allocations of container objects and, once enough objects have survived into
-the oldest generation (more than a quarter of those already there), a full collection, which walks every
-tracked object of the process. After the model, the optimizer, the datasets and the compiled kernels are built,
-a training rank holds of the order of 800,000 of them (773,613 at the first step of the 27B shape on one H100):
-on that H100 each full collection took 0.38 to 0.44 s, inside one step in every 17 or so (docs/benchmarks.md,
-"Sixteenth invocation"), about 2 % of the step time that the step medians leave out and throughput does not. With
-several ranks, each collects at its own moment and the others wait for it at the next collective.
+Upstream behaviour (CPython 3.11, the images' Python, ``Modules/gcmodule.c``, ``gc_collect_generations``): the cyclic
+collector runs a young collection when the net allocations of tracked objects pass 700, and a full collection,
+which walks every tracked object of the process, when more than ten middle-generation collections have run and the
+objects waiting to join the oldest generation are more than a quarter of those already in it. Once the model, the
+datasets, the optimizer and the compiled kernels are built, a training rank tracks of the order of 800,000 objects
+(773,613 at the first step of the 27B shape on one H100). There, one full collection took 0.38 to 0.44 s inside
+the 16th step's period of every 20-step run (docs/benchmarks.md, "Sixteenth invocation"; the 40-step runs of
+earlier invocations stalled there and again at the 33rd step), about 2 % of the step time, which the step medians
+leave out and throughput does not. With several ranks, each collects at its own moment and the others wait for it
+at the next collective.
 
-What this patch does: after the first training step of this process (``trainer_hook``; the optimizer's state
-exists by then), one full collection (``gc.collect()``) and then ``gc.freeze()``, which moves every object still
-alive to a permanent generation that later collections skip (Python's ``gc`` documentation). Later full
-collections walk only what was made since. Objects frozen stay in memory while a reference holds them, as
-before; a reference cycle among them that becomes garbage later is not collected (host memory, not device
-memory). Training is otherwise unchanged: no tensor, no number. Proof per rank: the objects frozen, the seconds
-of that full collection, and of one more full collection right after the freeze (what a full collection costs
-from then on).
+What this patch does: before the first training step after the first optimizer step (``trainer_hook``; the call
+``gradient_accumulation_steps + 1``, so the optimizer's state exists and no step is unwinding an error), one full
+collection (``gc.collect()``) and then ``gc.freeze()``, which moves every object still alive to a permanent
+generation that later collections skip (the ``gc`` module's documentation). Later full collections walk only what
+was made since. Frozen objects stay in memory while a reference holds them, as before; a reference cycle among them
+that becomes garbage later is not collected (host memory, not device memory). Training is otherwise unchanged: no
+tensor, no number. A run of a single optimizer step freezes nothing. Proof per rank: the objects frozen, the
+seconds of that full collection (what one cost before the freeze) and the training step it preceded.
 
 Versions: any CPython with ``gc.freeze`` (3.7 and later); the hook needs transformers' ``Trainer.training_step``
 (``SUPPORTED``). Delete this patch when the collector no longer walks the whole heap in a full collection.
@@ -57,36 +59,35 @@ def check_symbols() -> None:
         raise PatchError(NAME, "this Python has no gc.freeze", "run CPython 3.7 or later")
 
 
-def _full_collection_s() -> float:
+def _freeze(trainer, model) -> None:
+    """Collect, then freeze what is left."""
     started = time.perf_counter()
     gc.collect()
-    return round(time.perf_counter() - started, 5)
-
-
-def _freeze(trainer, model) -> None:
-    """After the first training step: collect, freeze what is left, and time one full collection after it."""
-    before = _full_collection_s()
+    seconds = round(time.perf_counter() - started, 4)
     gc.freeze()
-    frozen = gc.get_freeze_count()
-    after = _full_collection_s()
     _state["frozen"] = True
-    _state["proof"].update(frozen_objects=frozen, full_collection_s=before,
-                           full_collection_after_freeze_s=after, at="after the first training step",
-                           frozen_at=utc_now())  # fmt: skip
+    _state["proof"].update(frozen_objects=gc.get_freeze_count(), full_collection_s=seconds,
+                           before_training_step=_state["at_step"], frozen_at=utc_now())  # fmt: skip
+
+
+def _schedule(trainer, model) -> None:
+    """At the first training step: the freeze goes before the call that follows the first optimizer step."""
+    _state["at_step"] = int(getattr(trainer.args, "gradient_accumulation_steps", 1) or 1) + 1
+    trainer_hook.on_training_step(NAME, _state["at_step"], before=_freeze)
 
 
 def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dict[str, Any]) -> dict[str, Any]:
-    """Register the freeze after this process's first training step."""
-    _state.clear()
+    """Schedule the freeze at this process's first training step."""
+    restore()
     _state["proof"] = proof
-    trainer_hook.on_first_training_step(NAME, after=_freeze)
-    return {"hooked": "transformers.Trainer.training_step (after the first)"}
+    trainer_hook.on_first_training_step(NAME, before=_schedule)
+    return {"hooked": "transformers.Trainer.training_step (the one after the first optimizer step)"}
 
 
 def observe(*, backend: str, proof: ProofFile) -> None:
     """Disabled: the collector's thresholds, as upstream leaves them."""
     restore()
-    proof.update(upstream={"thresholds": list(gc.get_threshold()), "frozen_objects": gc.get_freeze_count()})
+    proof.update(upstream={"thresholds": list(gc.get_threshold())})
 
 
 def restore() -> None:

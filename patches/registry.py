@@ -23,8 +23,8 @@ Order (fixed; ``PATCH_NAMES``):
 11. ``fsdp2_resume_adapter`` - wraps the ``load_fsdp_model`` global of ``transformers.trainer``; acts only when the
    Trainer loads a checkpoint of a PEFT model under FSDP2 (resume), after the model was prepared, so it needs nothing
    from the others.
-12. ``gc_freeze`` - hooks the first ``Trainer.training_step`` (after it, through ``trainer_hook``) to freeze the
-   objects of Python's garbage collector; independent of the others.
+12. ``gc_freeze`` - hooks ``Trainer.training_step`` (through ``trainer_hook``) to freeze the objects of Python's
+   garbage collector before the call after the first optimizer step; independent of the others.
 
 Each ``apply`` also gets ``facts``: what the launcher knew about the run before it started (``launch.json``:
 the datasets' media count, ``cutoff_len``, whether it packs), the same on every rank.

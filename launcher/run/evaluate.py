@@ -14,11 +14,14 @@ failed evaluation leaves an earlier one as it was. The scratch folder is removed
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +62,7 @@ DEFAULT_MAX_PROMPTS = 32
 DEFAULT_BATCH_SIZE = "auto"
 LOG_TAIL = 40
 CHILD_STOP_GRACE_S = 30  # an interrupted evaluation's child: SIGTERM, then SIGKILL after this
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 CHILD = "launcher.rank.evaluate"
 
 
@@ -241,11 +245,27 @@ def build_request(run_dir: Path, *, checkpoints: str, prompts_file: Path | None,
     }
 
 
+@contextlib.contextmanager
+def _stop_signals_as(handler):
+    """Ctrl-C, ``kill`` and a closed terminal (SIGINT, SIGTERM, SIGHUP) handled by ``handler`` inside the block; as
+    they were outside it. Only the main thread can set handlers (and only it receives them): elsewhere, nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {signum: signal.signal(signum, handler) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, previous in before.items():
+            signal.signal(signum, previous)
+
+
 def _run_child(cmd: list[str], backend, log: Path, scratch_log: Path) -> int:
     """Run the child with its whole output in ``log``; only its ``evaluate:`` progress lines (counts) are
-    printed, plus the log's last lines when it fails. The log replaces the previous one when the child ends;
-    interrupted here (Ctrl-C, or a signal this process turns into KeyboardInterrupt), the child is stopped before
-    the interrupt goes on, and the previous log stays."""
+    printed, plus the log's last lines when it fails. The log replaces the previous one when the child ends.
+    While the child runs, a stop signal to this process alone (Ctrl-C, ``kill``, a closed terminal) interrupts it
+    as Ctrl-C does; the child is stopped (SIGTERM, SIGKILL after ``CHILD_STOP_GRACE_S``; further stop signals wait)
+    before the KeyboardInterrupt goes on, and the previous log stays."""
     tail: list[str] = []
     # the user's working folder, as for the job: relative paths in the run's YAML mean the same here
     with scratch_log.open("w", encoding="utf-8") as out:
@@ -253,14 +273,16 @@ def _run_child(cmd: list[str], backend, log: Path, scratch_log: Path) -> int:
                                 text=True, errors="replace")  # fmt: skip
         assert proc.stdout is not None
         try:
-            for line in proc.stdout:
-                out.write(line)
-                tail = [*tail[-(LOG_TAIL - 1) :], line]
-                if line.startswith("evaluate: "):
-                    print(line, end="", flush=True)
-            code = proc.wait()
-        except BaseException:  # Ctrl-C or a kill of this process alone: the child holds the device, it goes too
-            terminate(tree(proc.pid), CHILD_STOP_GRACE_S)
+            with _stop_signals_as(signal.default_int_handler):
+                for line in proc.stdout:
+                    out.write(line)
+                    tail = [*tail[-(LOG_TAIL - 1) :], line]
+                    if line.startswith("evaluate: "):
+                        print(line, end="", flush=True)
+                code = proc.wait()
+        except BaseException:  # the child holds the device: it goes too, whatever else arrives meanwhile
+            with _stop_signals_as(signal.SIG_IGN):
+                terminate(tree(proc.pid), CHILD_STOP_GRACE_S)
             raise
     scratch_log.replace(log)
     if code != 0:

@@ -302,11 +302,12 @@ def test_several_checkpoints_load_the_base_model_once(prepared_run, monkeypatch,
     assert len(bases) == 1, bases
 
 
-def test_an_interrupted_evaluation_stops_its_child_and_keeps_the_earlier_log(tmp_path):
-    """A SIGINT to the evaluating process alone (``kill -INT``; a terminal's Ctrl-C reaches the child as well) stops
-    the child it started before the interrupt goes on: real processes, a real signal. The child is a stand-in that
-    prints a progress line and waits, because the real one finishes on the tiny model before a signal can be aimed
-    inside it without waiting on time."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_an_interrupted_evaluation_stops_its_child_and_keeps_the_earlier_log(tmp_path, signum):
+    """A stop signal to the evaluating process alone (``kill -INT``, ``kill``, a closed terminal; a terminal's Ctrl-C
+    reaches the child as well) stops the child it started before the interrupt goes on: real processes, real
+    signals. The child is a stand-in that prints a progress line and waits, because the real one finishes on the tiny
+    model before a signal can be aimed inside it without waiting on time."""
     parent_py = tmp_path / "parent.py"
     parent_py.write_text(
         textwrap.dedent("""
@@ -327,7 +328,7 @@ def test_an_interrupted_evaluation_stops_its_child_and_keeps_the_earlier_log(tmp
         assert parent.stdout.readline() == "evaluate: started\n"  # the child runs and its progress is shown
         children = psutil.Process(parent.pid).children()
         assert len(children) == 1
-        parent.send_signal(signal.SIGINT)
+        parent.send_signal(signum)
         _, err = parent.communicate(timeout=120)
         assert parent.returncode != 0 and "KeyboardInterrupt" in err  # the interrupt went on to the caller
         assert not children[0].is_running()  # and the child did not outlive it
