@@ -113,7 +113,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "spread-packed-workers": {"data": "spread", "steps": 24, "lf": {"packing": True, "dataloader_num_workers": 2}},
     "on-workers": {"lf": {"dataloader_num_workers": 2}},
     # "on" with Python's garbage collector as upstream leaves it: a full collection walks the whole heap, 0.4 s
-    # about every 17 steps on the 27B shape (docs/benchmarks.md, "Sixteenth invocation")
+    # inside the 16th step of a 20-step run on the 27B shape (docs/benchmarks.md, "Sixteenth invocation")
     "gc-off": {"patches": {"gc_freeze": False}},
     # shorter samples (about 500 to 2,048 tokens): where several share a row
     "short": {"data": "short", "steps": 32},

@@ -39,6 +39,7 @@ from launcher.results.evaluate import (
     render_markdown,
 )
 from launcher.results.report import build_report
+from launcher.run.signals import STOP_SIGNALS
 from launcher.state.checkpoints import scan_checkpoints
 from launcher.state.runfiles import Manifest, eval_dataset_names, load_run_files, read_launch
 from launcher.state.runs import (
@@ -62,7 +63,6 @@ DEFAULT_MAX_PROMPTS = 32
 DEFAULT_BATCH_SIZE = "auto"
 LOG_TAIL = 40
 CHILD_STOP_GRACE_S = 30  # an interrupted evaluation's child: SIGTERM, then SIGKILL after this
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 CHILD = "launcher.rank.evaluate"
 
 
@@ -264,8 +264,8 @@ def _run_child(cmd: list[str], backend, log: Path, scratch_log: Path) -> int:
     """Run the child with its whole output in ``log``; only its ``evaluate:`` progress lines (counts) are
     printed, plus the log's last lines when it fails. The log replaces the previous one when the child ends.
     While the child runs, a stop signal to this process alone (Ctrl-C, ``kill``, a closed terminal) interrupts it
-    as Ctrl-C does; the child is stopped (SIGTERM, SIGKILL after ``CHILD_STOP_GRACE_S``; further stop signals wait)
-    before the KeyboardInterrupt goes on, and the previous log stays."""
+    as Ctrl-C does; the child is stopped (SIGTERM, SIGKILL after ``CHILD_STOP_GRACE_S``; stop signals are ignored
+    meanwhile) before the KeyboardInterrupt goes on, and the previous log stays."""
     tail: list[str] = []
     # the user's working folder, as for the job: relative paths in the run's YAML mean the same here
     with scratch_log.open("w", encoding="utf-8") as out:
