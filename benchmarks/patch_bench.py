@@ -19,7 +19,8 @@ several samples each; the packing issue's target is 1.5x the supervised tokens/s
 built on the CPU, the packed row before that option), ``spread-packed-workers`` and ``on-workers`` (the batches
 collated in 2 DataLoader workers instead of the training process), ``short`` and
 ``short-packed`` (the same pair with samples of about 500 to 2,048 tokens), ``gc-off`` (``on`` with ``gc_freeze``
-off: Python's collector as upstream leaves it).
+off: Python's collector as upstream leaves it), ``heads-repeated`` (``on`` with ``packed_rows.unpacked_forward``
+off: transformers' DeltaNet forward for unpacked steps, the key heads repeated before FLA's chunk kernel).
 
 1. ``DIR/model``: a config-only folder of the Qwen3.5-27B shape (``--shape 27b``; ``tiny`` for a CPU run of
    the plumbing) with the demo tokenizer and a matching processor (``benchmarks.bench_assets``); the rank
@@ -115,6 +116,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # "on" with Python's garbage collector as upstream leaves it: a full collection walks the whole heap, 0.4 s
     # inside the 16th step of a 20-step run on the 27B shape (docs/benchmarks.md, "Sixteenth invocation")
     "gc-off": {"patches": {"gc_freeze": False}},
+    # "on" with transformers' own DeltaNet forward for unpacked steps: the key heads repeated for the value heads
+    # before FLA's chunk kernel (packed_rows.unpacked_forward off)
+    "heads-repeated": {"patches": {"packed_rows": {"unpacked_forward": False}}},
     # shorter samples (about 500 to 2,048 tokens): where several share a row
     "short": {"data": "short", "steps": 32},
     "short-packed": {"data": "short", "steps": 24, "lf": {"packing": True}},
@@ -353,7 +357,7 @@ def _proof_summary(run_dir: Path) -> dict[str, Any]:
            for name in ("chunked_loss", "text_only_batches", "final_eval_once", "pad_lengths")},
         "packed_rows": {k: v for k, v in _read_json(run_dir / "proof" / "rank0" / "packed_rows.json").items()
                         if k in ("status", "packing", "first_packed_batch", "first_packed_call",
-                                 "first_packed_attention", "first_training_step", "error")},
+                                 "first_packed_attention", "first_unpacked_call", "first_training_step", "error")},
         **{name: {k: v for k, v in _read_json(run_dir / "proof" / "rank0" / f"{name}.json").items()
                   if k in ("status", "ops", "first_training_step", "error")}
            for name in ("fused_ops", "lora_input_cast")},

@@ -30,8 +30,12 @@ What this patch does:
    once, with the row's ``cu_seqlens`` (the rows flattened to batch 1, as FLA requires) and the key heads unrepeated
    (``value_heads``); the torch reference once per sample. FLA's two kernels take the padding joined to the sample
    before it (``Segments.state_bounds``), so a batch of one row holding one sample goes to them without
-   ``cu_seqlens``, as an unpacked step does. Other masks go to the upstream forward unchanged (unpacked training,
-   generation). A packed row with a cache (generation) or whose mask is not as long as the row
+   ``cu_seqlens``, as an unpacked step does. An unpacked batch without a cache, where the layer's chunk kernel is
+   FLA's and its key heads serve several value heads (the 27B: 16 for 48), goes through the same arithmetic
+   (``packed_forward`` with no segments: transformers' padding zeroing, the layer's own convolution, one kernel
+   call) so that its key heads reach the kernel unrepeated too (option ``unpacked_forward``, on by default;
+   recorded as ``first_unpacked_call``). Everything else goes to the upstream forward unchanged (generation, the
+   torch reference). A packed row with a cache (generation) or whose mask is not as long as the row
    (LLaMA-Factory's dummy image appended to a packed batch) stops the run.
 2. routes the full-attention layers of a packed row (``Qwen3_5Attention``, the MoE twin; through the ``sdpa`` entry
    of transformers' attention functions, which the layers look up at every call) to a varlen kernel where the
@@ -131,7 +135,7 @@ FIX = "turn packing off (packing: false, neat_packing: false), or report the LLa
 
 
 class Options(BaseModel):
-    """``launcher.patches.packed_rows``: ``enabled``, ``varlen_attention``, ``device_mask``."""
+    """``launcher.patches.packed_rows``: ``enabled``, ``varlen_attention``, ``device_mask``, ``unpacked_forward``."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     enabled: bool = True
@@ -140,6 +144,9 @@ class Options(BaseModel):
     # build the packed row's 4D mask on the device from LLaMA-Factory's sample numbers; false: its collator builds
     # it on the CPU (32 MiB at 4,096 tokens in bf16: 7 to 13 ms and a 2 to 5 ms copy a batch, docs/benchmarks.md)
     device_mask: bool = True
+    # unpacked batches (no cache) through the same layer arithmetic where the chunk kernel is FLA, so their key
+    # heads reach it unrepeated too; false: transformers' forward repeats them (see ``value_heads``)
+    unpacked_forward: bool = True
 
 
 @dataclass(frozen=True)
@@ -357,8 +364,9 @@ def segment_causal_conv(x, weight, bias, found: Segments):
     return F.silu(out)
 
 
-def chunk_per_segment(kernel, query, key, value, g, beta, found: Segments):
-    """The layer's routed chunk kernel over every segment, none seeing another's state."""
+def chunk_per_segment(kernel, query, key, value, g, beta, found: Segments | None):
+    """The layer's routed chunk kernel over every segment, none seeing another's state (``found`` None: every row
+    one sequence, FLA's kernel only)."""
     import torch
 
     if not isinstance(kernel, KernelRecorder):
@@ -366,6 +374,8 @@ def chunk_per_segment(kernel, query, key, value, g, beta, found: Segments):
             f"a DeltaNet layer is bound to {type(kernel).__name__}, not to the routed kernel, so its packed rows "
             "cannot be split by sample"), "keep launcher.patches.deltanet_routing enabled when packing")  # fmt: skip
     options = {"initial_state": None, "output_final_state": False, "use_qk_l2norm_in_kernel": True}
+    if found is None:
+        return kernel(query, key, value, g=g, beta=beta, **options)[0]
     if kernel.label == "fla":
         rows, length = query.shape[:2]
         flat = [t.reshape(1, rows * length, *t.shape[2:]) for t in (query, key, value, g, beta)]
@@ -395,16 +405,23 @@ def value_heads(kernel, query, key, groups: int):
     return query, key
 
 
-def packed_forward(layer, hidden_states, found: Segments):
-    """One Gated DeltaNet layer over packed rows: projections, segment-reset convolution, per-sample kernel,
-    gated norm, output projection (transformers' layer arithmetic, written for segments)."""
+def packed_forward(layer, hidden_states, found: Segments | None):
+    """One Gated DeltaNet layer without a cache: projections, convolution, chunk kernel, gated norm, output
+    projection (transformers' layer arithmetic). ``found``: packed rows, each segment convolved and run alone;
+    None: an unpacked batch (its padding already zeroed) on the FLA route, each row one sequence, the convolution
+    the layer's own as transformers calls it."""
     import torch
     import torch.nn.functional as F
 
     batch, length, _ = hidden_states.shape
     projected = layer.in_proj_qkv(hidden_states)
     conv = fused_ops.conv_of(layer)
-    if conv is not None:  # FLA's convolution takes the samples' boundaries itself
+    if found is None:
+        x = projected.transpose(1, 2)
+        mixed = (F.silu(layer.conv1d(x)[:, :, :length]) if layer.causal_conv1d_fn is None else
+                 layer.causal_conv1d_fn(x=x, weight=layer.conv1d.weight.squeeze(1), bias=layer.conv1d.bias,
+                                        activation=layer.activation, seq_idx=None)).transpose(1, 2)  # fmt: skip
+    elif conv is not None:  # FLA's convolution takes the samples' boundaries itself
         cu, cu_cpu = found.state_bounds(hidden_states.device)
         mixed = conv.varlen(projected.reshape(1, batch * length, -1), layer.conv1d.weight.squeeze(1),
                             layer.conv1d.bias, layer.activation, cu, cu_cpu).reshape(batch, length, -1)  # fmt: skip
@@ -618,6 +635,8 @@ def _make_attention(original):
 def _make_forward(original):
     def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
         if attention_mask is None or attention_mask.dim() != 4 or not _state:
+            if cache_params is None and _state.get("unpacked_forward") and unrepeated(self):
+                return _unpacked(self, hidden_states, attention_mask)
             return original(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
         if cache_params is not None:
             raise PatchError(NAME, "a packed row came with a cache (generation or use_cache); its DeltaNet "
@@ -657,6 +676,30 @@ def _make_forward(original):
         return packed_forward(self, hidden_states, found)
 
     return forward
+
+
+def unrepeated(layer) -> bool:
+    """Whether the layer's key heads serve several value heads and its chunk kernel (FLA's) takes them unrepeated."""
+    kernel = layer.chunk_gated_delta_rule
+    return (layer.num_v_heads // layer.num_k_heads > 1 and isinstance(kernel, KernelRecorder)
+            and kernel.label == "fla")  # fmt: skip
+
+
+def _unpacked(layer, hidden_states, attention_mask):
+    """An unpacked batch through ``packed_forward``: transformers' arithmetic (its padding zeroed by transformers'
+    own function first), the key heads unrepeated; the first call on each rank is recorded."""
+    hidden_states = sys.modules[type(layer).__module__].apply_mask_to_padding_states(hidden_states, attention_mask)
+    if not _state.get("first_unpacked_call"):
+        _state["first_unpacked_call"] = True
+        _state["proof"].update(first_unpacked_call={
+            "rows": hidden_states.shape[0], "length": hidden_states.shape[1],
+            "padding_mask": attention_mask is not None, "key_heads": layer.num_k_heads,
+            "value_heads": layer.num_v_heads, "key_heads_repeated": False,
+            "kernel_label": layer.chunk_gated_delta_rule.label, "device": str(hidden_states.device),
+            "recorded_at": utc_now(),
+        })  # fmt: skip
+    _state["unpacked_calls"] = _state.get("unpacked_calls", 0) + 1
+    return packed_forward(layer, hidden_states, None)
 
 
 def restarts(positions) -> bool:
@@ -774,9 +817,9 @@ def check_symbols() -> None:
     collator exists."""
     needed = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm",
               "out_proj", "key_dim", "value_dim", "head_k_dim", "head_v_dim", "num_k_heads", "num_v_heads",
-              "chunk_gated_delta_rule", "layer_idx")  # fmt: skip
+              "chunk_gated_delta_rule", "causal_conv1d_fn", "activation", "layer_idx")  # fmt: skip
     for module_name, class_name in DELTANET:
-        module = require_symbols(NAME, module_name, (class_name,), "transformers")
+        module = require_symbols(NAME, module_name, (class_name, "apply_mask_to_padding_states"), "transformers")
         missing = [name for name in needed if name not in getattr(module, class_name).__init__.__code__.co_names]
         if missing:
             raise PatchError(NAME, f"{class_name}.__init__ no longer sets {', '.join(missing)}",
@@ -808,6 +851,7 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
     _cache.clear()
     _state.update(proof=proof, packing=bool(facts.get("packing")), calls=0, batches=0, samples=0, rows=0,
                   varlen_attention=varlen, device_mask=bool(options.get("device_mask", True)),
+                  unpacked_forward=bool(options.get("unpacked_forward", True)),
                   attention=tuple(getattr(importlib.import_module(m), c) for m, c in ATTENTION))  # fmt: skip
     trainer_hook.on_first_training_step(NAME, before=_before_first_step, after=_after_first_step)
     trainer_hook.on_training_step(NAME, 2, before=_before_second_step)
@@ -817,6 +861,7 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
         "packing": _state["packing"],
         "varlen_attention": varlen,
         "device_mask": _state["device_mask"],
+        "unpacked_forward": _state["unpacked_forward"],
     }  # fmt: skip
 
 
@@ -859,6 +904,7 @@ def _before_first_step(trainer, model) -> None:
     before any layer runs the batch, so the run stops before any sample could see another."""
     _state["awaiting_first_batch"] = _state["packing"]
     _state["calls_before_step"] = _state["calls"]
+    _state["unpacked_before_step"] = _state.get("unpacked_calls", 0)
     if not _state.get("mask_dtype"):  # the collator ran in DataLoader workers: its dtype, not the embeddings'
         _state["mask_dtype"] = getattr(getattr(trainer, "data_collator", None), "compute_dtype", None)
 
@@ -868,6 +914,7 @@ def _after_first_step(trainer, model) -> None:
     _state["first_step_calls"] = calls
     _state["proof"].update(first_training_step={
         "packed_deltanet_calls": calls,  # checkpointed layers count again when the backward recomputes them
+        "unpacked_deltanet_calls": _state.get("unpacked_calls", 0) - _state.pop("unpacked_before_step", 0),
         "packed_batches_so_far": _state["batches"],
         "samples_per_row_mean": round(_state["samples"] / max(_state["rows"], 1), 2), "recorded_at": utc_now(),
     })  # fmt: skip

@@ -83,6 +83,7 @@ DEFAULT_ON = {"deltanet_routing": True, "checkpoint_all_layers": True, "chunked_
         "glue-off",
         "forecast-oom",
         "gc-off",
+        "heads-repeated",
     ],
 )
 def test_variant_configs_pass_the_launchers_validation(tmp_path, variant):
@@ -117,6 +118,7 @@ def test_variant_configs_pass_the_launchers_validation(tmp_path, variant):
         assert enabled == {**DEFAULT_ON, "pad_lengths": variant == "spread-pad256"}
     if variant == "budget120":
         assert loaded.patches["checkpoint_all_layers"]["memory_budget_gib"] == 120.0
+    assert loaded.patches["packed_rows"]["unpacked_forward"] is (variant != "heads-repeated")
     assert lf.get("packing", False) is variant.endswith("-packed")
 
 
