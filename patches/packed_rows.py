@@ -72,12 +72,14 @@ planted leak (no convolution reset, or no ``cu_seqlens``) fails that comparison.
 
 Proof per rank: the first packed batch the model met (rows, samples per row, position ids checked), the first
 packed DeltaNet call (kernel, ``cu_seqlens``, mask checked), the first packed attention call (kernel, its check)
-and, at the first training step, the packed calls in it (recomputes included). When the launcher's facts say the
-run packs, a first training batch that reaches the model unpacked stops the run before any layer runs it, and a
-first step whose DeltaNet layers met no packed row stops it before the second.
+and, at the first training step, the packed and the unpacked DeltaNet calls in it (recomputes included); the first
+unpacked call on the FLA route (``first_unpacked_call``: rows, key and value heads, padding zeroed). When the
+launcher's facts say the run packs, a first training batch that reaches the model unpacked stops the run before
+any layer runs it, and a first step whose DeltaNet layers met no packed row stops it before the second.
 
 Versions: written and tested against transformers 5.6.0 and llamafactory 0.9.5 (``SUPPORTED``). Delete this
-patch when transformers' Qwen3.5 DeltaNet takes ``cu_seqlens`` from packed inputs by itself.
+patch when transformers' Qwen3.5 DeltaNet takes ``cu_seqlens`` from packed inputs by itself and hands FLA's kernel
+the key heads unrepeated (turning the patch off turns ``unpacked_forward`` off with it).
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ from .errors import PatchError
 from .kernel_recorder import KernelRecorder
 from .proof import ProofFile, utc_now
 from .versions import require_symbols
-from .wrapping import unwrap, wrap_once
+from .wrapping import original_of, unwrap, wrap_once
 
 NAME = "packed_rows"
 SUPPORTED = {"transformers": SpecifierSet(">=5.6.0,<5.7"), "llamafactory": SpecifierSet(">=0.9.5,<0.9.6")}
@@ -414,7 +416,11 @@ def packed_forward(layer, hidden_states, found: Segments | None):
     import torch.nn.functional as F
 
     batch, length, _ = hidden_states.shape
+    # the projections in transformers' order (LoRA's dropout, where it wraps them, draws its masks in that order)
     projected = layer.in_proj_qkv(hidden_states)
+    gate = layer.in_proj_z(hidden_states).reshape(-1, layer.head_v_dim)
+    beta = layer.in_proj_b(hidden_states).sigmoid()
+    a = layer.in_proj_a(hidden_states)
     conv = fused_ops.conv_of(layer)
     if found is None:
         x = projected.transpose(1, 2)
@@ -432,11 +438,9 @@ def packed_forward(layer, hidden_states, found: Segments | None):
     query = query.reshape(batch, length, -1, layer.head_k_dim)
     key = key.reshape(batch, length, -1, layer.head_k_dim)
     value = value.reshape(batch, length, -1, layer.head_v_dim)
-    beta = layer.in_proj_b(hidden_states).sigmoid()
-    g = -layer.A_log.float().exp() * F.softplus(layer.in_proj_a(hidden_states).float() + layer.dt_bias)
+    g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)
     query, key = value_heads(layer.chunk_gated_delta_rule, query, key, layer.num_v_heads // layer.num_k_heads)
     core = chunk_per_segment(layer.chunk_gated_delta_rule, query, key, value, g, beta, found)
-    gate = layer.in_proj_z(hidden_states).reshape(-1, layer.head_v_dim)
     core = layer.norm(core.reshape(-1, layer.head_v_dim), gate).reshape(batch, length, -1)
     return layer.out_proj(core)
 
@@ -633,10 +637,12 @@ def _make_attention(original):
 
 
 def _make_forward(original):
+    zero_padding = sys.modules[original_of(original).__module__].apply_mask_to_padding_states  # its own module's
+
     def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
         if attention_mask is None or attention_mask.dim() != 4 or not _state:
             if cache_params is None and _state.get("unpacked_forward") and unrepeated(self):
-                return _unpacked(self, hidden_states, attention_mask)
+                return _unpacked(self, hidden_states, attention_mask, zero_padding)
             return original(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
         if cache_params is not None:
             raise PatchError(NAME, "a packed row came with a cache (generation or use_cache); its DeltaNet "
@@ -685,15 +691,17 @@ def unrepeated(layer) -> bool:
             and kernel.label == "fla")  # fmt: skip
 
 
-def _unpacked(layer, hidden_states, attention_mask):
-    """An unpacked batch through ``packed_forward``: transformers' arithmetic (its padding zeroed by transformers'
-    own function first), the key heads unrepeated; the first call on each rank is recorded."""
-    hidden_states = sys.modules[type(layer).__module__].apply_mask_to_padding_states(hidden_states, attention_mask)
+def _unpacked(layer, hidden_states, attention_mask, zero_padding):
+    """An unpacked batch through ``packed_forward``: transformers' arithmetic (its padding zeroed first by
+    ``zero_padding``, transformers' own function of the layer's module), the key heads unrepeated; the first call
+    on each rank is recorded."""
+    hidden_states = zero_padding(hidden_states, attention_mask)
     if not _state.get("first_unpacked_call"):
         _state["first_unpacked_call"] = True
+        rows, length = hidden_states.shape[:2]
         _state["proof"].update(first_unpacked_call={
-            "rows": hidden_states.shape[0], "length": hidden_states.shape[1],
-            "padding_mask": attention_mask is not None, "key_heads": layer.num_k_heads,
+            "rows": rows, "length": length, "key_heads": layer.num_k_heads,
+            "padding_zeroed": attention_mask is not None and rows > 1 and length > 1,  # as transformers decides
             "value_heads": layer.num_v_heads, "key_heads_repeated": False,
             "kernel_label": layer.chunk_gated_delta_rule.label, "device": str(hidden_states.device),
             "recorded_at": utc_now(),

@@ -153,13 +153,16 @@ def test_with_the_fla_convolution_the_packed_row_hands_it_cu_seqlens(tmp_path, d
 @pytest.mark.parametrize("conv", ["torch", "fla"])
 def test_unpacked_batches_on_the_fla_route_hand_the_kernel_their_key_heads_unrepeated(tmp_path, demo_assets,
                                                                                      stub_fla, conv):  # fmt: skip
-    """An unpacked batch without a cache (one row; two rows, one left-padded so that transformers' zeroing of the
-    padding matters) goes through ``packed_forward`` where the chunk kernel is FLA's: the kernel gets the tiny
-    model's 2 key heads for its 4 value heads, and the loss and the LoRA gradients equal transformers' forward with
-    ``unpacked_forward`` off, which hands it the heads repeated. FLA does not run on CPU: its chunk kernel is the
-    grouped stand-in (fla-core 0.6's pairing over transformers' torch reference), its convolution the stand-in
-    package's (``conv`` fla) or transformers' torch convolution (``conv`` torch); the torch route is left alone."""
+    """An unpacked batch without a cache (one row; two rows, one padded on the right and one on the left, where
+    transformers' zeroing of the padding matters) goes through ``packed_forward`` where the chunk kernel is FLA's:
+    the kernel gets the tiny model's 2 key heads for its 4 value heads, and the loss, the LoRA gradients and the
+    gradients of every DeltaNet weight (made trainable here, so that the backward through those layers is compared
+    too) equal transformers' forward with ``unpacked_forward: false``, which hands the kernel the heads repeated. A
+    forward with a cache goes to transformers' forward. FLA does not run on CPU: its chunk kernel is the grouped
+    stand-in (fla-core 0.6's pairing over transformers' torch reference), its convolution the stand-in package's
+    (``conv`` fla, counted) or transformers' torch convolution (``conv`` torch); the torch route is left alone."""
     import torch
+    from transformers import DynamicCache
 
     from patches.fused_kernels import FlaConv
     from patches.kernel_recorder import CallLog, KernelRecorder
@@ -167,38 +170,50 @@ def test_unpacked_batches_on_the_fla_route_hand_the_kernel_their_key_heads_unrep
     stub_fla(platform="cuda")
     from fla.modules.causal_conv1d import causal_conv1d
 
-    patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)
     model = packing_model(demo_assets["model"])
     layers = [m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet"]
     assert not packed_rows.unrepeated(layers[0])  # transformers' torch reference takes them repeated
+    for layer in layers:
+        layer.requires_grad_(True)
     heads: list[tuple[int, int, int]] = []
     fla = KernelRecorder(grouped_varlen_kernel(seen=heads), label="fla", expected_device="cpu",
                          log=CallLog(lambda call: None), patch="test", backend="cpu")  # fmt: skip
-    for layer in layers:
-        layer.chunk_gated_delta_rule = fla
-        if conv == "fla":
-            layer.causal_conv1d_fn = FlaConv(causal_conv1d)
+    fla_conv = FlaConv(causal_conv1d)
     torch.manual_seed(1)
     ids = torch.randint(3, model.config.text_config.vocab_size, (2, 24))
     mask = torch.ones(2, 24, dtype=torch.long)
+    mask[0, 19:] = 0
     mask[1, :7] = 0  # left padding: the tokens after it read the padding's state unless it is zeroed
     labels = ids.masked_fill(mask == 0, -100)
     batches = ({"input_ids": ids[:1], "labels": labels[:1], "attention_mask": None},
                {"input_ids": ids, "labels": labels, "attention_mask": mask})  # fmt: skip
     found = {}
     for on in (True, False):
-        packed_rows._state["unpacked_forward"] = on
+        patches.apply_enabled({**ON, "packed_rows": {"unpacked_forward": on}}, backend="cpu",
+                              proof_dir=tmp_path / str(on))  # fmt: skip
+        for layer in layers:
+            layer.chunk_gated_delta_rule = fla
+            if conv == "fla":
+                layer.causal_conv1d_fn = fla_conv
         heads.clear()
+        convolved = fla_conv.calls
         found[on] = [summed_loss(model, batch) for batch in batches]
         assert set(heads) == ({(2, 2, 4)} if on else {(4, 4, 4)})
+        assert (fla_conv.calls > convolved) is (conv == "fla")
     for (loss, grads), (reference_loss, reference_grads) in zip(found[True], found[False], strict=True):
         assert loss == pytest.approx(reference_loss, rel=1e-5)
+        assert any(".linear_attn." in name for name in reference_grads)
         for name, grad in reference_grads.items():
             torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6)
-    first = read_proof(tmp_path, "packed_rows")["first_unpacked_call"]
-    assert (first["rows"], first["length"], first["padding_mask"]) == (1, 24, False)
+    first = read_proof(tmp_path / "True", "packed_rows")["first_unpacked_call"]
+    assert (first["rows"], first["length"], first["padding_zeroed"]) == (1, 24, False)
     assert (first["key_heads"], first["value_heads"], first["key_heads_repeated"]) == (2, 4, False)
-    assert packed_rows._state["unpacked_calls"] >= 2 * len(layers)
+    assert "first_unpacked_call" not in read_proof(tmp_path / "False", "packed_rows")
+    patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path / "cache")
+    heads.clear()
+    with torch.no_grad():
+        model(input_ids=ids[:1], past_key_values=DynamicCache(config=model.config.text_config), use_cache=True)
+    assert set(heads) == {(4, 4, 4)}
 
 
 @pytest.mark.usefixtures("restore_patches")

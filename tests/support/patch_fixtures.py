@@ -204,7 +204,8 @@ def fla_pairing(value_head: int, groups: int, key_heads: int) -> int:
 def grouped_varlen_kernel(pairing=fla_pairing, seen: list | None = None):
     """A stand-in for FLA's varlen chunk kernel that takes fewer q/k heads than value heads: each value head reads
     the key head ``pairing`` names, each ``cu_seqlens`` segment runs alone through transformers' torch reference
-    (one segment without them). ``seen`` collects the (q, k, v) head counts of every call."""
+    (one segment without them), the last segment's final state returned. ``seen`` collects the (q, k, v) head
+    counts of every call."""
     import torch
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
@@ -215,9 +216,9 @@ def grouped_varlen_kernel(pairing=fla_pairing, seen: list | None = None):
         index = torch.tensor([pairing(j, groups, q.shape[2]) for j in range(v.shape[2])])
         bounds = cu_seqlens.tolist() if cu_seqlens is not None else [0, q.shape[1]]
         pieces = [torch_chunk_gated_delta_rule(q[:, s:e, index], k[:, s:e, index], v[:, s:e], g=g[:, s:e],
-                                               beta=beta[:, s:e], **kwargs)[0]
+                                               beta=beta[:, s:e], **kwargs)
                   for s, e in zip(bounds[:-1], bounds[1:], strict=True)]  # fmt: skip
-        return torch.cat(pieces, dim=1), None
+        return torch.cat([out for out, _ in pieces], dim=1), pieces[-1][1]
 
     return kernel
 
