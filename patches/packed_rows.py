@@ -46,7 +46,9 @@ What this patch does:
    ``torch.nn.attention.varlen.varlen_attn`` where the operator's arguments are not the ones expected;
    ``torch_npu.npu_fusion_attention`` (layout ``TND`` with the samples'
    cumulative lengths, causal ``sparse_mode`` 3) on NPU; bf16/fp16 only, the row's padding cut into segments of
-   ``PADDING_PIECE`` tokens (``Segments.cu_seqlens``); elsewhere (CPU, fp32) the block mask stays with SDPA. Its
+   ``PADDING_PIECE`` tokens (``Segments.cu_seqlens``); elsewhere (CPU, fp32) the block mask stays with SDPA. On
+   CUDA a batch of one row holding one sample, its padding after it, goes to SDPA causal over the whole row without
+   the mask instead (``ONE_SAMPLE``: the unpacked step's call and kernel, exact for the sample's tokens). Its
    first call is checked against SDPA with the mask on the row's real tokens; a disagreement stops the run (the
    option ``varlen_attention: false`` keeps the mask). Only the mask the DeltaNet layers read as packed rows (the
    same tensor object) takes this path; every other call goes to SDPA unchanged.
@@ -124,6 +126,11 @@ FLASH_ARGUMENTS = ("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "
                    "return_debug_mask")  # fmt: skip
 NPU_VARLEN = "torch_npu.npu_fusion_attention"
 MASKED = "sdpa with the block mask"
+# A row of one sample, its padding after it, through SDPA causal over the whole row without the mask, as an unpacked
+# step runs (cuDNN's kernel on an H100): exact for every sample token (causal order keeps them off the padding, and
+# nothing of a sample reads the padding's outputs), and 0.65 to 1.86 ms a checkpointed 27B attention layer cheaper
+# than FlashAttention 2's varlen kernel on rows of 3,162 and 4,095 tokens (docs/benchmarks.md, "Eighteenth invocation")
+ONE_SAMPLE = "sdpa, causal over the row (one sample, its padding after it)"
 NUMBERS = "int32"  # the dtype that marks a batch's attention_mask as LLaMA-Factory's sample numbers (see device_mask)
 # The varlen attention kernels take a row's padding as segments of at most this many tokens (``Segments.cu_seqlens``):
 # padding attends only to padding and no sample token or loss term depends on its outputs, so any cut is exact for
@@ -605,8 +612,12 @@ def _make_attention(original):
             return original(module, query, key, value, attention_mask, *args, **kwargs)
         scaling, dropout = kwargs.get("scaling"), kwargs.get("dropout", 0.0)
         kernel = varlen_kernel(query, scaling, dropout) if _state["varlen_attention"] else None
+        if kernel in (ATEN_FLASH, TORCH_VARLEN) and found.one_sequence():
+            kernel = ONE_SAMPLE
         if kernel is None:
             out = original(module, query, key, value, attention_mask, *args, **kwargs)
+        elif kernel == ONE_SAMPLE:
+            out = original(module, query, key, value, None, *args, **kwargs)
         else:
             try:
                 out = (varlen_attention(kernel, query, key, value, found, scaling), None)

@@ -369,6 +369,42 @@ def test_packed_attention_through_a_varlen_kernel_keeps_samples_apart_and_its_ch
     assert record["status"] == "failed" and record["first_multi_sample_attention"]["samples_per_row"] == [3]
 
 
+@pytest.mark.usefixtures("restore_patches")
+def test_a_row_of_one_sample_takes_causal_sdpa_over_the_row_where_the_varlen_kernel_would_run(
+    tmp_path, demo_assets, monkeypatch
+):
+    """On the CUDA route (stood in: FlashAttention does not run on CPU) a batch of one row holding one sample, its
+    padding after it, goes to SDPA causal over the whole row without the mask, as the unpacked step does: the varlen
+    operator is never called, the sample's loss and the LoRA gradients equal the sample run alone, and the first
+    call's check against the block mask is recorded under that route. A row of two samples still takes the operator,
+    and so does a row whose padding comes first (its padding is a segment of its own)."""
+    import torch
+    from llamafactory.data.collator import prepare_4d_attention_mask
+
+    seen = []
+    monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: flash_stand_in(seen))
+    monkeypatch.setattr(packed_rows, "varlen_kernel", lambda query, scaling, dropout: packed_rows.ATEN_FLASH)
+    patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)
+    model = packing_model(demo_assets["model"])
+    parts = samples(model.config.text_config.vocab_size)
+    loss_gap, grad_gap = compare(model, parts[:1])
+    assert loss_gap < 1e-4 and grad_gap < 1e-4, (loss_gap, grad_gap)
+    assert seen == []
+    attention = read_proof(tmp_path, "packed_rows")["first_packed_attention"]
+    assert attention["kernel"] == packed_rows.ONE_SAMPLE and attention["samples_per_row"] == [1]
+    assert attention["checked_against"] == packed_rows.MASKED and attention["relative_l2_difference"] < 1e-5
+    with torch.no_grad():
+        model(**packed_row(parts[:2]))
+    assert len(seen) == len([m for m in model.modules() if type(m).__name__ == "Qwen3_5Attention"])
+    seen.clear()
+    ids = packed_row(parts[:1])["input_ids"].roll(8, dims=1)
+    padded_first = prepare_4d_attention_mask(torch.tensor([[0] * 8 + [1] * LENGTHS[0] + [0] * (ROW - 8 - LENGTHS[0])]),
+                                             torch.float32)  # fmt: skip
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=padded_first)
+    assert seen
+
+
 def test_the_cuda_attention_route_is_varlen_from_compute_capability_8_in_half_precision_without_dropout(monkeypatch):
     """No GPU here: the device's capability and the operators' presence are stand-ins, the choice is the product's.
     FlashAttention's varlen through torch's operator, which shares key heads, on any torch that has it with the
