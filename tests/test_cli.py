@@ -45,3 +45,24 @@ def test_host_verbs_find_runs_from_launcher_root_or_a_configs_output_root(tmp_pa
     assert listed.returncode == 0 and "r-20261201-101500" in listed.stdout and "FAILED" in listed.stdout
     nowhere = launcher("status", "--root", tmp_path / "none", timeout=60)
     assert nowhere.returncode == 2 and "LAUNCHER_ROOT" in nowhere.stderr and "Traceback" not in nowhere.stderr
+
+
+@pytest.mark.parametrize(("raised", "status"), [("ctrl-c", 130), ("sigterm", 143), ("sighup", 129)])
+def test_an_interrupt_exits_128_plus_the_signal_that_made_it(monkeypatch, raised, status):
+    """Ctrl-C ends a verb with 130; a stop signal a verb takes as Ctrl-C (``SignalInterrupt``, as ``launcher
+    evaluate`` does while its child runs) with 128 + that signal, as a process killed by it would."""
+    import dataclasses
+    import signal
+
+    from launcher import cli
+    from launcher.run.signals import SignalInterrupt
+
+    error = {"ctrl-c": KeyboardInterrupt(), "sigterm": SignalInterrupt(signal.SIGTERM),
+             "sighup": SignalInterrupt(signal.SIGHUP)}[raised]  # fmt: skip
+
+    def interrupted(ns):
+        raise error
+
+    verbs = [dataclasses.replace(v, run=interrupted) if v.name == "status" else v for v in cli.VERBS]
+    monkeypatch.setattr(cli, "VERBS", verbs)
+    assert cli.main(["status"]) == status

@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     except StopRequested as stop:  # before the run existed (run/signals.py: the hold's guard)
         _print_error(stop.before_the_run())
         return 128 + stop.signum
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as stop:  # Ctrl-C, or a stop signal taken as it (run/signals.py: SignalInterrupt)
+        return 128 + getattr(stop, "signum", signal.SIGINT)
     except BrokenPipeError:  # `launcher status | head`: the reader had enough; no traceback
         _detach(sys.stdout)
         return 128 + signal.SIGPIPE

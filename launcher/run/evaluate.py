@@ -39,7 +39,7 @@ from launcher.results.evaluate import (
     render_markdown,
 )
 from launcher.results.report import build_report
-from launcher.run.signals import STOP_SIGNALS
+from launcher.run.signals import STOP_SIGNALS, interrupt_on_signal
 from launcher.state.checkpoints import scan_checkpoints
 from launcher.state.runfiles import Manifest, eval_dataset_names, load_run_files, read_launch
 from launcher.state.runs import (
@@ -265,7 +265,8 @@ def _run_child(cmd: list[str], backend, log: Path, scratch_log: Path) -> int:
     printed, plus the log's last lines when it fails. The log replaces the previous one when the child ends.
     While the child runs, a stop signal to this process alone (Ctrl-C, ``kill``, a closed terminal) interrupts it
     as Ctrl-C does; the child is stopped (SIGTERM, SIGKILL after ``CHILD_STOP_GRACE_S``; stop signals are ignored
-    meanwhile) before the KeyboardInterrupt goes on, and the previous log stays."""
+    meanwhile) before the interrupt goes on (``SignalInterrupt``: ``launcher`` exits 128 + the signal), and the
+    previous log stays."""
     tail: list[str] = []
     # the user's working folder, as for the job: relative paths in the run's YAML mean the same here
     with scratch_log.open("w", encoding="utf-8") as out:
@@ -273,7 +274,7 @@ def _run_child(cmd: list[str], backend, log: Path, scratch_log: Path) -> int:
                                 text=True, errors="replace")  # fmt: skip
         assert proc.stdout is not None
         try:
-            with _stop_signals_as(signal.default_int_handler):
+            with _stop_signals_as(interrupt_on_signal):
                 for line in proc.stdout:
                     out.write(line)
                     tail = [*tail[-(LOG_TAIL - 1) :], line]

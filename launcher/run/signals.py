@@ -55,6 +55,19 @@ _BEFORE_HOLD: list[set[int]] = []  # the signal mask the process had before hold
 _GUARD: list[_Watcher] = []  # the hold's watcher, until the run's folder is made
 
 
+class SignalInterrupt(KeyboardInterrupt):
+    """A stop signal taken as Ctrl-C is (``interrupt_on_signal``); ``signum`` gives the exit status, 128 + it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def interrupt_on_signal(signum: int, frame: Any) -> None:
+    """A handler for the stop signals that interrupts the main thread as Ctrl-C does, naming the signal."""
+    raise SignalInterrupt(signum)
+
+
 def hold_stop_signals() -> None:
     """Block the stop signals in the calling (main) thread, for good: call it first in a process that will
     supervise, before it loads anything that makes threads, so that every thread it makes blocks them too. The
