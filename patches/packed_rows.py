@@ -48,7 +48,8 @@ What this patch does:
    cumulative lengths, causal ``sparse_mode`` 3) on NPU; bf16/fp16 only, the row's padding cut into segments of
    ``PADDING_PIECE`` tokens (``Segments.cu_seqlens``); elsewhere (CPU, fp32) the block mask stays with SDPA. On
    CUDA a batch of one row holding one sample, its padding after it, goes to SDPA causal over the whole row without
-   the mask instead (``ONE_SAMPLE``: the unpacked step's call and kernel, exact for the sample's tokens). Its
+   the mask instead where SDPA would run that call with cuDNN's kernel (``ONE_SAMPLE``: the unpacked step's call and
+   kernel, exact for the sample's tokens; ``sdpa_backend``), and is checked at its first call too. Its
    first call is checked against SDPA with the mask on the row's real tokens; a disagreement stops the run (the
    option ``varlen_attention: false`` keeps the mask). Only the mask the DeltaNet layers read as packed rows (the
    same tensor object) takes this path; every other call goes to SDPA unchanged.
@@ -127,10 +128,13 @@ FLASH_ARGUMENTS = ("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "
 NPU_VARLEN = "torch_npu.npu_fusion_attention"
 MASKED = "sdpa with the block mask"
 # A row of one sample, its padding after it, through SDPA causal over the whole row without the mask, as an unpacked
-# step runs (cuDNN's kernel on an H100): exact for every sample token (causal order keeps them off the padding, and
-# nothing of a sample reads the padding's outputs), and 0.65 to 1.86 ms a checkpointed 27B attention layer cheaper
-# than FlashAttention 2's varlen kernel on rows of 3,162 and 4,095 tokens (docs/benchmarks.md, "Eighteenth invocation")
+# step runs, where SDPA would run it with cuDNN's kernel: exact for every sample token (causal order keeps them off
+# the padding, and nothing of a sample reads the padding's outputs), and 0.63 to 1.86 ms a checkpointed 27B attention
+# layer cheaper than FlashAttention 2's varlen kernel on rows of 3,162 and 4,095 tokens on an H100 with torch 2.11
+# (docs/benchmarks.md, "Eighteenth invocation"). Where SDPA would pick FlashAttention 2 the whole row would cost
+# more than the varlen call on the sample and its padding pieces, which stays there.
 ONE_SAMPLE = "sdpa, causal over the row (one sample, its padding after it)"
+CUDNN_BACKEND = 3  # torch.nn.attention.SDPBackend.CUDNN_ATTENTION, as torch._fused_sdp_choice answers it
 NUMBERS = "int32"  # the dtype that marks a batch's attention_mask as LLaMA-Factory's sample numbers (see device_mask)
 # The varlen attention kernels take a row's padding as segments of at most this many tokens (``Segments.cu_seqlens``):
 # padding attends only to padding and no sample token or loss term depends on its outputs, so any cut is exact for
@@ -587,18 +591,32 @@ def _segments_of(mask) -> Segments:
     return found
 
 
-def _check_attention(kernel, out, reference, found: Segments, record: dict[str, Any]) -> None:
-    """Compare the varlen kernel's output with SDPA under the mask on the real tokens; stop the run when they
-    disagree. Recorded as ``first_packed_attention`` and, on the first row holding several samples (only there
-    would a kernel that ignores the sample boundaries show), ``first_multi_sample_attention``."""
+def sdpa_backend(query, key, value, scaling: float | None) -> int | None:
+    """The backend torch's SDPA picks for the unpacked step's call on tensors of these shapes (causal, no mask, key
+    heads shared; ``torch._fused_sdp_choice``, an ``SDPBackend`` value), once per shape; None where this torch
+    cannot be asked so."""
+    import torch
+
+    shapes = (tuple(query.shape), tuple(key.shape), query.dtype, str(query.device), scaling)
+    if shapes not in _cache.setdefault("sdpa_backend", {}):
+        try:
+            chosen = int(torch._fused_sdp_choice(query, key, value, None, 0.0, True, scale=scaling, enable_gqa=True))
+        except (AttributeError, TypeError, RuntimeError):
+            chosen = None
+        _cache["sdpa_backend"][shapes] = chosen
+    return _cache["sdpa_backend"][shapes]
+
+
+def _check_attention(kernel, out, reference, found: Segments, record: dict[str, Any], key: str) -> None:
+    """Compare the kernel's output with SDPA under the mask on the real tokens, recorded as ``key``; stop the run
+    when they disagree."""
     difference = agreement(out.detach(), reference, found)
     record.update(samples_per_row=found.samples_per_row(), checked_against=MASKED, limit=VARLEN_AGREEMENT,
                   relative_l2_difference=round(difference, 6), recorded_at=utc_now())  # fmt: skip
-    key = "first_packed_attention" if not _state.get("first_attention") else "first_multi_sample_attention"
     if not difference <= VARLEN_AGREEMENT:
         _state["proof"].update(**{key: record, "status": "failed"})
         raise PatchError(NAME, (
-            f"the varlen attention kernel {kernel} disagrees with SDPA under the block mask on a packed row "
+            f"the attention route {kernel} disagrees with SDPA under the block mask on a packed row "
             f"(relative difference {difference:.3g}, limit {VARLEN_AGREEMENT})"),
             "set launcher.patches.packed_rows.varlen_attention: false to keep the block mask, and report the "
             "torch/torch_npu versions")  # fmt: skip
@@ -612,7 +630,8 @@ def _make_attention(original):
             return original(module, query, key, value, attention_mask, *args, **kwargs)
         scaling, dropout = kwargs.get("scaling"), kwargs.get("dropout", 0.0)
         kernel = varlen_kernel(query, scaling, dropout) if _state["varlen_attention"] else None
-        if kernel in (ATEN_FLASH, TORCH_VARLEN) and found.one_sequence():
+        if (kernel in (ATEN_FLASH, TORCH_VARLEN) and found.one_sequence()
+                and sdpa_backend(query, key, value, scaling) == CUDNN_BACKEND):  # fmt: skip
             kernel = ONE_SAMPLE
         if kernel is None:
             out = original(module, query, key, value, attention_mask, *args, **kwargs)
@@ -625,11 +644,21 @@ def _make_attention(original):
                 raise PatchError(NAME, f"the varlen attention kernel {kernel} failed on a packed row: {error}",
                                  "set launcher.patches.packed_rows.varlen_attention: false to keep the block "
                                  "mask") from error  # fmt: skip
-        if _state.get("first_attention") and (kernel is None or _state.get("multi_sample_checked")):
-            return out  # every later call once both checks are done: nothing counted per call
-        several = max(found.samples_per_row()) >= 2
-        if _state.get("first_attention") and not several:
-            return out
+        # checked against the mask: the first call, the first call of ONE_SAMPLE and, for a varlen kernel, the first
+        # on a row holding several samples (only there would a kernel that ignores the sample boundaries show)
+        several = False
+        if kernel == ONE_SAMPLE:
+            due = None if _state.get("one_sample_checked") else "first_one_sample_attention"
+        elif kernel is not None and not _state.get("multi_sample_checked"):
+            several = max(found.samples_per_row()) >= 2
+            due = "first_multi_sample_attention" if several else None
+        else:
+            due = None
+        if _state.get("first_attention"):
+            if due is None:
+                return out  # every later call once the checks are done: nothing counted per call
+        else:
+            due = "first_packed_attention"
         record = {"kernel": kernel or MASKED, "device": str(query.device), "dtype": str(query.dtype),
                   "heads": query.shape[1], "key_heads": key.shape[1], "head_dim": query.shape[-1]}  # fmt: skip
         if kernel is None:
@@ -639,8 +668,11 @@ def _make_attention(original):
 
             with torch.no_grad():
                 reference = original(module, query, key, value, attention_mask, *args, **kwargs)[0]
-            _check_attention(kernel, out[0], reference, found, record)
-            _state["multi_sample_checked"] = several
+            _check_attention(kernel, out[0], reference, found, record, due)
+            if kernel == ONE_SAMPLE:
+                _state["one_sample_checked"] = True
+            elif several:
+                _state["multi_sample_checked"] = True
         _state["first_attention"] = True
         return out
 

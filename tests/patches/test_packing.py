@@ -370,39 +370,90 @@ def test_packed_attention_through_a_varlen_kernel_keeps_samples_apart_and_its_ch
 
 
 @pytest.mark.usefixtures("restore_patches")
-def test_a_row_of_one_sample_takes_causal_sdpa_over_the_row_where_the_varlen_kernel_would_run(
-    tmp_path, demo_assets, monkeypatch
+@pytest.mark.parametrize("first", ["one sample", "two samples"])
+def test_a_row_of_one_sample_takes_causal_sdpa_over_the_row_where_sdpa_would_use_cudnn(
+    tmp_path, demo_assets, monkeypatch, first
 ):
-    """On the CUDA route (stood in: FlashAttention does not run on CPU) a batch of one row holding one sample, its
-    padding after it, goes to SDPA causal over the whole row without the mask, as the unpacked step does: the varlen
-    operator is never called, the sample's loss and the LoRA gradients equal the sample run alone, and the first
-    call's check against the block mask is recorded under that route. A row of two samples still takes the operator,
-    and so does a row whose padding comes first (its padding is a segment of its own)."""
+    """On the CUDA route (stood in: FlashAttention and cuDNN do not run on CPU, so the varlen operator and SDPA's
+    backend choice are stand-ins) a batch of one row holding one sample, its padding after it, goes to SDPA causal
+    over the whole row without the mask, as the unpacked step does, where SDPA would pick cuDNN: the varlen operator
+    is not called, SDPA gets no mask, is causal and shares the key heads, the sample's loss and the LoRA gradients
+    equal the sample run alone, and its first call is checked against the block mask, whether or not a row of
+    several samples came first. A row of two samples, a row whose padding comes first (a segment of its own), and
+    any row where SDPA would pick FlashAttention still take the operator."""
     import torch
+    import torch.nn.functional as F
     from llamafactory.data.collator import prepare_4d_attention_mask
 
-    seen = []
+    seen, sdpa_calls, backend = [], [], {"chosen": packed_rows.CUDNN_BACKEND}
+    sdpa = F.scaled_dot_product_attention
+
+    def spied(query, key, value, attn_mask=None, **kwargs):
+        sdpa_calls.append((attn_mask is None, kwargs.get("is_causal"), kwargs.get("enable_gqa")))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spied)
     monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: flash_stand_in(seen))
     monkeypatch.setattr(packed_rows, "varlen_kernel", lambda query, scaling, dropout: packed_rows.ATEN_FLASH)
+    monkeypatch.setattr(packed_rows, "sdpa_backend", lambda query, key, value, scaling: backend["chosen"])
     patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)
     model = packing_model(demo_assets["model"])
+    layers = len([m for m in model.modules() if type(m).__name__ == "Qwen3_5Attention"])
     parts = samples(model.config.text_config.vocab_size)
+    if first == "two samples":
+        with torch.no_grad():
+            model(**packed_row(parts[:2]))
+        assert len(seen) == layers
+        seen.clear()
+    sdpa_calls.clear()
+    with torch.no_grad():
+        model(**packed_row(parts[:1]))
+    # every layer without a mask, causal, key heads shared; once more with the mask: the first call's reference
+    assert seen == [] and sorted(sdpa_calls) == sorted([(True, True, True)] * layers + [(False, False, None)])
     loss_gap, grad_gap = compare(model, parts[:1])
     assert loss_gap < 1e-4 and grad_gap < 1e-4, (loss_gap, grad_gap)
     assert seen == []
-    attention = read_proof(tmp_path, "packed_rows")["first_packed_attention"]
+    proof = read_proof(tmp_path, "packed_rows")
+    attention = proof["first_packed_attention" if first == "one sample" else "first_one_sample_attention"]
     assert attention["kernel"] == packed_rows.ONE_SAMPLE and attention["samples_per_row"] == [1]
     assert attention["checked_against"] == packed_rows.MASKED and attention["relative_l2_difference"] < 1e-5
-    with torch.no_grad():
-        model(**packed_row(parts[:2]))
-    assert len(seen) == len([m for m in model.modules() if type(m).__name__ == "Qwen3_5Attention"])
-    seen.clear()
     ids = packed_row(parts[:1])["input_ids"].roll(8, dims=1)
     padded_first = prepare_4d_attention_mask(torch.tensor([[0] * 8 + [1] * LENGTHS[0] + [0] * (ROW - 8 - LENGTHS[0])]),
                                              torch.float32)  # fmt: skip
     with torch.no_grad():
         model(input_ids=ids, attention_mask=padded_first)
-    assert seen
+    assert len(seen) == layers
+    backend["chosen"] = 1  # SDPBackend.FLASH_ATTENTION: the varlen call on the sample and its padding is cheaper
+    with torch.no_grad():
+        model(**packed_row(parts[:1]))
+    assert len(seen) == 2 * layers
+
+
+def test_sdpas_backend_is_asked_once_per_shape_and_unknown_where_torch_cannot_answer(monkeypatch):
+    """``sdpa_backend`` asks ``torch._fused_sdp_choice`` for the unpacked step's call (causal, no mask, key heads
+    shared) once per shape; a torch whose function takes other arguments, or has none, gives None (no shortcut)."""
+    import torch
+
+    packed_rows._cache.clear()
+    asked = []
+
+    def choice(query, key, value, mask, dropout, causal, scale=None, enable_gqa=False):
+        asked.append((mask, dropout, causal, scale, enable_gqa))
+        return 3
+
+    monkeypatch.setattr(torch, "_fused_sdp_choice", choice)
+    q, k = torch.zeros(1, 4, 16, 8), torch.zeros(1, 2, 16, 8)
+    assert packed_rows.sdpa_backend(q, k, k, 0.5) == packed_rows.CUDNN_BACKEND
+    assert packed_rows.sdpa_backend(q, k, k, 0.5) == packed_rows.CUDNN_BACKEND and asked == [
+        (None, 0.0, True, 0.5, True)
+    ]
+
+    def older(query, key, value, mask, dropout, causal, scale=None):
+        raise AssertionError("not reached: the keyword is refused first")
+
+    monkeypatch.setattr(torch, "_fused_sdp_choice", older)
+    assert packed_rows.sdpa_backend(torch.zeros(1, 4, 32, 8), k, k, None) is None
+    packed_rows._cache.clear()
 
 
 def test_the_cuda_attention_route_is_varlen_from_compute_capability_8_in_half_precision_without_dropout(monkeypatch):
