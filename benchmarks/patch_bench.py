@@ -357,7 +357,9 @@ def _proof_summary(run_dir: Path) -> dict[str, Any]:
            for name in ("chunked_loss", "text_only_batches", "final_eval_once", "pad_lengths")},
         "packed_rows": {k: v for k, v in _read_json(run_dir / "proof" / "rank0" / "packed_rows.json").items()
                         if k in ("status", "packing", "first_packed_batch", "first_packed_call",
-                                 "first_packed_attention", "first_unpacked_call", "first_training_step", "error")},
+                                 "first_packed_attention", "first_one_sample_attention",
+                                 "first_multi_sample_attention", "first_unpacked_call", "first_training_step",
+                                 "error")},
         **{name: {k: v for k, v in _read_json(run_dir / "proof" / "rank0" / f"{name}.json").items()
                   if k in ("status", "ops", "first_training_step", "error")}
            for name in ("fused_ops", "lora_input_cast")},

@@ -74,8 +74,9 @@ loss and the LoRA gradients of a packed row equal those of the samples run alone
 planted leak (no convolution reset, or no ``cu_seqlens``) fails that comparison.
 
 Proof per rank: the first packed batch the model met (rows, samples per row, position ids checked), the first
-packed DeltaNet call (kernel, ``cu_seqlens``, mask checked), the first packed attention call (kernel, its check)
-and, at the first training step, the packed and the unpacked DeltaNet calls in it (recomputes included); the first
+packed DeltaNet call (kernel, ``cu_seqlens``, mask checked), the first packed attention call (kernel, its check;
+then the first of ``ONE_SAMPLE`` and the first on a row of several samples, each checked) and, at the first
+training step, the packed and the unpacked DeltaNet calls in it (recomputes included); the first
 unpacked call on the FLA route (``first_unpacked_call``: rows, key and value heads, padding zeroed). When the
 launcher's facts say the run packs, a first training batch that reaches the model unpacked stops the run before
 any layer runs it, and a first step whose DeltaNet layers met no packed row stops it before the second.
