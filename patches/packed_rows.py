@@ -49,7 +49,7 @@ What this patch does:
    ``PADDING_PIECE`` tokens (``Segments.cu_seqlens``); elsewhere (CPU, fp32) the block mask stays with SDPA. On
    CUDA a batch of one row holding one sample, its padding after it, goes to SDPA causal over the whole row without
    the mask instead where SDPA would run that call with cuDNN's kernel (``ONE_SAMPLE``: the unpacked step's call and
-   kernel, exact for the sample's tokens; ``sdpa_backend``), and is checked at its first call too. Its
+   kernel, exact for the sample's tokens; ``sdpa_uses_cudnn``), and is checked at its first call too. Its
    first call is checked against SDPA with the mask on the row's real tokens; a disagreement stops the run (the
    option ``varlen_attention: false`` keeps the mask). Only the mask the DeltaNet layers read as packed rows (the
    same tensor object) takes this path; every other call goes to SDPA unchanged.
@@ -135,7 +135,6 @@ MASKED = "sdpa with the block mask"
 # (docs/benchmarks.md, "Eighteenth invocation"). Where SDPA would pick FlashAttention 2 the whole row would cost
 # more than the varlen call on the sample and its padding pieces, which stays there.
 ONE_SAMPLE = "sdpa, causal over the row (one sample, its padding after it)"
-CUDNN_BACKEND = 3  # torch.nn.attention.SDPBackend.CUDNN_ATTENTION, as torch._fused_sdp_choice answers it
 NUMBERS = "int32"  # the dtype that marks a batch's attention_mask as LLaMA-Factory's sample numbers (see device_mask)
 # The varlen attention kernels take a row's padding as segments of at most this many tokens (``Segments.cu_seqlens``):
 # padding attends only to padding and no sample token or loss term depends on its outputs, so any cut is exact for
@@ -433,13 +432,12 @@ def packed_forward(layer, hidden_states, found: Segments | None):
     gate = layer.in_proj_z(hidden_states).reshape(-1, layer.head_v_dim)
     beta = layer.in_proj_b(hidden_states).sigmoid()
     a = layer.in_proj_a(hidden_states)
-    conv = fused_ops.conv_of(layer)
     if found is None:
         x = projected.transpose(1, 2)
         mixed = (F.silu(layer.conv1d(x)[:, :, :length]) if layer.causal_conv1d_fn is None else
                  layer.causal_conv1d_fn(x=x, weight=layer.conv1d.weight.squeeze(1), bias=layer.conv1d.bias,
                                         activation=layer.activation, seq_idx=None)).transpose(1, 2)  # fmt: skip
-    elif conv is not None:  # FLA's convolution takes the samples' boundaries itself
+    elif (conv := fused_ops.conv_of(layer)) is not None:  # FLA's convolution takes the samples' boundaries itself
         cu, cu_cpu = found.state_bounds(hidden_states.device)
         mixed = conv.varlen(projected.reshape(1, batch * length, -1), layer.conv1d.weight.squeeze(1),
                             layer.conv1d.bias, layer.activation, cu, cu_cpu).reshape(batch, length, -1)  # fmt: skip
@@ -592,20 +590,22 @@ def _segments_of(mask) -> Segments:
     return found
 
 
-def sdpa_backend(query, key, value, scaling: float | None) -> int | None:
-    """The backend torch's SDPA picks for the unpacked step's call on tensors of these shapes (causal, no mask, key
-    heads shared; ``torch._fused_sdp_choice``, an ``SDPBackend`` value), once per shape; None where this torch
-    cannot be asked so."""
+def sdpa_uses_cudnn(query, key, value, scaling: float | None) -> bool:
+    """Whether torch's SDPA would run the unpacked step's call (causal, no mask, key heads shared) on tensors of these
+    shapes with cuDNN's kernel (``torch._fused_sdp_choice``), asked once per shape; False where this torch cannot be
+    asked so."""
     import torch
 
     shapes = (tuple(query.shape), tuple(key.shape), query.dtype, str(query.device), scaling)
-    if shapes not in _cache.setdefault("sdpa_backend", {}):
+    if shapes not in _cache.setdefault("sdpa_cudnn", {}):
         try:
-            chosen = int(torch._fused_sdp_choice(query, key, value, None, 0.0, True, scale=scaling, enable_gqa=True))
-        except (AttributeError, TypeError, RuntimeError):
-            chosen = None
-        _cache["sdpa_backend"][shapes] = chosen
-    return _cache["sdpa_backend"][shapes]
+            from torch.nn.attention import SDPBackend
+
+            chosen = torch._fused_sdp_choice(query, key, value, None, 0.0, True, scale=scaling, enable_gqa=True)
+            _cache["sdpa_cudnn"][shapes] = int(chosen) == SDPBackend.CUDNN_ATTENTION.value
+        except (AttributeError, ImportError, TypeError, RuntimeError):
+            _cache["sdpa_cudnn"][shapes] = False
+    return _cache["sdpa_cudnn"][shapes]
 
 
 def _check_attention(kernel, out, reference, found: Segments, record: dict[str, Any], key: str) -> None:
@@ -631,8 +631,11 @@ def _make_attention(original):
             return original(module, query, key, value, attention_mask, *args, **kwargs)
         scaling, dropout = kwargs.get("scaling"), kwargs.get("dropout", 0.0)
         kernel = varlen_kernel(query, scaling, dropout) if _state["varlen_attention"] else None
-        if (kernel in (ATEN_FLASH, TORCH_VARLEN) and found.one_sequence()
-                and sdpa_backend(query, key, value, scaling) == CUDNN_BACKEND):  # fmt: skip
+        if (
+            kernel in (ATEN_FLASH, TORCH_VARLEN)
+            and found.one_sequence()
+            and sdpa_uses_cudnn(query, key, value, scaling)
+        ):
             kernel = ONE_SAMPLE
         if kernel is None:
             out = original(module, query, key, value, attention_mask, *args, **kwargs)
@@ -750,7 +753,7 @@ def _unpacked(layer, hidden_states, attention_mask, zero_padding):
             "kernel_label": layer.chunk_gated_delta_rule.label, "device": str(hidden_states.device),
             "recorded_at": utc_now(),
         })  # fmt: skip
-    _state["unpacked_calls"] = _state.get("unpacked_calls", 0) + 1
+    _state["unpacked_calls"] += 1
     return packed_forward(layer, hidden_states, None)
 
 
@@ -901,7 +904,8 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
     _install_attention()
     _state.clear()
     _cache.clear()
-    _state.update(proof=proof, packing=bool(facts.get("packing")), calls=0, batches=0, samples=0, rows=0,
+    _state.update(proof=proof, packing=bool(facts.get("packing")), calls=0, unpacked_calls=0, batches=0, samples=0,
+                  rows=0,
                   varlen_attention=varlen, device_mask=bool(options.get("device_mask", True)),
                   unpacked_forward=bool(options.get("unpacked_forward", True)),
                   attention=tuple(getattr(importlib.import_module(m), c) for m, c in ATTENTION))  # fmt: skip
@@ -956,7 +960,7 @@ def _before_first_step(trainer, model) -> None:
     before any layer runs the batch, so the run stops before any sample could see another."""
     _state["awaiting_first_batch"] = _state["packing"]
     _state["calls_before_step"] = _state["calls"]
-    _state["unpacked_before_step"] = _state.get("unpacked_calls", 0)
+    _state["unpacked_before_step"] = _state["unpacked_calls"]
     if not _state.get("mask_dtype"):  # the collator ran in DataLoader workers: its dtype, not the embeddings'
         _state["mask_dtype"] = getattr(getattr(trainer, "data_collator", None), "compute_dtype", None)
 
@@ -966,7 +970,7 @@ def _after_first_step(trainer, model) -> None:
     _state["first_step_calls"] = calls
     _state["proof"].update(first_training_step={
         "packed_deltanet_calls": calls,  # checkpointed layers count again when the backward recomputes them
-        "unpacked_deltanet_calls": _state.get("unpacked_calls", 0) - _state.pop("unpacked_before_step", 0),
+        "unpacked_deltanet_calls": _state["unpacked_calls"] - _state.pop("unpacked_before_step", 0),
         "packed_batches_so_far": _state["batches"],
         "samples_per_row_mean": round(_state["samples"] / max(_state["rows"], 1), 2), "recorded_at": utc_now(),
     })  # fmt: skip

@@ -456,7 +456,8 @@ def test_patch_options_that_cannot_work_are_refused_naming_the_key(tmp_path, dem
 @pytest.mark.parametrize(
     ("option", "shown"),
     [({"varlen_attention": "fast"}, "launcher.patches.packed_rows.varlen_attention"),
-     ({"device_mask": "yes"}, "launcher.patches.packed_rows.device_mask")],
+     ({"device_mask": "yes"}, "launcher.patches.packed_rows.device_mask"),
+     ({"unpacked_forward": "on"}, "launcher.patches.packed_rows.unpacked_forward")],
 )  # fmt: skip
 def test_a_bad_packed_rows_option_is_the_one_error_of_a_packing_config(tmp_path, demo_assets, option, shown):
     """The option's own message names the key and the value; the packing rules, which read the patch settings, say

@@ -385,7 +385,7 @@ def test_a_row_of_one_sample_takes_causal_sdpa_over_the_row_where_sdpa_would_use
     import torch.nn.functional as F
     from llamafactory.data.collator import prepare_4d_attention_mask
 
-    seen, sdpa_calls, backend = [], [], {"chosen": packed_rows.CUDNN_BACKEND}
+    seen, sdpa_calls, backend = [], [], {"cudnn": True}
     sdpa = F.scaled_dot_product_attention
 
     def spied(query, key, value, attn_mask=None, **kwargs):
@@ -395,7 +395,7 @@ def test_a_row_of_one_sample_takes_causal_sdpa_over_the_row_where_sdpa_would_use
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spied)
     monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: flash_stand_in(seen))
     monkeypatch.setattr(packed_rows, "varlen_kernel", lambda query, scaling, dropout: packed_rows.ATEN_FLASH)
-    monkeypatch.setattr(packed_rows, "sdpa_backend", lambda query, key, value, scaling: backend["chosen"])
+    monkeypatch.setattr(packed_rows, "sdpa_uses_cudnn", lambda query, key, value, scaling: backend["cudnn"])
     patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)
     model = packing_model(demo_assets["model"])
     layers = len([m for m in model.modules() if type(m).__name__ == "Qwen3_5Attention"])
@@ -423,36 +423,38 @@ def test_a_row_of_one_sample_takes_causal_sdpa_over_the_row_where_sdpa_would_use
     with torch.no_grad():
         model(input_ids=ids, attention_mask=padded_first)
     assert len(seen) == layers
-    backend["chosen"] = 1  # SDPBackend.FLASH_ATTENTION: the varlen call on the sample and its padding is cheaper
+    backend["cudnn"] = False  # FlashAttention 2, say: the varlen call on the sample and its padding is cheaper
     with torch.no_grad():
         model(**packed_row(parts[:1]))
     assert len(seen) == 2 * layers
 
 
-def test_sdpas_backend_is_asked_once_per_shape_and_unknown_where_torch_cannot_answer(monkeypatch):
-    """``sdpa_backend`` asks ``torch._fused_sdp_choice`` for the unpacked step's call (causal, no mask, key heads
-    shared) once per shape; a torch whose function takes other arguments, or has none, gives None (no shortcut)."""
+def test_sdpa_is_asked_once_per_shape_whether_it_would_use_cudnn_and_no_answer_is_no(monkeypatch):
+    """``sdpa_uses_cudnn`` asks ``torch._fused_sdp_choice`` for the unpacked step's call (causal, no mask, key heads
+    shared) once per shape and compares its answer with torch's ``SDPBackend.CUDNN_ATTENTION``; another backend, or
+    a torch whose function takes other arguments, is a no (no shortcut)."""
     import torch
+    from torch.nn.attention import SDPBackend
 
     packed_rows._cache.clear()
-    asked = []
+    asked, answer = [], {"backend": SDPBackend.CUDNN_ATTENTION}
 
     def choice(query, key, value, mask, dropout, causal, scale=None, enable_gqa=False):
         asked.append((mask, dropout, causal, scale, enable_gqa))
-        return 3
+        return answer["backend"].value
 
     monkeypatch.setattr(torch, "_fused_sdp_choice", choice)
     q, k = torch.zeros(1, 4, 16, 8), torch.zeros(1, 2, 16, 8)
-    assert packed_rows.sdpa_backend(q, k, k, 0.5) == packed_rows.CUDNN_BACKEND
-    assert packed_rows.sdpa_backend(q, k, k, 0.5) == packed_rows.CUDNN_BACKEND and asked == [
-        (None, 0.0, True, 0.5, True)
-    ]
+    assert packed_rows.sdpa_uses_cudnn(q, k, k, 0.5) and packed_rows.sdpa_uses_cudnn(q, k, k, 0.5)
+    assert asked == [(None, 0.0, True, 0.5, True)]
+    answer["backend"] = SDPBackend.FLASH_ATTENTION
+    assert not packed_rows.sdpa_uses_cudnn(torch.zeros(1, 4, 24, 8), k, k, 0.5)
 
     def older(query, key, value, mask, dropout, causal, scale=None):
         raise AssertionError("not reached: the keyword is refused first")
 
     monkeypatch.setattr(torch, "_fused_sdp_choice", older)
-    assert packed_rows.sdpa_backend(torch.zeros(1, 4, 32, 8), k, k, None) is None
+    assert not packed_rows.sdpa_uses_cudnn(torch.zeros(1, 4, 32, 8), k, k, None)
     packed_rows._cache.clear()
 
 
