@@ -10,15 +10,16 @@ expandable_segments:True``; see docs/npu-tuning.md for what each addresses):
   NPU, so dispatch threads are not migrated across NUMA nodes;
 - ``npu_alloc_conf`` -> ``PYTORCH_NPU_ALLOC_CONF`` (npu): ``expandable_segments:True`` lets the caching
   allocator grow segments instead of fragmenting on sequences of changing length;
-- ``triton_cache: true`` -> ``TRITON_CACHE_DIR=<output_root>/.cache/triton`` (every backend): compiled
-  Triton kernels (FLA on CUDA, triton-ascend on NPU) kept under the output root, so a second run skips the
-  compile (first 27B step on one H200: 256.3 s with an empty cache, 251.3 s of it in Triton's compile and
-  autotune; a later run, glue off, took 2.7 s for its first step with the chunk kernels in the cache;
-  docs/benchmarks.md).
+- ``triton_cache: true`` -> ``TRITON_CACHE_DIR=<output_root>/.cache/triton`` and ``TRITON_CACHE_AUTOTUNING=1``
+  (every backend): compiled Triton kernels (FLA on CUDA, triton-ascend on NPU) kept under the output root, so a
+  second run skips the compile, and with them the autotuner's timings of each kernel's configurations (Triton's
+  ``Autotuner`` writes them to that cache only when ``TRITON_CACHE_AUTOTUNING`` is set), so a second run does
+  not benchmark them again either (first 27B step on one H200: 256.3 s with an empty cache, 251.3 s of it in
+  Triton's compile and autotune; docs/npu-tuning.md has the warm figures).
 
 A variable already set in the caller's environment wins (``compose.yaml`` sets ``TRITON_CACHE_DIR``; set it
-yourself for another folder); ``null`` (``false`` for the cache) leaves a variable alone. What was set, and
-from where, is recorded in the run's ``manifest.json``.
+yourself for another folder, ``TRITON_CACHE_AUTOTUNING=0`` to have every run tune again); ``null`` (``false`` for
+the cache) leaves a variable alone. What was set, and from where, is recorded in the run's ``manifest.json``.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Tuning(BaseModel):
                     found[name] = str(value)
         if self.triton_cache:
             found["TRITON_CACHE_DIR"] = str((Path(output_root) / TRITON_CACHE_DEFAULT).resolve())
+            found["TRITON_CACHE_AUTOTUNING"] = "1"
         return found
 
 

@@ -14,7 +14,13 @@ from pathlib import Path
 
 from launcher.rank import entry
 
-LEVERS = ("TASK_QUEUE_ENABLE", "CPU_AFFINITY_CONF", "PYTORCH_NPU_ALLOC_CONF", "TRITON_CACHE_DIR")
+LEVERS = (
+    "TASK_QUEUE_ENABLE",
+    "CPU_AFFINITY_CONF",
+    "PYTORCH_NPU_ALLOC_CONF",
+    "TRITON_CACHE_DIR",
+    "TRITON_CACHE_AUTOTUNING",
+)
 
 
 def main() -> int:
