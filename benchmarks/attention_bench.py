@@ -2,7 +2,7 @@
 
     python -m benchmarks.attention_bench --out DIR [--tokens 4096] [--samples 1200,1700,1100] [--repeats 20]
                                          [--padding-piece 128]
-                                         [--routes sdpa,sdpa-flash,sdpa-cudnn,varlen,aten-flash,masked]
+                                         [--routes sdpa,sdpa-flash,sdpa-cudnn,varlen,aten-flash,per-sample,masked]
 
 One layer's attention (24 query heads, 4 key heads, head dim 256, bf16: Qwen3.5-27B, docs/upstream.md) on one
 row of ``--tokens`` tokens, forward and backward, for every route of ``--routes``:
@@ -17,6 +17,9 @@ row of ``--tokens`` tokens, forward and backward, for every route of ``--routes`
   segment, the product before that cut);
 - ``aten-flash``: the packed row through the product's CUDA route (``ATEN_FLASH``: ``aten._flash_attention_forward``,
   the operator ``varlen_attn`` wraps, key heads shared);
+- ``per-sample``: the packed row through the product's ``PER_SAMPLE`` route (``packed_rows.per_sample_attention``:
+  SDPA causal on each sample's window of the row, its length rounded up to ``packed_rows.SAMPLE_BUCKET``; torch picks
+  the backend, which the kernels below name), whatever the sample count;
 - ``masked``: SDPA with the 4D block-diagonal mask (the packed row's route where no varlen kernel is).
 
 Per route: the first forward+backward timed alone (``first_call_ms``: with the graphs cuDNN builds for shapes new
@@ -43,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROUTES = ("sdpa", "sdpa-flash", "sdpa-cudnn", "varlen", "aten-flash", "masked")
+ROUTES = ("sdpa", "sdpa-flash", "sdpa-cudnn", "varlen", "aten-flash", "per-sample", "masked")
 HEADS, KEY_HEADS, HEAD_DIM = 24, 4, 256  # Qwen3.5-27B full attention (benchmarks.bench_assets.QWEN3_5_27B)
 
 
@@ -94,6 +97,9 @@ def route_call(torch, route: str, mask4d, piece: int):
     found = packed_rows.segments(mask4d)
     if route == "masked":
         return lambda q, k, v: sdpa(q, k, v, attn_mask=mask4d, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+    if route == "per-sample":  # as transformers' SDPA function returns it: [1, W, H, D]
+        alone = lambda q, k, v: sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=True).transpose(1, 2)  # noqa: E731
+        return lambda q, k, v: packed_rows.per_sample_attention(alone, q, k, v, found)[0]
     kernel = packed_rows.ATEN_FLASH if route == "aten-flash" else packed_rows.TORCH_VARLEN
     return lambda q, k, v: packed_rows.varlen_attention(kernel, q, k, v, found, scale, piece)[0]
 
@@ -142,7 +148,9 @@ def measure_route(torch, route: str, tokens: int, samples: list[int], repeats: i
         call(*leaves).backward(grad)
 
     found: dict[str, Any] = {"route": route, "samples": samples if packed else [tokens]}
-    if packed and route != "masked":
+    if route == "per-sample":
+        found["windows"] = [w for *_, w in packed_rows.sample_windows(packed_rows.segments(mask4d))]
+    elif packed and route != "masked":
         found["padding_piece"] = piece
     found["first_call_ms"] = round(cuda_median_ms(torch, forward_backward, 1), 3)  # shapes new to this process: graphs
     for _ in range(3):

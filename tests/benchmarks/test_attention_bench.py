@@ -33,8 +33,9 @@ def test_an_earlier_result_is_not_overwritten(tmp_path, capsys):
 
 def test_the_routes_agree_with_the_per_sample_reference_on_the_cpu(monkeypatch):
     """The routes that run on the CPU (SDPA's math kernel; the varlen kernel needs CUDA), at a small shape: the
-    packed row under the block mask equals each sample alone; the unpacked call over the whole row does not (it is
-    the unpacked step)."""
+    packed row under the block mask, and each sample's window alone (``per-sample``, its windows running into the next
+    sample and past the row's end), equal each sample alone; the unpacked call over the whole row does not (it is the
+    unpacked step)."""
     import torch
 
     from patches import packed_rows
@@ -47,7 +48,9 @@ def test_the_routes_agree_with_the_per_sample_reference_on_the_cpu(monkeypatch):
     mask = packed_rows.block_causal_mask(numbered, torch.float32)
     expected = attention_bench.reference(torch, q, k, v, numbered)
     real = numbered[0] != 0
-    masked, whole_row = (attention_bench.route_call(torch, route, mask, packed_rows.PADDING_PIECE) for route in
-                         ("masked", "sdpa"))  # fmt: skip
+    monkeypatch.setattr(packed_rows, "SAMPLE_BUCKET", 16)  # windows of 32: the first runs into the second sample
+    masked, whole_row, per_sample = (attention_bench.route_call(torch, route, mask, packed_rows.PADDING_PIECE)
+                                     for route in ("masked", "sdpa", "per-sample"))  # fmt: skip
     assert attention_bench.relative(masked(q, k, v), expected, real) < 1e-5
+    assert attention_bench.relative(per_sample(q, k, v), expected, real) < 1e-5
     assert attention_bench.relative(whole_row(q, k, v), expected, real) > 0.1

@@ -84,6 +84,7 @@ DEFAULT_ON = {"deltanet_routing": True, "checkpoint_all_layers": True, "chunked_
         "forecast-oom",
         "gc-off",
         "heads-repeated",
+        "spread-packed-varlen",
     ],
 )
 def test_variant_configs_pass_the_launchers_validation(tmp_path, variant):
@@ -119,7 +120,8 @@ def test_variant_configs_pass_the_launchers_validation(tmp_path, variant):
     if variant == "budget120":
         assert loaded.patches["checkpoint_all_layers"]["memory_budget_gib"] == 120.0
     assert loaded.patches["packed_rows"]["unpacked_forward"] is (variant != "heads-repeated")
-    assert lf.get("packing", False) is variant.endswith("-packed")
+    assert loaded.patches["packed_rows"]["per_sample"] is (variant != "spread-packed-varlen")
+    assert lf.get("packing", False) is ("-packed" in variant)
 
 
 def test_spread_samples_span_the_asked_lengths(tmp_path):
