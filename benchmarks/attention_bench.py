@@ -1,7 +1,7 @@
 """The full-attention kernels of a packed row against the unpacked step's, at the 27B shape, on one CUDA device.
 
     python -m benchmarks.attention_bench --out DIR [--tokens 4096] [--samples 1200,1700,1100] [--repeats 20]
-                                         [--padding-piece 128]
+                                         [--padding-piece 128] [--bucket 256]
                                          [--routes sdpa,sdpa-flash,sdpa-cudnn,varlen,aten-flash,per-sample,masked]
 
 One layer's attention (24 query heads, 4 key heads, head dim 256, bf16: Qwen3.5-27B, docs/upstream.md) on one
@@ -17,9 +17,10 @@ row of ``--tokens`` tokens, forward and backward, for every route of ``--routes`
   segment, the product before that cut);
 - ``aten-flash``: the packed row through the product's CUDA route (``ATEN_FLASH``: ``aten._flash_attention_forward``,
   the operator ``varlen_attn`` wraps, key heads shared);
-- ``per-sample``: the packed row through the product's ``PER_SAMPLE`` route (``packed_rows.per_sample_attention``:
-  SDPA causal on each sample's window of the row, its length rounded up to ``packed_rows.SAMPLE_BUCKET``; torch picks
-  the backend, which the kernels below name), whatever the sample count;
+- ``per-sample``: the packed row as SDPA causal on each sample alone, without a mask (torch picks the backend, which
+  the kernels below name), each call on a window of the row from the sample's first token, its length rounded up to
+  ``--bucket`` tokens (zeros after the row's end), so that cuDNN, which builds a graph for every new shape, meets
+  few: a route the product tried and dropped (docs/benchmarks.md, "Nineteenth invocation");
 - ``masked``: SDPA with the 4D block-diagonal mask (the packed row's route where no varlen kernel is).
 
 Per route: the first forward+backward timed alone (``first_call_ms``: with the graphs cuDNN builds for shapes new
@@ -74,7 +75,36 @@ def cuda_median_ms(torch, fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def route_call(torch, route: str, mask4d, piece: int):
+def sample_windows(samples: list[int], bucket: int) -> list[tuple[int, int, int]]:
+    """``(start, length, window)`` of every sample laid end to end from token 0, ``window`` the length rounded up to
+    ``bucket`` tokens."""
+    starts = [sum(samples[:i]) for i in range(len(samples))]
+    return [(start, length, -(-length // bucket) * bucket) for start, length in zip(starts, samples, strict=True)]
+
+
+def per_sample_call(torch, samples: list[int], bucket: int):
+    """The ``per-sample`` route: a function of ``(q, k, v)`` in ``[1, H, T, D]`` returning ``[T, H, D]``, the padding's
+    outputs zero."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    def window_of(t, start: int, window: int):
+        part = t[:, :, start : start + window]
+        short = window - part.shape[2]
+        return torch.cat([part, part.new_zeros(1, part.shape[1], short, part.shape[3])], dim=2) if short else part
+
+    def call(q, k, v):
+        pieces = []
+        for start, length, window in sample_windows(samples, bucket):
+            q_, k_, v_ = (window_of(t, start, window) for t in (q, k, v))
+            pieces.append(sdpa(q_, k_, v_, is_causal=True, scale=HEAD_DIM**-0.5, enable_gqa=True)[0, :, :length])
+        padding = q.shape[2] - sum(samples)
+        pieces.append(q.new_zeros(q.shape[1], padding, q.shape[3]))
+        return torch.cat(pieces, dim=1).transpose(0, 1)
+
+    return call
+
+
+def route_call(torch, route: str, mask4d, piece: int, samples: list[int] | None = None, bucket: int = 256):
     """A function of ``(q, k, v)`` in ``[1, H, T, D]`` returning ``[T, H, D]`` for ``route``."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -94,12 +124,11 @@ def route_call(torch, route: str, mask4d, piece: int):
             return out[0].transpose(0, 1)
 
         return call
+    if route == "per-sample":
+        return per_sample_call(torch, samples or [], bucket)
     found = packed_rows.segments(mask4d)
     if route == "masked":
         return lambda q, k, v: sdpa(q, k, v, attn_mask=mask4d, scale=scale, enable_gqa=True)[0].transpose(0, 1)
-    if route == "per-sample":  # as transformers' SDPA function returns it: [1, W, H, D]
-        alone = lambda q, k, v: sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=True).transpose(1, 2)  # noqa: E731
-        return lambda q, k, v: packed_rows.per_sample_attention(alone, q, k, v, found)[0]
     kernel = packed_rows.ATEN_FLASH if route == "aten-flash" else packed_rows.TORCH_VARLEN
     return lambda q, k, v: packed_rows.varlen_attention(kernel, q, k, v, found, scale, piece)[0]
 
@@ -122,7 +151,8 @@ def relative(a, b, real) -> float:
     return round(float((a - b).norm() / b.norm().clamp_min(1e-12)), 6)
 
 
-def measure_route(torch, route: str, tokens: int, samples: list[int], repeats: int, piece: int) -> dict[str, Any]:
+def measure_route(torch, route: str, tokens: int, samples: list[int], repeats: int, piece: int,
+                  bucket: int = 256) -> dict[str, Any]:  # fmt: skip
     from torch.profiler import ProfilerActivity, profile
 
     from patches import packed_rows
@@ -134,7 +164,7 @@ def measure_route(torch, route: str, tokens: int, samples: list[int], repeats: i
     packed = not route.startswith("sdpa")
     numbered = numbered_row(torch, tokens, samples if packed else [tokens]).to(device)
     mask4d = packed_rows.block_causal_mask(numbered, torch.bfloat16)
-    call = route_call(torch, route, mask4d, piece)
+    call = route_call(torch, route, mask4d, piece, samples, bucket)
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     grad = torch.randn(tokens, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
 
@@ -149,7 +179,7 @@ def measure_route(torch, route: str, tokens: int, samples: list[int], repeats: i
 
     found: dict[str, Any] = {"route": route, "samples": samples if packed else [tokens]}
     if route == "per-sample":
-        found["windows"] = [w for *_, w in packed_rows.sample_windows(packed_rows.segments(mask4d))]
+        found["windows"] = [window for *_, window in sample_windows(samples, bucket)]
     elif packed and route != "masked":
         found["padding_piece"] = piece
     found["first_call_ms"] = round(cuda_median_ms(torch, forward_backward, 1), 3)  # shapes new to this process: graphs
@@ -216,6 +246,8 @@ def input_problem(args) -> str | None:
                 "tokens in all at most (--tokens)")  # fmt: skip
     if args.padding_piece is not None and args.padding_piece < 0:
         return f"--padding-piece {args.padding_piece}: give 0 (padding as one segment) or a positive token count"
+    if args.bucket < 1:
+        return f"--bucket {args.bucket}: give the per-sample windows' rounding in tokens, 1 or more (such as 256)"
     if (args.out / "attention.json").exists():
         return f"{args.out / 'attention.json'} exists; choose another --out, or move that file away"
     return None
@@ -233,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the varlen routes take the padding as segments of at most N tokens (default: the "
                              "product's PADDING_PIECE; 0: one segment); for example --samples 2482 "
                              "--padding-piece 0 against --padding-piece 128")  # fmt: skip
+    parser.add_argument("--bucket", type=int, default=256, metavar="N",
+                        help="the per-sample route's windows are the samples' lengths rounded up to N tokens "
+                             "(default 256; --bucket 4096 at --tokens 4096: every window the whole row)")  # fmt: skip
     args = parser.parse_args(argv)
     why = input_problem(args)
     import torch
@@ -254,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                                "routes": {}}  # fmt: skip
     for route in routes:
         try:
-            results["routes"][route] = measure_route(torch, route, args.tokens, samples, args.repeats, piece)
+            results["routes"][route] = measure_route(torch, route, args.tokens, samples, args.repeats, piece,
+                                                     args.bucket)  # fmt: skip
         except Exception as error:  # noqa: BLE001 - a failing route is a result too
             results["routes"][route] = {"route": route, "error": f"{type(error).__name__}: {error}"[:600]}
         print(json.dumps(results["routes"][route]), flush=True)

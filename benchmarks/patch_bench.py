@@ -20,9 +20,7 @@ built on the CPU, the packed row before that option), ``spread-packed-workers`` 
 collated in 2 DataLoader workers instead of the training process), ``short`` and
 ``short-packed`` (the same pair with samples of about 500 to 2,048 tokens), ``gc-off`` (``on`` with ``gc_freeze``
 off: Python's collector as upstream leaves it), ``heads-repeated`` (``on`` with ``packed_rows.unpacked_forward``
-off: transformers' DeltaNet forward for unpacked steps, the key heads repeated before FLA's chunk kernel),
-``spread-packed-varlen`` (``spread-packed`` with ``packed_rows.per_sample`` off: every packed batch through
-FlashAttention 2's varlen call, the product before SDPA per sample).
+off: transformers' DeltaNet forward for unpacked steps, the key heads repeated before FLA's chunk kernel).
 
 1. ``DIR/model``: a config-only folder of the Qwen3.5-27B shape (``--shape 27b``; ``tiny`` for a CPU run of
    the plumbing) with the demo tokenizer and a matching processor (``benchmarks.bench_assets``); the rank
@@ -121,13 +119,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # "on" with transformers' own DeltaNet forward for unpacked steps: the key heads repeated for the value heads
     # before FLA's chunk kernel (packed_rows.unpacked_forward off)
     "heads-repeated": {"patches": {"packed_rows": {"unpacked_forward": False}}},
-    # spread-packed with every packed batch through FlashAttention 2's varlen call (packed_rows.per_sample off)
-    "spread-packed-varlen": {
-        "data": "spread",
-        "steps": 24,
-        "lf": {"packing": True},
-        "patches": {"packed_rows": {"per_sample": False}},
-    },
     # shorter samples (about 500 to 2,048 tokens): where several share a row
     "short": {"data": "short", "steps": 32},
     "short-packed": {"data": "short", "steps": 24, "lf": {"packing": True}},
@@ -366,7 +357,7 @@ def _proof_summary(run_dir: Path) -> dict[str, Any]:
            for name in ("chunked_loss", "text_only_batches", "final_eval_once", "pad_lengths")},
         "packed_rows": {k: v for k, v in _read_json(run_dir / "proof" / "rank0" / "packed_rows.json").items()
                         if k in ("status", "packing", "first_packed_batch", "first_packed_call",
-                                 "first_packed_attention", "first_per_sample_attention",
+                                 "first_packed_attention", "first_one_sample_attention",
                                  "first_multi_sample_attention", "first_unpacked_call", "first_training_step",
                                  "error")},
         **{name: {k: v for k, v in _read_json(run_dir / "proof" / "rank0" / f"{name}.json").items()

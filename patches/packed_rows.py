@@ -47,13 +47,12 @@ What this patch does:
    ``torch_npu.npu_fusion_attention`` (layout ``TND`` with the samples'
    cumulative lengths, causal ``sparse_mode`` 3) on NPU; bf16/fp16 only, the row's padding cut into segments of
    ``PADDING_PIECE`` tokens (``Segments.cu_seqlens``); elsewhere (CPU, fp32) the block mask stays with SDPA. On
-   CUDA a batch of at most ``PER_SAMPLE_MOST`` samples goes to SDPA causal on each sample alone without the mask
-   instead, where SDPA would run those calls with cuDNN's kernel (``PER_SAMPLE``: the unpacked step's call and
-   kernel on a window of the row from the sample's first token, its length rounded up to ``SAMPLE_BUCKET``, exact
-   for the sample's tokens; ``sdpa_uses_cudnn``; option ``per_sample: false`` keeps the varlen kernel), and is
-   checked at its first call too. Its first call is checked against SDPA with the mask on the row's real tokens; a
-   disagreement stops the run (the option ``varlen_attention: false`` keeps the mask). Only the mask the DeltaNet
-   layers read as packed rows (the same tensor object) takes this path; every other call goes to SDPA unchanged.
+   CUDA a batch of one row holding one sample, its padding after it, goes to SDPA causal over the whole row without
+   the mask instead where SDPA would run that call with cuDNN's kernel (``ONE_SAMPLE``: the unpacked step's call and
+   kernel, exact for the sample's tokens; ``sdpa_uses_cudnn``), and is checked at its first call too. Its
+   first call is checked against SDPA with the mask on the row's real tokens; a disagreement stops the run (the
+   option ``varlen_attention: false`` keeps the mask). Only the mask the DeltaNet layers read as packed rows (the
+   same tensor object) takes this path; every other call goes to SDPA unchanged.
 3. wraps ``SFTDataCollatorWith4DAttentionMask.__call__``: on every packed batch it checks that the text
    position ids restart at 0 at every sample start and never go back inside it, and stops the run otherwise.
    With ``device_mask`` (the default) the collator's 4D step is skipped: the batch keeps LLaMA-Factory's 2D
@@ -76,7 +75,7 @@ planted leak (no convolution reset, or no ``cu_seqlens``) fails that comparison.
 
 Proof per rank: the first packed batch the model met (rows, samples per row, position ids checked), the first
 packed DeltaNet call (kernel, ``cu_seqlens``, mask checked), the first packed attention call (kernel, its check;
-then the first of ``PER_SAMPLE`` and the first varlen call on a row of several samples, each checked) and, at the first
+then the first of ``ONE_SAMPLE`` and the first on a row of several samples, each checked) and, at the first
 training step, the packed and the unpacked DeltaNet calls in it (recomputes included); the first
 unpacked call on the FLA route (``first_unpacked_call``: rows, key and value heads, padding zeroed). When the
 launcher's facts say the run packs, a first training batch that reaches the model unpacked stops the run before
@@ -129,20 +128,16 @@ FLASH_ARGUMENTS = ("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "
                    "return_debug_mask")  # fmt: skip
 NPU_VARLEN = "torch_npu.npu_fusion_attention"
 MASKED = "sdpa with the block mask"
-# The samples of a packed batch through SDPA causal on each sample alone, without the mask, as an unpacked step runs
-# its row, where SDPA would run those calls with cuDNN's kernel: on an H100 with torch 2.11 cuDNN took 2.38 to 2.41 ms
-# a checkpointed 27B attention layer on a whole row of 4,096 tokens, FlashAttention 2's varlen kernel 3.03 ms on one
-# sample of 3,162 and 4.24 ms on one of 4,095 (docs/benchmarks.md, "Eighteenth invocation"). Each sample's call takes
-# a window of its row from the sample's first token, its length rounded up to SAMPLE_BUCKET tokens (``sample_windows``):
-# causal order keeps the sample's tokens off whatever follows them in the window (the next sample, padding, or zeros
-# where the row ends first), so the window is exact for them, and cuDNN, which builds a graph for every shape new to
-# the process (129 to 139 ms each in the same benchmark), meets at most cutoff_len / SAMPLE_BUCKET lengths. A batch of
-# more than PER_SAMPLE_MOST samples keeps the varlen kernel: every call has its launches, and short samples leave
-# cuDNN little to win (a bound set by that reasoning, not tuned). Where SDPA would pick FlashAttention 2 the varlen
-# call stays: it is the same kernel in one call.
-PER_SAMPLE = "sdpa, causal, each sample alone"
-SAMPLE_BUCKET = 256
-PER_SAMPLE_MOST = 4
+# A row of one sample, its padding after it, through SDPA causal over the whole row without the mask, as an unpacked
+# step runs, where SDPA would run it with cuDNN's kernel: exact for every sample token (causal order keeps them off
+# the padding, and nothing of a sample reads the padding's outputs), and 0.63 to 1.86 ms a checkpointed 27B attention
+# layer cheaper than FlashAttention 2's varlen kernel on rows of 3,162 and 4,095 tokens on an H100 with torch 2.11
+# (docs/benchmarks.md, "Eighteenth invocation"); in training 5 to 9 ms a one-sample row ("Nineteenth invocation").
+# Where SDPA would pick FlashAttention 2 the whole row would cost more than the varlen call on the sample and its
+# padding pieces, which stays there. SDPA on each sample's own slice of the row was measured too and left out: it
+# gained 0.08 ms a layer on one sample, tied on two and lost 0.9 ms on three, and cuDNN builds a graph for every new
+# slice length (0.1 to 0.5 s each), which showed in training as slower steps.
+ONE_SAMPLE = "sdpa, causal over the row (one sample, its padding after it)"
 NUMBERS = "int32"  # the dtype that marks a batch's attention_mask as LLaMA-Factory's sample numbers (see device_mask)
 # The varlen attention kernels take a row's padding as segments of at most this many tokens (``Segments.cu_seqlens``):
 # padding attends only to padding and no sample token or loss term depends on its outputs, so any cut is exact for
@@ -156,16 +151,12 @@ FIX = "turn packing off (packing: false, neat_packing: false), or report the LLa
 
 
 class Options(BaseModel):
-    """``launcher.patches.packed_rows``: ``enabled``, ``varlen_attention``, ``per_sample``, ``device_mask``,
-    ``unpacked_forward``."""
+    """``launcher.patches.packed_rows``: ``enabled``, ``varlen_attention``, ``device_mask``, ``unpacked_forward``."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     enabled: bool = True
     # attention of packed rows through a varlen kernel where the device has one (CUDA, NPU); false: the block mask
     varlen_attention: bool = True
-    # on CUDA, a batch of at most PER_SAMPLE_MOST samples through SDPA on each sample alone where SDPA would use
-    # cuDNN (PER_SAMPLE); false: FlashAttention 2's varlen kernel for every packed batch
-    per_sample: bool = True
     # build the packed row's 4D mask on the device from LLaMA-Factory's sample numbers; false: its collator builds
     # it on the CPU (32 MiB at 4,096 tokens in bf16: 7 to 13 ms and a 2 to 5 ms copy a batch, docs/benchmarks.md)
     device_mask: bool = True
@@ -604,12 +595,11 @@ def _segments_of(mask) -> Segments:
 
 def sdpa_uses_cudnn(query, key, value, scaling: float | None) -> bool:
     """Whether torch's SDPA would run the unpacked step's call (causal, no mask, key heads shared) on tensors of these
-    shapes and strides with cuDNN's kernel (``torch._fused_sdp_choice``), asked once per shape; False where this torch
-    cannot be asked so."""
+    shapes with cuDNN's kernel (``torch._fused_sdp_choice``), asked once per shape; False where this torch cannot be
+    asked so."""
     import torch
 
-    layouts = tuple((tuple(t.shape), t.stride()) for t in (query, key, value))
-    shapes = (layouts, query.dtype, str(query.device), scaling)
+    shapes = (tuple(query.shape), tuple(key.shape), query.dtype, str(query.device), scaling)
     if shapes not in _cache.setdefault("sdpa_cudnn", {}):
         try:
             from torch.nn.attention import SDPBackend
@@ -619,57 +609,6 @@ def sdpa_uses_cudnn(query, key, value, scaling: float | None) -> bool:
         except (AttributeError, ImportError, TypeError, RuntimeError):
             _cache["sdpa_cudnn"][shapes] = False
     return _cache["sdpa_cudnn"][shapes]
-
-
-def sample_windows(found: Segments) -> list[tuple[int, int, int, int]]:
-    """``(row, start, end, window)`` of every sample of ``found``: its tokens ``start:end`` of ``row`` and the length of
-    its ``PER_SAMPLE`` call's window, ``end - start`` rounded up to ``SAMPLE_BUCKET`` tokens."""
-    return [(row, start, end, -(-(end - start) // SAMPLE_BUCKET) * SAMPLE_BUCKET)
-            for row, start, end, real in found.spans if real]  # fmt: skip
-
-
-def sample_window(tensor, row: int, start: int, window: int):
-    """``tensor[row, :, start:start + window]`` of a ``[B, H, T, D]`` tensor as ``[1, H, window, D]``: a view, or, where
-    the window runs past the row's end, the rest of the row followed by zeros (a copy)."""
-    part = tensor[row : row + 1, :, start : start + window]
-    short = window - part.shape[2]
-    if short:
-        import torch
-
-        part = torch.cat([part, part.new_zeros(1, part.shape[1], short, part.shape[3])], dim=2)
-    return part
-
-
-def per_sample_fits(query, key, value, found: Segments, scaling: float | None) -> bool:
-    """Whether ``PER_SAMPLE`` serves this call: at most ``PER_SAMPLE_MOST`` samples, and SDPA would run every one of
-    their windows with cuDNN (asked on each window's own shape and strides; answered once per batch and shape)."""
-    asked = ("per_sample", tuple(query.shape), query.stride(), tuple(key.shape), key.stride(), query.dtype, scaling)
-    if asked not in found._on_device:
-        windows = sample_windows(found)
-        found._on_device[asked] = len(windows) <= PER_SAMPLE_MOST and all(
-            sdpa_uses_cudnn(*(sample_window(t, row, start, window) for t in (query, key, value)), scaling)
-            for row, start, _, window in windows
-        )
-    return found._on_device[asked]
-
-
-def per_sample_attention(call, query, key, value, found: Segments):
-    """Causal attention of every sample alone: ``call(q, k, v)`` (transformers' SDPA function without a mask:
-    ``[1, H, W, D]`` in, ``[1, W, H, D]`` out) on each sample's window (``sample_windows``), the outputs of its own
-    tokens kept; ``[B, T, H, D]``, the padding's outputs zero (no sample token and no loss term reads them)."""
-    import torch
-
-    rows, heads, _, dim = query.shape
-    pieces: list[list[Any]] = [[] for _ in range(rows)]
-    windows = iter(sample_windows(found))
-    for row, start, end, real in found.spans:
-        if real:
-            _, _, _, window = next(windows)
-            out = call(*(sample_window(t, row, start, window) for t in (query, key, value)))
-            pieces[row].append(out[:, : end - start])
-        else:
-            pieces[row].append(query.new_zeros(1, end - start, heads, dim))
-    return torch.cat([torch.cat(row, dim=1) for row in pieces], dim=0)
 
 
 def _check_attention(kernel, out, reference, found: Segments, record: dict[str, Any], key: str) -> None:
@@ -697,15 +636,14 @@ def _make_attention(original):
         kernel = varlen_kernel(query, scaling, dropout) if _state["varlen_attention"] else None
         if (
             kernel in (ATEN_FLASH, TORCH_VARLEN)
-            and _state["per_sample"]
-            and per_sample_fits(query, key, value, found, scaling)
+            and found.one_sequence()
+            and sdpa_uses_cudnn(query, key, value, scaling)
         ):
-            kernel = PER_SAMPLE
+            kernel = ONE_SAMPLE
         if kernel is None:
             out = original(module, query, key, value, attention_mask, *args, **kwargs)
-        elif kernel == PER_SAMPLE:
-            out = (per_sample_attention(lambda q, k, v: original(module, q, k, v, None, *args, **kwargs)[0],
-                                        query, key, value, found), None)  # fmt: skip
+        elif kernel == ONE_SAMPLE:
+            out = original(module, query, key, value, None, *args, **kwargs)
         else:
             try:
                 out = (varlen_attention(kernel, query, key, value, found, scaling), None)
@@ -713,11 +651,11 @@ def _make_attention(original):
                 raise PatchError(NAME, f"the varlen attention kernel {kernel} failed on a packed row: {error}",
                                  "set launcher.patches.packed_rows.varlen_attention: false to keep the block "
                                  "mask") from error  # fmt: skip
-        # checked against the mask: the first call, the first call of PER_SAMPLE and, for a varlen kernel, the first
+        # checked against the mask: the first call, the first call of ONE_SAMPLE and, for a varlen kernel, the first
         # on a row holding several samples (only there would a kernel that ignores the sample boundaries show)
         several = False
-        if kernel == PER_SAMPLE:
-            due = None if _state.get("per_sample_checked") else "first_per_sample_attention"
+        if kernel == ONE_SAMPLE:
+            due = None if _state.get("one_sample_checked") else "first_one_sample_attention"
         elif kernel is not None and not _state.get("multi_sample_checked"):
             several = max(found.samples_per_row()) >= 2
             due = "first_multi_sample_attention" if several else None
@@ -730,8 +668,6 @@ def _make_attention(original):
             due = "first_packed_attention"
         record = {"kernel": kernel or MASKED, "device": str(query.device), "dtype": str(query.dtype),
                   "heads": query.shape[1], "key_heads": key.shape[1], "head_dim": query.shape[-1]}  # fmt: skip
-        if kernel == PER_SAMPLE:
-            record["windows"] = [window for *_, window in sample_windows(found)]
         if kernel is None:
             _state["proof"].update(first_packed_attention={**record, "recorded_at": utc_now()})
         else:
@@ -740,8 +676,8 @@ def _make_attention(original):
             with torch.no_grad():
                 reference = original(module, query, key, value, attention_mask, *args, **kwargs)[0]
             _check_attention(kernel, out[0], reference, found, record, due)
-            if kernel == PER_SAMPLE:
-                _state["per_sample_checked"] = True
+            if kernel == ONE_SAMPLE:
+                _state["one_sample_checked"] = True
             elif several:
                 _state["multi_sample_checked"] = True
         _state["first_attention"] = True
@@ -973,8 +909,7 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
     _cache.clear()
     _state.update(proof=proof, packing=bool(facts.get("packing")), calls=0, unpacked_calls=0, batches=0, samples=0,
                   rows=0,
-                  varlen_attention=varlen, per_sample=bool(options.get("per_sample", True)),
-                  device_mask=bool(options.get("device_mask", True)),
+                  varlen_attention=varlen, device_mask=bool(options.get("device_mask", True)),
                   unpacked_forward=bool(options.get("unpacked_forward", True)),
                   attention=tuple(getattr(importlib.import_module(m), c) for m, c in ATTENTION))  # fmt: skip
     trainer_hook.on_first_training_step(NAME, before=_before_first_step, after=_after_first_step)
@@ -984,7 +919,6 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
         + [".".join(COLLATOR) + ".__call__", "ALL_ATTENTION_FUNCTIONS['sdpa']"],
         "packing": _state["packing"],
         "varlen_attention": varlen,
-        "per_sample": _state["per_sample"],
         "device_mask": _state["device_mask"],
         "unpacked_forward": _state["unpacked_forward"],
     }  # fmt: skip

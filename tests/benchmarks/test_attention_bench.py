@@ -16,6 +16,7 @@ from benchmarks import attention_bench
         (["--samples", "3000,2000"], "4096 tokens in all at most (--tokens)"),
         (["--samples", "0"], "each of 1 token or more"),
         (["--padding-piece", "-1"], "--padding-piece -1: give 0 (padding as one segment) or a positive token count"),
+        (["--bucket", "0"], "--bucket 0: give the per-sample windows' rounding in tokens, 1 or more"),
     ],
 )
 def test_bad_arguments_end_in_one_message_and_write_nothing(tmp_path, capsys, argv, said):
@@ -33,9 +34,9 @@ def test_an_earlier_result_is_not_overwritten(tmp_path, capsys):
 
 def test_the_routes_agree_with_the_per_sample_reference_on_the_cpu(monkeypatch):
     """The routes that run on the CPU (SDPA's math kernel; the varlen kernel needs CUDA), at a small shape: the
-    packed row under the block mask, and each sample's window alone (``per-sample``, its windows running into the next
-    sample and past the row's end), equal each sample alone; the unpacked call over the whole row does not (it is the
-    unpacked step)."""
+    packed row under the block mask, and each sample's window alone (``per-sample``: the first window runs into the
+    second sample, the second past the row's end), equal each sample alone; the unpacked call over the whole row does
+    not (it is the unpacked step)."""
     import torch
 
     from patches import packed_rows
@@ -44,12 +45,13 @@ def test_the_routes_agree_with_the_per_sample_reference_on_the_cpu(monkeypatch):
     monkeypatch.setattr(attention_bench, "KEY_HEADS", 2)
     monkeypatch.setattr(attention_bench, "HEAD_DIM", 16)
     numbered = attention_bench.numbered_row(torch, 64, [20, 30])
+    assert attention_bench.sample_windows([20, 30], 48) == [(0, 20, 48), (20, 30, 48)]
     q, k, v = torch.randn(1, 6, 64, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
     mask = packed_rows.block_causal_mask(numbered, torch.float32)
     expected = attention_bench.reference(torch, q, k, v, numbered)
     real = numbered[0] != 0
-    monkeypatch.setattr(packed_rows, "SAMPLE_BUCKET", 16)  # windows of 32: the first runs into the second sample
-    masked, whole_row, per_sample = (attention_bench.route_call(torch, route, mask, packed_rows.PADDING_PIECE)
+    masked, whole_row, per_sample = (attention_bench.route_call(torch, route, mask, packed_rows.PADDING_PIECE,
+                                                                [20, 30], 48)
                                      for route in ("masked", "sdpa", "per-sample"))  # fmt: skip
     assert attention_bench.relative(masked(q, k, v), expected, real) < 1e-5
     assert attention_bench.relative(per_sample(q, k, v), expected, real) < 1e-5

@@ -84,7 +84,6 @@ DEFAULT_ON = {"deltanet_routing": True, "checkpoint_all_layers": True, "chunked_
         "forecast-oom",
         "gc-off",
         "heads-repeated",
-        "spread-packed-varlen",
     ],
 )
 def test_variant_configs_pass_the_launchers_validation(tmp_path, variant):
@@ -120,8 +119,7 @@ def test_variant_configs_pass_the_launchers_validation(tmp_path, variant):
     if variant == "budget120":
         assert loaded.patches["checkpoint_all_layers"]["memory_budget_gib"] == 120.0
     assert loaded.patches["packed_rows"]["unpacked_forward"] is (variant != "heads-repeated")
-    assert loaded.patches["packed_rows"]["per_sample"] is (variant != "spread-packed-varlen")
-    assert lf.get("packing", False) is ("-packed" in variant)
+    assert lf.get("packing", False) is variant.endswith("-packed")
 
 
 def test_spread_samples_span_the_asked_lengths(tmp_path):

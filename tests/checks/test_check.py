@@ -457,7 +457,6 @@ def test_patch_options_that_cannot_work_are_refused_naming_the_key(tmp_path, dem
     ("option", "shown"),
     [({"varlen_attention": "fast"}, "launcher.patches.packed_rows.varlen_attention"),
      ({"device_mask": "yes"}, "launcher.patches.packed_rows.device_mask"),
-     ({"per_sample": 1}, "launcher.patches.packed_rows.per_sample"),
      ({"unpacked_forward": "on"}, "launcher.patches.packed_rows.unpacked_forward")],
 )  # fmt: skip
 def test_a_bad_packed_rows_option_is_the_one_error_of_a_packing_config(tmp_path, demo_assets, option, shown):

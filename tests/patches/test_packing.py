@@ -370,96 +370,63 @@ def test_packed_attention_through_a_varlen_kernel_keeps_samples_apart_and_its_ch
 
 
 @pytest.mark.usefixtures("restore_patches")
-@pytest.mark.parametrize("first", ["per sample", "varlen"])
-def test_a_batch_of_few_samples_takes_causal_sdpa_on_each_sample_where_sdpa_would_use_cudnn(
+@pytest.mark.parametrize("first", ["one sample", "two samples"])
+def test_a_row_of_one_sample_takes_causal_sdpa_over_the_row_where_sdpa_would_use_cudnn(
     tmp_path, demo_assets, monkeypatch, first
 ):
     """On the CUDA route (stood in: FlashAttention and cuDNN do not run on CPU, so the varlen operator and SDPA's
-    backend choice are stand-ins) a batch of at most ``PER_SAMPLE_MOST`` samples goes to SDPA causal on each sample
-    alone without the mask, as the unpacked step runs its row, where SDPA would pick cuDNN: the varlen operator is not
-    called, SDPA gets one call per sample, without a mask, causal, key heads shared, on a window from the sample's
-    first token rounded up to ``SAMPLE_BUCKET`` (lowered to the tiny row's scale: the second sample's window runs into
-    the third sample, the third's past the row's end), the samples' losses and the LoRA gradients equal the samples
-    run alone, and its first call is checked against the block mask, whether or not a varlen call came first. So does
-    a row whose padding comes first. More samples than ``PER_SAMPLE_MOST``, SDPA picking FlashAttention, or the option
-    ``per_sample: false`` take the operator."""
+    backend choice are stand-ins) a batch of one row holding one sample, its padding after it, goes to SDPA causal
+    over the whole row without the mask, as the unpacked step does, where SDPA would pick cuDNN: the varlen operator
+    is not called, SDPA gets no mask, is causal and shares the key heads, the sample's loss and the LoRA gradients
+    equal the sample run alone, and its first call is checked against the block mask, whether or not a row of
+    several samples came first. A row of two samples, a row whose padding comes first (a segment of its own), and
+    any row where SDPA would pick FlashAttention still take the operator."""
     import torch
     import torch.nn.functional as F
     from llamafactory.data.collator import prepare_4d_attention_mask
 
-    seen, sdpa_calls, backend = [], [], {"cudnn": first == "per sample"}
+    seen, sdpa_calls, backend = [], [], {"cudnn": True}
     sdpa = F.scaled_dot_product_attention
 
     def spied(query, key, value, attn_mask=None, **kwargs):
-        sdpa_calls.append((attn_mask is None, kwargs.get("is_causal"), kwargs.get("enable_gqa"), query.shape[2]))
+        sdpa_calls.append((attn_mask is None, kwargs.get("is_causal"), kwargs.get("enable_gqa")))
         return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spied)
     monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: flash_stand_in(seen))
     monkeypatch.setattr(packed_rows, "varlen_kernel", lambda query, scaling, dropout: packed_rows.ATEN_FLASH)
     monkeypatch.setattr(packed_rows, "sdpa_uses_cudnn", lambda query, key, value, scaling: backend["cudnn"])
-    monkeypatch.setattr(packed_rows, "SAMPLE_BUCKET", 16)
     patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)
     model = packing_model(demo_assets["model"])
     layers = len([m for m in model.modules() if type(m).__name__ == "Qwen3_5Attention"])
     parts = samples(model.config.text_config.vocab_size)
-    if first == "varlen":
+    if first == "two samples":
         with torch.no_grad():
             model(**packed_row(parts[:2]))
         assert len(seen) == layers
         seen.clear()
-        backend["cudnn"] = True
     sdpa_calls.clear()
     with torch.no_grad():
-        model(**packed_row(parts))
-    # every layer: one call per sample, no mask, causal, key heads shared, windows of 16, 32 and 32 tokens (11, 23 and
-    # 17 rounded up to 16); once more with the mask over the row: the first call's reference
-    assert seen == [] and sorted(sdpa_calls) == sorted([(True, True, True, w) for w in (16, 32, 32)] * layers
-                                                       + [(False, False, None, ROW)])  # fmt: skip
-    loss_gap, grad_gap = compare(model, parts)
+        model(**packed_row(parts[:1]))
+    # every layer without a mask, causal, key heads shared; once more with the mask: the first call's reference
+    assert seen == [] and sorted(sdpa_calls) == sorted([(True, True, True)] * layers + [(False, False, None)])
+    loss_gap, grad_gap = compare(model, parts[:1])
     assert loss_gap < 1e-4 and grad_gap < 1e-4, (loss_gap, grad_gap)
     assert seen == []
     proof = read_proof(tmp_path, "packed_rows")
-    attention = proof["first_packed_attention" if first == "per sample" else "first_per_sample_attention"]
-    assert attention["kernel"] == packed_rows.PER_SAMPLE and attention["samples_per_row"] == [3]
-    assert attention["windows"] == [16, 32, 32]
+    attention = proof["first_packed_attention" if first == "one sample" else "first_one_sample_attention"]
+    assert attention["kernel"] == packed_rows.ONE_SAMPLE and attention["samples_per_row"] == [1]
     assert attention["checked_against"] == packed_rows.MASKED and attention["relative_l2_difference"] < 1e-5
     ids = packed_row(parts[:1])["input_ids"].roll(8, dims=1)
     padded_first = prepare_4d_attention_mask(torch.tensor([[0] * 8 + [1] * LENGTHS[0] + [0] * (ROW - 8 - LENGTHS[0])]),
                                              torch.float32)  # fmt: skip
-    sdpa_calls.clear()
     with torch.no_grad():
         model(input_ids=ids, attention_mask=padded_first)
-    assert seen == [] and sdpa_calls == [(True, True, True, 16)] * layers
-    monkeypatch.setattr(packed_rows, "PER_SAMPLE_MOST", 2)
-    with torch.no_grad():
-        model(**packed_row(parts))
     assert len(seen) == layers
-    backend["cudnn"] = False  # FlashAttention 2, say: the varlen call is the same kernel in one call
+    backend["cudnn"] = False  # FlashAttention 2, say: the varlen call on the sample and its padding is cheaper
     with torch.no_grad():
         model(**packed_row(parts[:1]))
     assert len(seen) == 2 * layers
-    packed_rows.restore()  # the option off: the varlen call, cuDNN or not
-    backend["cudnn"] = True
-    patches.apply_enabled({**ON, "packed_rows": {"per_sample": False}}, backend="cpu", proof_dir=tmp_path / "off")
-    with torch.no_grad():
-        model(**packed_row(parts[:1]))
-    assert len(seen) == 3 * layers
-
-
-def test_a_sample_window_is_a_view_of_the_row_or_the_rest_of_it_and_zeros():
-    """``sample_window``: a view where the window fits in the row (no copy), else the row's last tokens followed by
-    zeros; ``sample_windows`` rounds each sample's length up to ``SAMPLE_BUCKET``."""
-    import torch
-
-    t = torch.arange(2 * 3 * 10 * 2, dtype=torch.float32).reshape(2, 3, 10, 2)
-    inside = packed_rows.sample_window(t, 1, 2, 4)
-    assert inside.shape == (1, 3, 4, 2) and inside.data_ptr() == t[1, :, 2].data_ptr()
-    past = packed_rows.sample_window(t, 0, 7, 6)
-    assert past.shape == (1, 3, 6, 2) and torch.equal(past[:, :, :3], t[:1, :, 7:]) and not past[:, :, 3:].any()
-    found = packed_rows.Segments(1, 600, ((0, 0, 1, True), (0, 1, 257, True), (0, 257, 300, False),
-                                          (0, 300, 600, True)), None)  # fmt: skip
-    assert packed_rows.sample_windows(found) == [(0, 0, 1, 256), (0, 1, 257, 256), (0, 300, 600, 512)]
 
 
 def test_sdpa_is_asked_once_per_shape_whether_it_would_use_cudnn_and_no_answer_is_no(monkeypatch):
