@@ -145,6 +145,7 @@ def test_every_service_names_its_container_in_the_environment() -> None:
         env = svc["environment"]
         assert env["LAUNCHER_CONTAINER"] == svc["container_name"], name
         assert env["HF_HUB_OFFLINE"] == "1" and env["LAUNCHER_WRITABLE_DIRS"] == "/outputs /logs", name
+        assert env["TRITON_CACHE_DIR"] == "/outputs/.cache/triton" and env["TRITON_CACHE_AUTOTUNING"] == "1", name
 
 
 def test_the_anchors_are_what_the_services_use() -> None:
