@@ -6,10 +6,11 @@ training data has no held-out test split (``launcher data prepare --test-size``)
 since it was prepared or that belongs to other training data than the run's (the data was prepared again since
 the run: its training file no longer has the sha256 the run's manifest recorded), a run that is still going
 (its evaluation would load a second model beside the training one, on checkpoints that still change), an
-unreadable ``--prompts`` file. Then one child process
-(``python -m launcher.rank.evaluate``, on the run's backend) does the model work in a scratch folder inside
-the run directory; only when it succeeds are ``evaluate.json`` and ``evaluate.md`` replaced (atomically), so a
-failed evaluation leaves an earlier one as it was. The scratch folder is removed either way.
+unreadable ``--prompts`` file. Then one child process (``python -m launcher.rank.evaluate``, on the run's backend)
+does the model work in a scratch folder inside the run directory, with the environment levers the run's job got (its
+Triton cache: kernels compiled and autotuned once serve both; the caller's environment wins); only when it succeeds
+are ``evaluate.json`` and ``evaluate.md`` replaced (atomically), so a failed evaluation leaves an earlier one as it
+was. The scratch folder is removed either way.
 """
 
 from __future__ import annotations
@@ -207,6 +208,13 @@ def require_ended(run_dir: Path) -> None:
                      f"or stop it first (launcher stop {run_dir.name})")  # fmt: skip
 
 
+def run_levers(manifest: Manifest | None) -> dict[str, str]:
+    """The environment levers the run's job got (``manifest.json``'s ``tuning``: the Triton cache and, on NPU,
+    torch-npu's queue, affinity and allocator), for the evaluation's child."""
+    levers = manifest.tuning if manifest else {}
+    return {name: lever["value"] for name, lever in levers.items() if isinstance(lever.get("value"), str)}
+
+
 def build_request(run_dir: Path, *, checkpoints: str, prompts_file: Path | None, max_new_tokens: int,
                   max_prompts: int, batch_size: int | str = DEFAULT_BATCH_SIZE) -> dict[str, Any]:  # fmt: skip
     """Everything the child needs, checked (see the module docstring for what is refused)."""
@@ -241,6 +249,7 @@ def build_request(run_dir: Path, *, checkpoints: str, prompts_file: Path | None,
         "max_new_tokens": max_new_tokens,
         "max_test_prompts": max_prompts,
         "batch_size": batch_size,
+        "environment": run_levers(files.manifest),
         "demo_model": is_demo_model(Path(str(files.lf_args.get("model_name_or_path", "")))),
     }
 
@@ -260,18 +269,22 @@ def _stop_signals_as(handler):
             signal.signal(signum, previous)
 
 
-def _run_child(cmd: list[str], backend, log: Path, scratch_log: Path) -> int:
+def _run_child(cmd: list[str], backend, log: Path, scratch_log: Path, environment: dict[str, str] | None = None) -> int:
     """Run the child with its whole output in ``log``; only its ``evaluate:`` progress lines (counts) are
     printed, plus the log's last lines when it fails. The log replaces the previous one when the child ends.
     While the child runs, a stop signal to this process alone (Ctrl-C, ``kill``, a closed terminal) interrupts it
     as Ctrl-C does; the child is stopped (SIGTERM, SIGKILL after ``CHILD_STOP_GRACE_S``; stop signals are ignored
     meanwhile) before the interrupt goes on (``SignalInterrupt``: ``launcher`` exits 128 + the signal), and the
-    previous log stays."""
+    previous log stays. ``environment``: variables the child gets where the caller's environment has none (the run's
+    levers: the same Triton cache as its job, so kernels compiled and autotuned once serve both)."""
     tail: list[str] = []
     # the user's working folder, as for the job: relative paths in the run's YAML mean the same here
     with scratch_log.open("w", encoding="utf-8") as out:
-        proc = subprocess.Popen(cmd, env=child_env(backend), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, errors="replace")  # fmt: skip
+        env = child_env(backend)
+        for name, value in (environment or {}).items():
+            env.setdefault(name, value)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                errors="replace")  # fmt: skip
         assert proc.stdout is not None
         try:
             with _stop_signals_as(interrupt_on_signal):
@@ -303,7 +316,8 @@ def evaluate_run(run_dir: Path, request: dict[str, Any], *, show: bool = False, 
         request = {**request, "work_dir": str(work), "result_file": str(work / EVALUATE_RESULT)}
         write_json_atomic(work / EVALUATE_REQUEST, request)
         cmd = [sys.executable, "-m", child, str(work / EVALUATE_REQUEST)]
-        code = _run_child(cmd, BACKENDS[request["backend"]], run_dir / EVALUATE_LOG, work / EVALUATE_LOG)
+        code = _run_child(cmd, BACKENDS[request["backend"]], run_dir / EVALUATE_LOG, work / EVALUATE_LOG,
+                          request.get("environment"))  # fmt: skip
         result = work / EVALUATE_RESULT
         if code != 0 or not result.is_file():
             raise LauncherError(f"evaluation of {run_dir.name} failed (the evaluation process exited with {code}; "

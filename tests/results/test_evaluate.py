@@ -290,6 +290,9 @@ def test_several_checkpoints_load_the_base_model_once(prepared_run, monkeypatch,
     request = build_request(prepared_run, checkpoints="3,last,final", prompts_file=None, max_new_tokens=2,
                             max_prompts=2)  # fmt: skip
     assert request["batch_size"] == "auto"
+    levers = json.loads((prepared_run / "manifest.json").read_text())["tuning"]
+    assert request["environment"] == {name: lever["value"] for name, lever in levers.items()}
+    assert "TRITON_CACHE_DIR" in request["environment"]  # the run's Triton cache, for the child too
     work = tmp_path / "work"
     work.mkdir()
     raw = evaluate_entry.evaluate({**request, "work_dir": str(work), "result_file": str(work / "result.json")})
@@ -300,6 +303,21 @@ def test_several_checkpoints_load_the_base_model_once(prepared_run, monkeypatch,
         assert ckpt["decoding"]["batch_size_basis"]["setting"] == "auto" and ckpt["test_loss_seconds"] >= 0
     assert adapters == ["checkpoint-3", "checkpoint-6", "output"]
     assert len(bases) == 1, bases
+
+
+def test_the_child_gets_the_runs_levers_where_the_caller_has_none(tmp_path, monkeypatch):
+    """The evaluation's child (a real process) gets the environment levers of the run's job, the caller's own value
+    of a variable winning; its whole output goes to the log."""
+    from launcher.backend import BACKENDS
+    from launcher.run.evaluate import _run_child
+
+    monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "0")
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    shows = "import os; print(os.environ['TRITON_CACHE_DIR'], os.environ['TRITON_CACHE_AUTOTUNING'])"
+    levers = {"TRITON_CACHE_DIR": str(tmp_path / "cache"), "TRITON_CACHE_AUTOTUNING": "1"}
+    code = _run_child([sys.executable, "-c", shows], BACKENDS["cpu"], tmp_path / "evaluate.log",
+                      tmp_path / "scratch.log", levers)  # fmt: skip
+    assert code == 0 and (tmp_path / "evaluate.log").read_text() == f"{tmp_path / 'cache'} 0\n"
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
