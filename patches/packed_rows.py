@@ -135,8 +135,9 @@ MASKED = "sdpa with the block mask"
 # (docs/benchmarks.md, "Eighteenth invocation"); in training 5 to 9 ms a one-sample row ("Nineteenth invocation").
 # Where SDPA would pick FlashAttention 2 the whole row would cost more than the varlen call on the sample and its
 # padding pieces, which stays there. SDPA on each sample's own slice of the row was measured too and left out: it
-# gained 0.08 ms a layer on one sample, tied on two and lost 0.9 ms on three, and cuDNN builds a graph for every new
-# slice length (0.1 to 0.5 s each), which showed in training as slower steps.
+# gained 0.08 ms a layer on one sample (against the whole row) and 0.1 ms on two (against the varlen call), lost 0.9 ms
+# on three, and cuDNN builds a graph for every new slice length (0.1 to 0.5 s each), which showed in training as
+# slower steps.
 ONE_SAMPLE = "sdpa, causal over the row (one sample, its padding after it)"
 NUMBERS = "int32"  # the dtype that marks a batch's attention_mask as LLaMA-Factory's sample numbers (see device_mask)
 # The varlen attention kernels take a row's padding as segments of at most this many tokens (``Segments.cu_seqlens``):
