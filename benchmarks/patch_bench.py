@@ -49,8 +49,9 @@ off: transformers' DeltaNet forward for unpacked steps, the key heads repeated b
    ``kernel_check_progress``, and for a run that did not succeed the end of its job log, Triton's reproducer
    dumps folded); then the targets (docs/benchmarks.md) are compared. With ``--rounds R`` the list runs R times in
    turn, round R's runs keyed ``VARIANT#R``; a packed variant's target (``spread-packed-row``: its median step
-   period and forward+backward against ``on``'s, with a 95 % bootstrap interval of the difference) pools the
-   rounds; the other targets read the first round.
+   period and forward+backward against ``on``'s, with a 95 % bootstrap interval of the difference, and beside it
+   ``at_equal_supervised``: the packed rows read at the unpacked steps' supervised tokens) pools the rounds; the
+   other targets read the first round.
    Interrupted (Ctrl-C, ``timeout -s INT``, SIGTERM) while it runs the variants, it stops the running variant's
    run, waits for it to end, records it (``interrupted``), writes what it has and exits 130 (between two runs:
    ``"interrupted": "between runs"`` at the top of the results).
@@ -404,6 +405,7 @@ def summarize(run_dir: Path, warmup: int) -> dict[str, Any]:
             step_periods=[s.get("period_s") for s in steps],
             step_seq_lens=[s.get("seq_len") for s in steps],
             step_samples=[s.get("samples") for s in steps],
+            step_supervised=[s.get("supervised_tokens") for s in steps],
             step_period_gc_s=[s.get("period_gc_s") for s in steps],
             by_samples=by_samples(measured),
             **gc_summary(measured),
@@ -635,11 +637,41 @@ def median_difference(a: dict[int, list[float]], b: dict[int, list[float]],
             "steps": [sum(map(len, a.values())), sum(map(len, b.values()))], "positions": [len(a), len(b)]}  # fmt: skip
 
 
+def at_equal_supervised(variants: dict[str, dict[str, Any]], packed: str, unpacked: str) -> dict[str, Any] | None:
+    """The packed rows' forward+backward against their supervised tokens (least squares over every measured step of
+    every succeeded round), read at the unpacked steps' median supervised tokens, beside the unpacked median: what a
+    packed row would cost holding what an unpacked step holds (a row costs what it trains on: the loss alone 18 µs a
+    supervised token at the 27B shape, docs/benchmarks.md). None without the steps' supervised tokens (results
+    before ``step_supervised``) or without two distinct counts."""
+
+    def pairs(name: str) -> list[tuple[int, float]]:
+        found = []
+        for key, v in variants.items():
+            if key.split("#")[0] == name and v.get("state") == "SUCCEEDED" and v.get("step_supervised"):
+                skip = v.get("warmup_steps", 0)
+                found += [(n, s) for n, s in zip(v["step_supervised"][skip:], v["step_seconds"][skip:], strict=True)
+                          if n and s]  # fmt: skip
+        return found
+
+    rows, steps = pairs(packed), pairs(unpacked)
+    if len({n for n, _ in rows}) < 2 or not steps:
+        return None
+    slope, intercept = statistics.linear_regression([n for n, _ in rows], [s for _, s in rows])
+    supervised = statistics.median(n for n, _ in steps)
+    at = intercept + slope * supervised
+    unpacked_s = statistics.median(s for _, s in steps)
+    return {"slope_us_per_token": round(slope * 1e6, 1), "unpacked_supervised": supervised,
+            "packed_mean_supervised": round(statistics.mean(n for n, _ in rows)), "packed_at_it_s": round(at, 4),
+            "unpacked_s": round(unpacked_s, 4), "difference_s": round(at - unpacked_s, 4),
+            "steps": len(rows)}  # fmt: skip
+
+
 def packed_row_target(variants: dict[str, dict[str, Any]], packed: str, unpacked: str) -> dict[str, Any] | None:
     """The packed rows of ``packed`` against the unpacked steps of ``unpacked`` (every round pooled): forward+backward
     and the step period (which adds the collation and everything else between two steps). Met when the packed
     median period is no longer than the unpacked one (forward+backward where no period was recorded); ``resolved``
-    when its 95 % interval lies on one side of 0. None until both have two measured step positions."""
+    when its 95 % interval lies on one side of 0. None until both have two measured step positions. Beside it, not
+    deciding it, ``at_equal_supervised``: the packed rows read at the unpacked steps' supervised tokens."""
     rows: dict[str, Any] = {}
     for key, label in (("step_seconds", "fwd_bwd"), ("step_periods", "period")):
         a, b = measured_steps(variants, packed, key), measured_steps(variants, unpacked, key)
@@ -650,7 +682,8 @@ def packed_row_target(variants: dict[str, dict[str, Any]], packed: str, unpacked
     decides = rows.get("period") or rows["fwd_bwd"]
     low, high = decides["ci95_s"]
     return {**rows, "against": unpacked, "decided_by": "period" if "period" in rows else "fwd_bwd",
-            "met": decides["difference_s"] <= 0, "resolved": high < 0 or low > 0}  # fmt: skip
+            "met": decides["difference_s"] <= 0, "resolved": high < 0 or low > 0,
+            "at_equal_supervised": at_equal_supervised(variants, packed, unpacked)}  # fmt: skip
 
 
 def _gain(packed: float | None, unpacked: float | None, least: float) -> dict[str, Any]:

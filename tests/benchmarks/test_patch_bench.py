@@ -312,6 +312,31 @@ def test_the_packed_row_target_pools_the_rounds_after_the_warm_up_and_says_wheth
     assert once["ci95_s"][0] < 0 < once["ci95_s"][1]
 
 
+def test_the_packed_rows_are_also_read_at_the_unpacked_steps_supervised_tokens():
+    """Beside the target, not deciding it: least squares of the packed rows' forward+backward on their supervised
+    tokens over every succeeded round after the warm-up, read at the unpacked steps' median supervised tokens; None
+    for results without the steps' supervised tokens."""
+
+    def run(seconds, supervised, state="SUCCEEDED"):
+        return {"state": state, "warmup_steps": 1, "step_seconds": [9.0, *seconds], "step_periods": [9.5, *seconds],
+                "step_supervised": [100, *supervised]}  # fmt: skip
+
+    # packed: 1.0 s + 100 µs a supervised token, exactly; unpacked: 2,000 supervised tokens in 1.25 s
+    variants = {"on": run([1.25, 1.26, 1.24], [2000, 2000, 2000]),
+                "spread-packed": run([1.25, 1.3, 1.2], [2500, 3000, 2000]),
+                "spread-packed#2": run([1.28], [2800]),
+                "spread-packed#3": run([5.0], [2000], state="TERMINATED")}  # fmt: skip
+    row = patch_bench.targets(variants)["spread-packed-row"]
+    equal = row["at_equal_supervised"]
+    assert equal["slope_us_per_token"] == pytest.approx(100.0) and equal["packed_at_it_s"] == pytest.approx(1.2)
+    assert equal["unpacked_supervised"] == 2000 and equal["unpacked_s"] == 1.25 and equal["steps"] == 4
+    assert equal["difference_s"] == pytest.approx(-0.05) and equal["packed_mean_supervised"] == 2575
+    assert row["met"] is False  # the target itself compares the medians as they are: 1.265 against 1.25
+    for v in variants.values():
+        del v["step_supervised"]
+    assert patch_bench.targets(variants)["spread-packed-row"]["at_equal_supervised"] is None
+
+
 def run_tiny_bench(out, *args: str) -> dict:
     """``patch_bench`` with the tiny shape on the CPU; its results, once it exited 0."""
     code = patch_bench.main(["--out", str(out), "--shape", "tiny", "--samples", "3", "--timeout", "600", *args])
