@@ -7,8 +7,9 @@ device instead of loading weights (writing 55 GB of random weights to disk would
 Everything else (LLaMA-Factory's data path, the Trainer, the patches, LoRA) is the real path.
 
 Token ids come from the demo tokenizer (a few hundred ids), all far below the 248,320-row vocabulary;
-special-token ids in the config are that tokenizer's. Every sample is longer than ``cutoff_len`` on both the
-prompt and the response side, so LLaMA-Factory's truncation leaves exactly ``cutoff_len`` tokens.
+special-token ids in the config are that tokenizer's. Every sample of ``write_dataset`` is longer than half of
+``cutoff_len`` on both the prompt and the response side and than ``cutoff_len`` in all, so LLaMA-Factory's truncation
+leaves exactly ``cutoff_len`` tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from launcher.demo import CLIENT, COUNSELOR, SYSTEM, TinyShape, build_model_conf
 MARKER = "random_init.json"
 DATASET = "bench_long"
 SPREAD = "bench_spread"
+SPREAD_REPLY_SHARE = 0.7  # of a spread sample's tokens, the reply's (a SoulChat-like counselling turn)
 
 # docs/upstream.md (Qwen3.5-27B): 64 layers, every fourth full attention (0-based 3, 7, ..., 63).
 QWEN3_5_27B = TinyShape(
@@ -102,19 +104,26 @@ def _write(out: Path, name: str, records: list[dict[str, Any]]) -> Path:
     return out
 
 
-def write_dataset(out: Path, model_dir: Path, cutoff_len: int, samples: int = 8, seed: int = 0) -> Path:
-    """Alpaca records whose prompt and response each exceed ``cutoff_len`` tokens, plus dataset_info.json."""
+def write_dataset(out: Path, model_dir: Path, cutoff_len: int, samples: int = 8, seed: int = 0,
+                  reply_share: float = 0.5) -> Path:  # fmt: skip
+    """Alpaca records whose prompt and response each exceed half of ``cutoff_len`` tokens, together more than twice
+    it, in the ratio ``1 - reply_share`` to ``reply_share``, plus dataset_info.json. LLaMA-Factory's truncation of
+    such a pair (``infer_seqlen``) keeps ``cutoff_len`` tokens in all, about ``reply_share`` of them the response's
+    (supervised): 2,048 of 4,096 at the default 0.5, about 2,860 at the spread's share (``SPREAD_REPLY_SHARE``)."""
     from transformers import AutoTokenizer
 
+    if not 0.3 <= reply_share <= 0.7:  # outside it one side falls below half the cutoff and is kept whole
+        raise ValueError(f"reply_share {reply_share} is outside 0.3 to 0.7, where both sides are truncated")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rng = random.Random(seed)
-    over = int(cutoff_len * 1.1) + 16  # sentence joins can merge a few tokens: stay clearly above the cutoff
+    both = 2 * (int(cutoff_len * 1.1) + 16)  # sentence joins can merge a few tokens: stay clearly above the cutoff
+    prompt, reply = int(both * (1 - reply_share)), int(both * reply_share)
     records = [
         {
             "system": SYSTEM,
-            "instruction": _text_of(rng, tokenizer, CLIENT, over),
+            "instruction": _text_of(rng, tokenizer, CLIENT, prompt),
             "input": "",
-            "output": _text_of(rng, tokenizer, COUNSELOR, over),
+            "output": _text_of(rng, tokenizer, COUNSELOR, reply),
         }
         for _ in range(samples)
     ]
@@ -131,8 +140,9 @@ def write_spread_dataset(out: Path, model_dir: Path, low: int, high: int, sample
     records = []
     for _ in range(samples):
         total = rng.randint(low, high) - 24  # the template's own tokens
-        records.append({"system": "", "instruction": _text_of(rng, tokenizer, CLIENT, int(total * 0.3)),
-                        "input": "", "output": _text_of(rng, tokenizer, COUNSELOR, int(total * 0.7))})  # fmt: skip
+        prompt, reply = int(total * (1 - SPREAD_REPLY_SHARE)), int(total * SPREAD_REPLY_SHARE)
+        records.append({"system": "", "instruction": _text_of(rng, tokenizer, CLIENT, prompt),
+                        "input": "", "output": _text_of(rng, tokenizer, COUNSELOR, reply)})  # fmt: skip
     return _write(out, SPREAD, records)
 
 

@@ -20,14 +20,15 @@ built on the CPU, the packed row before that option), ``spread-packed-workers`` 
 collated in 2 DataLoader workers instead of the training process), ``short`` and
 ``short-packed`` (the same pair with samples of about 500 to 2,048 tokens), ``gc-off`` (``on`` with ``gc_freeze``
 off: Python's collector as upstream leaves it), ``heads-repeated`` (``on`` with ``packed_rows.unpacked_forward``
-off: transformers' DeltaNet forward for unpacked steps, the key heads repeated before FLA's chunk kernel).
+off: transformers' DeltaNet forward for unpacked steps, the key heads repeated before FLA's chunk kernel),
+``on-reply70`` (``on`` with samples that answer in 70 % of their tokens, as the spread's do, instead of half).
 
 1. ``DIR/model``: a config-only folder of the Qwen3.5-27B shape (``--shape 27b``; ``tiny`` for a CPU run of
    the plumbing) with the demo tokenizer and a matching processor (``benchmarks.bench_assets``); the rank
    entry builds the model from it with random weights on the device.
-2. ``DIR/data-<cutoff>``: samples longer than ``cutoff_len`` on both sides, so every step sees exactly the
-   cutoff (4096 for ``27b``, 256 for ``tiny``, times the variant's factor); ``DIR/data-spread`` and
-   ``DIR/data-short`` for the spreads.
+2. ``DIR/data-<cutoff>``: samples longer than ``cutoff_len``, each side longer than half of it, so every step sees
+   exactly the cutoff (4096 for ``27b``, 256 for ``tiny``, times the variant's factor), half of it the response's
+   (``DIR/data-<cutoff>-reply70``: 70 % of it); ``DIR/data-spread`` and ``DIR/data-short`` for the spreads.
 3. ``DIR/configs/<variant>.yaml``: the seed's LoRA settings (r8 on q/k/v/o, batch 1, bf16 on CUDA, gradient
    checkpointing on) for ``--all-steps`` steps if given, else the variant's own count, else ``--steps``;
    ``launcher.entry: benchmarks.bench_entry``.
@@ -50,8 +51,9 @@ off: transformers' DeltaNet forward for unpacked steps, the key heads repeated b
    dumps folded); then the targets (docs/benchmarks.md) are compared. With ``--rounds R`` the list runs R times in
    turn, round R's runs keyed ``VARIANT#R``; a packed variant's target (``spread-packed-row``: its median step
    period and forward+backward against ``on``'s, with a 95 % bootstrap interval of the difference, and beside it
-   ``at_equal_supervised``: the packed rows read at the unpacked steps' supervised tokens) pools the rounds; the
-   other targets read the first round.
+   ``at_equal_supervised``: the packed rows read at the unpacked steps' supervised tokens;
+   ``spread-packed-row-reply70`` the same against ``on-reply70``) pools the rounds; the other targets read the
+   first round.
    Interrupted (Ctrl-C, ``timeout -s INT``, SIGTERM) while it runs the variants, it stops the running variant's
    run, waits for it to end, records it (``interrupted``), writes what it has and exits 130 (between two runs:
    ``"interrupted": "between runs"`` at the top of the results).
@@ -77,6 +79,7 @@ from typing import Any
 import yaml
 
 from benchmarks import bench_entry
+from benchmarks.bench_assets import SPREAD_REPLY_SHARE
 from launcher.files import tail_lines
 from launcher.state.runs import JOB_LOG
 
@@ -120,6 +123,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # "on" with transformers' own DeltaNet forward for unpacked steps: the key heads repeated for the value heads
     # before FLA's chunk kernel (packed_rows.unpacked_forward off)
     "heads-repeated": {"patches": {"packed_rows": {"unpacked_forward": False}}},
+    # "on" with samples that answer in the spread's share of their tokens (70 %, not half): an unpacked step that
+    # holds what the packed rows hold, token for token, save their padding (the packed-row target's like pair)
+    "on-reply70": {"reply_share": SPREAD_REPLY_SHARE},
     # shorter samples (about 500 to 2,048 tokens): where several share a row
     "short": {"data": "short", "steps": 32},
     "short-packed": {"data": "short", "steps": 24, "lf": {"packing": True}},
@@ -151,9 +157,13 @@ TARGETS: dict[str, dict[str, float]] = {
     "ctx64k": {"peak_max": 125.0},
 }
 PACKING_GAIN_MIN = 1.5  # supervised tokens/s of spread-packed over spread (the packing issue)
-# the fused-glue issue's last target, a packed 4,096-token row no slower than an unpacked 4,096-token step: packed
-# variant -> the unpacked one it is held against (same collation: in the training process, or in workers)
-PACKED_ROW_PAIRS = {"spread-packed": "on", "spread-packed-workers": "on-workers"}
+# the fused-glue issue's last target, a packed 4,096-token row no slower than an unpacked 4,096-token step: the
+# target's key -> the packed variant and the unpacked one it is held against (same collation: in the training
+# process, or in workers). "on"'s samples answer in half their tokens, the spread's in 70 %: ``-reply70`` pairs the
+# packed rows with unpacked steps of the same share, so that both train on the same kind of sample
+PACKED_ROW_PAIRS = {"spread-packed-row": ("spread-packed", "on"),
+                    "spread-packed-row-reply70": ("spread-packed", "on-reply70"),
+                    "spread-packed-workers-row": ("spread-packed-workers", "on-workers")}  # fmt: skip
 BOOTSTRAP_DRAWS = 2000  # resamples of each side's measured steps for the interval of a difference of medians
 # the routed chunk kernel (and its packed call with the key heads unrepeated, as packed rows make it) and the fused
 # glue, in the rank, with FLA's guard lifted as for training
@@ -196,13 +206,15 @@ def cutoff_of(variant: str, shape: str) -> int:
 
 
 def data_dir(out: Path, variant: str, shape: str) -> tuple[Path, str]:
-    """The dataset folder and name of a variant (one folder per cutoff, one for the spread)."""
+    """The dataset folder and name of a variant (one folder per cutoff and reply share, one for each spread)."""
     from benchmarks.bench_assets import DATASET
     from benchmarks.bench_assets import SPREAD as SPREAD_NAME
 
     if VARIANTS[variant].get("data") in SPREAD:
         return out / f"data-{VARIANTS[variant]['data']}", SPREAD_NAME
-    return out / f"data-{cutoff_of(variant, shape)}", DATASET
+    share = VARIANTS[variant].get("reply_share")
+    suffix = f"-reply{round(share * 100)}" if share else ""
+    return out / f"data-{cutoff_of(variant, shape)}{suffix}", DATASET
 
 
 def run_config(out: Path, variant: str, shape: str, backend: str, steps: int) -> dict[str, Any]:
@@ -586,10 +598,10 @@ def targets(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
             row["other_compute_s"] = {"value": other, "limit": target["other_compute_max_s"],
                                       "met": other is not None and other <= target["other_compute_max_s"]}  # fmt: skip
         found[name] = row
-    for packed, unpacked in PACKED_ROW_PAIRS.items():
+    for key, (packed, unpacked) in PACKED_ROW_PAIRS.items():
         row = packed_row_target(variants, packed, unpacked)
         if row:
-            found[f"{packed}-row"] = row
+            found[key] = row
     for name in ("spread", "short"):
         packed, unpacked = variants.get(f"{name}-packed"), variants.get(name)
         if packed and unpacked:
@@ -705,7 +717,8 @@ def prepare_assets(out: Path, shape: str, samples: int, variants: list[str]) -> 
             bounds, least = SPREAD[VARIANTS[variant]["data"]]
             write_spread_dataset(folder, model, *bounds[shape], samples=max(samples, least))
         else:
-            write_dataset(folder, model, cutoff_of(variant, shape), samples=samples)
+            share = VARIANTS[variant].get("reply_share", 0.5)
+            write_dataset(folder, model, cutoff_of(variant, shape), samples=samples, reply_share=share)
     (out / "model_parameters.json").write_text(json.dumps(count_parameters(model), indent=2) + "\n")
 
 

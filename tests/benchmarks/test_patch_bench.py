@@ -64,6 +64,34 @@ def test_dataset_samples_exceed_the_cutoff_on_both_sides(tmp_path):
     assert json.loads((data / "dataset_info.json").read_text())["bench_long"]["file_name"] == "bench_long.json"
 
 
+def test_a_reply_share_keeps_the_cutoff_and_gives_the_response_its_share_after_llamafactorys_truncation(tmp_path):
+    """``write_dataset``'s samples through LLaMA-Factory's own truncation (``infer_seqlen``, on the lengths the
+    template's encoding gives): the cutoff in all, the response about its share of it (the system prompt and the
+    template's tokens count on the prompt's side)."""
+    from llamafactory.data.processor.processor_utils import infer_seqlen
+    from transformers import AutoTokenizer
+
+    model = bench_assets.write_model_dir(tmp_path / "model", "tiny")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    kept = {}
+    for share in (0.5, bench_assets.SPREAD_REPLY_SHARE):
+        data = bench_assets.write_dataset(tmp_path / f"data-{share}", model, cutoff_len=300, samples=2,
+                                          reply_share=share)  # fmt: skip
+        records = json.loads((data / "bench_long.json").read_text())
+        for record in records:
+            source = len(tokenizer(record["system"] + record["instruction"])["input_ids"])
+            target = len(tokenizer(record["output"])["input_ids"])
+            assert min(source, target) * 2 >= 300  # both sides are truncated, in proportion
+            kept_source, kept_target = infer_seqlen(source, target, 300)
+            assert kept_source + kept_target == 300
+            kept.setdefault(share, []).append(kept_target)
+    assert all(140 <= n <= 150 for n in kept[0.5]), kept  # about half: the system prompt is the prompt's
+    assert all(200 <= n <= 210 for n in kept[0.7]), kept  # about 70 %
+    with pytest.raises(ValueError, match="reply_share 0.9 is outside 0.3 to 0.7"):
+        bench_assets.write_dataset(tmp_path / "bad", model, cutoff_len=300, reply_share=0.9)
+    assert not (tmp_path / "bad").exists()
+
+
 DEFAULT_ON = {"deltanet_routing": True, "checkpoint_all_layers": True, "chunked_loss": True, "text_only_batches": True,
               "final_eval_once": True, "pad_lengths": False, "packed_rows": True, "fused_ops": True,
               "lora_input_cast": True, "fsdp2_frozen_dtype": True, "fsdp2_resume_adapter": True,
@@ -84,6 +112,7 @@ DEFAULT_ON = {"deltanet_routing": True, "checkpoint_all_layers": True, "chunked_
         "forecast-oom",
         "gc-off",
         "heads-repeated",
+        "on-reply70",
     ],
 )
 def test_variant_configs_pass_the_launchers_validation(tmp_path, variant):
@@ -105,6 +134,8 @@ def test_variant_configs_pass_the_launchers_validation(tmp_path, variant):
         if variant.startswith("short")
         else "data-spread"
         if variant.startswith("spread")
+        else f"data-{cutoff}-reply70"
+        if variant == "on-reply70"
         else f"data-{cutoff}"
     )
     enabled = {name: options["enabled"] for name, options in loaded.patches.items()}
@@ -301,6 +332,11 @@ def test_the_packed_row_target_pools_the_rounds_after_the_warm_up_and_says_wheth
     row = patch_bench.targets(variants)["spread-packed-row"]
     assert not row["resolved"] and row["period"]["ci95_s"][0] < 0 < row["period"]["ci95_s"][1]
     assert "spread-packed-workers-row" not in patch_bench.targets(variants)  # no workers variant ran
+    assert "spread-packed-row-reply70" not in patch_bench.targets(variants)  # nor on-reply70
+    variants["on-reply70"] = run([1.23, 1.24, 1.22], [1.28, 1.29, 1.27])  # the like pair: same rows, other steps
+    like = patch_bench.targets(variants)["spread-packed-row-reply70"]
+    assert like["against"] == "on-reply70" and like["period"]["unpacked_s"] == 1.28 and like["met"]
+    assert patch_bench.targets(variants)["spread-packed-row"]["period"] == row["period"]  # "on"'s, unchanged
     # the rounds replay the same rows in the same order: three rounds of the same steps are one observation of
     # each row, so they leave the interval as one round gives it (resampling steps would narrow it threefold)
     one = {"on": run([1.20, 1.18, 1.21, 1.19, 1.22], [1.25, 1.22, 1.26, 1.24, 1.23]),
