@@ -34,7 +34,9 @@ Also timed (``mask``): LLaMA-Factory's ``prepare_4d_attention_mask`` of the row 
 does for every packed batch unless ``packed_rows.device_mask``) and its copy to the device, against
 ``packed_rows.block_causal_mask`` on the device.
 
-Results go to ``DIR/attention.json``. Measurement only: nothing of the product's state is changed.
+Results go to ``DIR/attention.json``, rewritten after every route; interrupted (Ctrl-C, ``timeout``, SIGTERM), it
+keeps the routes done and names the one it was in (``interrupted_in``). Measurement only: nothing of the product's
+state is changed.
 """
 
 from __future__ import annotations
@@ -42,10 +44,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.kernel_cli import Results, counts_of, names_of, parse, run
 
 ROUTES = ("sdpa", "sdpa-flash", "sdpa-cudnn", "varlen", "aten-flash", "per-sample", "masked")
 HEADS, KEY_HEADS, HEAD_DIM = 24, 4, 256  # Qwen3.5-27B full attention (benchmarks.bench_assets.QWEN3_5_27B)
@@ -234,11 +237,11 @@ def measure_mask(torch, tokens: int, samples: list[int], repeats: int) -> dict[s
 
 def input_problem(args) -> str | None:
     """What is wrong with the arguments (which value, how to fix), or None; checked before anything is written."""
-    unknown = sorted({r.strip() for r in args.routes.split(",") if r.strip()} - set(ROUTES))
+    unknown = sorted(set(names_of(args.routes)) - set(ROUTES))
     if unknown:
         return f"--routes: unknown {', '.join(unknown)}; choose from {', '.join(ROUTES)}"
     try:
-        samples = [int(x) for x in args.samples.split(",") if x.strip()]
+        samples = counts_of(args.samples)
     except ValueError:
         return f"--samples {args.samples!r}: write whole token counts separated by commas, such as 1200,1700,1100"
     if not samples or min(samples) < 1 or sum(samples) > args.tokens:
@@ -248,8 +251,6 @@ def input_problem(args) -> str | None:
         return f"--padding-piece {args.padding_piece}: give 0 (padding as one segment) or a positive token count"
     if args.bucket < 1:
         return f"--bucket {args.bucket}: give the per-sample windows' rounding in tokens, 1 or more (such as 256)"
-    if (args.out / "attention.json").exists():
-        return f"{args.out / 'attention.json'} exists; choose another --out, or move that file away"
     return None
 
 
@@ -268,40 +269,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket", type=int, default=256, metavar="N",
                         help="the per-sample route's windows are the samples' lengths rounded up to N tokens "
                              "(default 256; --bucket 4096 at --tokens 4096: every window the whole row)")  # fmt: skip
-    args = parser.parse_args(argv)
-    why = input_problem(args)
+    args = parse("attention_bench", parser, argv, "attention.json", input_problem)
+    if args is None:
+        return 2
     import torch
 
-    if why is None and not torch.cuda.is_available():
-        why = "no CUDA device here: run it on a machine with an NVIDIA GPU"
-    if why:
-        print(f"attention_bench: {why}", file=sys.stderr)
-        return 2
     from patches.packed_rows import PADDING_PIECE
 
-    samples = [int(x) for x in args.samples.split(",") if x.strip()]
+    samples = counts_of(args.samples)
     piece = PADDING_PIECE if args.padding_piece is None else args.padding_piece
-    routes = [r.strip() for r in args.routes.split(",") if r.strip()]
-    args.out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
-                               "cudnn": torch.backends.cudnn.version(), "tokens": args.tokens,
-                               "shape": {"heads": HEADS, "key_heads": KEY_HEADS, "head_dim": HEAD_DIM},
-                               "routes": {}}  # fmt: skip
-    for route in routes:
+    results = Results("attention_bench", args.out, "attention.json", {
+        "torch": torch.__version__, "device": torch.cuda.get_device_name(), "cudnn": torch.backends.cudnn.version(),
+        "tokens": args.tokens, "shape": {"heads": HEADS, "key_heads": KEY_HEADS, "head_dim": HEAD_DIM},
+        "routes": {}})  # fmt: skip
+    for route in names_of(args.routes):
         try:
-            results["routes"][route] = measure_route(torch, route, args.tokens, samples, args.repeats, piece,
-                                                     args.bucket)  # fmt: skip
+            results.data["routes"][route] = measure_route(torch, route, args.tokens, samples, args.repeats, piece,
+                                                          args.bucket)  # fmt: skip
+        except KeyboardInterrupt:
+            return results.interrupted(route, f"the route {route}")
         except Exception as error:  # noqa: BLE001 - a failing route is a result too
-            results["routes"][route] = {"route": route, "error": f"{type(error).__name__}: {error}"[:600]}
-        print(json.dumps(results["routes"][route]), flush=True)
+            results.data["routes"][route] = {"route": route, "error": f"{type(error).__name__}: {error}"[:600]}
+        print(json.dumps(results.data["routes"][route]), flush=True)
+        results.save()  # after every route: a cut-off run keeps them
     try:
-        results["mask"] = measure_mask(torch, args.tokens, samples, args.repeats)
+        results.data["mask"] = measure_mask(torch, args.tokens, samples, args.repeats)
+    except KeyboardInterrupt:
+        return results.interrupted("mask", "the mask's timing")
     except Exception as error:  # noqa: BLE001
-        results["mask"] = {"error": f"{type(error).__name__}: {error}"[:600]}
-    print(json.dumps(results["mask"]), flush=True)
-    (args.out / "attention.json").write_text(json.dumps(results, indent=2) + "\n")
+        results.data["mask"] = {"error": f"{type(error).__name__}: {error}"[:600]}
+    print(json.dumps(results.data["mask"]), flush=True)
+    results.save()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

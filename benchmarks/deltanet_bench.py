@@ -41,14 +41,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks.attention_bench import cuda_median_ms
-from launcher.files import write_json_atomic
+from benchmarks.kernel_cli import Results, counts_of, names_of, parse, run
 
 KERNELS = ("conv", "conv-per-sample", "chunk", "chunk-repeated")
 KEY_HEADS, VALUE_HEADS, HEAD_DIM, CONV_WIDTH = 16, 48, 128, 4  # Qwen3.5-27B (benchmarks.bench_assets.QWEN3_5_27B)
@@ -133,11 +131,11 @@ def measure(torch, kernel: str, bounds: list[int] | None, tokens: int, repeats: 
 
 def input_problem(args) -> str | None:
     """What is wrong with the arguments (which value, how to fix), or None; checked before anything is written."""
-    unknown = sorted({k.strip() for k in args.kernels.split(",") if k.strip()} - set(KERNELS))
+    unknown = sorted(set(names_of(args.kernels)) - set(KERNELS))
     if unknown:
         return f"--kernels: unknown {', '.join(unknown)}; choose from {', '.join(KERNELS)}"
     try:
-        samples = [int(x) for x in args.samples.split(",") if x.strip()]
+        samples = counts_of(args.samples)
     except ValueError:
         return f"--samples {args.samples!r}: write whole token counts separated by commas, such as 2482,1614"
     if len(samples) < 2 or min(samples) < 1 or sum(samples) > args.tokens:
@@ -145,8 +143,6 @@ def input_problem(args) -> str | None:
                 f"more, {args.tokens} tokens in all at most (--tokens)")  # fmt: skip
     if args.repeats < 1:
         return f"--repeats {args.repeats}: give 1 or more timed calls"
-    if (args.out / "deltanet.json").exists():
-        return f"{args.out / 'deltanet.json'} exists; choose another --out, or move that file away"
     return None
 
 
@@ -159,41 +155,33 @@ def main(argv: list[str] | None = None) -> int:
                              "the row (default 2482,1614: one sample and its padding)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per measurement (default 10)")
     parser.add_argument("--kernels", default=",".join(KERNELS), help=f"comma separated, of {', '.join(KERNELS)}")
-    args = parser.parse_args(argv)
-    why = input_problem(args)
+    args = parse("deltanet_bench", parser, argv, "deltanet.json", input_problem)
+    if args is None:
+        return 2
     import torch
 
-    if why is None and not torch.cuda.is_available():
-        why = "no CUDA device here: run it on a machine with an NVIDIA GPU"
-    if why:
-        print(f"deltanet_bench: {why}", file=sys.stderr)
-        return 2
     from benchmarks.fla_guard import lift_hopper_guard
 
     guard = lift_hopper_guard()
-    bounds = bounds_of([int(x) for x in args.samples.split(",") if x.strip()], args.tokens)
-    args.out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
-                               "tokens": args.tokens, "fla_guard": guard, "calls": []}  # fmt: skip
-    for kernel in [k.strip() for k in args.kernels.split(",") if k.strip()]:
+    bounds = bounds_of(counts_of(args.samples), args.tokens)
+    results = Results("deltanet_bench", args.out, "deltanet.json", {
+        "torch": torch.__version__, "device": torch.cuda.get_device_name(), "tokens": args.tokens,
+        "fla_guard": guard, "calls": []})  # fmt: skip
+    for kernel in names_of(args.kernels):
         cuts = {"chunk-repeated": (None,), "conv-per-sample": (bounds,)}.get(kernel, (None, bounds))
         for cut in cuts:
             try:
                 found = measure(torch, kernel, cut, args.tokens, args.repeats)
             except KeyboardInterrupt:  # a time limit inside a cold compile: the calls done are kept
-                results["interrupted_in"] = {"kernel": kernel, "cu_seqlens": cut}
-                write_json_atomic(args.out / "deltanet.json", results)
-                print(f"deltanet_bench: interrupted in {kernel} ({'varlen' if cut else 'plain'}); the calls done "
-                      f"are in {args.out / 'deltanet.json'}", file=sys.stderr)  # fmt: skip
-                return 130
+                return results.interrupted({"kernel": kernel, "cu_seqlens": cut},
+                                           f"{kernel} ({'varlen' if cut else 'plain'})")  # fmt: skip
             except Exception as error:  # noqa: BLE001 - a failing call is a result too
                 found = {"kernel": kernel, "cu_seqlens": cut, "error": f"{type(error).__name__}: {error}"[:600]}
-            results["calls"].append(found)
+            results.data["calls"].append(found)
             print(json.dumps(found), flush=True)
-            write_json_atomic(args.out / "deltanet.json", results)  # after every call: a cut-off run keeps them
+            results.save()  # after every call: a cut-off run keeps them
     return 0
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `timeout` and `kill` end it as Ctrl-C does
-    sys.exit(main())
+    run(main)

@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
-import sys
 from pathlib import Path
 from typing import Any
 
 from benchmarks.attention_bench import cuda_median_ms
-from launcher.files import write_json_atomic
+from benchmarks.kernel_cli import Results, counts_of, parse, run
 
 HIDDEN, VOCAB = 5120, 248320  # Qwen3.5-27B (benchmarks.bench_assets.QWEN3_5_27B and its text extras)
 
@@ -51,10 +49,6 @@ def measure(torch, head, tokens: int, supervised: int, chunk_tokens: int, repeat
     return {"supervised": counted["supervised"], "chunks": counted["chunks"], "forward_backward_ms": round(ms, 3)}
 
 
-def counts_of(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def input_problem(args) -> str | None:
     """What is wrong with the arguments (which value, how to fix), or None; checked before anything is written."""
     try:
@@ -66,8 +60,6 @@ def input_problem(args) -> str | None:
                 "(--tokens less one: the last position has no next token)")  # fmt: skip
     if args.chunk_tokens < 1 or args.repeats < 1:
         return f"--chunk-tokens {args.chunk_tokens}, --repeats {args.repeats}: give 1 or more of each"
-    if (args.out / "loss.json").exists():
-        return f"{args.out / 'loss.json'} exists; choose another --out, or move that file away"
     return None
 
 
@@ -79,34 +71,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=4096, help="row length (default 4096)")
     parser.add_argument("--chunk-tokens", type=int, default=512, help="chunked_loss's chunk_tokens (default 512)")
     parser.add_argument("--repeats", type=int, default=6, help="timed calls per reading (default 6)")
-    args = parser.parse_args(argv)
-    why = input_problem(args)
+    args = parse("loss_bench", parser, argv, "loss.json", input_problem)
+    if args is None:
+        return 2
     import torch
 
-    if why is None and not torch.cuda.is_available():
-        why = "no CUDA device here: run it on a machine with an NVIDIA GPU"
-    if why:
-        print(f"loss_bench: {why}", file=sys.stderr)
-        return 2
-    args.out.mkdir(parents=True, exist_ok=True)
     head = torch.nn.Linear(HIDDEN, VOCAB, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
-    results: dict[str, Any] = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
-                               "tokens": args.tokens, "chunk_tokens": args.chunk_tokens, "readings": []}  # fmt: skip
+    results = Results("loss_bench", args.out, "loss.json", {
+        "torch": torch.__version__, "device": torch.cuda.get_device_name(), "tokens": args.tokens,
+        "chunk_tokens": args.chunk_tokens, "readings": []})  # fmt: skip
     for supervised in counts_of(args.supervised):
         try:
             found = measure(torch, head, args.tokens, supervised, args.chunk_tokens, args.repeats)
         except KeyboardInterrupt:
-            results["interrupted_in"] = supervised
-            write_json_atomic(args.out / "loss.json", results)
-            print(f"loss_bench: interrupted at {supervised} supervised tokens; the readings done are in "
-                  f"{args.out / 'loss.json'}", file=sys.stderr)  # fmt: skip
-            return 130
-        results["readings"].append(found)
+            return results.interrupted(supervised, f"the reading at {supervised} supervised tokens")
+        results.data["readings"].append(found)
         print(json.dumps(found), flush=True)
-        write_json_atomic(args.out / "loss.json", results)
+        results.save()
     return 0
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `timeout` and `kill` end it as Ctrl-C does
-    sys.exit(main())
+    run(main)
