@@ -53,7 +53,7 @@ off: transformers' DeltaNet forward for unpacked steps, the key heads repeated b
    period and forward+backward against ``on``'s, with a 95 % bootstrap interval of the difference, and beside it
    ``at_equal_supervised``: the packed rows read at the unpacked steps' supervised tokens;
    ``spread-packed-row-reply70`` the same against ``on-reply70``) pools the rounds; the other targets read the
-   first round.
+   first round. Rounds split over several calls pool with ``pooled_targets(FILE, FILE, ...)``.
    Interrupted (Ctrl-C, ``timeout -s INT``, SIGTERM) while it runs the variants, it stops the running variant's
    run, waits for it to end, records it (``interrupted``), writes what it has and exits 130 (between two runs:
    ``"interrupted": "between runs"`` at the top of the results).
@@ -696,6 +696,25 @@ def packed_row_target(variants: dict[str, dict[str, Any]], packed: str, unpacked
     return {**rows, "against": unpacked, "decided_by": "period" if "period" in rows else "fwd_bwd",
             "met": decides["difference_s"] <= 0, "resolved": high < 0 or low > 0,
             "at_equal_supervised": at_equal_supervised(variants, packed, unpacked)}  # fmt: skip
+
+
+def pooled_targets(*paths: str | Path) -> dict[str, Any]:
+    """The targets of several results files' variants taken together, each file's rounds numbered on after the
+    files before it (``round_key``): the packed-row targets then pool every round of every file. For invocations
+    that split their rounds over several calls on one machine; the other targets read the first file's first round.
+    """
+    pooled: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        variants = json.loads(Path(path).read_text())["variants"]
+        before = {name.split("#")[0]: 0 for name in variants}
+        for key in pooled:
+            name, _, number = key.partition("#")
+            if name in before:
+                before[name] = max(before[name], int(number or 1))
+        for key, run in variants.items():
+            name, _, number = key.partition("#")
+            pooled[round_key(name, before[name] + int(number or 1))] = run
+    return targets(pooled)
 
 
 def _gain(packed: float | None, unpacked: float | None, least: float) -> dict[str, Any]:

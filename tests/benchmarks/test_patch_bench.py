@@ -348,6 +348,30 @@ def test_the_packed_row_target_pools_the_rounds_after_the_warm_up_and_says_wheth
     assert once["ci95_s"][0] < 0 < once["ci95_s"][1]
 
 
+def test_results_files_of_several_calls_pool_their_rounds(tmp_path):
+    """Two calls' files, each with its own rounds 1 and 2: pooled, the second file's rounds follow the first's, so
+    the packed-row target reads all four rounds of each side, as one file of four rounds would."""
+
+    def run(seconds):
+        return {"state": "SUCCEEDED", "warmup_steps": 0, "step_seconds": seconds, "step_periods": seconds}
+
+    first = {"spread-packed": run([1.20, 1.30]), "on": run([1.25, 1.25]),
+             "spread-packed#2": run([1.21, 1.31]), "on#2": run([1.26, 1.24])}  # fmt: skip
+    second = {"spread-packed": run([1.19, 1.29]), "on": run([1.25, 1.27]),
+              "spread-packed#2": run([1.22, 1.32]), "on#2": run([1.23, 1.25])}  # fmt: skip
+    paths = []
+    for name, variants in (("a", first), ("b", second)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps({"variants": variants}))
+    one_file = {**first, **{f"{key.split('#')[0]}#{int((key.split('#') + ['1'])[1]) + 2}": run_
+                            for key, run_ in second.items()}}  # fmt: skip
+    assert sorted(one_file) == sorted([*first, "spread-packed#3", "spread-packed#4", "on#3", "on#4"])
+    pooled = patch_bench.pooled_targets(*paths)["spread-packed-row"]
+    assert pooled == patch_bench.targets(one_file)["spread-packed-row"]
+    assert pooled["fwd_bwd"]["steps"] == [8, 8] and pooled["fwd_bwd"]["positions"] == [2, 2]
+    assert patch_bench.pooled_targets(paths[0])["spread-packed-row"]["fwd_bwd"]["steps"] == [4, 4]
+
+
 def test_the_packed_rows_are_also_read_at_the_unpacked_steps_supervised_tokens():
     """Beside the target, not deciding it: least squares of the packed rows' forward+backward on their supervised
     tokens over every succeeded round after the warm-up, read at the unpacked steps' median supervised tokens; None
