@@ -41,14 +41,13 @@ state is changed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
-from benchmarks.kernel_cli import Results, counts_of, names_of, parse, run
+from benchmarks import kernel_cli
+from benchmarks.kernel_cli import Results, counts_of, names_of, run
 
 ROUTES = ("sdpa", "sdpa-flash", "sdpa-cudnn", "varlen", "aten-flash", "per-sample", "masked")
 HEADS, KEY_HEADS, HEAD_DIM = 24, 4, 256  # Qwen3.5-27B full attention (benchmarks.bench_assets.QWEN3_5_27B)
@@ -255,8 +254,7 @@ def input_problem(args) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="folder for attention.json")
+    parser = kernel_cli.parser(__doc__, "attention.json")
     parser.add_argument("--tokens", type=int, default=4096, help="row length (default 4096)")
     parser.add_argument("--samples", default="1200,1700,1100",
                         help="sample lengths of the packed row, comma separated; padding fills the rest")  # fmt: skip
@@ -269,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket", type=int, default=256, metavar="N",
                         help="the per-sample route's windows are the samples' lengths rounded up to N tokens "
                              "(default 256; --bucket 4096 at --tokens 4096: every window the whole row)")  # fmt: skip
-    args = parse("attention_bench", parser, argv, "attention.json", input_problem)
+    args = kernel_cli.parse("attention_bench", parser, argv, "attention.json", input_problem)
     if args is None:
         return 2
     import torch

@@ -38,15 +38,14 @@ product's state is changed.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import time
-from pathlib import Path
 from typing import Any
 
+from benchmarks import kernel_cli
 from benchmarks.attention_bench import cuda_median_ms
-from benchmarks.kernel_cli import Results, counts_of, names_of, parse, run
+from benchmarks.kernel_cli import Results, counts_of, names_of, run
 
 KERNELS = ("conv", "conv-per-sample", "chunk", "chunk-repeated")
 KEY_HEADS, VALUE_HEADS, HEAD_DIM, CONV_WIDTH = 16, 48, 128, 4  # Qwen3.5-27B (benchmarks.bench_assets.QWEN3_5_27B)
@@ -147,15 +146,14 @@ def input_problem(args) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="folder for deltanet.json")
+    parser = kernel_cli.parser(__doc__, "deltanet.json")
     parser.add_argument("--tokens", type=int, default=4096, help="row length (default 4096)")
     parser.add_argument("--samples", default="2482,1614",
                         help="segment lengths of the varlen calls, comma separated, the last running to the end of "
                              "the row (default 2482,1614: one sample and its padding)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per measurement (default 10)")
     parser.add_argument("--kernels", default=",".join(KERNELS), help=f"comma separated, of {', '.join(KERNELS)}")
-    args = parse("deltanet_bench", parser, argv, "deltanet.json", input_problem)
+    args = kernel_cli.parse("deltanet_bench", parser, argv, "deltanet.json", input_problem)
     if args is None:
         return 2
     import torch

@@ -1,7 +1,7 @@
-"""The command-line frame the one-device kernel benchmarks share (``loss_bench``, ``deltanet_bench``,
-``attention_bench``): their arguments checked before anything is written, one results file in ``--out`` that is
-never overwritten and is rewritten after every reading, and an interruption (Ctrl-C, ``timeout``, SIGTERM) that
-keeps the readings done and names the one it cut.
+"""The command-line frame the one-device benchmarks share (``loss_bench``, ``deltanet_bench``, ``attention_bench``
+on CUDA, ``collate_bench`` on the CPU): their arguments checked before anything is written, one results file in
+``--out`` that is never overwritten and is rewritten after every reading, and an interruption (Ctrl-C, ``timeout``,
+SIGTERM) that keeps the readings done and names the one it cut.
 """
 
 from __future__ import annotations
@@ -46,16 +46,24 @@ class Results:
         return 130
 
 
+def parser(doc: str, results: str, out_holds: str | None = None) -> argparse.ArgumentParser:
+    """The benchmark's parser: its module docstring as the help, and ``--out``, the folder of ``results``."""
+    made = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    made.add_argument("--out", type=Path, required=True, help=f"folder for {out_holds or results}")
+    return made
+
+
 def parse(prog: str, parser: argparse.ArgumentParser, argv: list[str] | None, results: str,
-          problem: Callable[[argparse.Namespace], str | None]) -> argparse.Namespace | None:  # fmt: skip
+          problem: Callable[[argparse.Namespace], str | None],
+          needs_cuda: bool = True) -> argparse.Namespace | None:  # fmt: skip
     """The arguments, or None once one line says what is wrong (the caller exits 2): the benchmark's own
-    ``problem``, a results file already in ``--out`` (never overwritten), or no CUDA device (torch is imported
-    only after the arguments passed)."""
+    ``problem``, a results file already in ``--out`` (never overwritten), or, where it ``needs_cuda``, no CUDA
+    device (torch is imported only after the arguments passed)."""
     args = parser.parse_args(argv)
     why = problem(args)
     if why is None and (args.out / results).exists():
         why = f"{args.out / results} exists; choose another --out, or move that file away"
-    if why is None:
+    if why is None and needs_cuda:
         import torch
 
         if not torch.cuda.is_available():

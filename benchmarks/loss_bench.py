@@ -17,13 +17,12 @@ changed.
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 from typing import Any
 
+from benchmarks import kernel_cli
 from benchmarks.attention_bench import cuda_median_ms
-from benchmarks.kernel_cli import Results, counts_of, parse, run
+from benchmarks.kernel_cli import Results, counts_of, run
 
 HIDDEN, VOCAB = 5120, 248320  # Qwen3.5-27B (benchmarks.bench_assets.QWEN3_5_27B and its text extras)
 
@@ -64,14 +63,13 @@ def input_problem(args) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="folder for loss.json")
+    parser = kernel_cli.parser(__doc__, "loss.json")
     parser.add_argument("--supervised", default="2048,2457,2857",
                         help="supervised tokens per reading, comma separated (default 2048,2457,2857)")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=4096, help="row length (default 4096)")
     parser.add_argument("--chunk-tokens", type=int, default=512, help="chunked_loss's chunk_tokens (default 512)")
     parser.add_argument("--repeats", type=int, default=6, help="timed calls per reading (default 6)")
-    args = parse("loss_bench", parser, argv, "loss.json", input_problem)
+    args = kernel_cli.parse("loss_bench", parser, argv, "loss.json", input_problem)
     if args is None:
         return 2
     import torch

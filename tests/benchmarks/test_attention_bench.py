@@ -3,33 +3,7 @@ and command are in docs/benchmarks.md, "Tenth invocation")."""
 
 from __future__ import annotations
 
-import pytest
-
 from benchmarks import attention_bench
-
-
-@pytest.mark.parametrize(
-    ("argv", "said"),
-    [
-        (["--routes", "sdpa,fastest"], "--routes: unknown fastest; choose from sdpa, sdpa-flash"),
-        (["--samples", "1200,lots"], "--samples '1200,lots': write whole token counts separated by commas"),
-        (["--samples", "3000,2000"], "4096 tokens in all at most (--tokens)"),
-        (["--samples", "0"], "each of 1 token or more"),
-        (["--padding-piece", "-1"], "--padding-piece -1: give 0 (padding as one segment) or a positive token count"),
-        (["--bucket", "0"], "--bucket 0: give the per-sample windows' rounding in tokens, 1 or more"),
-    ],
-)
-def test_bad_arguments_end_in_one_message_and_write_nothing(tmp_path, capsys, argv, said):
-    out = tmp_path / "out"
-    assert attention_bench.main(["--out", str(out), *argv]) == 2
-    assert said in capsys.readouterr().err and not out.exists()
-
-
-def test_an_earlier_result_is_not_overwritten(tmp_path, capsys):
-    (tmp_path / "attention.json").write_text('{"kept": true}\n')
-    assert attention_bench.main(["--out", str(tmp_path)]) == 2
-    assert "attention.json exists; choose another --out" in capsys.readouterr().err
-    assert (tmp_path / "attention.json").read_text() == '{"kept": true}\n'
 
 
 def test_the_routes_agree_with_the_per_sample_reference_on_the_cpu(monkeypatch):

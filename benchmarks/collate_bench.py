@@ -1,0 +1,168 @@
+"""What LLaMA-Factory's collator costs the host per 4,096-token row, packed against unpacked, on the CPU.
+
+    python -m benchmarks.collate_bench --out DIR [--rows 24] [--repeats 3] [--cutoff 4096]
+
+A training step's period holds, besides its forward and backward, the collation of the next batch in the training
+process (``dataloader_num_workers: 0``, the product's default). This times that collation alone, one row a batch
+(batch size 1), through LLaMA-Factory 0.9.5's own data path and collator as its SFT workflow builds them
+(``SFTDataCollatorWith4DAttentionMask``, neat packing where packed, the model's ``get_rope_index`` for the
+multimodal rotary positions), for three cases:
+
+- ``unpacked``: samples that fill the cutoff and answer in 70 % of their tokens (``bench_assets.write_dataset``
+  with the spread's reply share; ``patch_bench``'s ``on-reply70``);
+- ``packed``: the spread's samples (about 1,000 to 4,096 tokens) packed into rows of the cutoff, through the
+  ``packed_rows`` patch as the product runs it (the sample numbers left 2D for the device to turn into the mask,
+  each row's samples read and their positions checked; ``patch_bench``'s ``spread-packed``);
+- ``packed-cpu-mask``: the same rows with LLaMA-Factory's 4D mask built by its collator on the CPU
+  (``packed_rows.device_mask: false``).
+
+Every case runs with the collator patches the product applies to text-only data (``text_only_batches``: no dummy
+image; ``packed_rows`` where packed), which this process applies and removes around the case.
+
+The model is the tiny demo model (``launcher.demo``): the collator reads its rotary-position function, whose host
+cost depends on the tokens, not on the model's width, so the figures hold for the 27B shape's host work on the same
+CPU. Per case: every row collated once untimed, then ``--repeats`` passes over ``--rows`` rows, the median and the
+90th percentile in ms, and the samples per row. Results go to ``DIR/collate.json`` (never overwritten), after every
+case; interrupted, it keeps the cases done. Measurement only: nothing of the product's state is changed.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import kernel_cli
+from benchmarks.kernel_cli import Results, run
+
+CASES = ("unpacked", "packed", "packed-cpu-mask")
+SPREAD_TOKENS = (1000, 4096)  # patch_bench's spread at the 27B shape's cutoff
+
+
+def collator_of(model_dir: Path, data_dir: Path, dataset: str, cutoff: int, packing: bool, work: Path):
+    """LLaMA-Factory's training dataset and collator for these arguments, built as its SFT workflow builds them."""
+    from llamafactory.data import SFTDataCollatorWith4DAttentionMask, get_dataset, get_template_and_fix_tokenizer
+    from llamafactory.extras.constants import IGNORE_INDEX
+    from llamafactory.hparams import get_train_args
+    from llamafactory.model import load_model, load_tokenizer
+
+    model_args, data_args, training_args, finetuning_args, _ = get_train_args({
+        "model_name_or_path": str(model_dir), "dataset_dir": str(data_dir), "dataset": dataset,
+        "template": "qwen3_vl_nothink", "cutoff_len": cutoff, "packing": packing, "neat_packing": packing,
+        "stage": "sft", "do_train": True, "finetuning_type": "lora", "lora_target": "q_proj",
+        "output_dir": str(work), "overwrite_cache": True, "preprocessing_num_workers": 1, "report_to": "none",
+        "per_device_train_batch_size": 1})  # fmt: skip
+    tokenizer_module = load_tokenizer(model_args)
+    template = get_template_and_fix_tokenizer(tokenizer_module["tokenizer"], data_args)
+    rows = get_dataset(template, model_args, data_args, training_args, "sft", **tokenizer_module)["train_dataset"]
+    model = load_model(tokenizer_module["tokenizer"], model_args, finetuning_args, is_trainable=False)
+    collator = SFTDataCollatorWith4DAttentionMask(
+        template=template, model=model, pad_to_multiple_of=8, label_pad_token_id=IGNORE_INDEX,
+        block_diag_attn=model_args.block_diag_attn, neat_packing=data_args.neat_packing,
+        attn_implementation=getattr(model.config, "_attn_implementation", None),
+        compute_dtype=model_args.compute_dtype, **tokenizer_module)  # fmt: skip
+    return rows, collator
+
+
+def samples_in(batch) -> int:
+    """The samples of a one-row batch: its sample numbers' largest (2D), or the blocks of its 4D mask's diagonal."""
+    mask = batch["attention_mask"]
+    if mask.dim() == 2:  # all ones unpacked; 1, 1, 2, 2, 0 packed
+        return int(mask.max())
+    from patches.packed_rows import segments
+
+    return sum(1 for *_, real in segments(mask).spans if real)
+
+
+def time_case(collator, rows, count: int, repeats: int) -> dict[str, Any]:
+    """Each row collated alone, once untimed, then ``repeats`` timed passes; the collator pops keys of the features
+    it is given (``packing_params``), so every call gets its own copy, made outside the timed call, as the
+    DataLoader hands the Trainer fresh features."""
+    features = [rows[i] for i in range(min(count, len(rows)))]
+    samples = [samples_in(collator([dict(f)])) for f in features]
+    seconds = []
+    for _ in range(repeats):
+        for feature in features:
+            batch = [dict(feature)]
+            started = time.perf_counter()
+            collator(batch)
+            seconds.append(time.perf_counter() - started)
+    seconds.sort()
+    return {"rows": len(features), "calls": len(seconds), "median_ms": round(statistics.median(seconds) * 1000, 3),
+            "p90_ms": round(seconds[int(0.9 * (len(seconds) - 1))] * 1000, 3),
+            "samples_per_row": {str(n): samples.count(n) for n in sorted(set(samples))}}  # fmt: skip
+
+
+def measure(case: str, out: Path, cutoff: int, count: int, repeats: int) -> dict[str, Any]:
+    """One case, with the collator patches the product applies to text-only data: ``text_only_batches`` (no dummy
+    image) and, packed, ``packed_rows`` (``device_mask`` off for ``packed-cpu-mask``)."""
+    from benchmarks import bench_assets
+    from patches import packed_rows, text_only_batches
+    from patches.proof import ProofFile
+
+    packed = case != "unpacked"
+    data, dataset = ("data-spread", bench_assets.SPREAD) if packed else ("data-reply70", bench_assets.DATASET)
+    rows, collator = collator_of(out / "model", out / data, dataset, cutoff, packed, out / "lf")
+    facts = {"packing": packed, "dataset_media": {"counted": True, "datasets": [dataset], "records": 0}}
+    text_only_batches.apply({}, backend="cpu", proof=ProofFile(out / "proof", text_only_batches.NAME, 0), facts=facts)
+    if packed:
+        options = {"device_mask": case == "packed"}
+        packed_rows.apply(options, backend="cpu", proof=ProofFile(out / "proof", packed_rows.NAME, 0), facts=facts)
+    try:
+        return time_case(collator, rows, count, repeats)
+    finally:
+        packed_rows.restore()
+        text_only_batches.restore()
+
+
+def input_problem(args) -> str | None:
+    """What is wrong with the arguments (which value, how to fix), or None; checked before anything is written."""
+    if args.rows < 1 or args.repeats < 1:
+        return f"--rows {args.rows}, --repeats {args.repeats}: give 1 or more of each"
+    if args.cutoff < 256:
+        return f"--cutoff {args.cutoff}: give 256 tokens or more (the spread's samples run from 1,000 up to it)"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = kernel_cli.parser(__doc__, "collate.json", "the model, the data and collate.json")
+    parser.add_argument("--rows", type=int, default=24, help="rows timed per case (default 24)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed passes over the rows (default 3)")
+    parser.add_argument("--cutoff", type=int, default=4096, help="row length, cutoff_len (default 4096)")
+    args = kernel_cli.parse("collate_bench", parser, argv, "collate.json", input_problem, needs_cuda=False)
+    if args is None:
+        return 2
+    import torch
+
+    from benchmarks import bench_assets
+    from launcher.demo import build_model_dir
+
+    model_dir = args.out / "model"
+    if not model_dir.exists():
+        build_model_dir(model_dir)
+    low = min(SPREAD_TOKENS[0], args.cutoff // 4)  # about a quarter of the cutoff, as at 4,096
+    for folder, write in (("data-spread", lambda f: bench_assets.write_spread_dataset(f, model_dir, low, args.cutoff)),
+                          ("data-reply70", lambda f: bench_assets.write_dataset(
+                              f, model_dir, args.cutoff, reply_share=bench_assets.SPREAD_REPLY_SHARE))):  # fmt: skip
+        if not (args.out / folder).exists():
+            write(args.out / folder)
+    results = Results(
+        "collate_bench",
+        args.out,
+        "collate.json",
+        {"torch": torch.__version__, "torch_threads": torch.get_num_threads(), "cutoff": args.cutoff, "cases": {}},
+    )
+    for case in CASES:
+        try:
+            results.data["cases"][case] = measure(case, args.out, args.cutoff, args.rows, args.repeats)
+        except KeyboardInterrupt:
+            return results.interrupted(case, f"the case {case}")
+        print(json.dumps({case: results.data["cases"][case]}), flush=True)
+        results.save()
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)
