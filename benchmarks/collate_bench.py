@@ -1,6 +1,6 @@
 """What LLaMA-Factory's collator costs the host per 4,096-token row, packed against unpacked, on the CPU.
 
-    python -m benchmarks.collate_bench --out DIR [--rows 24] [--repeats 3] [--cutoff 4096]
+    python -m benchmarks.collate_bench --out DIR [--rows 0] [--repeats 3] [--cutoff 4096]
 
 A training step's period holds, besides its forward and backward, the collation of the next batch in the training
 process (``dataloader_num_workers: 0``, the product's default). This times that collation alone, one row a batch
@@ -21,14 +21,19 @@ image; ``packed_rows`` where packed), which this process applies and removes aro
 
 The model is the tiny demo model (``launcher.demo``): the collator reads its rotary-position function, whose host
 cost depends on the tokens, not on the model's width, so the figures hold for the 27B shape's host work on the same
-CPU. Per case: every row collated once untimed, then ``--repeats`` passes over ``--rows`` rows, the median and the
-90th percentile in ms, and the samples per row. Results go to ``DIR/collate.json`` (never overwritten), after every
-case; interrupted, it keeps the cases done. Measurement only: nothing of the product's state is changed.
+CPU. The model and both datasets are written afresh into ``DIR`` at ``--cutoff``. Per case: every row collated
+once untimed, then ``--repeats`` passes over the first ``--rows`` rows (all of them by default), the median and the
+90th percentile in ms, and the samples per row; beside them the CPU and the versions. Results go to
+``DIR/collate.json`` (never overwritten), after every case; interrupted, it keeps the cases done. Measurement only:
+nothing of the product's state is changed.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import platform
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -80,7 +85,7 @@ def time_case(collator, rows, count: int, repeats: int) -> dict[str, Any]:
     """Each row collated alone, once untimed, then ``repeats`` timed passes; the collator pops keys of the features
     it is given (``packing_params``), so every call gets its own copy, made outside the timed call, as the
     DataLoader hands the Trainer fresh features."""
-    features = [rows[i] for i in range(min(count, len(rows)))]
+    features = [rows[i] for i in range(min(count or len(rows), len(rows)))]
     samples = [samples_in(collator([dict(f)])) for f in features]
     seconds = []
     for _ in range(repeats):
@@ -106,21 +111,49 @@ def measure(case: str, out: Path, cutoff: int, count: int, repeats: int) -> dict
     data, dataset = ("data-spread", bench_assets.SPREAD) if packed else ("data-reply70", bench_assets.DATASET)
     rows, collator = collator_of(out / "model", out / data, dataset, cutoff, packed, out / "lf")
     facts = {"packing": packed, "dataset_media": {"counted": True, "datasets": [dataset], "records": 0}}
-    text_only_batches.apply({}, backend="cpu", proof=ProofFile(out / "proof", text_only_batches.NAME, 0), facts=facts)
-    if packed:
-        options = {"device_mask": case == "packed"}
-        packed_rows.apply(options, backend="cpu", proof=ProofFile(out / "proof", packed_rows.NAME, 0), facts=facts)
     try:
+        text_only_batches.apply({}, backend="cpu", proof=ProofFile(out / "proof", text_only_batches.NAME, 0),
+                                facts=facts)  # fmt: skip
+        if packed:
+            packed_rows.apply({"device_mask": case == "packed"}, backend="cpu",
+                              proof=ProofFile(out / "proof", packed_rows.NAME, 0), facts=facts)  # fmt: skip
         return time_case(collator, rows, count, repeats)
     finally:
         packed_rows.restore()
         text_only_batches.restore()
 
 
+def write_assets(out: Path, cutoff: int) -> None:
+    """The tiny demo model and both datasets at ``cutoff``, written afresh (the benchmark's own folders in ``out``)."""
+    from benchmarks import bench_assets
+    from launcher.demo import build_model_dir
+
+    for folder in ("model", "data-spread", "data-reply70", "lf"):
+        shutil.rmtree(out / folder, ignore_errors=True)
+    model_dir = build_model_dir(out / "model")
+    low = min(SPREAD_TOKENS[0], cutoff // 4)  # about a quarter of the cutoff, as at 4,096
+    bench_assets.write_spread_dataset(out / "data-spread", model_dir, low, cutoff)
+    bench_assets.write_dataset(out / "data-reply70", model_dir, cutoff, reply_share=bench_assets.SPREAD_REPLY_SHARE)
+
+
+def host() -> dict[str, Any]:
+    """What the figures depend on: the CPU, its threads for torch, and the versions of the data path."""
+    import importlib.metadata
+
+    import torch
+
+    info = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in (info.read_text().splitlines() if info.exists() else [])
+             if line.startswith("model name")]  # fmt: skip
+    cpu = names[0] if names else platform.processor()
+    return {"cpu": cpu, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            **{name: importlib.metadata.version(name) for name in ("llamafactory", "transformers")}}  # fmt: skip
+
+
 def input_problem(args) -> str | None:
     """What is wrong with the arguments (which value, how to fix), or None; checked before anything is written."""
-    if args.rows < 1 or args.repeats < 1:
-        return f"--rows {args.rows}, --repeats {args.repeats}: give 1 or more of each"
+    if args.rows < 0 or args.repeats < 1:
+        return f"--rows {args.rows}, --repeats {args.repeats}: give 0 (every row) or more rows, and 1 or more repeats"
     if args.cutoff < 256:
         return f"--cutoff {args.cutoff}: give 256 tokens or more (the spread's samples run from 1,000 up to it)"
     return None
@@ -128,39 +161,23 @@ def input_problem(args) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = kernel_cli.parser(__doc__, "collate.json", "the model, the data and collate.json")
-    parser.add_argument("--rows", type=int, default=24, help="rows timed per case (default 24)")
+    parser.add_argument("--rows", type=int, default=0, help="rows timed per case (default 0: every row)")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes over the rows (default 3)")
     parser.add_argument("--cutoff", type=int, default=4096, help="row length, cutoff_len (default 4096)")
     args = kernel_cli.parse("collate_bench", parser, argv, "collate.json", input_problem, needs_cuda=False)
     if args is None:
         return 2
-    import torch
-
-    from benchmarks import bench_assets
-    from launcher.demo import build_model_dir
-
-    model_dir = args.out / "model"
-    if not model_dir.exists():
-        build_model_dir(model_dir)
-    low = min(SPREAD_TOKENS[0], args.cutoff // 4)  # about a quarter of the cutoff, as at 4,096
-    for folder, write in (("data-spread", lambda f: bench_assets.write_spread_dataset(f, model_dir, low, args.cutoff)),
-                          ("data-reply70", lambda f: bench_assets.write_dataset(
-                              f, model_dir, args.cutoff, reply_share=bench_assets.SPREAD_REPLY_SHARE))):  # fmt: skip
-        if not (args.out / folder).exists():
-            write(args.out / folder)
-    results = Results(
-        "collate_bench",
-        args.out,
-        "collate.json",
-        {"torch": torch.__version__, "torch_threads": torch.get_num_threads(), "cutoff": args.cutoff, "cases": {}},
-    )
-    for case in CASES:
-        try:
+    results = Results("collate_bench", args.out, "collate.json", {"cutoff": args.cutoff, "cases": {}})
+    case = "assets"
+    try:
+        results.data.update(host=host())
+        write_assets(args.out, args.cutoff)
+        for case in CASES:
             results.data["cases"][case] = measure(case, args.out, args.cutoff, args.rows, args.repeats)
-        except KeyboardInterrupt:
-            return results.interrupted(case, f"the case {case}")
-        print(json.dumps({case: results.data["cases"][case]}), flush=True)
-        results.save()
+            print(json.dumps({case: results.data["cases"][case]}), flush=True)
+            results.save()
+    except KeyboardInterrupt:
+        return results.interrupted(case, f"the case {case}" if case != "assets" else "building the model and data")
     return 0
 
 

@@ -701,7 +701,8 @@ def packed_row_target(variants: dict[str, dict[str, Any]], packed: str, unpacked
 def pooled_targets(*paths: str | Path) -> dict[str, Any]:
     """The targets of several results files' variants taken together, each file's rounds numbered on after the
     files before it (``round_key``): the packed-row targets then pool every round of every file. For invocations
-    that split their rounds over several calls on one machine; the other targets read the first file's first round.
+    that split their rounds over several calls on one machine; the other targets read a variant's first round, from
+    the first file that ran it.
     """
     pooled: dict[str, dict[str, Any]] = {}
     for path in paths:

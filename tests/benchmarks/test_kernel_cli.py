@@ -32,7 +32,7 @@ NEEDS_CUDA = (loss_bench, deltanet_bench, attention_bench)
         (attention_bench, ["--samples", "0"], "each of 1 token or more"),
         (attention_bench, ["--padding-piece", "-1"], "--padding-piece -1: give 0 (padding as one segment) or a"),
         (attention_bench, ["--bucket", "0"], "--bucket 0: give the per-sample windows' rounding in tokens, 1 or more"),
-        (collate_bench, ["--rows", "0"], "--rows 0, --repeats 3: give 1 or more of each"),
+        (collate_bench, ["--rows", "-1"], "--rows -1, --repeats 3: give 0 (every row) or more rows, and 1 or more"),
         (collate_bench, ["--cutoff", "100"], "--cutoff 100: give 256 tokens or more"),
     ],
 )
@@ -61,3 +61,51 @@ def test_without_cuda_it_says_so_and_writes_nothing(tmp_path, capsys, bench):
     assert bench.main(["--out", str(out)]) == 2
     assert "no CUDA device here: run it on a machine with an NVIDIA GPU" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_sigterm_ends_a_benchmark_as_ctrl_c_does_keeping_its_readings(tmp_path):
+    """``kernel_cli.run`` in a real process: SIGTERM (what ``timeout`` and ``kill`` send) reaches ``main`` as a
+    Ctrl-C, which keeps the readings done, names where it stopped and exits 130."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+    from pathlib import Path
+
+    script = tmp_path / "bench.py"
+    script.write_text(
+        textwrap.dedent("""
+        import sys, time
+        from pathlib import Path
+        from benchmarks.kernel_cli import Results, run
+
+        def main():
+            results = Results("probe", Path(sys.argv[1]), "probe.json", {"readings": [1.5]})
+            results.save()
+            try:
+                (Path(sys.argv[1]) / "ready").write_text("")
+                while True:
+                    time.sleep(0.05)
+            except KeyboardInterrupt:
+                return results.interrupted("the second reading", "the second reading")
+
+        run(main)
+    """)
+    )
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(repo), os.environ.get("PYTHONPATH"))))}
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        while not (tmp_path / "ready").exists():
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 130
+    finally:
+        proc.kill()
+    kept = json.loads((tmp_path / "probe.json").read_text())
+    assert kept == {"readings": [1.5], "interrupted_in": "the second reading"}
+    assert "probe: interrupted in the second reading; the readings done are in" in proc.stderr.read()
