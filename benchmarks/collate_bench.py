@@ -72,13 +72,12 @@ def collator_of(model_dir: Path, data_dir: Path, dataset: str, cutoff: int, pack
 
 
 def samples_in(batch) -> int:
-    """The samples of a one-row batch: its sample numbers' largest (2D), or the blocks of its 4D mask's diagonal."""
-    mask = batch["attention_mask"]
-    if mask.dim() == 2:  # all ones unpacked; 1, 1, 2, 2, 0 packed
-        return int(mask.max())
-    from patches.packed_rows import segments
+    """The samples of a one-row batch, as ``packed_rows`` reads them: off its sample numbers (2D: all ones unpacked,
+    1, 1, 2, 2, 0 packed) or off its 4D mask."""
+    from patches.packed_rows import numbered_segments, segments
 
-    return sum(1 for *_, real in segments(mask).spans if real)
+    mask = batch["attention_mask"]
+    return (numbered_segments(mask) if mask.dim() == 2 else segments(mask)).samples_per_row()[0]
 
 
 def time_case(collator, rows, count: int, repeats: int) -> dict[str, Any]:

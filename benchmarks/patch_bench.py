@@ -620,12 +620,16 @@ def measured_steps(variants: dict[str, dict[str, Any]], variant: str, key: str) 
     that succeeded, by the step's position in its run: the data's order is seeded, so position ``i`` is the same
     batch in every round (one row's rounds are one observation of that row, not several)."""
     found: dict[int, list[float]] = {}
-    for name, v in variants.items():
-        if name.split("#")[0] == variant and v.get("state") == "SUCCEEDED":
-            for position, value in enumerate((v.get(key) or [])[v.get("warmup_steps", 0) :]):
-                if value:  # the last step has no period
-                    found.setdefault(position, []).append(value)
+    for v in succeeded_rounds(variants, variant):
+        for position, value in enumerate((v.get(key) or [])[v.get("warmup_steps", 0) :]):
+            if value:  # the last step has no period
+                found.setdefault(position, []).append(value)
     return found
+
+
+def succeeded_rounds(variants: dict[str, dict[str, Any]], variant: str) -> list[dict[str, Any]]:
+    """Every round of ``variant`` (``VARIANT``, ``VARIANT#R``) whose run succeeded."""
+    return [v for name, v in variants.items() if name.split("#")[0] == variant and v.get("state") == "SUCCEEDED"]
 
 
 def median_difference(a: dict[int, list[float]], b: dict[int, list[float]],
@@ -658,11 +662,10 @@ def at_equal_supervised(variants: dict[str, dict[str, Any]], packed: str, unpack
 
     def pairs(name: str) -> list[tuple[int, float]]:
         found = []
-        for key, v in variants.items():
-            if key.split("#")[0] == name and v.get("state") == "SUCCEEDED" and v.get("step_supervised"):
-                skip = v.get("warmup_steps", 0)
-                found += [(n, s) for n, s in zip(v["step_supervised"][skip:], v["step_seconds"][skip:], strict=True)
-                          if n and s]  # fmt: skip
+        for v in (v for v in succeeded_rounds(variants, name) if v.get("step_supervised")):
+            skip = v.get("warmup_steps", 0)
+            found += [(n, s) for n, s in zip(v["step_supervised"][skip:], v["step_seconds"][skip:], strict=True)
+                      if n and s]  # fmt: skip
         return found
 
     rows, steps = pairs(packed), pairs(unpacked)
