@@ -15,6 +15,8 @@ for every variant unless the caller sets it), ``profile``
 of them profiled), ``spread-packed`` (the spread's samples with ``packing: true``: rows of 4,096 tokens holding
 several samples each; the packing issue's target is 1.5x the supervised tokens/s of ``spread``),
 ``spread-packed-profile`` (``spread-packed`` through ``launcher profile``, like ``profile``),
+``spread-packed-full`` (``spread-packed`` with ``packed_rows.cut_padding: 0``: every row as long as LLaMA-Factory
+pads it, the packed row before that option),
 ``spread-packed-cpu-mask`` (``spread-packed`` with ``packed_rows.device_mask: false``: LLaMA-Factory's 4D mask
 built on the CPU, the packed row before that option), ``spread-packed-workers`` and ``on-workers`` (the batches
 collated in 2 DataLoader workers instead of the training process), ``short`` and
@@ -52,7 +54,8 @@ off: transformers' DeltaNet forward for unpacked steps, the key heads repeated b
    turn, round R's runs keyed ``VARIANT#R``; a packed variant's target (``spread-packed-row``: its median step
    period and forward+backward against ``on``'s, with a 95 % bootstrap interval of the difference, and beside it
    ``at_equal_supervised``: the packed rows read at the unpacked steps' supervised tokens;
-   ``spread-packed-row-reply70`` the same against ``on-reply70``) pools the rounds; the other targets read the
+   ``spread-packed-row-reply70`` the same against ``on-reply70``, ``spread-packed-full-row-reply70``
+   ``spread-packed-full`` against it) pools the rounds; the other targets read the
    first round. Rounds split over several calls pool with ``pooled_targets(FILE, FILE, ...)``.
    Interrupted (Ctrl-C, ``timeout -s INT``, SIGTERM) while it runs the variants, it stops the running variant's
    run, waits for it to end, records it (``interrupted``), writes what it has and exits 130 (between two runs:
@@ -107,6 +110,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "profile": {"steps": 5, "profile": True},
     "spread-packed": {"data": "spread", "steps": 24, "lf": {"packing": True}},
     "spread-packed-profile": {"data": "spread", "steps": 5, "profile": True, "lf": {"packing": True}},
+    # spread-packed with every row as long as LLaMA-Factory pads it (packed_rows before cut_padding)
+    "spread-packed-full": {
+        "data": "spread",
+        "steps": 24,
+        "lf": {"packing": True},
+        "patches": {"packed_rows": {"cut_padding": 0}},
+    },
     # spread-packed with LLaMA-Factory's 4D mask built on the CPU by its collator (packed_rows before device_mask)
     "spread-packed-cpu-mask": {
         "data": "spread",
@@ -163,6 +173,7 @@ PACKING_GAIN_MIN = 1.5  # supervised tokens/s of spread-packed over spread (the 
 # packed rows with unpacked steps of the same share, so that both train on the same kind of sample
 PACKED_ROW_PAIRS = {"spread-packed-row": ("spread-packed", "on"),
                     "spread-packed-row-reply70": ("spread-packed", "on-reply70"),
+                    "spread-packed-full-row-reply70": ("spread-packed-full", "on-reply70"),
                     "spread-packed-workers-row": ("spread-packed-workers", "on-workers")}  # fmt: skip
 BOOTSTRAP_DRAWS = 2000  # resamples of each side's measured steps for the interval of a difference of medians
 # the routed chunk kernel (and its packed call with the key heads unrepeated, as packed rows make it) and the fused

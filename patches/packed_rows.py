@@ -65,7 +65,10 @@ What this patch does:
    13 ms and its copy to the device 2 to 5 ms a batch, in the training process between two steps; the same mask
    built on the device 0.23 ms (three readings on H100 hosts, ``benchmarks.attention_bench``; then by an
    elementwise build of our own, equal entry for entry, since replaced by LLaMA-Factory's function).
-   The collator wrapper only checks and converts, so it may run in DataLoader workers
+   Then it cuts the batch after the last sample token of its fullest row, rounded up to ``cut_padding`` tokens
+   (default 256; ``cut_padding``): LLaMA-Factory pads every packed row to ``cutoff_len``, and the layers compute
+   that padding as they compute tokens, though no sample token and no loss term depends on it.
+   The collator wrapper only checks, converts and cuts, so it may run in DataLoader workers
    (``dataloader_num_workers > 0``); the packed batches are counted and recorded where the model meets them, in the
    wrapped text model's forward, in the training process.
 
@@ -97,7 +100,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from packaging.specifiers import SpecifierSet
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from . import fused_ops, trainer_hook
 from .errors import PatchError
@@ -148,11 +151,15 @@ NUMBERS = "int32"  # the dtype that marks a batch's attention_mask as LLaMA-Fact
 # (two of FlashAttention 2's 64-token tiles at head dim 256) about 128 / P of that
 PADDING_PIECE = 128
 VARLEN_AGREEMENT = 2e-2  # relative L2 difference to SDPA with the mask on real tokens (bf16 rounding is ~4e-3)
+# the tensors of a packed batch that hold one entry per token (``cut_padding``), as LLaMA-Factory 0.9.5's collator
+# hands a text-only batch over (``position_ids``: ``[3 or 4, B, T]`` for Qwen3.5's rotary sections)
+CUT = ("input_ids", "attention_mask", "labels", "position_ids", "token_type_ids", "mm_token_type_ids")
 FIX = "turn packing off (packing: false, neat_packing: false), or report the LLaMA-Factory/transformers versions"
 
 
 class Options(BaseModel):
-    """``launcher.patches.packed_rows``: ``enabled``, ``varlen_attention``, ``device_mask``, ``unpacked_forward``."""
+    """``launcher.patches.packed_rows``: ``enabled``, ``varlen_attention``, ``device_mask``, ``unpacked_forward``,
+    ``cut_padding``."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     enabled: bool = True
@@ -164,6 +171,9 @@ class Options(BaseModel):
     # unpacked batches (no cache) through the same layer arithmetic where the chunk kernel is FLA, so their key
     # heads reach it unrepeated too; false: transformers' forward repeats them (see ``value_heads``)
     unpacked_forward: bool = True
+    # cut a packed batch after the last sample token of its fullest row, rounded up to a multiple of this many tokens
+    # (``cut_padding``); 0: every row as long as LLaMA-Factory pads it (cutoff_len)
+    cut_padding: int = Field(256, ge=0, le=1 << 20)
 
 
 @dataclass(frozen=True)
@@ -719,6 +729,8 @@ def _make_forward(original):
             _state["first_call"] = True
             _state["proof"].update(first_packed_call={
                 "rows": found.rows, "row_length": found.length, "samples_per_row": found.samples_per_row(),
+            "padding_tokens": sum(end - start for _, start, end, real in found.spans if not real),
+            "cut_padding": _state["cut_padding"] or "off (rows as long as LLaMA-Factory pads them)",
                 "kernel": getattr(kernel, "kernel_name", type(kernel).__name__),
                 "kernel_label": label,
                 "cu_seqlens": (("none: one row of one sample, its padding joined to it" if one else
@@ -812,9 +824,34 @@ def _make_collate(original):
             raise PatchError(NAME, (
                 f"the position ids of {len(bad)} packed sample(s) do not restart at 0 at the sample start (row, "
                 f"position: {bad[:3]}), so rotary positions would run on across samples"), FIX)  # fmt: skip
-        return batch  # counted where the model meets it (_record_batch): this may be a DataLoader worker
+        return cut_padding(batch, found, _state["cut_padding"])  # counted where the model meets it: maybe a worker
 
     return __call__
+
+
+def cut_padding(batch, found: Segments, multiple: int):
+    """``batch`` (a packed batch as the collator leaves it, ``found`` its samples) cut after the last sample token of
+    its fullest row, rounded up to ``multiple`` tokens, where that is shorter than the rows (``multiple`` 0: never).
+
+    LLaMA-Factory pads every packed row to ``cutoff_len``; the padding after the last sample attends only to padding,
+    carries label -100 and feeds no sample token (causal order), yet every layer computes it as it computes a token.
+    Cutting it changes no loss term and no gradient (``tests/patches/test_packing.py``). The per-token tensors
+    (``CUT``; the 4D mask in both of its last two dimensions) are cut; a batch holding any other tensor as long as
+    its rows is left whole. Rounding up to ``multiple`` bounds the lengths a run meets (cuDNN builds a graph, an NPU
+    compiles, at each new one), as ``pad_lengths`` does for unpacked batches."""
+    import torch
+
+    last = max((end for _, _, end, real in found.spans if real), default=0)
+    keep = max(multiple, -(-last // multiple) * multiple) if multiple else found.length
+    if keep >= found.length:
+        return batch
+    cut = {name: value for name, value in batch.items() if torch.is_tensor(value) and value.shape[-1] == found.length}
+    if set(cut) - set(CUT):
+        return batch
+    for name, value in cut.items():
+        value = value[..., :keep, :keep] if name == "attention_mask" and value.dim() == 4 else value[..., :keep]
+        batch[name] = value.contiguous()
+    return batch
 
 
 def _make_text_forward(original):
@@ -853,6 +890,8 @@ def _record_batch(found: Segments, numbers: bool) -> None:
         _state["first_batch"] = True
         _state["proof"].update(first_packed_batch={
             "rows": found.rows, "row_length": found.length, "samples_per_row": found.samples_per_row(),
+            "padding_tokens": sum(end - start for _, start, end, real in found.spans if not real),
+            "cut_padding": _state["cut_padding"] or "off (rows as long as LLaMA-Factory pads them)",
             "position_ids": "restart at 0 in every sample (checked by the collator on every batch)",
             "mask": (f"sample numbers ({NUMBERS}); the 4D mask is built on the device" if numbers
                      else "4D, built by LLaMA-Factory's collator"), "recorded_at": utc_now(),
@@ -912,6 +951,7 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
                   rows=0,
                   varlen_attention=varlen, device_mask=bool(options.get("device_mask", True)),
                   unpacked_forward=bool(options.get("unpacked_forward", True)),
+                  cut_padding=int(options.get("cut_padding", Options().cut_padding)),
                   attention=tuple(getattr(importlib.import_module(m), c) for m, c in ATTENTION))  # fmt: skip
     trainer_hook.on_first_training_step(NAME, before=_before_first_step, after=_after_first_step)
     trainer_hook.on_training_step(NAME, 2, before=_before_second_step)
@@ -922,6 +962,7 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
         "varlen_attention": varlen,
         "device_mask": _state["device_mask"],
         "unpacked_forward": _state["unpacked_forward"],
+        "cut_padding": _state["cut_padding"],
     }  # fmt: skip
 
 

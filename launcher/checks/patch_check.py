@@ -80,8 +80,8 @@ def packing_problems(patches: dict[str, dict[str, Any]], lf: dict[str, Any]) -> 
             f"include_num_input_tokens_seen: non_padding with {shown}: the Trainer counts the tokens seen by summing "
             "the attention mask, which on a packed row holds LLaMA-Factory's sample numbers (1, 2, 3 ... per "
             "sample) or its 4D mask, not ones, so the total_tokens and throughput of trainer_log.jsonl would be "
-            "wrong; use include_num_input_tokens_seen: all (each packed row counts its full length, padding "
-            "included), or turn packing off")))  # fmt: skip
+            "wrong; use include_num_input_tokens_seen: all (each packed row counts every token it is trained on, "
+            "padding included), or turn packing off")))  # fmt: skip
     if stage == "sft":
         problems += _dummy_image_problems(patches, lf, shown)
     return problems

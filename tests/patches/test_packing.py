@@ -597,6 +597,66 @@ def test_the_collator_keeps_the_sample_numbers_and_restores_its_own_setting(tmp_
         packed_rows.restore()
 
 
+@pytest.mark.usefixtures("restore_patches")
+def test_a_packed_row_cut_after_its_last_sample_trains_as_the_whole_row(tmp_path, demo_assets):
+    """``cut_padding``: the row of three samples (51 tokens, padded to 64) cut to 56 tokens (a multiple of 8) gives
+    the loss and the LoRA gradients of the whole row; the cut row is what the model meets (its proof says so)."""
+    import torch
+
+    patches.apply_enabled({**ON, "packed_rows": {"cut_padding": 8}}, backend="cpu", proof_dir=tmp_path)
+    packed_rows._state["mask_dtype"] = torch.float32
+    model = packing_model(demo_assets["model"])
+    parts = samples(model.config.text_config.vocab_size)
+    numbered = torch.zeros(1, ROW, dtype=torch.int32)
+    at = 0
+    for index, (ids, _) in enumerate(parts):
+        numbered[0, at : at + len(ids)] = index + 1
+        at += len(ids)
+    whole = {**packed_row(parts), "attention_mask": numbered}
+    cut = packed_rows.cut_padding(dict(whole), packed_rows.numbered_segments(numbered), 8)
+    assert {name: tuple(value.shape) for name, value in cut.items()} == {
+        "input_ids": (1, 56),
+        "labels": (1, 56),
+        "attention_mask": (1, 56),
+        "position_ids": (4, 1, 56),
+    }
+    loss_cut, grads_cut = summed_loss(model, cut)
+    first = read_proof(tmp_path, "packed_rows")["first_packed_batch"]
+    assert first["row_length"] == 56 and first["padding_tokens"] == 56 - sum(LENGTHS) and first["cut_padding"] == 8
+    loss_whole, grads_whole = summed_loss(model, whole)
+    assert abs(loss_cut - loss_whole) <= 1e-5 * abs(loss_whole)
+    for name, grad in grads_whole.items():
+        torch.testing.assert_close(grads_cut[name], grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(("multiple", "length"), [(4, 8), (8, 8), (3, 9), (16, 10), (0, 10)])
+def test_the_padding_is_cut_after_the_fullest_rows_last_sample_token_rounded_up(multiple, length):
+    """Two rows of 10 (samples end at 8 and at 6): cut to the multiple at or above 8, never longer than the rows;
+    the 4D mask in both of its last dimensions; 0 keeps the rows whole."""
+    import torch
+    from llamafactory.data.collator import prepare_4d_attention_mask
+
+    numbered = torch.tensor([[1] * 5 + [2] * 3 + [0] * 2, [1] * 6 + [0] * 4])
+    for mask in (numbered, prepare_4d_attention_mask(numbered, torch.float32)):
+        batch = {"input_ids": torch.arange(20).view(2, 10), "labels": torch.full((2, 10), -100), "steps": 7,
+                 "attention_mask": mask, "position_ids": torch.zeros(3, 2, 10, dtype=torch.long)}  # fmt: skip
+        found = packed_rows.numbered_segments(numbered)
+        out = packed_rows.cut_padding(batch, found, multiple)
+        assert out["input_ids"].shape == (2, length) and out["position_ids"].shape == (3, 2, length)
+        assert out["attention_mask"].shape == ((2, length) if mask.dim() == 2 else (2, 1, length, length))
+        assert torch.equal(out["input_ids"], torch.arange(20).view(2, 10)[:, :length]) and out["steps"] == 7
+
+
+def test_a_batch_with_another_tensor_as_long_as_its_rows_is_left_whole():
+    """A per-token tensor the cut does not know (say, a future collator's key) keeps the whole batch uncut."""
+    import torch
+
+    numbered = torch.tensor([[1] * 4 + [0] * 6])
+    batch = {"input_ids": torch.ones(1, 10, dtype=torch.long), "attention_mask": numbered, "unknown": torch.ones(1, 10)}
+    out = packed_rows.cut_padding(batch, packed_rows.numbered_segments(numbered), 4)
+    assert out["input_ids"].shape == (1, 10) and out["unknown"].shape == (1, 10)
+
+
 @pytest.mark.parametrize("release", ["2.10", "2.11"])
 def test_the_torch_varlen_call_fits_each_releases_arguments(monkeypatch, release):
     """torch's ``varlen_attn`` runs only on CUDA: a stand-in with the signature of torch 2.10 (``is_causal``) or
@@ -974,7 +1034,8 @@ def test_packing_trains_through_the_launcher_with_the_packed_path_proven(tmp_pat
 
     from tests.support.common import launcher_cmd, make_config, only_run_dir
 
-    cfg = make_config(tmp_path, demo_assets, packing=True, max_steps=2, save_strategy="no", eval_steps=2,
+    cut = {"patches": {"packed_rows": {"cut_padding": 16}}} if workers else None
+    cfg = make_config(tmp_path, demo_assets, cut, packing=True, max_steps=2, save_strategy="no", eval_steps=2,
                       dataloader_num_workers=workers)  # fmt: skip
     proc = launcher_cmd("run", cfg, "--quiet")
     run_dir = only_run_dir(tmp_path / "runs")
@@ -984,7 +1045,9 @@ def test_packing_trains_through_the_launcher_with_the_packed_path_proven(tmp_pat
     record = read_proof(run_dir / "proof", "packed_rows")
     assert record["status"] == "applied" and record["packing"] is True
     batch, call, step = record["first_packed_batch"], record["first_packed_call"], record["first_training_step"]
-    assert batch["row_length"] == 256 and max(batch["samples_per_row"]) >= 2, batch  # (cutoff_len - 1) + 1
+    # rows of (cutoff_len - 1) + 1 = 256 tokens; with cut_padding 16 (workers) the batch is cut after the last sample
+    # token of its fullest row, rounded up to 16: the demo data's first batch holds 17 padding tokens in that row
+    assert batch["row_length"] == (240 if workers else 256) and max(batch["samples_per_row"]) >= 2, batch
     assert batch["position_ids"].startswith("restart at 0") and batch["mask"].startswith("sample numbers (int32)")
     assert call["samples_per_row"] == batch["samples_per_row"] and call["kernel_label"] == "torch"
     assert step["packed_deltanet_calls"] >= 3  # the demo model's three DeltaNet layers, at least once each

@@ -23,7 +23,13 @@ DEFAULTS = {
     "final_eval_once": {"enabled": True},
     "pad_lengths": {"enabled": False, "multiple": 256},  # the one patch that is off unless named
     "lora_input_cast": {"enabled": True},
-    "packed_rows": {"enabled": True, "varlen_attention": True, "device_mask": True, "unpacked_forward": True},
+    "packed_rows": {
+        "enabled": True,
+        "varlen_attention": True,
+        "device_mask": True,
+        "unpacked_forward": True,
+        "cut_padding": 256,
+    },
     "fsdp2_frozen_dtype": {"enabled": True, "trainable_units": "auto", "embedding_units": True},
     "fsdp2_resume_adapter": {"enabled": True},
     "gc_freeze": {"enabled": True},

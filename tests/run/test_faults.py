@@ -788,6 +788,8 @@ DROPPED = r"""
 import os, signal, time
 from launcher.run.signals import STOP_SIGNALS, drop_hold, hold_stop_signals
 
+# as a terminal starts it: a test run in the background inherits SIGINT ignored, and Python then installs no handler
+signal.signal(signal.SIGINT, signal.default_int_handler)
 hold_stop_signals()
 drop_hold()  # as `launcher resume --foreground` on the host of a container run does
 print(sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []) & set(STOP_SIGNALS)), flush=True)
