@@ -23,7 +23,8 @@ The model is the tiny demo model (``launcher.demo``): the collator reads its rot
 cost depends on the tokens, not on the model's width, so the figures hold for the 27B shape's host work on the same
 CPU. The model and both datasets are written afresh into ``DIR`` at ``--cutoff``. Per case: every row collated
 once untimed, then ``--repeats`` passes over the first ``--rows`` rows (all of them by default), the median and the
-90th percentile in ms, and the samples per row; beside them the CPU and the versions. Results go to
+90th percentile in ms, the samples per row and the lengths of the collated rows (packed: after ``packed_rows``' cut of
+the padding, ``cut_padding``); beside them the CPU and the versions. Results go to
 ``DIR/collate.json`` (never overwritten), after every case; interrupted, it keeps the cases done. Measurement only:
 nothing of the product's state is changed.
 """
@@ -85,7 +86,8 @@ def time_case(collator, rows, count: int, repeats: int) -> dict[str, Any]:
     it is given (``packing_params``), so every call gets its own copy, made outside the timed call, as the
     DataLoader hands the Trainer fresh features."""
     features = [rows[i] for i in range(min(count or len(rows), len(rows)))]
-    samples = [samples_in(collator([dict(f)])) for f in features]
+    batches = [collator([dict(f)]) for f in features]
+    samples, lengths = [samples_in(b) for b in batches], [int(b["input_ids"].shape[-1]) for b in batches]
     seconds = []
     for _ in range(repeats):
         for feature in features:
@@ -96,7 +98,9 @@ def time_case(collator, rows, count: int, repeats: int) -> dict[str, Any]:
     seconds.sort()
     return {"rows": len(features), "calls": len(seconds), "median_ms": round(statistics.median(seconds) * 1000, 3),
             "p90_ms": round(seconds[int(0.9 * (len(seconds) - 1))] * 1000, 3),
-            "samples_per_row": {str(n): samples.count(n) for n in sorted(set(samples))}}  # fmt: skip
+            "samples_per_row": {str(n): samples.count(n) for n in sorted(set(samples))},
+            "row_lengths": {str(n): lengths.count(n) for n in sorted(set(lengths))},
+            "mean_row_length": round(statistics.mean(lengths), 1)}  # fmt: skip
 
 
 def measure(case: str, out: Path, cutoff: int, count: int, repeats: int) -> dict[str, Any]:
