@@ -154,6 +154,7 @@ VARLEN_AGREEMENT = 2e-2  # relative L2 difference to SDPA with the mask on real 
 # the tensors of a packed batch that hold one entry per token (``cut_padding``), as LLaMA-Factory 0.9.5's collator
 # hands a text-only batch over (``position_ids``: ``[3 or 4, B, T]`` for Qwen3.5's rotary sections)
 CUT = ("input_ids", "attention_mask", "labels", "position_ids", "token_type_ids", "mm_token_type_ids")
+IGNORE = -100  # LLaMA-Factory's IGNORE_INDEX: the label of a position that is no target
 FIX = "turn packing off (packing: false, neat_packing: false), or report the LLaMA-Factory/transformers versions"
 
 
@@ -729,8 +730,6 @@ def _make_forward(original):
             _state["first_call"] = True
             _state["proof"].update(first_packed_call={
                 "rows": found.rows, "row_length": found.length, "samples_per_row": found.samples_per_row(),
-            "padding_tokens": sum(end - start for _, start, end, real in found.spans if not real),
-            "cut_padding": _state["cut_padding"] or "off (rows as long as LLaMA-Factory pads them)",
                 "kernel": getattr(kernel, "kernel_name", type(kernel).__name__),
                 "kernel_label": label,
                 "cu_seqlens": (("none: one row of one sample, its padding joined to it" if one else
@@ -829,24 +828,35 @@ def _make_collate(original):
     return __call__
 
 
+def cut_length(found: Segments, multiple: int) -> int:
+    """The length ``cut_padding`` cuts rows of ``found`` to: the last sample token of the fullest row, rounded up to
+    ``multiple`` (at least ``multiple``), never longer than the rows; the rows' length where ``multiple`` is 0."""
+    last = max((end for _, _, end, real in found.spans if real), default=0)
+    return min(found.length, max(multiple, -(-last // multiple) * multiple)) if multiple else found.length
+
+
 def cut_padding(batch, found: Segments, multiple: int):
     """``batch`` (a packed batch as the collator leaves it, ``found`` its samples) cut after the last sample token of
-    its fullest row, rounded up to ``multiple`` tokens, where that is shorter than the rows (``multiple`` 0: never).
+    its fullest row, rounded up to ``multiple`` tokens (``cut_length``), where that is shorter than the rows.
 
     LLaMA-Factory pads every packed row to ``cutoff_len``; the padding after the last sample attends only to padding,
     carries label -100 and feeds no sample token (causal order), yet every layer computes it as it computes a token.
-    Cutting it changes no loss term and no gradient (``tests/patches/test_packing.py``). The per-token tensors
-    (``CUT``; the 4D mask in both of its last two dimensions) are cut; a batch holding any other tensor as long as
-    its rows is left whole. Rounding up to ``multiple`` bounds the lengths a run meets (cuDNN builds a graph, an NPU
-    compiles, at each new one), as ``pad_lengths`` does for unpacked batches."""
+    Cutting it changes no loss term and no gradient (``tests/patches/test_packing.py``; with LoRA dropout the masks
+    drawn differ, as they would for a batch of another length). The per-token tensors (``CUT``; the 4D mask in both
+    of its last two dimensions) are cut; a batch is left whole where any other tensor is as long as its rows, or
+    where a label after the cut is not -100 (``ignore_pad_token_for_loss: false`` makes the collator's own padding a
+    target), which the proof's first packed batch then shows (``left_whole``). Rounding up to ``multiple`` bounds the
+    lengths a run meets (cuDNN builds a graph, an NPU compiles, at each new one), as ``pad_lengths`` does for unpacked
+    batches."""
     import torch
 
-    last = max((end for _, _, end, real in found.spans if real), default=0)
-    keep = max(multiple, -(-last // multiple) * multiple) if multiple else found.length
+    keep = cut_length(found, multiple)
     if keep >= found.length:
         return batch
-    cut = {name: value for name, value in batch.items() if torch.is_tensor(value) and value.shape[-1] == found.length}
-    if set(cut) - set(CUT):
+    cut = {name: value for name, value in batch.items()
+           if torch.is_tensor(value) and value.dim() and value.shape[-1] == found.length}  # fmt: skip
+    labels = cut.get("labels")
+    if set(cut) - set(CUT) or (labels is not None and bool((labels[..., keep:] != IGNORE).any())):
         return batch
     for name, value in cut.items():
         value = value[..., :keep, :keep] if name == "attention_mask" and value.dim() == 4 else value[..., :keep]
@@ -892,6 +902,8 @@ def _record_batch(found: Segments, numbers: bool) -> None:
             "rows": found.rows, "row_length": found.length, "samples_per_row": found.samples_per_row(),
             "padding_tokens": sum(end - start for _, start, end, real in found.spans if not real),
             "cut_padding": _state["cut_padding"] or "off (rows as long as LLaMA-Factory pads them)",
+            # True: padding that cut_padding would cut reached the model (another per-token tensor, a label after it)
+            "left_whole": cut_length(found, _state["cut_padding"]) < found.length,
             "position_ids": "restart at 0 in every sample (checked by the collator on every batch)",
             "mask": (f"sample numbers ({NUMBERS}); the 4D mask is built on the device" if numbers
                      else "4D, built by LLaMA-Factory's collator"), "recorded_at": utc_now(),

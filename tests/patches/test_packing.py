@@ -631,30 +631,78 @@ def test_a_packed_row_cut_after_its_last_sample_trains_as_the_whole_row(tmp_path
 
 @pytest.mark.parametrize(("multiple", "length"), [(4, 8), (8, 8), (3, 9), (16, 10), (0, 10)])
 def test_the_padding_is_cut_after_the_fullest_rows_last_sample_token_rounded_up(multiple, length):
-    """Two rows of 10 (samples end at 8 and at 6): cut to the multiple at or above 8, never longer than the rows;
-    the 4D mask in both of its last dimensions; 0 keeps the rows whole."""
+    """Two rows of 10 (samples end at 6 and at 8: the fullest is the second): cut to the multiple at or above 8, never
+    longer than the rows; the 4D mask in both of its last dimensions, the very entries of the whole mask; 0 keeps the
+    rows whole; what is not a per-token tensor is left as it is."""
     import torch
     from llamafactory.data.collator import prepare_4d_attention_mask
 
-    numbered = torch.tensor([[1] * 5 + [2] * 3 + [0] * 2, [1] * 6 + [0] * 4])
+    numbered = torch.tensor([[1] * 6 + [0] * 4, [1] * 5 + [2] * 3 + [0] * 2])
     for mask in (numbered, prepare_4d_attention_mask(numbered, torch.float32)):
         batch = {"input_ids": torch.arange(20).view(2, 10), "labels": torch.full((2, 10), -100), "steps": 7,
-                 "attention_mask": mask, "position_ids": torch.zeros(3, 2, 10, dtype=torch.long)}  # fmt: skip
+                 "attention_mask": mask, "position_ids": torch.zeros(3, 2, 10, dtype=torch.long),
+                 "rope_deltas": torch.zeros(2, 1), "scalar": torch.tensor(10)}  # fmt: skip
         found = packed_rows.numbered_segments(numbered)
         out = packed_rows.cut_padding(batch, found, multiple)
         assert out["input_ids"].shape == (2, length) and out["position_ids"].shape == (3, 2, length)
-        assert out["attention_mask"].shape == ((2, length) if mask.dim() == 2 else (2, 1, length, length))
-        assert torch.equal(out["input_ids"], torch.arange(20).view(2, 10)[:, :length]) and out["steps"] == 7
+        assert torch.equal(out["input_ids"], torch.arange(20).view(2, 10)[:, :length])
+        assert torch.equal(
+            out["attention_mask"], mask[..., :length] if mask.dim() == 2 else mask[..., :length, :length]
+        )
+        assert out["steps"] == 7 and out["rope_deltas"].shape == (2, 1) and int(out["scalar"]) == 10
 
 
-def test_a_batch_with_another_tensor_as_long_as_its_rows_is_left_whole():
-    """A per-token tensor the cut does not know (say, a future collator's key) keeps the whole batch uncut."""
+@pytest.mark.parametrize("other", ["a per-token tensor it does not know", "a target after the cut"])
+def test_a_batch_the_cut_could_change_is_left_whole_and_the_proof_says_so(tmp_path, other):
+    """A per-token tensor the cut does not know (say, a future collator's key), or a label after the cut that is not
+    -100 (``ignore_pad_token_for_loss: false``: the collator's padding is a target), keeps the whole batch; the
+    model's first packed batch records ``left_whole``."""
     import torch
 
     numbered = torch.tensor([[1] * 4 + [0] * 6])
-    batch = {"input_ids": torch.ones(1, 10, dtype=torch.long), "attention_mask": numbered, "unknown": torch.ones(1, 10)}
-    out = packed_rows.cut_padding(batch, packed_rows.numbered_segments(numbered), 4)
-    assert out["input_ids"].shape == (1, 10) and out["unknown"].shape == (1, 10)
+    batch = {"input_ids": torch.ones(1, 10, dtype=torch.long), "attention_mask": numbered,
+             "labels": torch.full((1, 10), -100)}  # fmt: skip
+    if other.startswith("a per-token"):
+        batch["unknown"] = torch.ones(1, 10)
+    else:
+        batch["labels"][0, 9] = 0
+    found = packed_rows.numbered_segments(numbered)
+    out = packed_rows.cut_padding(batch, found, 4)
+    assert out["input_ids"].shape == (1, 10) and out["labels"].shape == (1, 10)
+    patches.apply_enabled({**ON, "packed_rows": {"cut_padding": 4}}, backend="cpu", proof_dir=tmp_path)
+    try:
+        packed_rows._record_batch(found, True)
+        assert read_proof(tmp_path, "packed_rows")["first_packed_batch"]["left_whole"] is True
+    finally:
+        packed_rows.restore()
+
+
+@pytest.mark.usefixtures("restore_patches")
+def test_the_collator_wrapper_cuts_the_packed_batch_it_hands_over(tmp_path):
+    """The wrapper around a stand-in for LLaMA-Factory's collator (the slow launcher test runs the real one): with
+    ``cut_padding: 4`` two rows of 10 whose fullest row ends at 7 come out 8 long, position ids included; with 0
+    whole."""
+    import types
+
+    import torch
+
+    numbered = torch.tensor([[1] * 3 + [0] * 7, [1] * 4 + [2] * 3 + [0] * 3])
+    position = torch.tensor([[0, 1, 2] + [0] * 7, [0, 1, 2, 3, 0, 1, 2, 0, 0, 0]])
+
+    def collate(self, features):
+        positions = position[None].expand(4, 2, 10).clone()
+        return {"input_ids": torch.ones(2, 10, dtype=torch.long), "attention_mask": numbered.clone(),
+                "labels": torch.full((2, 10), -100), "position_ids": positions}  # fmt: skip
+
+    wrapped = packed_rows._make_collate(collate)
+    collator = types.SimpleNamespace(block_diag_attn=True, attn_implementation="sdpa", compute_dtype=torch.float32)
+    for multiple, length in ((4, 8), (0, 10)):
+        patches.apply_enabled({**ON, "packed_rows": {"cut_padding": multiple}}, backend="cpu",
+                              proof_dir=tmp_path / str(multiple))  # fmt: skip
+        batch = wrapped(collator, [])
+        assert {name: value.shape[-1] for name, value in batch.items()} == dict.fromkeys(batch, length)
+        assert torch.equal(batch["position_ids"][0], position[:, :length])
+        packed_rows.restore()
 
 
 @pytest.mark.parametrize("release", ["2.10", "2.11"])
