@@ -154,7 +154,6 @@ VARLEN_AGREEMENT = 2e-2  # relative L2 difference to SDPA with the mask on real 
 # the tensors of a packed batch that hold one entry per token (``cut_padding``), as LLaMA-Factory 0.9.5's collator
 # hands a text-only batch over (``position_ids``: ``[3 or 4, B, T]`` for Qwen3.5's rotary sections)
 CUT = ("input_ids", "attention_mask", "labels", "position_ids", "token_type_ids", "mm_token_type_ids")
-IGNORE = -100  # LLaMA-Factory's IGNORE_INDEX: the label of a position that is no target
 FIX = "turn packing off (packing: false, neat_packing: false), or report the LLaMA-Factory/transformers versions"
 
 
@@ -849,6 +848,7 @@ def cut_padding(batch, found: Segments, multiple: int):
     lengths a run meets (cuDNN builds a graph, an NPU compiles, at each new one), as ``pad_lengths`` does for unpacked
     batches."""
     import torch
+    from llamafactory.extras.constants import IGNORE_INDEX
 
     keep = cut_length(found, multiple)
     if keep >= found.length:
@@ -856,7 +856,7 @@ def cut_padding(batch, found: Segments, multiple: int):
     cut = {name: value for name, value in batch.items()
            if torch.is_tensor(value) and value.dim() and value.shape[-1] == found.length}  # fmt: skip
     labels = cut.get("labels")
-    if set(cut) - set(CUT) or (labels is not None and bool((labels[..., keep:] != IGNORE).any())):
+    if set(cut) - set(CUT) or (labels is not None and bool((labels[..., keep:] != IGNORE_INDEX).any())):
         return batch
     for name, value in cut.items():
         value = value[..., :keep, :keep] if name == "attention_mask" and value.dim() == 4 else value[..., :keep]

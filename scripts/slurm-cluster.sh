@@ -18,7 +18,9 @@
 # SLURM_CONF=DIR/slurm.conf (`start` prints it); `docker exec deltanet-slurm-ctl launcher submit ...` submits
 # with the image's own launcher. SLURM_CLUSTER_IMAGE: the image the nodes are built on
 # (default deltanet-launcher:cpu: `bash scripts/build-image.sh cpu`). SlurmdTimeout is 10 s, so that a lost
-# node is noticed fast; MinJobAge keeps ended jobs visible to `scontrol show job` for 10 minutes (there is no
+# node is noticed fast; AuthInfo=cred_expire=60 (Slurm's default 120 s) is also how long 22.05 holds a requeued job
+# before it may start again (src/slurmctld/job_mgr.c: begin_time = now + the credential lifetime + 1), so a requeue
+# waits 61 s, past the old step's KillWait of 30 s; MinJobAge keeps ended jobs visible to `scontrol show job` for 10 minutes (there is no
 # accounting storage: sacct does not answer).
 set -euo pipefail
 
@@ -55,6 +57,7 @@ ClusterName=deltanet
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort=${CTLD_PORT}
 AuthType=auth/munge
+AuthInfo=cred_expire=60
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation=${dir}/state

@@ -118,11 +118,12 @@ def _device(backend: str):
 
 
 def test_loss(torch, model, dataset, collator, batch_size: int, device) -> dict[str, Any]:
-    from torch.utils.data import DataLoader
-
     """The mean of the batches' mean losses: what the Trainer reports as ``eval_loss`` (transformers 5.6.0's
     evaluation loop repeats each batch's loss by the loader's batch size, a short last batch too, and averages),
     so the test loss sits on the same scale as the validation curve."""
+    from llamafactory.extras.constants import IGNORE_INDEX
+    from torch.utils.data import DataLoader
+
     losses, samples, tokens = [], 0, 0
     loader = DataLoader(dataset, batch_size=batch_size, collate_fn=collator, shuffle=False)
     with torch.no_grad():
@@ -130,7 +131,7 @@ def test_loss(torch, model, dataset, collator, batch_size: int, device) -> dict[
             batch = {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
             losses.append(float(model(**batch).loss))
             samples += int(batch["input_ids"].shape[0])
-            tokens += int((batch["labels"][:, 1:] != -100).sum())
+            tokens += int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
     return {"test_loss": round(sum(losses) / len(losses), 6) if losses else None, "test_samples": samples,
             "test_tokens": tokens}  # fmt: skip
 

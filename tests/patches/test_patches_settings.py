@@ -132,3 +132,18 @@ def test_embedding_units_takes_true_or_false_only():
     )
     with pytest.raises(ValueError, match=r"fsdp2_frozen_dtype\.embedding_units is 'no'; expected true or false"):
         patches.normalize_settings({"fsdp2_frozen_dtype": {"embedding_units": "no"}})
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        (-5, "cut_padding is -5: Input should be greater than or equal to 0"),
+        ("256", "cut_padding is '256': Input should be a valid integer"),
+        (True, "cut_padding is True: Input should be a valid integer"),
+        (1 << 21, "cut_padding is 2097152: Input should be less than or equal to 1048576"),
+    ],
+)
+def test_cut_padding_takes_a_whole_number_of_tokens(value, says):
+    assert patches.normalize_settings({"packed_rows": {"cut_padding": 0}})["packed_rows"]["cut_padding"] == 0
+    with pytest.raises(ValueError, match=r"launcher\.patches\.packed_rows\." + says.replace(".", r"\.")):
+        patches.normalize_settings({"packed_rows": {"cut_padding": value}})

@@ -161,9 +161,9 @@ def test_a_lost_node_ends_node_lost_is_requeued_resumed_and_stopped_with_a_save(
                  timeout=120)  # fmt: skip
         back = _start_cluster(slurm_env[1])  # n2's container started again; the requeued job runs on it
         assert back.returncode == 0, back.stdout + back.stderr
-        # Slurm holds a requeued job about two minutes (Reason=BeginTime). Not shortened here: with
-        # `scontrol update StartTime=now` the new attempt's step (the same id, 1.0) was SIGKILLed KillWait after
-        # the requeue, by the kill meant for the old one
+        # Slurm holds a requeued job cred_expire + 1 s (Reason=BeginTime; 61 s on this cluster). Not shortened
+        # with `scontrol update StartTime=now`: the new attempt's step (the same id, 1.0) was then SIGKILLed
+        # KillWait after the requeue, by the kill meant for the old one
         second = wait_for("attempt 2 running", lambda: (r := _record(run_dir))["attempt"] == 2
                           and r["state"] == "RUNNING" and r, timeout=300, every=1)  # fmt: skip
         assert second["resumed_from"] == str(last.path.relative_to(run_dir)), (second, last)
