@@ -9,8 +9,9 @@ op          kernel                                                call shape
 ==========  ====================================================  ==========================================
 conv        ``fla.modules.causal_conv1d.causal_conv1d``           x ``[B, T, D]``, weight ``[D, W]``, optional
                                                                   ``cu_seqlens``; returns ``(y, final_state)``
-rms_norm    ``fla.modules.norm.layernorm.rms_norm`` (CUDA),       ``(x, weight, bias, eps=)``; fp32 inside,
-            ``torch_npu.npu_rms_norm`` (NPU)                      output in x's dtype / ``(x, gamma, epsilon=)``
+rms_norm    ``fla.modules.norm.layernorm.rms_norm`` (CUDA, norms  ``(x, weight, bias, eps=)``; fp32 inside,
+            wider than 512: ``narrow_norm``),                     output in x's dtype / ``(x, gamma, epsilon=)``
+            ``torch_npu.npu_rms_norm`` (NPU)
 gated_norm  ``fla.modules.norm.fused_norm_gate.rms_norm_gated``   ``(x, g, weight, bias, activation, eps=)``
 swiglu      ``fla.modules.activations.swiglu``                    ``(gate, up)`` -> ``silu(gate) * up``
 ==========  ====================================================  ==========================================
@@ -33,6 +34,14 @@ from dataclasses import dataclass
 from typing import Any
 
 OPS = ("conv", "rms_norm", "gated_norm", "swiglu")
+# fla-core 0.6.0's layer norm on CUDA (``fla/modules/norm/layernorm.py``, ``layer_norm_fwd`` / ``layer_norm_bwd``)
+# serves a normalized width of at most 512 with kernels that take ``NB = cdiv(rows, 2048)`` as a compile-time
+# constant and as an autotune key, so every new bucket of 2,048 rows compiles and autotunes the forward (9
+# configurations) and the backward (6) again; wider norms go to row kernels tuned by width alone. The attention's
+# q and k norms (head_dim 256; rows = tokens x heads) meet a new bucket every 85 (q, 24 heads) and 512 (k, 4 heads)
+# tokens of sequence length: a packed run on one H100 lost 16 to 37 s at each new length (docs/benchmarks.md,
+# "Twenty-first invocation"). Norms this narrow stay on transformers' ops on CUDA (``narrow_norm``).
+FLA_ROW_BUCKETED_WIDTH = 512
 FLA_IMPORTS = {
     "conv": ("fla.modules.causal_conv1d", "causal_conv1d"),
     "rms_norm": ("fla.modules.norm.layernorm", "rms_norm"),
@@ -68,7 +77,9 @@ def select_kernels(backend: str, wanted: dict[str, bool], fla_usable: str | None
         elif op == "rms_norm" and backend == "npu" and npu_rms_norm:
             choices[op] = Choice("torch_npu", "torch_npu.npu_rms_norm: the AscendC kernel, no Triton compile")
         elif fla_usable is None:
-            choices[op] = Choice("fla", f"FLA's fused {op} on backend {backend}")
+            narrow = (f"; norms of {FLA_ROW_BUCKETED_WIDTH} channels or fewer stay on transformers' ops (FLA tunes "
+                      f"them per bucket of rows)") if op == "rms_norm" and backend == "cuda" else ""  # fmt: skip
+            choices[op] = Choice("fla", f"FLA's fused {op} on backend {backend}{narrow}")
         else:
             choices[op] = Choice("torch", f"FLA cannot serve {op}: {fla_usable}")
     return choices
@@ -112,6 +123,12 @@ class FlaConv:
 
     def __deepcopy__(self, memo):
         return self
+
+
+def narrow_norm(backend: str, kernel_name: str, width: int) -> bool:
+    """Whether a ``Qwen3_5RMSNorm`` of ``width`` channels stays on transformers' ops although ``kernel_name`` serves
+    the op: FLA's CUDA kernels for it are tuned per bucket of rows (``FLA_ROW_BUCKETED_WIDTH``)."""
+    return backend == "cuda" and kernel_name == "fla" and width <= FLA_ROW_BUCKETED_WIDTH
 
 
 def rms_norm(kernel_name: str, kernel: Any, x, weight, eps: float):

@@ -15,7 +15,9 @@ What this patch does, per op (``fused_kernels.select_kernels``; each has an off 
   (``packed_rows``). Decoding keeps transformers' one-token update (``causal_conv1d_update``).
 - ``rms_norm``, ``gated_norm``, ``swiglu``: the forwards of ``Qwen3_5RMSNorm``, ``Qwen3_5RMSNormGated`` and
   ``Qwen3_5MLP`` (and their MoE twins where they exist) are wrapped at class level to call the fused kernel
-  with the module's own weights; the modules, their parameter names and checkpoints stay transformers'.
+  with the module's own weights; the modules, their parameter names and checkpoints stay transformers'. On CUDA
+  the attention's q and k norms (512 channels or fewer) keep transformers' forward: FLA tunes its kernels for
+  them again at every new bucket of rows (``fused_kernels.narrow_norm``).
 
 On CUDA every op is FLA's Triton kernel; on NPU FLA's triton-ascend kernels, except the plain RMSNorm, which
 goes to ``torch_npu.npu_rms_norm`` (``fused_kernels`` says why); on CPU nothing changes (the patch records
@@ -64,6 +66,7 @@ class Options(BaseModel):
     swiglu: bool = True
 
 
+NARROW = "narrow_rms_norm"  # calls of a norm left on transformers' ops by ``fused_kernels.narrow_norm``
 _state: dict[str, Any] = {}
 _saved_conv: dict[str, Any] = {}  # module name -> causal_conv1d_fn before our first apply
 
@@ -107,9 +110,12 @@ def _count(op: str) -> None:
         calls[op] += 1
 
 
-def _make_rms_norm(name: str, kernel: Any):
+def _make_rms_norm(name: str, kernel: Any, backend: str):
     def make(original):
         def forward(self, x):
+            if fused_kernels.narrow_norm(backend, name, x.shape[-1]):
+                _count(NARROW)
+                return original(self, x)
             _count("rms_norm")
             return fused_kernels.rms_norm(name, kernel, x, self.weight, self.eps)
 
@@ -153,7 +159,7 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
     kernels = {op: fused_kernels.load(op, c.kernel) for op, c in choices.items() if c.kernel != "torch"}
     conv = fused_kernels.FlaConv(kernels["conv"]) if "conv" in kernels else None
     makers = {
-        "rms_norm": lambda: _make_rms_norm(choices["rms_norm"].kernel, kernels["rms_norm"]),
+        "rms_norm": lambda: _make_rms_norm(choices["rms_norm"].kernel, kernels["rms_norm"], backend),
         "gated_norm": lambda: _make_gated_norm(kernels["gated_norm"]),
         "swiglu": lambda: _make_swiglu(kernels["swiglu"]),
     }
@@ -165,7 +171,7 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
         for op, (suffix, method) in WRAPPED.items():
             if op in kernels:
                 wrap_once(getattr(module, prefix + suffix), method, NAME, makers[op]())
-    _state.update(proof=proof, conv=conv, choices=choices, calls=dict.fromkeys(fused_kernels.OPS, 0))
+    _state.update(proof=proof, conv=conv, choices=choices, calls=dict.fromkeys((*fused_kernels.OPS, NARROW), 0))
     trainer_hook.on_first_training_step(NAME, before=_before_first_step, after=_after_first_step)
     return {
         "ops": {op: {**asdict(c), "callable": _callable_name(op, c.kernel)} for op, c in choices.items()},
@@ -205,8 +211,9 @@ def _after_first_step(trainer, model) -> None:
     calls = {op: _state["calls"][op] - _state["calls_before"][op] for op in _state["calls"]}
     if _state["conv"] is not None:
         calls["conv"] = _state["conv"].calls - _state["conv_calls_before"]
+    narrow = calls.pop(NARROW)
     _state["proof"].update(first_training_step={"modules": _state["modules"], "fused_calls": calls,
-                                                "recorded_at": utc_now()})  # fmt: skip
+                                                "narrow_rms_norm_calls": narrow, "recorded_at": utc_now()})  # fmt: skip
 
 
 def observe(*, backend: str, proof: ProofFile) -> None:

@@ -73,15 +73,31 @@ def worst_gap(a: dict, b: dict) -> float:
     return max(float((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-12)) for n in b)
 
 
+def test_narrow_norms_stay_on_transformers_ops_on_cuda_only():
+    """FLA's CUDA layer norm is tuned per bucket of rows up to 512 channels: the 27B's q/k norms (256) stay on
+    transformers' ops there, its hidden norms (5,120) go to FLA; torch_npu's norm and other backends are not
+    affected."""
+    assert fused_kernels.narrow_norm("cuda", "fla", 256) and fused_kernels.narrow_norm("cuda", "fla", 512)
+    assert not fused_kernels.narrow_norm("cuda", "fla", 5120)
+    assert not fused_kernels.narrow_norm("npu", "torch_npu", 256) and not fused_kernels.narrow_norm("npu", "fla", 256)
+    reason = fused_kernels.select_kernels("cuda", dict.fromkeys(fused_kernels.OPS, True), None, False)["rms_norm"]
+    assert "norms of 512 channels or fewer stay on transformers' ops" in reason.reason
+
+
 @pytest.mark.usefixtures("restore_patches")
-def test_the_fused_path_computes_what_transformers_computes(tmp_path, make_tiny_model, stub_fla):
+def test_the_fused_path_computes_what_transformers_computes(tmp_path, make_tiny_model, stub_fla, monkeypatch):
+    """The tiny model's norms are all narrow (hidden 32, head_dim 16): with the limit at 16 its hidden norms go to
+    the stand-in FLA and its q/k norms stay on transformers' ops, as the 27B's do on CUDA at 512."""
     stub_fla(platform="cuda")
+    monkeypatch.setattr(fused_kernels, "FLA_ROW_BUCKETED_WIDTH", 16)
     patches.apply_enabled({**ROUTING_OFF, "fused_ops": False}, backend="cuda", proof_dir=tmp_path / "off")
     loss_off, grads_off = forward_backward(make_tiny_model())
     patches.apply_enabled(ROUTING_OFF, backend="cuda", proof_dir=tmp_path / "on")
     model = make_tiny_model()
     assert fused_ops.census(model) == {"conv": 1, "rms_norm": 2 * 2 + 2 + 1, "gated_norm": 1, "swiglu": 2}
     loss_on, grads_on = forward_backward(model)
+    calls = fused_ops._state["calls"]
+    assert calls["rms_norm"] == 2 * 2 + 1 and calls[fused_ops.NARROW] == 2, calls  # hidden norms; q and k norms
     assert loss_on == pytest.approx(loss_off, rel=1e-6)
     assert worst_gap(grads_on, grads_off) < 1e-5
     from fla.modules.causal_conv1d import CALLS

@@ -1,0 +1,125 @@
+"""What a Qwen3.5 RMSNorm costs at a length met for the first time and after, FLA's fused norm against transformers'
+ops, on one CUDA device.
+
+    python -m benchmarks.norm_bench --out DIR [--lengths 3072,3328,3584,3072] [--norms q,k,hidden]
+                                    [--kernels fla,torch] [--repeats 10]
+
+For each norm of the 27B shape (``q``: the attention's query norm over ``[1, T, 24, 256]``; ``k``: its key norm over
+``[1, T, 4, 256]``; ``hidden``: a decoder layer's norm over ``[1, T, 5120]``), each kernel and each length T of
+``--lengths`` in order: the seconds of the first call (forward and the input's backward; the weight frozen, as under
+LoRA), then the median ms of R timed calls (CUDA events). ``fla`` is FLA's ``rms_norm`` through the product's adapter
+(``patches.fused_kernels.rms_norm``), ``torch`` transformers' arithmetic (``launcher.checks.glue_kernels``). FLA's CUDA
+layer norm is tuned per bucket of 2,048 rows for widths of 512 or fewer (``fused_kernels.FLA_ROW_BUCKETED_WIDTH``),
+so its first call at a length whose bucket is new compiles and autotunes again; a length given twice (the defaults
+end with a repeat) shows what a length met before costs. Run it with an empty ``TRITON_CACHE_DIR`` to see what a
+fresh machine pays. Nothing of the product's state is changed.
+
+Results go to ``DIR/norm.json``, rewritten after every reading.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from benchmarks import kernel_cli
+from benchmarks.attention_bench import cuda_median_ms
+from benchmarks.bench_assets import QWEN3_5_27B as SHAPE
+from benchmarks.kernel_cli import Results, counts_of, names_of, run
+
+# norm -> (heads, width) of Qwen3.5-27B: 24 query and 4 key heads of 256, hidden 5120
+NORMS = {"q": (SHAPE.num_attention_heads, SHAPE.head_dim), "k": (SHAPE.num_key_value_heads, SHAPE.head_dim),
+         "hidden": (1, SHAPE.hidden_size)}  # fmt: skip
+KERNELS = ("fla", "torch")
+EPS = 1e-6
+ROWS_PER_BUCKET = 2048  # fla-core 0.6.0 fla/modules/norm/layernorm.py: NB = cdiv(rows, 2048)
+
+
+def kernel_of(name: str):
+    """``(x, weight, eps) -> y`` for ``name``: the product's FLA adapter, or transformers' arithmetic."""
+    from launcher.checks import glue_kernels
+
+    if name == "torch":
+        return glue_kernels.torch_ops()["rms_norm"]
+    from patches import fused_kernels
+
+    fla_norm = fused_kernels.load("rms_norm", "fla")
+    return lambda x, weight, eps: fused_kernels.rms_norm("fla", fla_norm, x, weight, eps)
+
+
+def measure(torch, kernel, norm: str, tokens: int, repeats: int, device: str = "cuda",
+            timer=cuda_median_ms) -> dict[str, Any]:  # fmt: skip
+    """One reading: the first call's seconds, then the median ms of ``repeats`` calls, forward and backward."""
+    heads, width = NORMS[norm]
+    shape = (1, tokens, width) if norm == "hidden" else (1, tokens, heads, width)
+    x = torch.randn(*shape, device=device, dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(width, device=device) * 0.1).to(torch.bfloat16)  # zero-centred, frozen
+    grad = torch.randn(*shape, device=device, dtype=torch.bfloat16)
+
+    def forward_backward():
+        x.grad = None
+        kernel(x, weight, EPS).backward(grad)
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    forward_backward()
+    sync()
+    first = time.perf_counter() - start
+    rows = tokens * heads
+    return {"norm": norm, "tokens": tokens, "rows": rows, "width": width,
+            "bucket": -(-rows // ROWS_PER_BUCKET) if width <= 512 else None, "first_call_s": round(first, 3),
+            "forward_backward_ms": round(timer(torch, forward_backward, repeats), 3)}  # fmt: skip
+
+
+def input_problem(args) -> str | None:
+    """What is wrong with the arguments (which value, how to fix), or None; checked before anything is written."""
+    try:
+        lengths = counts_of(args.lengths)
+    except ValueError:
+        return f"--lengths {args.lengths!r}: write whole token counts separated by commas, such as 3072,3328"
+    if not lengths or min(lengths) < 1:
+        return f"--lengths {args.lengths!r}: give one length or more, each 1 or more"
+    for flag, given, known in (("--norms", args.norms, NORMS), ("--kernels", args.kernels, KERNELS)):
+        unknown = [n for n in names_of(given) if n not in known] or ([] if names_of(given) else [""])
+        if unknown:
+            return f"{flag} {given!r}: {unknown[0]!r} is not one of {', '.join(known)}"
+    if args.repeats < 1:
+        return f"--repeats {args.repeats}: give 1 or more"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = kernel_cli.parser(__doc__, "norm.json")
+    parser.add_argument("--lengths", default="3072,3328,3584,3072",
+                        help="lengths in the order met, comma separated (default 3072,3328,3584,3072)")  # fmt: skip
+    parser.add_argument("--norms", default="q,k,hidden", help="of q, k, hidden (default all three)")
+    parser.add_argument("--kernels", default="fla,torch", help="of fla, torch (default both)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls per reading (default 10)")
+    args = kernel_cli.parse("norm_bench", parser, argv, "norm.json", input_problem)
+    if args is None:
+        return 2
+    import os
+
+    import torch
+
+    results = Results("norm_bench", args.out, "norm.json", {
+        "torch": torch.__version__, "device": torch.cuda.get_device_name(),
+        "triton_cache_dir": "set" if os.environ.get("TRITON_CACHE_DIR") else "default", "readings": []})  # fmt: skip
+    for name in names_of(args.kernels):
+        kernel = kernel_of(name)
+        for norm in names_of(args.norms):
+            for tokens in counts_of(args.lengths):
+                try:
+                    found = {"kernel": name, **measure(torch, kernel, norm, tokens, args.repeats)}
+                except KeyboardInterrupt:
+                    return results.interrupted([name, norm, tokens], f"the {name} {norm} norm at {tokens} tokens")
+                results.data["readings"].append(found)
+                print(json.dumps(found), flush=True)
+                results.save()
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)
