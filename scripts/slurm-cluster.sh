@@ -20,8 +20,8 @@
 # (default deltanet-launcher:cpu: `bash scripts/build-image.sh cpu`). SlurmdTimeout is 10 s, so that a lost
 # node is noticed fast; AuthInfo=cred_expire=60 (Slurm's default 120 s) is also how long 22.05 holds a requeued job
 # before it may start again (src/slurmctld/job_mgr.c: begin_time = now + the credential lifetime + 1), so a requeue
-# waits 61 s, past the old step's KillWait of 30 s; MinJobAge keeps ended jobs visible to `scontrol show job` for 10 minutes (there is no
-# accounting storage: sacct does not answer).
+# waits 61 s, past the old step's KillWait of 30 s; MinJobAge keeps ended jobs visible to `scontrol show job` for
+# 10 minutes (there is no accounting storage: sacct does not answer).
 set -euo pipefail
 
 START_TIMEOUT_S=${SLURM_START_TIMEOUT_S:-90}
