@@ -2,17 +2,18 @@
 ops, on one CUDA device.
 
     python -m benchmarks.norm_bench --out DIR [--lengths 3072,3328,3584,3072] [--norms q,k,hidden]
-                                    [--kernels fla,torch] [--repeats 10]
+                                    [--kernels fla,fla-own,torch] [--repeats 10]
 
 For each norm of the 27B shape (``q``: the attention's query norm over ``[1, T, 24, 256]``; ``k``: its key norm over
 ``[1, T, 4, 256]``; ``hidden``: a decoder layer's norm over ``[1, T, 5120]``), each kernel and each length T of
 ``--lengths`` in order: the seconds of the first call (forward and the input's backward; the weight frozen, as under
-LoRA), then the median ms of R timed calls (CUDA events). ``fla`` is FLA's ``rms_norm`` through the product's adapter
-(``patches.fused_kernels.rms_norm``), ``torch`` transformers' arithmetic (``launcher.checks.glue_kernels``). FLA's CUDA
-layer norm is tuned per bucket of 2,048 rows for widths of 512 or fewer (``fused_kernels.FLA_ROW_BUCKETED_WIDTH``),
-so its first call at a length whose bucket is new compiles and autotunes again; a length given twice (the defaults
-end with a repeat) shows what a length met before costs. Run it with an empty ``TRITON_CACHE_DIR`` to see what a
-fresh machine pays. Nothing of the product's state is changed.
+LoRA), then the median ms of R timed calls (CUDA events). ``fla`` is FLA's ``rms_norm`` as training binds it: through
+the product's adapter (``patches.fused_kernels.rms_norm``), its narrow kernels tuned once per width
+(``fused_kernels.tune_by_width``); ``fla-own`` the same kernel with FLA's own autotune keys, which tune it again at
+every bucket of 2,048 rows for widths of 512 or fewer; ``torch`` transformers' arithmetic
+(``launcher.checks.glue_kernels``). Kernels run in the order given (``fla`` before ``fla-own``: the compiled kernels
+stay in the process, so the first pays each compile). A length given twice (the defaults end with a repeat) shows
+what a length met before costs. Run it with an empty ``TRITON_CACHE_DIR`` to see what a fresh machine pays.
 
 Results go to ``DIR/norm.json``, rewritten after every reading.
 """
@@ -31,13 +32,14 @@ from benchmarks.kernel_cli import Results, counts_of, names_of, run
 # norm -> (heads, width) of Qwen3.5-27B: 24 query and 4 key heads of 256, hidden 5120
 NORMS = {"q": (SHAPE.num_attention_heads, SHAPE.head_dim), "k": (SHAPE.num_key_value_heads, SHAPE.head_dim),
          "hidden": (1, SHAPE.hidden_size)}  # fmt: skip
-KERNELS = ("fla", "torch")
+KERNELS = ("fla", "fla-own", "torch")
 EPS = 1e-6
 ROWS_PER_BUCKET = 2048  # fla-core 0.6.0 fla/modules/norm/layernorm.py: NB = cdiv(rows, 2048)
 
 
 def kernel_of(name: str):
-    """``(x, weight, eps) -> y`` for ``name``: the product's FLA adapter, or transformers' arithmetic."""
+    """``(x, weight, eps) -> y`` for ``name``: the product's FLA adapter (``fla``: tuned by width, ``fla-own``: FLA's
+    own tuning; this process's FLA kernels keep that choice until the next call), or transformers' arithmetic."""
     from launcher.checks import glue_kernels
 
     if name == "torch":
@@ -45,6 +47,9 @@ def kernel_of(name: str):
     from patches import fused_kernels
 
     fla_norm = fused_kernels.load("rms_norm", "fla")
+    fused_kernels.restore_tuning()
+    if name == "fla":
+        fused_kernels.tune_by_width()
     return lambda x, weight, eps: fused_kernels.rms_norm("fla", fla_norm, x, weight, eps)
 
 
@@ -95,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="3072,3328,3584,3072",
                         help="lengths in the order met, comma separated (default 3072,3328,3584,3072)")  # fmt: skip
     parser.add_argument("--norms", default="q,k,hidden", help="of q, k, hidden (default all three)")
-    parser.add_argument("--kernels", default="fla,torch", help="of fla, torch (default both)")
+    parser.add_argument("--kernels", default="fla,fla-own,torch", help="of fla, fla-own, torch (default all three)")
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per reading (default 10)")
     args = kernel_cli.parse("norm_bench", parser, argv, "norm.json", input_problem)
     if args is None:

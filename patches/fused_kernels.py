@@ -9,9 +9,8 @@ op          kernel                                                call shape
 ==========  ====================================================  ==========================================
 conv        ``fla.modules.causal_conv1d.causal_conv1d``           x ``[B, T, D]``, weight ``[D, W]``, optional
                                                                   ``cu_seqlens``; returns ``(y, final_state)``
-rms_norm    ``fla.modules.norm.layernorm.rms_norm`` (CUDA, norms  ``(x, weight, bias, eps=)``; fp32 inside,
-            wider than 512: ``narrow_norm``),                     output in x's dtype / ``(x, gamma, epsilon=)``
-            ``torch_npu.npu_rms_norm`` (NPU)
+rms_norm    ``fla.modules.norm.layernorm.rms_norm`` (CUDA),       ``(x, weight, bias, eps=)``; fp32 inside,
+            ``torch_npu.npu_rms_norm`` (NPU)                      output in x's dtype / ``(x, gamma, epsilon=)``
 gated_norm  ``fla.modules.norm.fused_norm_gate.rms_norm_gated``   ``(x, g, weight, bias, activation, eps=)``
 swiglu      ``fla.modules.activations.swiglu``                    ``(gate, up)`` -> ``silu(gate) * up``
 ==========  ====================================================  ==========================================
@@ -34,14 +33,19 @@ from dataclasses import dataclass
 from typing import Any
 
 OPS = ("conv", "rms_norm", "gated_norm", "swiglu")
-# fla-core 0.6.0's layer norm on CUDA (``fla/modules/norm/layernorm.py``, ``layer_norm_fwd`` / ``layer_norm_bwd``)
-# serves a normalized width of at most 512 with kernels that take ``NB = cdiv(rows, 2048)`` as a compile-time
-# constant and as an autotune key, so every new bucket of 2,048 rows compiles and autotunes the forward (9
-# configurations) and the backward (6) again; wider norms go to row kernels tuned by width alone. The attention's
-# q and k norms (head_dim 256; rows = tokens x heads) meet a new bucket every 85 (q, 24 heads) and 512 (k, 4 heads)
-# tokens of sequence length: a packed run on one H100 lost 16 to 37 s at each new length (docs/benchmarks.md,
-# "Twenty-first invocation"). Norms this narrow stay on transformers' ops on CUDA (``narrow_norm``).
-FLA_ROW_BUCKETED_WIDTH = 512
+# fla-core 0.6.0's CUDA norms of 512 channels or fewer (``fla/modules/norm/layernorm.py``: the attention's q and k
+# norms, head_dim 256; ``fused_norm_gate.py``: the gated norm, 128) run kernels that take ``NB``, a bucket of rows
+# (``cdiv(rows, 2048)``, for the gated norm ``cdiv(rows, 65536)``), as a compile-time constant and as an autotune key,
+# and use it nowhere in their bodies: every new bucket compiles and benchmarks each configuration again (9 or 6
+# for the layer norm). Rows are tokens x heads, so the q norm met a new bucket every 85 tokens of length: a packed
+# run on one H100 lost 16 to 37 s at each new length (docs/benchmarks.md, "Twenty-first invocation").
+# ``tune_by_width`` takes ``NB`` out of these keys: a kernel is tuned once per width and flags, and a new bucket
+# costs one compile of the chosen configuration.
+ROW_BUCKET_KEY = "NB"
+FLA_ROW_BUCKETED = (("fla.modules.norm.layernorm", "layer_norm_fwd_kernel"),
+                    ("fla.modules.norm.layernorm", "layer_norm_bwd_kernel"),
+                    ("fla.modules.norm.fused_norm_gate", "layer_norm_gated_fwd_kernel"),
+                    ("fla.modules.norm.fused_norm_gate", "layer_norm_gated_bwd_kernel"))  # fmt: skip
 FLA_IMPORTS = {
     "conv": ("fla.modules.causal_conv1d", "causal_conv1d"),
     "rms_norm": ("fla.modules.norm.layernorm", "rms_norm"),
@@ -77,9 +81,7 @@ def select_kernels(backend: str, wanted: dict[str, bool], fla_usable: str | None
         elif op == "rms_norm" and backend == "npu" and npu_rms_norm:
             choices[op] = Choice("torch_npu", "torch_npu.npu_rms_norm: the AscendC kernel, no Triton compile")
         elif fla_usable is None:
-            narrow = (f"; norms of {FLA_ROW_BUCKETED_WIDTH} channels or fewer stay on transformers' ops (FLA tunes "
-                      f"them per bucket of rows)") if op == "rms_norm" and backend == "cuda" else ""  # fmt: skip
-            choices[op] = Choice("fla", f"FLA's fused {op} on backend {backend}{narrow}")
+            choices[op] = Choice("fla", f"FLA's fused {op} on backend {backend}")
         else:
             choices[op] = Choice("torch", f"FLA cannot serve {op}: {fla_usable}")
     return choices
@@ -125,10 +127,30 @@ class FlaConv:
         return self
 
 
-def narrow_norm(backend: str, kernel_name: str, width: int) -> bool:
-    """Whether a ``Qwen3_5RMSNorm`` of ``width`` channels stays on transformers' ops although ``kernel_name`` serves
-    the op: FLA's CUDA kernels for it are tuned per bucket of rows (``FLA_ROW_BUCKETED_WIDTH``)."""
-    return backend == "cuda" and kernel_name == "fla" and width <= FLA_ROW_BUCKETED_WIDTH
+_rekeyed: dict[str, tuple[Any, list[str]]] = {}  # kernel -> (its autotuner, the keys FLA gave it)
+
+
+def tune_by_width() -> list[str]:
+    """Take ``ROW_BUCKET_KEY`` out of the autotune keys of FLA's row-bucketed norm kernels (``FLA_ROW_BUCKETED``);
+    idempotent. Returns the kernels whose keys changed: none where FLA's kernels are not as read in fla-core 0.6.0
+    (a kernel missing, or its key without ``NB``), and then FLA tunes as it does."""
+    from triton.runtime.autotuner import Autotuner
+
+    for module_name, name in FLA_ROW_BUCKETED:
+        tuner = getattr(importlib.import_module(module_name), name, None)
+        while tuner is not None and not isinstance(tuner, Autotuner):  # the gated norm's heuristics wrap it
+            tuner = getattr(tuner, "fn", None)
+        if tuner is not None and ROW_BUCKET_KEY in tuner.keys:
+            _rekeyed[f"{module_name}.{name}"] = (tuner, list(tuner.keys))
+            tuner.keys = [key for key in tuner.keys if key != ROW_BUCKET_KEY]
+    return sorted(_rekeyed)
+
+
+def restore_tuning() -> None:
+    """Give FLA's kernels their own autotune keys back."""
+    for tuner, keys in _rekeyed.values():
+        tuner.keys = keys
+    _rekeyed.clear()
 
 
 def rms_norm(kernel_name: str, kernel: Any, x, weight, eps: float):

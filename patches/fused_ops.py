@@ -16,8 +16,9 @@ What this patch does, per op (``fused_kernels.select_kernels``; each has an off 
 - ``rms_norm``, ``gated_norm``, ``swiglu``: the forwards of ``Qwen3_5RMSNorm``, ``Qwen3_5RMSNormGated`` and
   ``Qwen3_5MLP`` (and their MoE twins where they exist) are wrapped at class level to call the fused kernel
   with the module's own weights; the modules, their parameter names and checkpoints stay transformers'. On CUDA
-  the attention's q and k norms (512 channels or fewer) keep transformers' forward: FLA tunes its kernels for
-  them again at every new bucket of rows (``fused_kernels.narrow_norm``).
+  FLA's kernels for norms of 512 channels or fewer (the attention's q and k norms, the gated norm) are tuned once
+  per width instead of at every new bucket of rows (``fused_kernels.tune_by_width``), so a length met for the
+  first time costs a compile, not a tuning.
 
 On CUDA every op is FLA's Triton kernel; on NPU FLA's triton-ascend kernels, except the plain RMSNorm, which
 goes to ``torch_npu.npu_rms_norm`` (``fused_kernels`` says why); on CPU nothing changes (the patch records
@@ -66,7 +67,6 @@ class Options(BaseModel):
     swiglu: bool = True
 
 
-NARROW = "narrow_rms_norm"  # calls of a norm left on transformers' ops by ``fused_kernels.narrow_norm``
 _state: dict[str, Any] = {}
 _saved_conv: dict[str, Any] = {}  # module name -> causal_conv1d_fn before our first apply
 
@@ -110,12 +110,9 @@ def _count(op: str) -> None:
         calls[op] += 1
 
 
-def _make_rms_norm(name: str, kernel: Any, backend: str):
+def _make_rms_norm(name: str, kernel: Any):
     def make(original):
         def forward(self, x):
-            if fused_kernels.narrow_norm(backend, name, x.shape[-1]):
-                _count(NARROW)
-                return original(self, x)
             _count("rms_norm")
             return fused_kernels.rms_norm(name, kernel, x, self.weight, self.eps)
 
@@ -159,7 +156,7 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
     kernels = {op: fused_kernels.load(op, c.kernel) for op, c in choices.items() if c.kernel != "torch"}
     conv = fused_kernels.FlaConv(kernels["conv"]) if "conv" in kernels else None
     makers = {
-        "rms_norm": lambda: _make_rms_norm(choices["rms_norm"].kernel, kernels["rms_norm"], backend),
+        "rms_norm": lambda: _make_rms_norm(choices["rms_norm"].kernel, kernels["rms_norm"]),
         "gated_norm": lambda: _make_gated_norm(kernels["gated_norm"]),
         "swiglu": lambda: _make_swiglu(kernels["swiglu"]),
     }
@@ -171,12 +168,15 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
         for op, (suffix, method) in WRAPPED.items():
             if op in kernels:
                 wrap_once(getattr(module, prefix + suffix), method, NAME, makers[op]())
-    _state.update(proof=proof, conv=conv, choices=choices, calls=dict.fromkeys((*fused_kernels.OPS, NARROW), 0))
+    _state.update(proof=proof, conv=conv, choices=choices, calls=dict.fromkeys(fused_kernels.OPS, 0))
     trainer_hook.on_first_training_step(NAME, before=_before_first_step, after=_after_first_step)
-    return {
+    record = {
         "ops": {op: {**asdict(c), "callable": _callable_name(op, c.kernel)} for op, c in choices.items()},
         "expected_device": {"cpu": "cpu", "cuda": "cuda", "npu": "npu"}[backend],
     }
+    if backend == "cuda" and any(choices[op].kernel == "fla" for op in ("rms_norm", "gated_norm")):
+        record["fla_norms_tuned_by_width"] = fused_kernels.tune_by_width()  # empty: FLA tunes per bucket of rows
+    return record
 
 
 def _callable_name(op: str, kernel: str) -> str:
@@ -211,9 +211,8 @@ def _after_first_step(trainer, model) -> None:
     calls = {op: _state["calls"][op] - _state["calls_before"][op] for op in _state["calls"]}
     if _state["conv"] is not None:
         calls["conv"] = _state["conv"].calls - _state["conv_calls_before"]
-    narrow = calls.pop(NARROW)
     _state["proof"].update(first_training_step={"modules": _state["modules"], "fused_calls": calls,
-                                                "narrow_rms_norm_calls": narrow, "recorded_at": utc_now()})  # fmt: skip
+                                                "recorded_at": utc_now()})  # fmt: skip
 
 
 def observe(*, backend: str, proof: ProofFile) -> None:
@@ -231,6 +230,7 @@ def restore() -> None:
 
 
 def _unwrap_all() -> None:
+    fused_kernels.restore_tuning()
     for module_name, prefix in PREFIX.items():
         for suffix, method in WRAPPED.values():
             unwrap(module_name, prefix + suffix, method, NAME)

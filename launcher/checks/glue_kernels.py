@@ -76,9 +76,7 @@ def select_glue_kernels(backend: str) -> tuple[dict[str, Callable], dict[str, st
         if op == "conv":
             chosen[op] = fused_kernels.FlaConv(kernel)
         elif op == "rms_norm":
-            chosen[op] = lambda x, w, eps, _k=kernel, _n=choice.kernel: (
-                ops["rms_norm"](x, w, eps) if fused_kernels.narrow_norm(backend, _n, x.shape[-1])
-                else fused_kernels.rms_norm(_n, _k, x, w, eps))  # fmt: skip
+            chosen[op] = lambda x, w, eps, _k=kernel, _n=choice.kernel: fused_kernels.rms_norm(_n, _k, x, w, eps)
         elif op == "gated_norm":
             chosen[op] = lambda x, g, w, eps, _k=kernel: fused_kernels.gated_norm(_k, x, g, w, eps)
         else:

@@ -98,9 +98,7 @@ DECODE_CASE = Case("decode", 1, 64, 48, 128, key_heads=16, prefill=512, timing=T
 def glue_cases(quick: bool) -> tuple[Case, ...]:
     """The fused glue ops (``glue_kernels``): small shapes with T != D and batch 2, or the 27B model's shapes
     (conv over 2 x 16 x 128 + 48 x 128 channels, the hidden norm of 5120 and the 24-head q norm of 256, the
-    gated norm of the 48 value heads of 128, SwiGLU over the MLP's 17408). Each checks what training binds at that
-    width: on CUDA the norms of 512 channels or fewer (the q norm) are transformers' ops
-    (``fused_kernels.narrow_norm``)."""
+    gated norm of the 48 value heads of 128, SwiGLU over the MLP's 17408)."""
     if quick:
         return (Case("conv", 2, 150, 3, 32, op="conv", about="batch 2, T=150 != D=96"),
                 Case("conv_varlen", 1, 200, 3, 32, seq_lens=(45, 85, 70), op="conv",

@@ -39,7 +39,7 @@ def test_a_reading_names_the_rows_and_the_bucket_fla_tunes_by():
         (["--lengths", "3072,a"], "--lengths '3072,a': write whole token counts"),
         (["--lengths", "0"], "--lengths '0': give one length or more, each 1 or more"),
         (["--norms", "q,v"], "--norms 'q,v': 'v' is not one of q, k, hidden"),
-        (["--kernels", ""], "--kernels '': '' is not one of fla, torch"),
+        (["--kernels", ""], "--kernels '': '' is not one of fla, fla-own, torch"),
         (["--repeats", "0"], "--repeats 0: give 1 or more"),
     ],
 )

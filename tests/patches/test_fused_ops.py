@@ -73,23 +73,55 @@ def worst_gap(a: dict, b: dict) -> float:
     return max(float((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-12)) for n in b)
 
 
-def test_narrow_norms_stay_on_transformers_ops_on_cuda_only():
-    """FLA's CUDA layer norm is tuned per bucket of rows up to 512 channels: the 27B's q/k norms (256) stay on
-    transformers' ops there, its hidden norms (5,120) go to FLA; torch_npu's norm and other backends are not
-    affected."""
-    assert fused_kernels.narrow_norm("cuda", "fla", 256) and fused_kernels.narrow_norm("cuda", "fla", 512)
-    assert not fused_kernels.narrow_norm("cuda", "fla", 5120)
-    assert not fused_kernels.narrow_norm("npu", "torch_npu", 256) and not fused_kernels.narrow_norm("npu", "fla", 256)
-    reason = fused_kernels.select_kernels("cuda", dict.fromkeys(fused_kernels.OPS, True), None, False)["rms_norm"]
-    assert "norms of 512 channels or fewer stay on transformers' ops" in reason.reason
+def autotune_keys() -> dict[str, list[str]]:
+    """The autotune keys of the stand-in FLA's row-bucketed norm kernels (real Triton autotuners, never launched)."""
+    import importlib
+
+    from triton.runtime.autotuner import Autotuner
+
+    keys = {}
+    for module_name, name in fused_kernels.FLA_ROW_BUCKETED:
+        tuner = getattr(importlib.import_module(module_name), name)
+        while not isinstance(tuner, Autotuner):
+            tuner = tuner.fn
+        keys[name] = list(tuner.keys)
+    return keys
 
 
 @pytest.mark.usefixtures("restore_patches")
-def test_the_fused_path_computes_what_transformers_computes(tmp_path, make_tiny_model, stub_fla, monkeypatch):
-    """The tiny model's norms are all narrow (hidden 32, head_dim 16): with the limit at 16 its hidden norms go to
-    the stand-in FLA and its q/k norms stay on transformers' ops, as the 27B's do on CUDA at 512."""
+def test_on_cuda_flas_narrow_norms_are_tuned_once_per_width_and_get_their_keys_back(tmp_path, stub_fla):
+    """fla-core 0.6.0 re-tunes its norm kernels of 512 channels or fewer at every bucket of rows (``NB`` in the
+    autotune key): on CUDA the patch takes ``NB`` out of the four kernels' keys and records them; switched off, FLA's
+    own keys are back; on NPU (triton-ascend kernels, no autotuner) nothing is re-keyed."""
     stub_fla(platform="cuda")
-    monkeypatch.setattr(fused_kernels, "FLA_ROW_BUCKETED_WIDTH", 16)
+    patches.apply_enabled(ROUTING_OFF, backend="cuda", proof_dir=tmp_path / "on")
+    record = read_proof(tmp_path / "on", "fused_ops")
+    assert record["fla_norms_tuned_by_width"] == sorted(f"{m}.{n}" for m, n in fused_kernels.FLA_ROW_BUCKETED)
+    assert all("NB" not in keys and "D" in keys for keys in autotune_keys().values()), autotune_keys()
+    patches.apply_enabled(ROUTING_OFF, backend="cuda", proof_dir=tmp_path / "again")  # idempotent
+    assert read_proof(tmp_path / "again", "fused_ops")["fla_norms_tuned_by_width"] == record["fla_norms_tuned_by_width"]
+    patches.apply_enabled({**ROUTING_OFF, "fused_ops": False}, backend="cuda", proof_dir=tmp_path / "off")
+    assert all(keys[:2] == ["D", "NB"] for keys in autotune_keys().values()), autotune_keys()
+    patches.apply_enabled(ROUTING_OFF, backend="npu", proof_dir=tmp_path / "npu")
+    assert "fla_norms_tuned_by_width" not in read_proof(tmp_path / "npu", "fused_ops")
+    assert all("NB" in keys for keys in autotune_keys().values())
+
+
+@pytest.mark.usefixtures("restore_patches")
+def test_an_fla_whose_norm_kernels_differ_keeps_its_own_tuning(tmp_path, stub_fla, monkeypatch):
+    """A kernel renamed or keyed without ``NB`` is left as FLA has it, and the proof says none was re-keyed."""
+    root = stub_fla(platform="cuda")
+    for rel in ("fla/modules/norm/layernorm.py", "fla/modules/norm/fused_norm_gate.py"):
+        path = root / rel
+        path.write_text(path.read_text().replace('"NB", ', "").replace("layer_norm_bwd_kernel", "renamed"))
+    patches.apply_enabled(ROUTING_OFF, backend="cuda", proof_dir=tmp_path / "on")
+    assert read_proof(tmp_path / "on", "fused_ops")["fla_norms_tuned_by_width"] == []
+
+
+@pytest.mark.usefixtures("restore_patches")
+def test_the_fused_path_computes_what_transformers_computes(tmp_path, make_tiny_model, stub_fla):
+    """Every norm of the tiny model (hidden norms, q/k norms) goes to the stand-in FLA, as the 27B's do on CUDA."""
+    stub_fla(platform="cuda")
     patches.apply_enabled({**ROUTING_OFF, "fused_ops": False}, backend="cuda", proof_dir=tmp_path / "off")
     loss_off, grads_off = forward_backward(make_tiny_model())
     patches.apply_enabled(ROUTING_OFF, backend="cuda", proof_dir=tmp_path / "on")
@@ -97,7 +129,7 @@ def test_the_fused_path_computes_what_transformers_computes(tmp_path, make_tiny_
     assert fused_ops.census(model) == {"conv": 1, "rms_norm": 2 * 2 + 2 + 1, "gated_norm": 1, "swiglu": 2}
     loss_on, grads_on = forward_backward(model)
     calls = fused_ops._state["calls"]
-    assert calls["rms_norm"] == 2 * 2 + 1 and calls[fused_ops.NARROW] == 2, calls  # hidden norms; q and k norms
+    assert calls["rms_norm"] == 2 * 2 + 2 + 1, calls  # hidden norms, q and k norms, the final norm
     assert loss_on == pytest.approx(loss_off, rel=1e-6)
     assert worst_gap(grads_on, grads_off) < 1e-5
     from fla.modules.causal_conv1d import CALLS

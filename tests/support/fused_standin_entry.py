@@ -6,8 +6,7 @@ The real ``launcher.entry``, with two things changed in this rank only: the stan
 ``tests.support.patch_fixtures`` (fla-core 0.6.0's contracts in plain torch) is written to ``RUN_DIR/stub_fla`` and put
 first on ``sys.path``, and the ``fused_ops`` patch selects kernels as it would on CUDA, so the whole Trainer step runs
 through the adapters the patch installs on an accelerator (``FlaConv``, the class-level norm and MLP
-forwards). The DeltaNet chunk kernel stays transformers' torch one (the routing sees backend cpu), and the patch's
-CUDA-only rule for narrow norms (``fused_kernels.narrow_norm``) does not apply, so every norm takes the stand-in.
+forwards). The DeltaNet chunk kernel stays transformers' torch one (the routing sees backend cpu).
 """
 
 from __future__ import annotations

@@ -165,6 +165,18 @@ _STUB_FILES = {
     "fla/modules/norm/__init__.py": "",
     "fla/modules/norm/layernorm.py": """
         import torch
+        import triton
+        import triton.language as tl
+
+        # fla-core 0.6.0's decorators on its row-bucketed kernels (never launched here)
+        @triton.jit
+        def _kernel(x, T, D: tl.constexpr, BT: tl.constexpr, NB: tl.constexpr, IS_RMS_NORM: tl.constexpr):
+            pass
+
+
+        CONFIGS = [triton.Config({"BT": 32}, num_warps=2), triton.Config({"BT": 64}, num_warps=4)]
+        layer_norm_fwd_kernel = triton.autotune(configs=CONFIGS, key=["D", "NB", "IS_RMS_NORM"])(_kernel)
+        layer_norm_bwd_kernel = triton.autotune(configs=CONFIGS, key=["D", "NB", "IS_RMS_NORM"])(_kernel)
 
 
         def rms_norm(x, weight, bias, residual=None, eps=1e-5, prenorm=False, residual_in_fp32=False):
@@ -175,6 +187,21 @@ _STUB_FILES = {
     "fla/modules/norm/fused_norm_gate.py": """
         import torch
         import torch.nn.functional as F
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def _kernel(x, w, T, D: tl.constexpr, BT: tl.constexpr, NB: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+            pass
+
+
+        def _decorated():  # heuristics around the autotuner, as fla-core 0.6.0 has them
+            tuner = triton.autotune(configs=[triton.Config({"BT": 16}, num_warps=4)], key=["D", "NB", "HAS_WEIGHT"])
+            return triton.heuristics({"HAS_WEIGHT": lambda args: args["w"] is not None})(tuner(_kernel))
+
+
+        layer_norm_gated_fwd_kernel = _decorated()
+        layer_norm_gated_bwd_kernel = _decorated()
 
 
         def rms_norm_gated(x, g, weight, bias, activation="swish", residual=None, prenorm=False,
