@@ -10,15 +10,16 @@ from benchmarks import norm_bench
 
 
 def test_a_reading_names_the_rows_and_the_bucket_fla_tunes_by():
-    """q at 3,072 tokens: 24 heads of 256, so 73,728 rows in bucket 36 of 2,048; the hidden norm (5,120 wide) has
-    no bucket (FLA's row kernel); the call ran forward and backward once before the timer's calls."""
+    """q at 8 tokens: 24 heads of 256, so 192 rows in bucket 1 of 2,048; the hidden norm (5,120 wide) has no bucket
+    (FLA's row kernel); the gated norm's buckets are 65,536 rows of 48 heads and it gets a gate; each call ran forward
+    and backward once before the timer's calls."""
     import torch
 
     calls, seen = [], []
 
-    def kernel(x, weight, eps):
-        seen.append(tuple(x.shape))
-        return norm_bench.kernel_of("torch")(x, weight, eps)
+    def kernel(x, weight, eps, gate):
+        seen.append((tuple(x.shape), gate is not None))
+        return norm_bench.kernel_of("torch")(x, weight, eps, gate)
 
     def timer(torch, fn, repeats):
         calls.append(repeats)
@@ -27,10 +28,13 @@ def test_a_reading_names_the_rows_and_the_bucket_fla_tunes_by():
 
     found = norm_bench.measure(torch, kernel, "q", 8, 3, device="cpu", timer=timer)
     assert found["rows"] == 8 * 24 and found["bucket"] == 1 and found["forward_backward_ms"] == 0.25
-    assert seen == [(1, 8, 24, 256)] * 2 and calls == [3] and found["first_call_s"] >= 0
+    assert seen == [((1, 8, 24, 256), False)] * 2 and calls == [3] and found["first_call_s"] >= 0
     hidden = norm_bench.measure(torch, kernel, "hidden", 8, 1, device="cpu", timer=timer)
     assert hidden["bucket"] is None and hidden["rows"] == 8 and hidden["width"] == 5120
-    assert -(-3072 * 24 // norm_bench.ROWS_PER_BUCKET) == 36
+    gated = norm_bench.measure(torch, kernel, "gated", 1400, 1, device="cpu", timer=timer)
+    assert gated["rows"] == 1400 * 48 and gated["bucket"] == 2 and seen[-1] == ((1, 1400, 48, 128), True)
+    heads, _, per_bucket = norm_bench.NORMS["q"]
+    assert -(-3072 * heads // per_bucket) == 36
 
 
 @pytest.mark.parametrize(
