@@ -33,7 +33,8 @@ from benchmarks.kernel_cli import Results, counts_of, names_of, run
 
 # norm -> (heads, width, FLA's rows per tuning bucket on CUDA or None) of Qwen3.5-27B: 24 query and 4 key heads of
 # 256, hidden 5120, 48 DeltaNet value heads of 128; fla-core 0.6.0 NB = cdiv(rows, 2048) in
-# fla/modules/norm/layernorm.py for widths <= 512 (the row kernel above), cdiv(rows, 65536) in fused_norm_gate.py
+# fla/modules/norm/layernorm.py for widths <= 512 (wider ones: a row kernel, no bucket), cdiv(rows, 65536) in
+# fused_norm_gate.py
 NORMS = {"q": (SHAPE.num_attention_heads, SHAPE.head_dim, 2048), "k": (SHAPE.num_key_value_heads, SHAPE.head_dim, 2048),
          "hidden": (1, SHAPE.hidden_size, None),
          "gated": (SHAPE.linear_num_value_heads, SHAPE.linear_value_head_dim, 65536)}  # fmt: skip

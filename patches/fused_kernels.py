@@ -40,12 +40,13 @@ OPS = ("conv", "rms_norm", "gated_norm", "swiglu")
 # for the layer norm). Rows are tokens x heads, so the q norm met a new bucket every 85 tokens of length: a packed
 # run on one H100 lost 16 to 37 s at each new length (docs/benchmarks.md, "Twenty-first invocation").
 # ``tune_by_width`` takes ``NB`` out of these keys: a kernel is tuned once per width and flags, and a new bucket
-# costs one compile of the chosen configuration.
+# costs one compile of the chosen configuration. The configuration is the one tuned at the first length met: in the
+# process, or, where Triton keeps autotuning results (FLA asks it to; ``TRITON_CACHE_AUTOTUNING``), in the cache.
 ROW_BUCKET_KEY = "NB"
-FLA_ROW_BUCKETED = (("fla.modules.norm.layernorm", "layer_norm_fwd_kernel"),
-                    ("fla.modules.norm.layernorm", "layer_norm_bwd_kernel"),
-                    ("fla.modules.norm.fused_norm_gate", "layer_norm_gated_fwd_kernel"),
-                    ("fla.modules.norm.fused_norm_gate", "layer_norm_gated_bwd_kernel"))  # fmt: skip
+FLA_ROW_BUCKETED = {"rms_norm": (("fla.modules.norm.layernorm", "layer_norm_fwd_kernel"),
+                                 ("fla.modules.norm.layernorm", "layer_norm_bwd_kernel")),
+                    "gated_norm": (("fla.modules.norm.fused_norm_gate", "layer_norm_gated_fwd_kernel"),
+                                   ("fla.modules.norm.fused_norm_gate", "layer_norm_gated_bwd_kernel"))}  # fmt: skip
 FLA_IMPORTS = {
     "conv": ("fla.modules.causal_conv1d", "causal_conv1d"),
     "rms_norm": ("fla.modules.norm.layernorm", "rms_norm"),
@@ -130,13 +131,14 @@ class FlaConv:
 _rekeyed: dict[str, tuple[Any, list[str]]] = {}  # kernel -> (its autotuner, the keys FLA gave it)
 
 
-def tune_by_width() -> list[str]:
-    """Take ``ROW_BUCKET_KEY`` out of the autotune keys of FLA's row-bucketed norm kernels (``FLA_ROW_BUCKETED``);
-    idempotent. Returns the kernels whose keys changed: none where FLA's kernels are not as read in fla-core 0.6.0
-    (a kernel missing, or its key without ``NB``), and then FLA tunes as it does."""
+def tune_by_width(ops: tuple[str, ...] = tuple(FLA_ROW_BUCKETED)) -> list[str]:
+    """Take ``ROW_BUCKET_KEY`` out of the autotune keys of the row-bucketed kernels of FLA's ``ops``
+    (``FLA_ROW_BUCKETED``); idempotent. Returns every kernel re-keyed so far (until ``restore_tuning``): none where
+    FLA's kernels are not as read in fla-core 0.6.0 (a kernel missing, or its key without ``NB``), and then FLA tunes
+    as it does."""
     from triton.runtime.autotuner import Autotuner
 
-    for module_name, name in FLA_ROW_BUCKETED:
+    for module_name, name in (kernel for op in ops for kernel in FLA_ROW_BUCKETED[op]):
         tuner = getattr(importlib.import_module(module_name), name, None)
         while tuner is not None and not isinstance(tuner, Autotuner):  # the gated norm's heuristics wrap it
             tuner = getattr(tuner, "fn", None)
@@ -144,6 +146,12 @@ def tune_by_width() -> list[str]:
             _rekeyed[f"{module_name}.{name}"] = (tuner, list(tuner.keys))
             tuner.keys = [key for key in tuner.keys if key != ROW_BUCKET_KEY]
     return sorted(_rekeyed)
+
+
+def tune_chosen_norms(backend: str, choices: dict[str, Choice]) -> list[str] | None:
+    """On CUDA, ``tune_by_width`` for the norms ``choices`` gives FLA; None where no norm is FLA's on CUDA."""
+    norms = tuple(op for op in FLA_ROW_BUCKETED if choices[op].kernel == "fla")
+    return tune_by_width(norms) if backend == "cuda" and norms else None
 
 
 def restore_tuning() -> None:

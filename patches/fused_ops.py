@@ -174,8 +174,9 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
         "ops": {op: {**asdict(c), "callable": _callable_name(op, c.kernel)} for op, c in choices.items()},
         "expected_device": {"cpu": "cpu", "cuda": "cuda", "npu": "npu"}[backend],
     }
-    if backend == "cuda" and any(choices[op].kernel == "fla" for op in ("rms_norm", "gated_norm")):
-        record["fla_norms_tuned_by_width"] = fused_kernels.tune_by_width()  # empty: FLA tunes per bucket of rows
+    tuned = fused_kernels.tune_chosen_norms(backend, choices)
+    if tuned is not None:
+        record["fla_norms_tuned_by_width"] = tuned  # empty: FLA's kernels not as read, tuned per bucket of rows
     return record
 
 

@@ -67,6 +67,7 @@ def select_glue_kernels(backend: str) -> tuple[dict[str, Callable], dict[str, st
                                            fused_ops.fla_usable(backend),
                                            backend == "npu" and fused_ops.npu_rms_norm_available())  # fmt: skip
     ops = torch_ops()
+    fused_kernels.tune_chosen_norms(backend, choices)  # as ``fused_ops`` tunes them for training
     chosen: dict[str, Callable] = {}
     for op, choice in choices.items():
         if choice.kernel == "torch":

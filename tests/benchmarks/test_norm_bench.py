@@ -1,5 +1,5 @@
 """The norm benchmark's arguments and its reading (the timing needs CUDA and FLA: its results and command are in
-docs/benchmarks.md, "Twenty-first invocation"; here the reading runs transformers' arithmetic on the CPU with a
+docs/benchmarks.md, "Twenty-second invocation"; here the reading runs transformers' arithmetic on the CPU with a
 stand-in timer)."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def test_a_reading_names_the_rows_and_the_bucket_fla_tunes_by():
     [
         (["--lengths", "3072,a"], "--lengths '3072,a': write whole token counts"),
         (["--lengths", "0"], "--lengths '0': give one length or more, each 1 or more"),
-        (["--norms", "q,v"], "--norms 'q,v': 'v' is not one of q, k, hidden"),
+        (["--norms", "q,v"], "--norms 'q,v': 'v' is not one of q, k, hidden, gated"),
         (["--kernels", ""], "--kernels '': '' is not one of fla, fla-own, torch"),
         (["--repeats", "0"], "--repeats 0: give 1 or more"),
     ],

@@ -333,15 +333,17 @@ def test_glue_cases_pass_the_torch_ops_in_bf16_with_every_gradient():
 
 
 def test_on_cuda_the_norm_case_checks_flas_norm_at_each_width(monkeypatch):
-    """FLA's norm for the hidden norms and the narrow q/k norms alike, as ``fused_ops`` binds them on CUDA. A
-    stand-in: no CUDA or FLA here; the FLA kernel is a recorder."""
+    """FLA's norm for the hidden norms and the narrow q/k norms alike, its norms tuned once per width, as ``fused_ops``
+    binds them on CUDA. A stand-in: no CUDA or FLA here; the FLA kernel and the tuning are recorders."""
     from patches import fused_kernels, fused_ops
 
-    seen = []
+    seen, tuned = [], []
     monkeypatch.setattr(fused_ops, "fla_usable", lambda backend: None)
+    monkeypatch.setattr(fused_kernels, "tune_by_width", lambda ops: tuned.append(ops) or [])
     monkeypatch.setattr(fused_kernels, "load", lambda op, kernel: f"{kernel}:{op}")
     monkeypatch.setattr(fused_kernels, "rms_norm", lambda name, kernel, x, w, eps: seen.append(x.shape[-1]) or x)
     norm = glue_kernels.select_glue_kernels("cuda")[0]["rms_norm"]
+    assert tuned == [("rms_norm", "gated_norm")]
     x, w = torch.randn(2, 3, 5120), torch.zeros(5120)
     assert norm(x, w, 1e-6) is x and seen == [5120]
     x, w = torch.randn(2, 3, 256), torch.zeros(256)

@@ -80,7 +80,7 @@ def autotune_keys() -> dict[str, list[str]]:
     from triton.runtime.autotuner import Autotuner
 
     keys = {}
-    for module_name, name in fused_kernels.FLA_ROW_BUCKETED:
+    for module_name, name in (kernel for pair in fused_kernels.FLA_ROW_BUCKETED.values() for kernel in pair):
         tuner = getattr(importlib.import_module(module_name), name)
         while not isinstance(tuner, Autotuner):
             tuner = tuner.fn
@@ -94,17 +94,28 @@ def test_on_cuda_flas_narrow_norms_are_tuned_once_per_width_and_get_their_keys_b
     autotune key): on CUDA the patch takes ``NB`` out of the four kernels' keys and records them; switched off, FLA's
     own keys are back; on NPU (triton-ascend kernels, no autotuner) nothing is re-keyed."""
     stub_fla(platform="cuda")
+    own = autotune_keys()
+    without_nb = {name: [key for key in keys if key != "NB"] for name, keys in own.items()}
+    assert all("NB" in keys for keys in own.values()) and without_nb != own
     patches.apply_enabled(ROUTING_OFF, backend="cuda", proof_dir=tmp_path / "on")
     record = read_proof(tmp_path / "on", "fused_ops")
-    assert record["fla_norms_tuned_by_width"] == sorted(f"{m}.{n}" for m, n in fused_kernels.FLA_ROW_BUCKETED)
-    assert all("NB" not in keys and "D" in keys for keys in autotune_keys().values()), autotune_keys()
+    assert record["fla_norms_tuned_by_width"] == sorted(
+        f"{m}.{n}" for pair in fused_kernels.FLA_ROW_BUCKETED.values() for m, n in pair
+    )
+    assert autotune_keys() == without_nb
     patches.apply_enabled(ROUTING_OFF, backend="cuda", proof_dir=tmp_path / "again")  # idempotent
     assert read_proof(tmp_path / "again", "fused_ops")["fla_norms_tuned_by_width"] == record["fla_norms_tuned_by_width"]
+    assert autotune_keys() == without_nb
     patches.apply_enabled({**ROUTING_OFF, "fused_ops": False}, backend="cuda", proof_dir=tmp_path / "off")
-    assert all(keys[:2] == ["D", "NB"] for keys in autotune_keys().values()), autotune_keys()
+    assert autotune_keys() == own
     patches.apply_enabled(ROUTING_OFF, backend="npu", proof_dir=tmp_path / "npu")
-    assert "fla_norms_tuned_by_width" not in read_proof(tmp_path / "npu", "fused_ops")
-    assert all("NB" in keys for keys in autotune_keys().values())
+    assert "fla_norms_tuned_by_width" not in read_proof(tmp_path / "npu", "fused_ops") and autotune_keys() == own
+    # the plain norm off: only the gated norm's kernels are FLA's to re-key
+    patches.apply_enabled({**ROUTING_OFF, "fused_ops": {"rms_norm": False}}, backend="cuda", proof_dir=tmp_path / "g")
+    assert read_proof(tmp_path / "g", "fused_ops")["fla_norms_tuned_by_width"] == [
+        f"fla.modules.norm.fused_norm_gate.{n}" for n in ("layer_norm_gated_bwd_kernel", "layer_norm_gated_fwd_kernel")
+    ]
+    assert autotune_keys() == {**own, **{n: k for n, k in without_nb.items() if "gated" in n}}
 
 
 @pytest.mark.usefixtures("restore_patches")
