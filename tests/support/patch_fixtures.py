@@ -170,13 +170,17 @@ _STUB_FILES = {
 
         # fla-core 0.6.0's decorators on its row-bucketed kernels (never launched here)
         @triton.jit
-        def _kernel(x, T, D: tl.constexpr, BT: tl.constexpr, NB: tl.constexpr, IS_RMS_NORM: tl.constexpr):
+        def _kernel(x, y, T, D: tl.constexpr, BT: tl.constexpr, NB: tl.constexpr, IS_RMS_NORM: tl.constexpr,
+                    RECOMPUTE_OUTPUT: tl.constexpr):
             pass
 
 
         CONFIGS = [triton.Config({"BT": 32}, num_warps=2), triton.Config({"BT": 64}, num_warps=4)]
-        layer_norm_fwd_kernel = triton.autotune(configs=CONFIGS, key=["D", "NB", "IS_RMS_NORM"])(_kernel)
-        layer_norm_bwd_kernel = triton.autotune(configs=CONFIGS, key=["D", "NB", "IS_RMS_NORM"])(_kernel)
+        KEY = ["D", "NB", "IS_RMS_NORM"]
+        layer_norm_fwd_kernel = triton.autotune(configs=CONFIGS, key=list(KEY))(_kernel)
+        layer_norm_bwd_kernel = triton.heuristics({"RECOMPUTE_OUTPUT": lambda args: args["y"] is not None})(
+            triton.autotune(configs=CONFIGS, key=list(KEY))(_kernel)
+        )
 
 
         def rms_norm(x, weight, bias, residual=None, eps=1e-5, prenorm=False, residual_in_fp32=False):
