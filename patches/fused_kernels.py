@@ -131,17 +131,23 @@ class FlaConv:
 _rekeyed: dict[str, tuple[Any, list[str]]] = {}  # kernel -> (its autotuner, the keys FLA gave it)
 
 
+def autotuner_of(module_name: str, name: str) -> Any | None:
+    """The Triton ``Autotuner`` behind FLA's kernel ``module_name.name`` (heuristics may wrap it), or None."""
+    from triton.runtime.autotuner import Autotuner
+
+    tuner = getattr(importlib.import_module(module_name), name, None)
+    while tuner is not None and not isinstance(tuner, Autotuner):
+        tuner = getattr(tuner, "fn", None)
+    return tuner
+
+
 def tune_by_width(ops: tuple[str, ...] = tuple(FLA_ROW_BUCKETED)) -> list[str]:
     """Take ``ROW_BUCKET_KEY`` out of the autotune keys of the row-bucketed kernels of FLA's ``ops``
     (``FLA_ROW_BUCKETED``); idempotent. Returns every kernel re-keyed so far (until ``restore_tuning``): none where
     FLA's kernels are not as read in fla-core 0.6.0 (a kernel missing, or its key without ``NB``), and then FLA tunes
     as it does."""
-    from triton.runtime.autotuner import Autotuner
-
     for module_name, name in (kernel for op in ops for kernel in FLA_ROW_BUCKETED[op]):
-        tuner = getattr(importlib.import_module(module_name), name, None)
-        while tuner is not None and not isinstance(tuner, Autotuner):  # the gated norm's heuristics wrap it
-            tuner = getattr(tuner, "fn", None)
+        tuner = autotuner_of(module_name, name)
         if tuner is not None and ROW_BUCKET_KEY in tuner.keys:
             _rekeyed[f"{module_name}.{name}"] = (tuner, list(tuner.keys))
             tuner.keys = [key for key in tuner.keys if key != ROW_BUCKET_KEY]

@@ -75,17 +75,8 @@ def worst_gap(a: dict, b: dict) -> float:
 
 def autotune_keys() -> dict[str, list[str]]:
     """The autotune keys of the stand-in FLA's row-bucketed norm kernels (real Triton autotuners, never launched)."""
-    import importlib
-
-    from triton.runtime.autotuner import Autotuner
-
-    keys = {}
-    for module_name, name in (kernel for pair in fused_kernels.FLA_ROW_BUCKETED.values() for kernel in pair):
-        tuner = getattr(importlib.import_module(module_name), name)
-        while not isinstance(tuner, Autotuner):
-            tuner = tuner.fn
-        keys[name] = list(tuner.keys)
-    return keys
+    pairs = (kernel for pair in fused_kernels.FLA_ROW_BUCKETED.values() for kernel in pair)
+    return {name: list(fused_kernels.autotuner_of(module_name, name).keys) for module_name, name in pairs}
 
 
 @pytest.mark.usefixtures("restore_patches")
@@ -119,7 +110,7 @@ def test_on_cuda_flas_narrow_norms_are_tuned_once_per_width_and_get_their_keys_b
 
 
 @pytest.mark.usefixtures("restore_patches")
-def test_an_fla_whose_norm_kernels_differ_keeps_its_own_tuning(tmp_path, stub_fla, monkeypatch):
+def test_an_fla_whose_norm_kernels_differ_keeps_its_own_tuning(tmp_path, stub_fla):
     """A kernel renamed or keyed without ``NB`` is left as FLA has it, and the proof says none was re-keyed."""
     root = stub_fla(platform="cuda")
     for rel in ("fla/modules/norm/layernorm.py", "fla/modules/norm/fused_norm_gate.py"):
