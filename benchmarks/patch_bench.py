@@ -67,6 +67,7 @@ off: transformers' DeltaNet forward for unpacked steps, the key heads repeated b
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -513,11 +514,21 @@ def profile_summary(run_dir: Path, out: Path) -> dict[str, Any]:
             "markdown_copy": str(out / "profile.md") if md.is_file() else None, "trace_mib": traces}  # fmt: skip
 
 
+def robust_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Slope and intercept of the Theil-Sen line through ``points`` (x, y): the median of the slopes between every
+    two points of distinct x, and the median intercept at that slope. A least-squares line follows the one step in
+    thirty that compiles for minutes; this one does not (it holds while under about 29 % of the points stray).
+    Needs two distinct x."""
+    slope = statistics.median((y2 - y1) / (x2 - x1) for (x1, y1), (x2, y2) in itertools.combinations(points, 2)
+                              if x1 != x2)  # fmt: skip
+    return slope, statistics.median(y - slope * x for x, y in points)
+
+
 def lengths_summary(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     """Supervised tokens/s after the warm-up (over those steps' seconds, and over them less the host's seconds
     inside Triton's compile and autotune calls: the steady state), the distinct padded lengths, and the seconds
     lost to steps that met a length not seen before (each such step against a line fitted through the steps of
-    seen lengths)."""
+    seen lengths, ``robust_line``: one of them may compile too, as the first row of several samples does)."""
     measured = steps[warmup:] or steps
     seconds = sum(s["seconds"] for s in measured)
     supervised = sum(s.get("supervised_tokens") or 0 for s in measured)
@@ -528,10 +539,8 @@ def lengths_summary(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         seen.add(s.get("seq_len"))
     lost = None
     if len(repeat) >= 2 and len({s["seq_len"] for s in repeat}) >= 2:
-        xs, ys = [s["seq_len"] for s in repeat], [s["seconds"] for s in repeat]
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
-        lost = round(sum(max(0.0, s["seconds"] - (my + slope * (s["seq_len"] - mx))) for s in new), 2)
+        slope, intercept = robust_line([(s["seq_len"], s["seconds"]) for s in repeat])
+        lost = round(sum(max(0.0, s["seconds"] - (intercept + slope * s["seq_len"])) for s in new), 2)
     repeat_seconds = sum(s["seconds"] for s in repeat)
     repeat_supervised = sum(s.get("supervised_tokens") or 0 for s in repeat)
     # bench_entry times the host's seconds inside Triton's compile and autotune calls in every step (a disk-cache
@@ -665,7 +674,7 @@ def median_difference(a: dict[int, list[float]], b: dict[int, list[float]],
 
 
 def at_equal_supervised(variants: dict[str, dict[str, Any]], packed: str, unpacked: str) -> dict[str, Any] | None:
-    """The packed rows' forward+backward against their supervised tokens (least squares over every measured step of
+    """The packed rows' forward+backward against their supervised tokens (``robust_line`` over every measured step of
     every succeeded round), read at the unpacked steps' median supervised tokens, beside the unpacked median: what a
     packed row would cost holding what an unpacked step holds (a row costs what it trains on: the loss alone 18 µs a
     supervised token at the 27B shape, docs/benchmarks.md). None without the steps' supervised tokens (results
@@ -682,7 +691,7 @@ def at_equal_supervised(variants: dict[str, dict[str, Any]], packed: str, unpack
     rows, steps = pairs(packed), pairs(unpacked)
     if len({n for n, _ in rows}) < 2 or not steps:
         return None
-    slope, intercept = statistics.linear_regression([n for n, _ in rows], [s for _, s in rows])
+    slope, intercept = robust_line(rows)
     supervised = statistics.median(n for n, _ in steps)
     at = intercept + slope * supervised
     unpacked_s = statistics.median(s for _, s in steps)

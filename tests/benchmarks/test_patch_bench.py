@@ -164,14 +164,27 @@ def test_spread_samples_span_the_asked_lengths(tmp_path):
     assert min(totals) >= 100 * 0.7 and max(totals) <= 400 * 1.1 and max(totals) - min(totals) > 100
 
 
+def test_the_robust_line_ignores_a_stray_point_that_least_squares_follows():
+    points = [(x, 1.0 + 2e-4 * x) for x in (1000, 2000, 3000, 4000, 2500, 3500)] + [(2000, 130.0)]
+    slope, intercept = patch_bench.robust_line(points)
+    assert slope == pytest.approx(2e-4) and intercept == pytest.approx(1.0)
+    import statistics
+
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    assert statistics.linear_regression(xs, ys).slope < 0  # what the benchmark read before
+
+
 def test_lengths_summary_counts_new_lengths_and_the_time_they_lost():
     steps = [{"seq_len": 1000, "seconds": 30.0, "supervised_tokens": 500}]  # the first step, on its own
-    steps += [{"seq_len": n, "seconds": n / 1000, "supervised_tokens": n // 2} for n in (1000, 2000, 1000, 2000)]
+    seen = (1000, 2000, 1000, 2000, 1000, 2000)
+    steps += [{"seq_len": n, "seconds": n / 1000, "supervised_tokens": n // 2} for n in seen]
+    # a length seen before that compiles all the same (the first row of two samples): no part of the line
+    steps += [{"seq_len": 2000, "seconds": 2.0 + 120.0, "supervised_tokens": 1000}]
     steps += [{"seq_len": 3000, "seconds": 3.0 + 9.0, "supervised_tokens": 1500}]  # a new length: 9 s compile
     summary = patch_bench.lengths_summary(steps, warmup=1)
     assert summary["distinct_seq_lens"] == 3 and summary["new_length_steps"] == 2
     assert summary["seconds_lost_to_new_lengths"] == pytest.approx(9.0)
-    assert summary["supervised_tokens_per_s"] == pytest.approx((500 + 1000 + 500 + 1000 + 1500) / 18.0, rel=1e-3)
+    assert summary["supervised_tokens_per_s"] == pytest.approx(7000 / 143.0, rel=1e-3)
     assert summary["supervised_tokens_per_s_minus_compile"] is None  # these steps carry no compile time
 
 
@@ -373,9 +386,9 @@ def test_results_files_of_several_calls_pool_their_rounds(tmp_path):
 
 
 def test_the_packed_rows_are_also_read_at_the_unpacked_steps_supervised_tokens():
-    """Beside the target, not deciding it: least squares of the packed rows' forward+backward on their supervised
-    tokens over every succeeded round after the warm-up, read at the unpacked steps' median supervised tokens; None
-    for results without the steps' supervised tokens."""
+    """Beside the target, not deciding it: the robust line of the packed rows' forward+backward on their supervised
+    tokens over every succeeded round after the warm-up, read at the unpacked steps' median supervised tokens; a
+    row that compiled for two minutes does not move it; None for results without the steps' supervised tokens."""
 
     def run(seconds, supervised, state="SUCCEEDED"):
         return {"state": state, "warmup_steps": 1, "step_seconds": [9.0, *seconds], "step_periods": [9.5, *seconds],
@@ -384,14 +397,14 @@ def test_the_packed_rows_are_also_read_at_the_unpacked_steps_supervised_tokens()
     # packed: 1.0 s + 100 µs a supervised token, exactly; unpacked: 2,000 supervised tokens in 1.25 s
     variants = {"on": run([1.25, 1.26, 1.24], [2000, 2000, 2000]),
                 "spread-packed": run([1.25, 1.3, 1.2], [2500, 3000, 2000]),
-                "spread-packed#2": run([1.28], [2800]),
+                "spread-packed#2": run([1.28, 121.0], [2800, 2600]),
                 "spread-packed#3": run([5.0], [2000], state="TERMINATED")}  # fmt: skip
     row = patch_bench.targets(variants)["spread-packed-row"]
     equal = row["at_equal_supervised"]
     assert equal["slope_us_per_token"] == pytest.approx(100.0) and equal["packed_at_it_s"] == pytest.approx(1.2)
-    assert equal["unpacked_supervised"] == 2000 and equal["unpacked_s"] == 1.25 and equal["steps"] == 4
-    assert equal["difference_s"] == pytest.approx(-0.05) and equal["packed_mean_supervised"] == 2575
-    assert row["met"] is False  # the target itself compares the medians as they are: 1.265 against 1.25
+    assert equal["unpacked_supervised"] == 2000 and equal["unpacked_s"] == 1.25 and equal["steps"] == 5
+    assert equal["difference_s"] == pytest.approx(-0.05) and equal["packed_mean_supervised"] == 2580
+    assert row["met"] is False  # the target itself compares the medians as they are: 1.28 against 1.25
     for v in variants.values():
         del v["step_supervised"]
     assert patch_bench.targets(variants)["spread-packed-row"]["at_equal_supervised"] is None
