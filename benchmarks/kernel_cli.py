@@ -1,7 +1,7 @@
 """The command-line frame the one-device benchmarks share (``loss_bench``, ``deltanet_bench``, ``attention_bench``,
-``norm_bench`` on CUDA, ``collate_bench`` on the CPU): their arguments checked before anything is written, one results
-file in ``--out`` that is never overwritten and is rewritten after every reading, and an interruption (Ctrl-C,
-``timeout``, SIGTERM) that keeps the readings done and names the one it cut.
+``norm_bench``, ``lora_bench`` on CUDA, ``collate_bench`` on the CPU): their arguments checked before anything is
+written, one results file in ``--out`` that is never overwritten and is rewritten after every reading, and an
+interruption (Ctrl-C, ``timeout``, SIGTERM) that keeps the readings done and names the one it cut.
 """
 
 from __future__ import annotations

@@ -99,6 +99,11 @@ def _after_first_step(trainer, model) -> None:
     _state["proof"].update(first_training_step={"skipped_casts": skipped, "note": note, "recorded_at": utc_now()})
 
 
+def skipped_casts() -> int:
+    """The casts skipped since ``apply`` in this process; 0 while the patch is not applied."""
+    return _state.get("skipped", 0)
+
+
 def observe(*, backend: str, proof: ProofFile) -> None:
     """Disabled: PEFT casts LoRA inputs to fp32."""
     restore()

@@ -296,7 +296,8 @@ def glue_trainings(demo_assets, tiny_training, tmp_path_factory):
 def test_the_fused_glue_and_lora_cast_train_as_transformers_does(glue_trainings):
     """First loss, eval loss and the LoRA update with the new patches on and off, in bf16 (autocast on the CPU):
     the fused path rounds once where transformers rounds twice, so they agree to bf16, not to the bit; a missing
-    ``1 +`` in the norm or a swapped gate would move the loss by far more (see the planted errors above)."""
+    ``1 +`` in the norm or a swapped gate would move the loss by far more (a norm without its offset is planted in
+    tests/checks/test_validate_kernels.py)."""
     from safetensors.torch import load_file
 
     on, off = (trainer_log(glue_trainings[n]) for n in ("on", "off"))
