@@ -79,6 +79,7 @@ def measure(torch, name: str, tokens: int, rank: int, dropout: float, repeats: i
             device: str = "cuda", timer=cuda_median_ms) -> dict[str, Any]:  # fmt: skip
     """One projection both ways: the median ms of forward and of forward+backward, and (dropout 0) the gap."""
     from patches import lora_input_cast
+    from patches.registry import restore_all
 
     features = PROJECTIONS[name]
     model = lora_linear(torch, features, rank, dropout, device)
@@ -100,15 +101,17 @@ def measure(torch, name: str, tokens: int, rank: int, dropout: float, repeats: i
 
     found: dict[str, Any] = {"projection": name, "features": list(features), "tokens": tokens}
     results = {}
-    for way in WAYS:
-        set_way(way, proof_dir, device)
-        torch.manual_seed(1)
-        out = forward_backward()  # the first call, and the numbers compared below
-        results[way] = [t.detach().float().clone() for t in (out, x.grad, *(p.grad for p in trained))]
-        found[way] = {"forward_ms": round(timer(torch, forward, repeats), 3),
-                      "forward_backward_ms": round(timer(torch, forward_backward, repeats), 3),
-                      "casts_skipped": lora_input_cast.skipped_casts()}  # fmt: skip
-    lora_input_cast.restore()
+    try:
+        for way in WAYS:  # in this order in every reading (cast first)
+            set_way(way, proof_dir, device)
+            torch.manual_seed(1)
+            out = forward_backward()  # the first call, and the numbers compared below
+            results[way] = [t.detach().float().clone() for t in (out, x.grad, *(p.grad for p in trained))]
+            found[way] = {"forward_ms": round(timer(torch, forward, repeats), 3),
+                          "forward_backward_ms": round(timer(torch, forward_backward, repeats), 3),
+                          "casts_skipped": lora_input_cast.skipped_casts()}  # fmt: skip
+    finally:
+        restore_all()  # PEFT as it ships, the Trainer unhooked, whatever happened
     if dropout == 0:
         found["gap"] = max(float((a - b).norm() / b.norm().clamp_min(1e-30))
                            for a, b in zip(results["skip"], results["cast"], strict=True))  # fmt: skip

@@ -517,10 +517,13 @@ def profile_summary(run_dir: Path, out: Path) -> dict[str, Any]:
 def robust_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     """Slope and intercept of the Theil-Sen line through ``points`` (x, y): the median of the slopes between every
     two points of distinct x, and the median intercept at that slope. A least-squares line follows the one step in
-    thirty that compiles for minutes; this one does not (it holds while under about 29 % of the points stray).
-    Needs two distinct x."""
-    slope = statistics.median((y2 - y1) / (x2 - x1) for (x1, y1), (x2, y2) in itertools.combinations(points, 2)
-                              if x1 != x2)  # fmt: skip
+    thirty that compiles for minutes; this one does not while the stray points take part in under about 29 % of
+    those pairs (a stray at an x met once takes part in more of them than one at a common x). ``ValueError`` for
+    fewer than two distinct x."""
+    slopes = [(y2 - y1) / (x2 - x1) for (x1, y1), (x2, y2) in itertools.combinations(points, 2) if x1 != x2]
+    if not slopes:
+        raise ValueError("a line needs points at two distinct x at least")
+    slope = statistics.median(slopes)
     return slope, statistics.median(y - slope * x for x, y in points)
 
 
@@ -528,7 +531,8 @@ def lengths_summary(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     """Supervised tokens/s after the warm-up (over those steps' seconds, and over them less the host's seconds
     inside Triton's compile and autotune calls: the steady state), the distinct padded lengths, and the seconds
     lost to steps that met a length not seen before (each such step against a line fitted through the steps of
-    seen lengths, ``robust_line``: one of them may compile too, as the first row of several samples does)."""
+    seen lengths less their own compile seconds, where recorded: such a step may compile too, as the first row of
+    several samples does; ``robust_line`` for what the clock does not show)."""
     measured = steps[warmup:] or steps
     seconds = sum(s["seconds"] for s in measured)
     supervised = sum(s.get("supervised_tokens") or 0 for s in measured)
@@ -539,7 +543,8 @@ def lengths_summary(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         seen.add(s.get("seq_len"))
     lost = None
     if len(repeat) >= 2 and len({s["seq_len"] for s in repeat}) >= 2:
-        slope, intercept = robust_line([(s["seq_len"], s["seconds"]) for s in repeat])
+        slope, intercept = robust_line([(s["seq_len"], s["seconds"] - (s.get("compile_autotune_s") or 0.0))
+                                        for s in repeat])  # fmt: skip
         lost = round(sum(max(0.0, s["seconds"] - (intercept + slope * s["seq_len"])) for s in new), 2)
     repeat_seconds = sum(s["seconds"] for s in repeat)
     repeat_supervised = sum(s.get("supervised_tokens") or 0 for s in repeat)

@@ -42,8 +42,9 @@ OPS = ("conv", "rms_norm", "gated_norm", "swiglu")
 # ``tune_by_width`` takes ``NB`` out of these keys: a kernel is tuned once per width and flags, and a new bucket
 # costs one compile of the chosen configuration. The configuration is the one tuned at the first length met: in the
 # process, or, where Triton keeps autotuning results (FLA asks it to; ``TRITON_CACHE_AUTOTUNING``), in the cache.
-# Tuned at 512 tokens and run at 4,096 on one H100 it was within 0.01 ms of FLA's own choice at 4,096, and a new
-# length of a packed run cost 1.5 s instead of 16 to 37 (docs/benchmarks.md, "Twenty-third invocation").
+# Tuned at 512 tokens and run at 4,096 on one H100 it was as fast as FLA's own choice at 4,096 within the spread of
+# two readings, and a new length of a packed run cost 1.5 s instead of 16 to 37 (docs/benchmarks.md, "Twenty-third
+# invocation").
 ROW_BUCKET_KEY = "NB"
 FLA_ROW_BUCKETED = {"rms_norm": (("fla.modules.norm.layernorm", "layer_norm_fwd_kernel"),
                                  ("fla.modules.norm.layernorm", "layer_norm_bwd_kernel")),

@@ -33,10 +33,13 @@ def test_a_reading_runs_both_ways_and_the_skip_leaves_the_update_as_it_was(tmp_p
     assert found["skip"]["casts_skipped"] == 3
     assert found["gap"] == 0.0
     assert lora_input_cast._state == {}  # restored: PEFT as it ships
+    from patches import trainer_hook
+
+    assert not trainer_hook.is_installed()
 
 
 @pytest.mark.usefixtures("restore_patches")
-def test_with_dropout_the_ways_differ_only_by_the_mask_and_the_step_counts_every_attention_layer(tmp_path):
+def test_with_dropout_no_gap_is_read_and_the_step_counts_every_attention_layer(tmp_path):
     import torch
 
     found = lora_bench.measure(torch, "o_proj", 4, 2, 0.5, 1, tmp_path, device="cpu", timer=lambda t, fn, r: 1.0)

@@ -172,6 +172,18 @@ def test_the_robust_line_ignores_a_stray_point_that_least_squares_follows():
 
     xs, ys = [x for x, _ in points], [y for _, y in points]
     assert statistics.linear_regression(xs, ys).slope < 0  # what the benchmark read before
+    with pytest.raises(ValueError, match="two distinct x"):
+        patch_bench.robust_line([(4096, 1.0), (4096, 1.2)])
+
+
+def test_a_seen_length_that_compiles_is_fitted_without_its_compile_seconds():
+    """A stray at a length met rarely outweighs the robust line alone (in 3 of its 5 pairs); its own compile
+    seconds, recorded by bench_entry, are taken out before the fit."""
+    steps = [{"seq_len": 1000, "seconds": 30.0, "compile_autotune_s": 29.0}]
+    steps += [{"seq_len": n, "seconds": n / 1000, "compile_autotune_s": 0.0} for n in (1000, 1000, 2000, 2000)]
+    steps += [{"seq_len": 3000, "seconds": 3.0 + 9.0, "compile_autotune_s": 9.0}]  # new: 9 s lost
+    steps += [{"seq_len": 3000, "seconds": 3.0 + 120.0, "compile_autotune_s": 120.0}]  # seen, and compiling
+    assert patch_bench.lengths_summary(steps, warmup=1)["seconds_lost_to_new_lengths"] == pytest.approx(9.0)
 
 
 def test_lengths_summary_counts_new_lengths_and_the_time_they_lost():
