@@ -28,6 +28,15 @@ def names_of(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def below_one(args: argparse.Namespace, *names: str) -> str | None:
+    """``--name N: give 1 or more`` for the first of the whole-number options ``names`` (their argparse names) under
+    1, or None."""
+    for name in names:
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more"
+    return None
+
+
 class Results:
     """The benchmark's results file, ``--out``/``name``: a dict written whole after every reading."""
 

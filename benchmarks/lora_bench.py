@@ -126,15 +126,9 @@ def step_ms(readings: list[dict[str, Any]], way: str) -> float:
 
 def input_problem(args) -> str | None:
     """What is wrong with the arguments (which value, how to fix), or None; checked before anything is written."""
-    if args.tokens < 1:
-        return f"--tokens {args.tokens}: give 1 or more"
-    if args.rank < 1:
-        return f"--rank {args.rank}: give 1 or more"
     if not 0 <= args.dropout < 1:
         return f"--dropout {args.dropout}: give a probability from 0 up to, not including, 1"
-    if args.repeats < 1:
-        return f"--repeats {args.repeats}: give 1 or more"
-    return None
+    return kernel_cli.below_one(args, "tokens", "rank", "repeats")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,9 +102,7 @@ def input_problem(args) -> str | None:
         unknown = [n for n in names_of(given) if n not in known] or ([] if names_of(given) else [""])
         if unknown:
             return f"{flag} {given!r}: {unknown[0]!r} is not one of {', '.join(known)}"
-    if args.repeats < 1:
-        return f"--repeats {args.repeats}: give 1 or more"
-    return None
+    return kernel_cli.below_one(args, "repeats")
 
 
 def main(argv: list[str] | None = None) -> int:
