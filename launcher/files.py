@@ -9,6 +9,9 @@ Nothing here knows about runs; every other module writes and reads its files thr
 - ``DiskTolerantStream``: a training process's stdout or stderr (the run's log, on the run's disk) that drops
   what a refusing disk will not take instead of raising it into the training loop.
 - ``append_line``: one line appended and fsynced (``events.jsonl``).
+- ``open_regular``/``read_regular``: a regular file only (never a FIFO, a device or a socket, links followed),
+  within a byte limit; ``parse_json``: the one JSON parser of what the launcher reads, with bounds on depth,
+  values, integers, numbers and strings;
 - ``read_json_bounded``: JSON from a file of at most so many bytes and so deep, or ``Unreadable`` saying why;
   ``read_typed``: the same as a typed record (a dataclass; ``typed`` for a value already parsed, ``type_problem``
   for one value against a type), and ``unreadable``: the one line that says why not;
@@ -29,6 +32,7 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import stat
@@ -244,6 +248,7 @@ def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
 # is far below them; a file past them is damaged or planted, and is refused before it is parsed.
 MAX_JSON_BYTES = 16 << 20
 MAX_JSON_DEPTH = 64
+MAX_JSON_ITEMS = 1_000_000
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _JSON_BRACKET = re.compile(rb"[\[\]{}]")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
@@ -273,35 +278,143 @@ def json_depth(data: bytes, limit: int) -> int:
     return deepest
 
 
-def read_json_bounded(path: Path, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """The JSON value in ``path``, read only if it is at most ``max_bytes`` and ``max_depth`` deep.
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of ``path``, which must be a regular file (after links): a FIFO, a device
+    (``/dev/zero`` behind a link), a socket or a folder is refused without blocking or reading.
+
+    Opened with ``O_NONBLOCK``, so that opening a FIFO never waits for a writer; on a regular file the flag
+    changes nothing. Reads of a regular file are bounded by the caller's byte limit: a regular file cannot
+    make a read wait (a hung network mount aside, which no read of ours can time out).
 
     Raises:
         FileNotFoundError: there is no such file.
-        Unreadable: too large, too deep, not UTF-8, not JSON, or not a regular file (the message says which).
+        Unreadable: not a regular file, or it cannot be opened (the message says why).
     """
     try:
-        with open(path, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise Unreadable("not a regular file")
-            if st.st_size > max_bytes:  # stat first: a huge file is refused without reading it
-                raise Unreadable(f"{st.st_size:,} bytes, more than the {max_bytes:,} a record may have")
-            data = f.read(max_bytes + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     except FileNotFoundError:
         raise
     except OSError as err:
         raise Unreadable(shown(err.strerror or str(err))) from None
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError as err:
+        os.close(fd)
+        raise Unreadable(shown(err.strerror or str(err))) from None
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise Unreadable(f"not a regular file ({_FILE_KINDS.get(stat.S_IFMT(mode), 'a special file')})")
+    return fd
+
+
+_FILE_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+               stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a folder"}  # fmt: skip
+
+
+def read_regular(path: Path, max_bytes: int) -> bytes:
+    """The bytes of ``path`` (a regular file, ``open_regular``) when it holds at most ``max_bytes``.
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        Unreadable: not a regular file, larger than ``max_bytes``, or unreadable (the message says why).
+    """
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > max_bytes:  # stat first: a huge file is refused without reading it
+            raise Unreadable(f"{size:,} bytes, more than the {max_bytes:,} a record may have")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as err:
+        raise Unreadable(shown(err.strerror or str(err))) from None
+    finally:
+        os.close(fd)
     if len(data) > max_bytes:  # grew since the stat
         raise Unreadable(f"more than the {max_bytes:,} bytes a record may have")
+    return data
+
+
+# Bounds on a value inside a record: an integer of more digits than any count, size, pid or step the launcher
+# keeps (2**63 has 19) is damage; Python's own limit (4,300 digits) would raise a ValueError no reader expects.
+MAX_INT_DIGITS = 20
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise Unreadable(f"an integer of {len(text.lstrip('-')):,} digits")
+    return int(text)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise Unreadable(f"a number out of range ({shown(text[:40])})")
+    return value
+
+
+def _not_finite(text: str) -> float:
+    raise Unreadable(f"a non-finite number ({text})")
+
+
+def _whole_strings(value: Any) -> Any:
+    """``value`` with every lone UTF-16 surrogate (``"\\ud800"`` in JSON, which no UTF-8 text can hold) put
+    as U+FFFD, so that what is read can always be printed and written again. Depth is bounded by the caller."""
+    if isinstance(value, str):
+        return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    if isinstance(value, list):
+        return [_whole_strings(v) for v in value]
+    if isinstance(value, dict):
+        return {_whole_strings(k): _whole_strings(v) for k, v in value.items()}
+    return value
+
+
+def parse_json(data: bytes, max_depth: int = MAX_JSON_DEPTH, max_items: int = MAX_JSON_ITEMS) -> Any:
+    """The JSON value in ``data``: the one parser of everything the launcher reads (records, log lines, the
+    Trainer's state), with bounds on what it takes.
+
+    Refused: deeper than ``max_depth``, more than ``max_items`` values, integers of more than
+    ``MAX_INT_DIGITS`` digits, numbers that are not finite (``NaN``, ``Infinity``, ``1e999``), text that is not
+    UTF-8. Lone surrogates in strings become U+FFFD.
+
+    Raises:
+        Unreadable: why not (one line).
+    """
     if json_depth(data, max_depth) > max_depth:
         raise Unreadable(f"nested more than {max_depth} levels deep")
+    if _value_count(data, max_items) > max_items:
+        raise Unreadable(f"more than {max_items:,} values")
     try:
-        return json.loads(data.decode("utf-8"))
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise Unreadable("not UTF-8 text") from None
-    except (json.JSONDecodeError, RecursionError) as err:
-        raise Unreadable(f"not JSON: {shown(str(err))}") from None
+    try:
+        value = json.loads(text, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_not_finite)
+    except Unreadable:
+        raise
+    except (ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
+        raise Unreadable(f"not JSON: {shown(str(err)[:200])}") from None
+    return _whole_strings(value) if _SURROGATE_ESCAPE.search(data) else value
+
+
+def _value_count(data: bytes, limit: int) -> int:
+    """An upper bound of the values in ``data`` (its commas and opening brackets outside strings, plus one)."""
+    if len(data) <= limit:  # a value takes at least one byte: nothing to count
+        return 0
+    bare = _JSON_STRING.sub(b'""', data)
+    return bare.count(b",") + bare.count(b"[") + bare.count(b"{") + 1
+
+
+def read_json_bounded(path: Path, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH,
+                      max_items: int = MAX_JSON_ITEMS) -> Any:  # fmt: skip
+    """The JSON value in ``path`` (a regular file, ``read_regular``) parsed by ``parse_json``, read only if it
+    is at most ``max_bytes``.
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        Unreadable: not a regular file, too large, or refused by ``parse_json`` (the message says which).
+    """
+    return parse_json(read_regular(path, max_bytes), max_depth, max_items)
 
 
 def type_problem(value: Any, hint: Any) -> str | None:
@@ -428,27 +541,80 @@ def read_json_object(path: Path, max_bytes: int = MAX_JSON_BYTES) -> dict[str, A
     return _read_mapping(path, lambda p: read_json_bounded(p, max_bytes), (Unreadable,), "a JSON object")
 
 
-def read_yaml_mapping(path: Path) -> dict[str, Any] | str:
-    """The YAML mapping in ``path``, or a one-line problem description."""
+# Bounds on a YAML document the launcher reads (a run config, its overrides): a config is a few KB and uses
+# anchors rarely. An alias bomb (nested anchors, each alias repeating the one before) is a few hundred bytes that
+# expands to billions of nodes in whatever walks it (validation, a copy, json.dumps).
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_NODES = 100_000
+
+
+def load_yaml(text: str, what: str) -> Any:
+    """The YAML document in ``text`` (``yaml.safe_load``), refused in one line when it is larger than
+    ``MAX_YAML_BYTES`` or its aliases would expand it past ``MAX_YAML_NODES`` values (counted on the composed
+    node graph, where an alias is one shared node, before anything is built). ``what`` names the document.
+
+    Raises:
+        Unreadable: too large, too many aliases, or not YAML (the message says which).
+    """
     import yaml  # here: `launcher status` reads no YAML and should not pay for importing it
 
-    def load(p: Path) -> Any:
-        if p.stat().st_size > MAX_JSON_BYTES:
-            raise Unreadable(f"more than {MAX_JSON_BYTES:,} bytes")
-        return yaml.safe_load(p.read_text())
+    if len(text) > MAX_YAML_BYTES:
+        raise Unreadable(f"{what} has {len(text):,} characters, more than the {MAX_YAML_BYTES:,} a config may have")
+    try:
+        if "*" in text and (nodes := _expanded_nodes(yaml.compose(text, Loader=yaml.SafeLoader))) > MAX_YAML_NODES:
+            raise Unreadable(f"{what}: its YAML aliases (*name) expand it to {nodes:,} values, more than "
+                             f"{MAX_YAML_NODES:,} (an alias bomb?); write the values out")  # fmt: skip
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise Unreadable(f"{what} is not valid YAML: {shown(err)}") from None
+    except RecursionError:
+        raise Unreadable(f"{what} nests too deeply") from None
 
-    return _read_mapping(path, load, (yaml.YAMLError, Unreadable), "a mapping")
+
+def _expanded_nodes(root: Any) -> int:
+    """How many values the composed YAML ``root`` holds once every alias is expanded (a node reached through
+    several aliases counts each time; each node's own count is computed once)."""
+    import yaml
+
+    sizes: dict[int, int] = {}
+
+    def size(node: Any) -> int:
+        if id(node) not in sizes:
+            total = 1
+            if isinstance(node, yaml.MappingNode):
+                total += sum(size(key) + size(value) for key, value in node.value)
+            elif isinstance(node, yaml.SequenceNode):
+                total += sum(size(item) for item in node.value)
+            sizes[id(node)] = total
+        return sizes[id(node)]
+
+    return 0 if root is None else size(root)
+
+
+def read_yaml_mapping(path: Path) -> dict[str, Any] | str:
+    """The YAML mapping in ``path`` (a regular file, read by ``load_yaml``), or a one-line problem description."""
+
+    def load(p: Path) -> Any:
+        return load_yaml(read_regular(p, MAX_YAML_BYTES).decode("utf-8"), shown(p))
+
+    return _read_mapping(path, load, (Unreadable,), "a mapping")
 
 
 def read_tail(path: Path, max_bytes: int, start: int = 0) -> bytes:
-    """The last ``max_bytes`` of ``path``, never from before byte ``start``; empty if unreadable."""
+    """The last ``max_bytes`` of ``path`` (a regular file), never from before byte ``start``; empty if
+    unreadable or not a regular file."""
     try:
-        with open(path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(start, size - max_bytes))
-            return f.read()
+        fd = open_regular(path)
+    except (OSError, Unreadable):
+        return b""
+    try:
+        size = os.fstat(fd).st_size
+        offset = max(start, size - max_bytes)
+        return os.pread(fd, max(0, size - offset), offset)
     except OSError:
         return b""
+    finally:
+        os.close(fd)
 
 
 def tail_lines(path: Path, lines: int, block: int = 65536) -> str:
@@ -465,8 +631,9 @@ class FileFollower:
     new file, which is then read from its start. A file that shrank was truncated: read from its start.
     """
 
-    def __init__(self, path: Path, offset: int = 0):
+    def __init__(self, path: Path, offset: int = 0, max_bytes: int = 16 << 20):
         self.path = path
+        self.max_bytes = max_bytes
         self._file: Any = None
         self._offset = offset
 
@@ -480,14 +647,15 @@ class FileFollower:
         if self._file is None or os.fstat(self._file.fileno()).st_ino != st.st_ino or st.st_size < self._offset:
             restarted = self._file is not None
             self.close()
-            try:
-                self._file = open(self.path, "rb")  # noqa: SIM115  (kept open between calls, see above)
-            except OSError:
+            try:  # kept open between calls, see above; a FIFO or a device is never opened
+                self._file = os.fdopen(open_regular(self.path), "rb")
+            except (OSError, Unreadable):
                 return b"", False
             if restarted or st.st_size < self._offset:
                 self._offset = 0
         self._file.seek(self._offset)
-        data = self._file.read()
+        # what the stat saw, at most ``max_bytes`` a call (the rest comes at the next): a bounded read
+        data = self._file.read(max(0, min(st.st_size - self._offset, self.max_bytes)))
         self._offset += len(data)
         return data, restarted
 

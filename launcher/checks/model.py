@@ -11,7 +11,7 @@ What is checked (each function returns ``(status, detail)`` with status ``ok``, 
 - an optional checksum manifest (``SHA256SUMS`` or ``checksums.sha256``, ``sha256sum`` format) is
   verified file by file.
 
-Shard headers are read with ``launcher.results.adapter.read_header`` (``safetensors.safe_open`` needs
+Shard headers are read with ``launcher.state.safetensors_header.read_header`` (``safetensors.safe_open`` needs
 numpy or torch, maps the whole file, and reports a truncated shard as a generic error, while a
 preflight table needs "shard X: truncated, N bytes of data but the header needs M" on a host without torch).
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.files import read_json_object, sha256_file
-from launcher.results.adapter import SafetensorsError, read_header
+from launcher.state.safetensors_header import SafetensorsError, read_header
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5",)
 LAYER_KINDS = ("linear_attention", "full_attention")

@@ -62,12 +62,10 @@ def _cmd_profile(ns: argparse.Namespace) -> int:
 
 def _cmd_start(ns: argparse.Namespace) -> int:
     from launcher.run.config import load_run_config
-    from launcher.run.lock import LOCK_NAME, LockBusy, is_locked, read_owner
+    from launcher.run.lock import check_free
 
     config = load_run_config(ns.config, overrides_of(ns))  # fast host-side errors before anything is spawned
-    root = config.launcher.output_root
-    if is_locked(root):  # refuse at once; the supervisor checks again under the lock
-        raise LockBusy(root / LOCK_NAME, read_owner(root))
+    check_free(config.launcher.output_root)  # refuse at once; the supervisor checks again under the lock
     from launcher.run.control import start_detached
 
     return start_detached(config)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import math
 import re
 import sys
 import time
@@ -22,7 +23,7 @@ from launcher.files import FileFollower, read_json_object, shown, tail_lines
 from launcher.rank.oomtrack import summary
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.reconcile import ContainerView, Reconciled, inspect_container, reconcile, same_namespace
-from launcher.state.record import RecordUnreadable, RunRecord, read_record
+from launcher.state.record import RecordUnreadable, RunRecord, parse_time, read_record
 from launcher.state.runs import (
     CHECKPOINT_FOLDER,
     JOB_LOG,
@@ -31,13 +32,15 @@ from launcher.state.runs import (
     TRAINER_LOG,
     TRAINER_STATE,
     list_runs,
+    unrecorded_runs,
 )
 from launcher.state.states import RunState
 from launcher.state.trainer_log import MAX_LINE_BYTES, read_tail
 
 
 def _parse_hms(text: Any) -> float | None:
-    """LLaMA-Factory's ``elapsed_time`` is ``str(timedelta)``: ``H:MM:SS``, past a day ``2 days, H:MM:SS``."""
+    """LLaMA-Factory's ``elapsed_time`` is ``str(timedelta)``: ``H:MM:SS``, past a day ``2 days, H:MM:SS``; None
+    for anything else (``"inf"``, ``"nan"``: a float() would take them)."""
     days, _, hms = str(text).rpartition(", ")
     try:
         seconds = float(days.split()[0]) * 86400 if days else 0.0
@@ -46,7 +49,8 @@ def _parse_hms(text: Any) -> float | None:
             clock = clock * 60 + float(part)
     except (ValueError, IndexError):
         return None
-    return seconds + clock
+    total = seconds + clock
+    return total if math.isfinite(total) else None
 
 
 def _fmt_s(seconds: float | None) -> str:
@@ -63,7 +67,7 @@ def _since(iso: str | None) -> float | None:
     if not iso:
         return None
     try:
-        return (datetime.now(timezone.utc) - datetime.fromisoformat(iso)).total_seconds()  # noqa: UP017
+        return (datetime.now(timezone.utc) - parse_time(iso)).total_seconds()  # noqa: UP017
     except ValueError:
         return None
 
@@ -93,7 +97,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
     elapsed = _since(record.started) if record.ended is None else None
     if record.started and record.ended:
         try:
-            elapsed = (datetime.fromisoformat(record.ended) - datetime.fromisoformat(record.started)).total_seconds()
+            elapsed = (parse_time(record.ended) - parse_time(record.started)).total_seconds()
         except ValueError:
             elapsed = None
     checkpoint = last_complete_checkpoint(trainer_log.parent)
@@ -299,6 +303,7 @@ def show_status(run_dir: Path, as_json: bool, watch: float | None) -> int:
 
 def show_list(root: Path) -> int:
     runs = list_runs(root)
+    runs += unrecorded_runs(root)  # each a row saying why its record cannot be read
     if not runs:
         print(f"no runs under {root}")
         return ExitCode.OK

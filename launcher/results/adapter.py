@@ -1,144 +1,27 @@
-"""Read safetensors files and LoRA adapters on a host without torch: the header, each tensor as numpy.
-
-The one safetensors reader of the launcher: preflight's model check reads shard headers with it, and
-``verify`` reads the adapter.
+"""Read LoRA adapters on a host without torch: each tensor of a safetensors file as numpy (its header is read by
+``launcher.state.safetensors_header``); ``verify`` reads the adapter with it.
 
 Why not ``safetensors.numpy.load_file``: numpy has no bfloat16, so it refuses BF16 tensors
 ("data type 'bfloat16' not understood"), which is what a bf16 run can save; and a damaged file
 should be reported with evidence (which tensor, which byte range, how big the file is), not as a
-library exception. The format is small and fixed (https://github.com/huggingface/safetensors):
-an 8-byte little-endian header length, a JSON header mapping each name to ``dtype``, ``shape`` and
-``data_offsets`` relative to the end of the header, then the raw little-endian data. Tensors are
-memory-mapped, so checking a large adapter does not load it all at once.
+library exception. Tensors are memory-mapped, so checking a large adapter does not load it all at once.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from launcher.files import read_json_object
 from launcher.state.runs import ADAPTER_CONFIG, ADAPTER_FILE
+from launcher.state.safetensors_header import DTYPES, SafetensorsError, SafetensorsHeader, read_header
 
-# safetensors dtype -> (numpy dtype string, bytes per element). BF16 is read as its raw 16 bits and
-# widened to float32 (bf16 is the top half of an IEEE float32).
-_DTYPES: dict[str, tuple[str, int]] = {
-    "F64": ("<f8", 8),
-    "F32": ("<f4", 4),
-    "F16": ("<f2", 2),
-    "BF16": ("<u2", 2),
-    "I64": ("<i8", 8),
-    "I32": ("<i4", 4),
-    "I16": ("<i2", 2),
-    "I8": ("i1", 1),
-    "U8": ("u1", 1),
-    "BOOL": ("?", 1),
-    "U16": ("<u2", 2),
-    "U32": ("<u4", 4),
-    "U64": ("<u8", 8),
-    "F8_E4M3": ("u1", 1),  # read as raw bytes (never a LoRA tensor; model shards may hold them)
-    "F8_E5M2": ("u1", 1),
-}
-_MAX_HEADER = 100 << 20  # the format's own limit
 # peft saves adapter weights as base_model.model.<module>.lora_A.weight (the adapter name is dropped)
 _LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
-
-
-class SafetensorsError(ValueError):
-    """The file is not a complete, well-formed safetensors file; the message says what is wrong."""
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    start: int  # absolute byte offset in the file
-    end: int
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-
-@dataclass(frozen=True)
-class SafetensorsHeader:
-    path: Path
-    file_size: int
-    metadata: dict[str, str]
-    tensors: dict[str, TensorInfo]
-
-
-def read_header(path: Path) -> SafetensorsHeader:
-    """Parse and check the header of ``path``.
-
-    Checks that every tensor's byte range fits its dtype and shape, lies inside the file, and that
-    the file is not shorter than its header promises (a truncated copy or an interrupted save).
-
-    Raises:
-        FileNotFoundError: the file is missing.
-        SafetensorsError: with the offending value when the file is damaged.
-    """
-    size = path.stat().st_size
-    if size == 0:
-        raise SafetensorsError(f"{path}: empty file (0 bytes)")
-    with open(path, "rb") as f:
-        raw_len = f.read(8)
-        if len(raw_len) < 8:
-            raise SafetensorsError(f"{path}: {size} bytes, too short for a safetensors header")
-        (header_len,) = struct.unpack("<Q", raw_len)
-        if header_len > _MAX_HEADER or 8 + header_len > size:
-            raise SafetensorsError(
-                f"{path}: header length {header_len} does not fit in a {size}-byte file (truncated or not "
-                "a safetensors file)"
-            )
-        try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise SafetensorsError(f"{path}: header is not valid JSON ({err})") from err
-    if not isinstance(header, dict):
-        raise SafetensorsError(f"{path}: header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    base = 8 + header_len
-    tensors: dict[str, TensorInfo] = {}
-    data_end = 0
-    for name, entry in header.items():
-        info = _tensor_info(path, name, entry, base)
-        tensors[name] = info
-        data_end = max(data_end, info.end)
-    if data_end > size:
-        raise SafetensorsError(
-            f"{path}: truncated: the header describes {data_end - base} bytes of tensor data but the file "
-            f"has {size - base} (file size {size}); the copy or the save was interrupted"
-        )
-    return SafetensorsHeader(path, size, dict(metadata), tensors)
-
-
-def _tensor_info(path: Path, name: str, entry: Any, base: int) -> TensorInfo:
-    try:
-        dtype = entry["dtype"]
-        shape = tuple(int(d) for d in entry["shape"])
-        begin, end = (int(x) for x in entry["data_offsets"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise SafetensorsError(f"{path}: tensor {name!r} has a malformed header entry {entry!r}") from err
-    if dtype not in _DTYPES:
-        raise SafetensorsError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
-    info = TensorInfo(name, dtype, shape, base + begin, base + end)
-    expected = info.numel * _DTYPES[dtype][1]
-    if end < begin or end - begin != expected:
-        raise SafetensorsError(
-            f"{path}: tensor {name!r} ({dtype}, shape {list(shape)}) needs {expected} bytes but its offsets "
-            f"[{begin}, {end}] span {end - begin}"
-        )
-    return info
 
 
 def load_tensor(header: SafetensorsHeader, name: str):
@@ -146,7 +29,7 @@ def load_tensor(header: SafetensorsHeader, name: str):
     import numpy as np
 
     info = header.tensors[name]
-    np_dtype, _ = _DTYPES[info.dtype]
+    np_dtype, _ = DTYPES[info.dtype]
     if info.numel == 0:
         return np.zeros(info.shape, dtype=np.float32)
     array = np.memmap(header.path, dtype=np_dtype, mode="r", offset=info.start, shape=(info.numel,))
@@ -191,13 +74,9 @@ def read_lora_adapter(folder: Path) -> LoraAdapter:
     if missing:
         adapter.problem = f"{' and '.join(missing)} missing at the top of {folder}"
         return adapter
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        adapter.problem = f"{config_path} is unreadable ({err})"
-        return adapter
-    if not isinstance(config, dict):
-        adapter.problem = f"{config_path} does not hold a JSON object"
+    config = read_json_object(config_path)
+    if isinstance(config, str):
+        adapter.problem = config
         return adapter
     adapter.config = config
     try:

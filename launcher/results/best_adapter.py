@@ -11,12 +11,11 @@ final evaluation files (``eval_results.json``) still describe the last step's we
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher.files import read_optional, write_bytes_atomic, write_json_atomic
+from launcher.files import read_json_object, read_optional, write_bytes_atomic, write_json_atomic
 from launcher.state.runs import ADAPTER_CONFIG, ADAPTER_FILE, BEST_ADAPTER_RECORD, TRAINER_STATE
 
 ADAPTER_FILES = (ADAPTER_FILE, ADAPTER_CONFIG)
@@ -46,7 +45,9 @@ def wanted(lf: dict[str, Any]) -> bool:
 
 def keep_best_adapter(output: Path) -> dict[str, Any] | None:
     """Copy the best checkpoint's adapter files over ``output``'s and record it; None when there is no best."""
-    state = json.loads((output / TRAINER_STATE).read_text())
+    state = read_json_object(output / TRAINER_STATE)
+    if isinstance(state, str):
+        raise OSError(f"cannot keep the best checkpoint's adapter: {state}")
     best = state.get("best_model_checkpoint")
     if not best:
         return None

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 import patches
 from launcher.checks.config_rules import file_problems
 from launcher.errors import ExitCode, LauncherError
+from launcher.files import MAX_YAML_BYTES, Unreadable, load_yaml, read_regular, shown
 from launcher.run.tuning import Tuning
 
 # Keys the launcher owns in the LLaMA-Factory part: it decides where a run writes.
@@ -231,7 +232,10 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
                                            for item in bad])  # fmt: skip
     for item in items:
         key, text = (part.strip() for part in item.split("=", 1))
-        value = yaml.safe_load(text) if text else None
+        try:
+            value = load_yaml(text, f"the override {key}") if text else None
+        except Unreadable as err:
+            raise ConfigError("command line", [str(err)]) from None
         if isinstance(value, str) and _NUMBER.match(value):
             value = float(value) if any(c in value for c in ".eE") else int(value)
         values[key] = value
@@ -268,9 +272,13 @@ def read_run_config(path: Path, overrides: dict[str, Any] | None = None,
     if not path.is_file():
         return None, [f"config file not found: {path} (check the path; examples are in configs/)"]
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        return None, [f"not valid YAML: {err}"]
+        text = read_regular(path, MAX_YAML_BYTES).decode("utf-8")
+    except (Unreadable, UnicodeDecodeError) as err:
+        return None, [f"cannot read {shown(path)}: {shown(err)}"]
+    try:
+        data = load_yaml(text, shown(path))
+    except Unreadable as err:
+        return None, [str(err)]
     if not isinstance(data, dict):
         return None, [f"expected a mapping of LLaMA-Factory keys, got {type(data).__name__}"]
     if overrides:

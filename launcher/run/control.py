@@ -247,6 +247,8 @@ def resume_run(run_dir: Path, adapter_only: bool = False, foreground: bool = Fal
     if record.container and container_identity() is None:  # on the host: the run resumes in a container
         drop_hold()  # a --foreground resume held the stop signals for a supervisor this process will not be
         return resume_in_container(run_dir, record, adapter_only)
+    for why in plan.skipped:
+        print(f"note: skipped the newer {why}; it stays on disk")
     print(f"resuming from {plan.checkpoint} (step {plan.step}, {plan.mode})")
     if plan.mode == "adapter-only":
         print("note: optimizer and learning-rate schedule restart; only the adapter and step count are reloaded")

@@ -70,24 +70,7 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         """Take the lock without waiting; raise ``LockBusy`` naming the holder if it is taken."""
-        if self.path.is_symlink():  # filelock opens it without following (O_NOFOLLOW): ELOOP, a traceback
-            raise LauncherError(
-                f"the run lock {shown(self.path)} is a symbolic link (to {shown(os.readlink(self.path))}), not "
-                f"the file the launcher makes; nothing was started. Remove the link (`rm {shown(self.path)}`) "
-                "and run again",
-                ExitCode.USAGE,
-            )
-        try:
-            self._lock.acquire(blocking=False)
-        except Timeout:
-            raise LockBusy(self.path, read_owner(self.path.parent)) from None
-        except OSError as err:  # not a file the lock can be taken on (a folder, no permission)
-            raise LauncherError(
-                f"cannot take the run lock {shown(self.path)} ({shown(err.strerror or err)}); nothing was started. "
-                "It must be a regular file the launcher can open for writing: remove what is there or fix its "
-                "permissions",
-                ExitCode.USAGE,
-            ) from None
+        _take(self._lock, self.path)
         self.describe(None, None)  # at once: until the run folder exists, an earlier run's owner file is stale
         return self
 
@@ -126,14 +109,54 @@ def read_owner(root: Path) -> dict[str, Any]:
     return data if find_live(data) is not None else {}
 
 
-def is_locked(root: Path) -> bool:
-    """Whether some process holds the lock now (takes and drops it if free; never waits)."""
-    if not (root / LOCK_NAME).exists():
-        return False
-    probe = FileLock(str(root / LOCK_NAME), timeout=0, thread_local=False)
+def _take(lock: FileLock, path: Path) -> None:
+    """Take ``lock`` on ``path`` without waiting.
+
+    Raises:
+        LockBusy: another process holds it.
+        LauncherError (USAGE): ``path`` is a link or not a file the lock can be taken on, in one line.
+    """
+    if path.is_symlink():  # filelock opens it without following (O_NOFOLLOW): ELOOP, a traceback
+        raise LauncherError(
+            f"the run lock {shown(path)} is a symbolic link (to {shown(os.readlink(path))}), not "
+            f"the file the launcher makes; nothing was started. Remove the link (`rm {shown(path)}`) "
+            "and run again",
+            ExitCode.USAGE,
+        )
     try:
-        probe.acquire(blocking=False)
+        lock.acquire(blocking=False)
     except Timeout:
-        return True
+        raise LockBusy(path, read_owner(path.parent)) from None
+    except OSError as err:  # not a file the lock can be taken on (a folder, no permission)
+        raise LauncherError(
+            f"cannot take the run lock {shown(path)} ({shown(err.strerror or err)}); nothing was started. "
+            "It must be a regular file the launcher can open for writing: remove what is there or fix its "
+            "permissions",
+            ExitCode.USAGE,
+        ) from None
+
+
+def check_free(root: Path) -> None:
+    """Refuse at once when the lock of ``root`` is held or cannot be taken (takes and drops it if free; never
+    waits); the supervisor checks again under the lock.
+
+    Raises:
+        LockBusy: a live run holds it.
+        LauncherError (USAGE): the lock file is a link or cannot be opened.
+    """
+    path = root / LOCK_NAME
+    if not path.exists() and not path.is_symlink():
+        return
+    probe = FileLock(str(path), timeout=0, thread_local=False)
+    _take(probe, path)
     probe.release(force=True)
+
+
+def is_locked(root: Path) -> bool:
+    """Whether some process holds the lock of ``root`` now (``check_free``; a lock file that is a link or
+    cannot be opened raises its one-line ``LauncherError``)."""
+    try:
+        check_free(root)
+    except LockBusy:
+        return True
     return False

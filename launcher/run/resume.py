@@ -33,15 +33,17 @@ class ResumePlan:
     checkpoint: Path
     mode: Literal["exact", "adapter-only"]
     step: int
+    skipped: tuple[str, ...] = ()  # newer checkpoints passed over, each "checkpoint-N (why)"; never deleted
 
     def to_json(self) -> str:
         return json.dumps({"run_dir": str(self.run_dir), "checkpoint": str(self.checkpoint), "mode": self.mode,
-                           "step": self.step})  # fmt: skip
+                           "step": self.step, "skipped": list(self.skipped)})  # fmt: skip
 
     @classmethod
     def from_json(cls, text: str) -> ResumePlan:
         data = json.loads(text)
-        return cls(Path(data["run_dir"]), Path(data["checkpoint"]), data["mode"], int(data["step"]))
+        return cls(Path(data["run_dir"]), Path(data["checkpoint"]), data["mode"], int(data["step"]),
+                   tuple(data.get("skipped", ())))  # fmt: skip
 
 
 def plan_resume(run_dir: Path, adapter_only: bool) -> ResumePlan:
@@ -60,15 +62,18 @@ def plan_resume(run_dir: Path, adapter_only: bool) -> ResumePlan:
         raise LauncherError(f"run {run_id} ended {seen.state.value}; only stopped or failed runs are resumed "
                             f"({', '.join(sorted(s.value for s in RESUMABLE))})")  # fmt: skip
     output = run_dir / OUTPUT_SUBDIR
-    checkpoint = last_complete_checkpoint(output)
+    skipped: list[str] = []
+    checkpoint = last_complete_checkpoint(output, need_optimizer=not adapter_only, skipped=skipped)
     if checkpoint is None:
-        raise LauncherError(f"run {run_id} has no complete checkpoint in {output}; start it again "
-                            f"with `launcher start {run_dir / CONFIG_COPY}`")  # fmt: skip
-    if not checkpoint.optimizer_state and not adapter_only:
-        raise LauncherError(
-            f"checkpoint {checkpoint.path} holds only the adapter (save_only_model: true): resuming reloads "
-            "the adapter and the step count, but the optimizer and the learning-rate schedule restart from "
-            "scratch. Pass --adapter-only to accept that."
-        )
+        usable = None if adapter_only else last_complete_checkpoint(output)
+        if usable is not None:  # only checkpoints without optimizer state hold
+            raise LauncherError(
+                f"checkpoint {usable.path} holds only the adapter (save_only_model: true): resuming reloads "
+                "the adapter and the step count, but the optimizer and the learning-rate schedule restart from "
+                "scratch. Pass --adapter-only to accept that."
+            )
+        passed = f" (passed over, kept on disk: {'; '.join(skipped)})" if skipped else ""
+        raise LauncherError(f"run {run_id} has no complete checkpoint in {output}{passed}; start it "
+                            f"again with `launcher start {run_dir / CONFIG_COPY}`")  # fmt: skip
     mode = "exact" if checkpoint.optimizer_state else "adapter-only"
-    return ResumePlan(run_dir, checkpoint.path, mode, checkpoint.step)
+    return ResumePlan(run_dir, checkpoint.path, mode, checkpoint.step, tuple(skipped))

@@ -13,6 +13,7 @@ from launcher import backend as backends
 from launcher.checks.config_check import WARN
 from launcher.checks.config_rules import check_run_config
 from launcher.errors import ExitCode, LauncherError
+from launcher.procs import find_live
 from launcher.run.config import ConfigError, RunConfig
 from launcher.state.reconcile import reconcile
 from launcher.state.record import RecordUnreadable, RunStore
@@ -62,10 +63,16 @@ def check_earlier_runs(root: Path) -> list[str]:
             store = RunStore.open(run_dir)
         except RecordUnreadable:
             continue
-        if store.record.terminal:
+        run_id = store.record.run_id
+        if store.record.terminal:  # an end recorded by a supervisor that could not stop its job (supervise)
+            if live := [p.pid for p in (find_live(r) for r in store.record.processes) if p is not None]:
+                raise LauncherError(
+                    f"run {run_id} ended {store.record.state.value}, but its training processes {live} are still "
+                    f"alive; stop them first: `launcher stop {run_id}`",
+                    ExitCode.REFUSED,
+                )
             continue
         seen = reconcile(store.record, run_dir)
-        run_id = store.record.run_id
         if seen.liveness == "unknown":
             where = (store.record.container or {}).get("name") or "another pid namespace"
             seen.state, seen.note = RunState.NODE_LOST, f"its supervisor ({where}) is gone: the run lock was free"

@@ -34,7 +34,6 @@ import shutil
 import subprocess
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +42,10 @@ from launcher.errors import ExitCode, LauncherError
 from launcher.run.config import RunConfig, dump_yaml, load_run_config
 from launcher.run.container import stopped_line
 from launcher.run.job import NodeSpec
-from launcher.run.lock import LOCK_NAME, LockBusy, is_locked, read_owner
+from launcher.run.lock import check_free
 from launcher.run.rundir import make_run_dir
 from launcher.state.checkpoints import last_complete_checkpoint
-from launcher.state.record import RecordUnreadable, RunRecord, RunStore, read_record
+from launcher.state.record import RecordUnreadable, RunRecord, RunStore, parse_time, read_record
 from launcher.state.runs import (
     CONFIG_COPY,
     NODE_ROOT,
@@ -144,8 +143,7 @@ def submit(config: RunConfig, nodes: int, partition: str | None = None, time_lim
         raise LauncherError("no sbatch on this machine: `launcher submit` runs where Slurm's client commands do "
                             "(a login node)", ExitCode.USAGE)  # fmt: skip
     root = config.launcher.output_root
-    if is_locked(root):  # node 0's launcher takes this lock: a live run here would refuse it
-        raise LockBusy(root / LOCK_NAME, read_owner(root))
+    check_free(root)  # node 0's launcher takes this lock: a live run here would refuse it
     run_dir = make_run_dir(root, config.run_name)
     path = run_dir.path
     shutil.copyfile(config.source, path / CONFIG_COPY)
@@ -351,7 +349,7 @@ def stop_promise(run_dir: Path, record: RunRecord, now: bool) -> str:
     ``nodes/nodeN/`` run folder, each counted when made after this attempt started."""
     if now:
         return "no save"
-    since = datetime.fromisoformat(record.started).timestamp() if record.started else 0.0
+    since = parse_time(record.started).timestamp() if record.started else 0.0
     waiting = []
     for node in range(int((record.slurm or {}).get("nodes") or 1)):
         folders = [run_dir] if node == 0 else list_runs(run_dir / NODES_DIR / NODE_ROOT.format(node=node))[-1:]

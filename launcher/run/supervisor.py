@@ -36,7 +36,7 @@ from typing import Any
 
 from launcher.backend import child_env
 from launcher.errors import ExitCode, LauncherError
-from launcher.files import share_readable
+from launcher.files import share_readable, shown
 from launcher.procs import boot_id, container_identity, find_live, identity, self_identity, terminate, tree
 from launcher.rank.oomtrack import looks_like_oom
 from launcher.run.config import RunConfig
@@ -57,7 +57,8 @@ from launcher.run.signals import Received, StopRequested, StopSignals, end_hold_
 from launcher.run.tuning import tuning_env
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.reconcile import reconcile
-from launcher.state.record import RunStore, now_iso
+from launcher.state.record import RunStore, now_iso, parse_time
+from launcher.state.runs import TRAINER_LOG
 from launcher.state.slurmjob import lost_node
 from launcher.state.states import RunState, end_state, run_exit_code
 from launcher.state.stop import (
@@ -74,6 +75,8 @@ from launcher.state.stop import (
     skips_save,
 )
 from launcher.state.trainer_log import TrainerLogFollower
+
+MAX_SKIP_NOTES = 20  # trainer-log lines skipped with a warning each; more are counted
 
 
 def _say(text: str, err: bool = False) -> None:
@@ -127,6 +130,8 @@ class Supervisor:
     _known: dict[tuple[int, float], dict[str, Any]] = field(default_factory=dict)
     _restarts: int = 0
     _last_step: int | None = None
+    _skipped_lines: int = 0
+    _moved: str | None = None  # what became of the run folder, when it was moved or deleted mid-run
 
     @property
     def _stop_signal(self) -> int | None:
@@ -215,7 +220,13 @@ class Supervisor:
         stopped_by, why = None, None
         save_deadline: float | None = None
         asked_self = False
+        home = FolderWatch(self.run_dir.path)
         while (code := job.poll()) is None:
+            if why is None and stopped_by is None and (moved := home.moved()) is not None:
+                why, self._moved = "moved", moved
+                self._follow_folder(home)
+                self._kill_job(job, launcher.stop_grace_s)  # its output folder is gone: a save has nowhere to go
+                continue
             if self.watch_stop_request and not asked_self and self._stop_signal is None \
                     and read_stop_request(self.run_dir.path) is not None:  # fmt: skip
                 asked_self = True  # taken as a SIGTERM with the request's sender, as `launcher stop` sends it
@@ -237,6 +248,7 @@ class Supervisor:
             if follower.poll():
                 last_progress = time.monotonic()
                 changed = True
+            self._note_skipped(follower)
             state = self.store.state
             new_state = state
             if follower.summary.get("training_done"):
@@ -259,19 +271,49 @@ class Supervisor:
                                       processes=list(self._known.values()))  # fmt: skip
                 last_beat = time.monotonic()
             self._signals.wait(self.poll_s)
+        if why is None and (moved := home.moved()) is not None:  # moved as the job ended
+            why, self._moved = "moved", moved
+            self._follow_folder(home)
+        home.close()
         follower.poll()
+        self._note_skipped(follower)
         follower.close()
         share_readable(self.run_dir.output)
         self.store.record.progress = dict(follower.summary)
         self._last_step = follower.summary.get("step")
         return Ending(code, stopped_by, why, read_saved(self.run_dir.path))
 
+    def _follow_folder(self, home: FolderWatch) -> None:
+        """The run folder was moved or deleted: the record follows it to where it went (the kernel knows the moved
+        folder's path), or is written where the run began (made again) when the folder is gone."""
+        where = home.now_at() or self.run_dir.path
+        where.mkdir(parents=True, exist_ok=True)
+        self.run_dir = RunDir(self.run_dir.run_id, where)
+        self.store.run_dir = where
+        self.store.record.run_dir = str(where)
+        _say(f"error: {self._moved}; stopping the job", err=True)
+        self.store.event("run_folder_moved", what=self._moved, now=str(where))
+
+    def _note_skipped(self, follower: TrainerLogFollower) -> None:
+        """One warning (and one event) for each trainer-log line the supervisor could not use; the run goes on.
+        Past ``MAX_SKIP_NOTES`` lines of a run they are counted, not each noted."""
+        for why in follower.take_skipped():
+            self._skipped_lines += 1
+            if self._skipped_lines > MAX_SKIP_NOTES:
+                continue
+            _say(f"warning: {self.run_dir.trainer_log} {why}; line skipped, the run goes on"
+                 + (" (further skipped lines are counted, not shown)" if self._skipped_lines == MAX_SKIP_NOTES
+                    else ""), err=True)  # fmt: skip
+            self.store.event("trainer_log_line_skipped", file=TRAINER_LOG, why=why)
+        if self._skipped_lines > MAX_SKIP_NOTES and self.store.record.progress is not None:
+            self.store.record.progress["lines_skipped"] = self._skipped_lines
+
     def _record_failing_too_long(self) -> bool:
         failing = self.store.failing
         if failing is None:
             return False
         try:
-            since = datetime.fromisoformat(failing["since"])
+            since = parse_time(failing["since"])
         except (KeyError, ValueError):
             return False
         return (datetime.now(UTC) - since).total_seconds() > self._launcher.record_write_stop_s
@@ -369,6 +411,8 @@ class Supervisor:
                 what = (f"hang watchdog: no progress for {self._launcher.stall_minutes:g} min with live processes "
                         f"(stall_action: {self._launcher.stall_action}); the job was stopped: {what}")  # fmt: skip
                 what += f"; checkpoint {saved['path']} saved at step {saved['step']}" if saved else ""
+            elif ending.why == "moved":
+                what = f"{self._moved}; the job was stopped (no save: its output folder is gone): {what}"
             elif ending.why == "record":
                 failing = self.store.failing or {}
                 what = (f"the run record could not be written for {self._launcher.record_write_stop_s:g} s "
@@ -376,14 +420,19 @@ class Supervisor:
                         f"and `launcher resume {self.run_dir.run_id}`): {what}")  # fmt: skip
             if (oom := out_of_memory(self.run_dir, since=self._job_since)) is not None:
                 fields["out_of_memory"] = oom  # the phase, step, layer and fix: `launcher status` shows them
-            fields["reason"] = f"{what}\n{cause}" if cause else what
+            if cause and failed and failed.get("signal") and not cause.startswith(f"rank {failed.get('rank')}:"):
+                # the first rank died of a signal (no traceback of its own); the traceback found is another rank's
+                # consequence (a broken connection): the first failure is the reason's last line, which status shows
+                fields["reason"] = f"after it, {cause}\n{what}"
+            else:
+                fields["reason"] = f"{what}\n{cause}" if cause else what
         stop = None if stopped_by is None else ("user" if request else "external")
         state = end_state(exit_code=exit_code, signal=sig, stop=stop, accepted=accepted,
                           out_of_memory=looks_like_oom(cause) or "out_of_memory" in fields)  # fmt: skip
         if ending.why is not None and state is RunState.SUCCEEDED:  # stopped by the watchdog, yet exited 0
             state = RunState.FAILED
         retry = retry_cause(state, signal=sig, failed_rank=fields.get("failed_rank"), reason=fields.get("reason"),
-                            stopped=stopped_by is not None or ending.why == "record",
+                            stopped=stopped_by is not None or ending.why in ("record", "moved"),
                             stalled=ending.why == "stall" and self._launcher.stall_action == "restart")  # fmt: skip
         fields["run_exit_code"] = run_exit_code(state, exit_code=exit_code, signal=sig, stop_signal=stopped_by)
         return state, fields, retry
@@ -459,8 +508,9 @@ class Supervisor:
             )
             self.store.land()
         exit_code, sig = fields.get("exit_code"), fields.get("signal")
-        _say(f"run {self.run_dir.run_id} ended {state.value} "
-             f"({'exit code ' + str(exit_code) if sig is None else 'signal ' + str(sig)})\n"
+        job = "no job" if exit_code is None and sig is None else (
+            f"job exit code {exit_code}" if sig is None else f"job killed by signal {sig}")  # fmt: skip
+        _say(f"run {self.run_dir.run_id} ended {state.value} ({job}; `launcher run` exits {fields['run_exit_code']})\n"
              f"  adapter:     {self.run_dir.output}\n  trainer log: {self.run_dir.trainer_log}")  # fmt: skip
         return int(fields["run_exit_code"])
 
@@ -476,7 +526,68 @@ class Supervisor:
         return report.passed, {"checked": True, "passed": report.passed, "failed": failed, "advice": advice(report)}
 
 
+class FolderWatch:
+    """The run folder by its identity, not its path: an open descriptor of the folder (the kernel keeps its path
+    current when it is renamed) and its device and inode. ``moved`` says when the path no longer leads to it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        st = os.fstat(self._fd)
+        self._id = (st.st_dev, st.st_ino)
+
+    def moved(self) -> str | None:
+        """None while the path leads to the folder; else what became of it, as one sentence."""
+        try:
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == self._id:
+                return None
+        except OSError:
+            pass
+        now = self.now_at()
+        if now is None:
+            return f"the run folder {self.path} was deleted while the run was going on"
+        return f"the run folder {self.path} was moved to {now} while the run was going on"
+
+    def now_at(self) -> Path | None:
+        """Where the folder is now (``/proc/self/fd``), or None when it was deleted."""
+        try:
+            target = os.readlink(f"/proc/self/fd/{self._fd}")
+        except OSError:
+            return None
+        return None if target.endswith(" (deleted)") or not Path(target).is_dir() else Path(target)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
 # --- entry points -----------------------------------------------------------------------------------
+
+
+def _stop_the_job(store: RunStore, grace_s: float) -> str | None:
+    """A supervisor that fails with its job alive stops the job's processes before it gives up the lock (the lock
+    is what refuses a second run on the root). Whatever cannot be stopped stays in the record's ``processes``,
+    which the next ``start`` checks (``setup.check_earlier_runs``). Returns what was done, for the reason."""
+    known = {(p.get("pid"), p.get("create_time")): p for p in store.record.processes}
+    if store.record.job_pid is not None:  # what the job started since the last heartbeat
+        for proc in tree(store.record.job_pid):
+            try:
+                ident = identity(proc)
+            except Exception:  # ended while we looked
+                continue
+            known.setdefault((ident["pid"], ident["create_time"]), ident)
+    live = [p for p in (find_live(r) for r in known.values()) if p is not None]
+    if not live:
+        return None
+    try:
+        terminate(live, grace_s=grace_s)
+    except Exception:  # stopping is best effort here: what is left is recorded and refused below
+        pass
+    left = [r for r in known.values() if find_live(r) is not None]
+    store.record.processes = left
+    if left:
+        return f"{len(left)} job process(es) could not be stopped: {[r['pid'] for r in left]}"
+    return f"the job's {len(live)} live process(es) were stopped"
 
 
 def _adopt(prepared: Prepared, path: Path) -> tuple[RunDir, RunStore, dict[str, Any], Any]:
@@ -537,7 +648,8 @@ def _open_run(prepared: Prepared, lock: RunLock, resume: ResumePlan | None,
         saved_checkpoint=None, resumed_from=resumed_from, resume_mode=resume_mode, hostname=socket.gethostname(),
     )  # fmt: skip
     store.event("created" if resume is None and attempt == 1 else "resumed", config=str(config.source),
-                attempt=attempt, checkpoint=resumed_from)  # fmt: skip
+                attempt=attempt, checkpoint=resumed_from,
+                **({"skipped": list(resume.skipped)} if resume is not None and resume.skipped else {}))  # fmt: skip
     write_run_files(config, backend, run_dir, lf_args, attempt=attempt)
     store.reserve()  # room for the end record should the disk fill up during the run
     return run_dir, store, attempt
@@ -626,10 +738,13 @@ def supervise(config: RunConfig, *, echo: bool = True, handshake: Handshake | No
             slurm_job=slurm_job,
         ).run()
     except BaseException as err:  # record any supervisor failure before giving up the lock
+        left = _stop_the_job(store, config.launcher.stop_grace_s)
         if not store.record.terminal:
             state = RunState.FAILED_SETUP if store.state is RunState.PENDING else RunState.FAILED
-            store.record_end(state, reason=f"supervisor error: {type(err).__name__}: {err}",
-                             run_exit_code=run_exit_code(state, exit_code=1))  # fmt: skip
+            reason = f"supervisor error: {type(err).__name__}: {shown(str(err)[:500])}"
+            if left:
+                reason += f"; {left}"
+            store.record_end(state, reason=reason, run_exit_code=run_exit_code(state, exit_code=1))
         if not store.landed:  # the end must be on disk before the lock is given up
             store.land()
         raise

@@ -28,7 +28,15 @@ from pathlib import Path
 from typing import Any, TypedDict, get_type_hints
 
 from launcher.errors import ExitCode, LauncherError
-from launcher.files import Unreadable, append_line, read_json_bounded, type_problem, unreadable, write_json_atomic
+from launcher.files import (
+    Unreadable,
+    append_line,
+    kind_of,
+    read_json_bounded,
+    type_problem,
+    unreadable,
+    write_json_atomic,
+)
 from launcher.state.runs import EVENTS_FILE, OUTPUT_SUBDIR, RESERVE_FILE, STATUS_FILE, TRAINER_LOG
 from launcher.state.states import TERMINAL, RunState, check_transition
 
@@ -39,10 +47,24 @@ READABLE_SCHEMAS = (1, 2)  # schema 1 had the same keys, with absolute paths
 # bounds the file is damaged or planted and is refused before it is parsed (launcher.files.read_json_bounded).
 MAX_RECORD_BYTES = 4 << 20
 MAX_RECORD_DEPTH = 32
+MAX_RECORD_ITEMS = 100_000  # a record of a thousand restarts holds some tens of thousands of values
 
 
 def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def parse_time(text: str) -> datetime:
+    """An ISO 8601 timestamp of a record as an aware datetime: one without a UTC offset is taken as UTC (the
+    launcher writes UTC; a hand-edited or foreign record may leave the offset out).
+
+    Raises:
+        ValueError: not an ISO 8601 timestamp.
+    """
+    if not isinstance(text, str) or len(text) > 64:
+        raise ValueError(f"not a timestamp: {text!r:.70}")
+    moment = datetime.fromisoformat(text)
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 class RecordUnreadable(LauncherError):
@@ -220,6 +242,12 @@ class RunRecord:
         for key, value in values.items():
             if key != "state" and (why := type_problem(value, hints[key])):
                 raise RecordUnreadable(path, f"field {key!r}: {why}")
+        for key in TIME_FIELDS:  # every reader computes with them: aware, or the record is refused here
+            if values.get(key) is not None:
+                try:
+                    values[key] = parse_time(values[key]).isoformat()
+                except ValueError:
+                    raise RecordUnreadable(path, f"field {key!r}: {kind_of(values[key])}, not a timestamp") from None
         try:
             return cls(**values)
         except TypeError as err:  # a required field missing
@@ -239,6 +267,7 @@ class RunRecord:
 
 
 _FIELD_TYPES: dict[str, Any] = {}
+TIME_FIELDS = ("created", "updated", "started", "heartbeat", "ended")
 
 
 def _field_types() -> dict[str, Any]:
@@ -256,7 +285,7 @@ def read_record(run_dir: Path) -> RunRecord:
     """
     path = run_dir / STATUS_FILE
     try:
-        data = read_json_bounded(path, MAX_RECORD_BYTES, MAX_RECORD_DEPTH)
+        data = read_json_bounded(path, MAX_RECORD_BYTES, MAX_RECORD_DEPTH, MAX_RECORD_ITEMS)
     except FileNotFoundError:
         raise RecordUnreadable(path, "missing") from None
     except Unreadable as err:

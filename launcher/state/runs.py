@@ -161,6 +161,17 @@ def run_dir_for(run: str | Path | None, root: Path | None = None) -> Path:
     return resolve_run_dir(run, root) if run else newest_run_dir(root)
 
 
+def unrecorded_runs(root: Path) -> list[Path]:
+    """Folders under ``root`` that hold a run's files (its config copy, events or launch file) but no regular
+    ``status.json`` (deleted, or something else in its place): ``launcher list`` names them rather than leave
+    them out. Sorted by name."""
+    try:
+        folders = [p for p in root.iterdir() if p.is_dir() and not (p / STATUS_FILE).is_file()]
+    except OSError:
+        return []
+    return sorted(p for p in folders if any((p / name).exists() for name in (CONFIG_COPY, EVENTS_FILE, LAUNCH_FILE)))
+
+
 def list_runs(root: Path) -> list[Path]:
     """The run directories under ``root`` (folders with a ``status.json``), oldest first by record time."""
     try:

@@ -19,14 +19,14 @@ the supervisor records and ``launcher status`` shows without reading the whole l
 
 from __future__ import annotations
 
-import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher.files import FileFollower
+from launcher.files import FileFollower, Unreadable, kind_of, open_regular, parse_json
 
 _BLOCK = 8192
 # One line of LLaMA-Factory's log is a few hundred bytes; a longer one than this is damage (or planted) and
@@ -37,25 +37,37 @@ _SKIP_BLOCK = 1 << 20
 # another type is skipped like a line that is not JSON.
 _NUMBER_KEYS = ("loss", "eval_loss", "lr", "epoch", "percentage", "throughput", "total_tokens")
 _STEP_KEYS = ("current_steps", "total_steps")
+_TIME_KEYS = ("elapsed_time", "remaining_time")
+_DURATION = re.compile(r"(-?\d{1,9} days?, )?\d{1,2}:\d{2}:\d{2}(\.\d{1,6})?")
+_LINE_DEPTH = 8  # LLaMA-Factory's lines are flat objects
 
 
-def _typed(record: dict[str, Any]) -> bool:
-    def number(v: Any) -> bool:
-        return isinstance(v, int | float) and not isinstance(v, bool)
-
-    return all(
-        isinstance(record[k], int) and not isinstance(record[k], bool) for k in _STEP_KEYS if k in record
-    ) and all(record[k] is None or number(record[k]) for k in _NUMBER_KEYS if k in record)
+def line_problem(line: bytes) -> tuple[dict[str, Any] | None, str | None]:
+    """One line of the log as a typed record, or why it is skipped (``files.parse_json``'s bounds: a 5,000-digit
+    step, a non-finite number, a lone surrogate is made whole; then the types the launcher computes with)."""
+    if len(line) > MAX_LINE_BYTES:
+        return None, f"longer than {MAX_LINE_BYTES:,} bytes"
+    try:
+        record = parse_json(line, max_depth=_LINE_DEPTH)
+    except Unreadable as err:
+        return None, str(err)
+    if not isinstance(record, dict):
+        return None, f"{kind_of(record)}, not an object"
+    for key in _STEP_KEYS:
+        if key in record and (not isinstance(record[key], int) or isinstance(record[key], bool) or record[key] < 0):
+            return None, f"{key!r} is {kind_of(record[key])}, not a step"
+    for key in _NUMBER_KEYS:
+        if key in record and record[key] is not None and (not isinstance(record[key], int | float)
+                                                          or isinstance(record[key], bool)):  # fmt: skip
+            return None, f"{key!r} is {kind_of(record[key])}, not a number"
+    for key in _TIME_KEYS:  # str(timedelta): "H:MM:SS", past a day "2 days, H:MM:SS"
+        if key in record and not (isinstance(record[key], str) and _DURATION.fullmatch(record[key])):
+            return None, f"{key!r} is {kind_of(record[key])}, not a duration"
+    return record, None
 
 
 def _parse(line: bytes) -> dict[str, Any] | None:
-    if len(line) > MAX_LINE_BYTES:
-        return None
-    try:
-        record = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        return None
-    return record if isinstance(record, dict) and _typed(record) else None
+    return line_problem(line)[0]
 
 
 def _read_block(fd: int, offset: int, size: int) -> bytes:
@@ -82,8 +94,8 @@ def read_tail(path: Path, count: int = 1, block: int = _BLOCK, max_line: int = M
     """
     tail = Tail()
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+        fd = open_regular(path)  # a FIFO or a device in its place is never opened for reading
+    except (OSError, Unreadable):
         return tail
     try:
         records = tail.records  # newest first until the end
@@ -143,17 +155,26 @@ def read_trainer_log_tail(path: Path, count: int = 1, block: int = _BLOCK) -> li
 
 
 def iter_trainer_log(path: Path) -> Iterator[dict[str, Any]]:
-    """Stream the complete records of a trainer log; a half-written last line is skipped."""
+    """Stream the complete records of a trainer log (a regular file); a half-written last line is skipped, and
+    a line over ``MAX_LINE_BYTES`` is skipped without being held."""
     try:
-        with open(path, "rb") as f:
-            for line in f:
-                if not line.endswith(b"\n"):
-                    return  # the writer has not finished this line yet
-                record = _parse(line) if line.strip() else None
-                if record is not None:
-                    yield record
-    except FileNotFoundError:
+        f = os.fdopen(open_regular(path), "rb")
+    except (OSError, Unreadable):
         return
+    with f:
+        overlong = False
+        while line := f.readline(MAX_LINE_BYTES + 1):
+            if not line.endswith(b"\n"):
+                if len(line) <= MAX_LINE_BYTES:
+                    return  # the writer has not finished this line yet
+                overlong = True  # the rest of it follows: skipped up to its newline
+                continue
+            if overlong:
+                overlong = False
+                continue
+            record = _parse(line) if line.strip() else None
+            if record is not None:
+                yield record
 
 
 class TrainerLogFollower:
@@ -170,14 +191,22 @@ class TrainerLogFollower:
         self._file = FileFollower(path)
         self._partial = b""
         self._skipping = False
+        self._line = 0  # lines read of the file as it is now (a recreated file counts from 1 again)
         self.long_lines_skipped = 0
         self.summary: dict[str, Any] = {}
+        self.skipped: list[str] = []  # "line N: why" of each line skipped since the caller last took them
+
+    def take_skipped(self) -> list[str]:
+        """The lines skipped since the last call (``line N: why``), each handed out once."""
+        skipped, self.skipped = self.skipped, []
+        return skipped
 
     def poll(self) -> bool:
-        """Read what was appended; return True if at least one new record arrived."""
+        """Read what was appended; return True if at least one new record arrived. A line that cannot be used
+        (not JSON, out of bounds, a key of the wrong type) is skipped and noted in ``skipped``."""
         data, restarted = self._file.read_new()
         if restarted:
-            self._partial, self._skipping = b"", False
+            self._partial, self._skipping, self._line = b"", False, 0
         if not data:
             return False
         lines = (self._partial + data).split(b"\n")
@@ -190,12 +219,18 @@ class TrainerLogFollower:
         if len(self._partial) > MAX_LINE_BYTES:  # never held, never joined again: skipped up to its newline
             self._partial, self._skipping = b"", True
             self.long_lines_skipped += 1
+            self.skipped.append(f"line {self._line + len(lines) + 1}: longer than {MAX_LINE_BYTES:,} bytes")
         seen = False
         for line in lines:
-            record = _parse(line) if line.strip() else None
-            if record is not None:
-                self._add(record)
-                seen = True
+            self._line += 1
+            if not line.strip():
+                continue
+            record, why = line_problem(line)
+            if record is None:
+                self.skipped.append(f"line {self._line}: {why}")
+                continue
+            self._add(record)
+            seen = True
         return seen
 
     def close(self) -> None:

@@ -847,6 +847,7 @@ def test_the_record_names_the_process_that_sent_sigterm_to_a_foreground_run(tmp_
     status = read_status(run_dir)
     out = (tmp_path / "run.out").read_text()
     assert rc == 143 and status["state"] == "TERMINATED", out[-3000:]
+    assert "ended TERMINATED (job " in out and "; `launcher run` exits 143)" in out, out[-3000:]  # the code it exits
     assert status["stopped_by"].startswith(f"SIGTERM from pid {sender.pid} ("), status["stopped_by"]
     assert "stop-sender" in status["stopped_by"] and f"uid {os.getuid()})" in status["stopped_by"]
     assert status["stop_sender"]["pid"] == sender.pid and status["stop_sender"]["uid"] == os.getuid()

@@ -10,7 +10,7 @@ import yaml
 
 from launcher.errors import LauncherError
 from launcher.run.resume import plan_resume
-from tests.support.common import launcher_cmd, make_config, only_run_dir, read_jsonl
+from tests.support.common import EMPTY_SAFETENSORS, launcher_cmd, make_config, only_run_dir, read_jsonl
 from tests.support.fake_runs import write_record
 
 
@@ -22,9 +22,9 @@ def crafted_run(tmp_path, state: str, checkpoints: dict[int, bool]):
     for step, exact in checkpoints.items():
         ckpt = run_dir / "output" / f"checkpoint-{step}"
         ckpt.mkdir()
-        (ckpt / "adapter_model.safetensors").write_bytes(b"x" * 16)
+        (ckpt / "adapter_model.safetensors").write_bytes(EMPTY_SAFETENSORS)
         (ckpt / "adapter_config.json").write_text("{}")
-        (ckpt / "trainer_state.json").write_text("{}")
+        (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step}))
         if exact:
             (ckpt / "optimizer.pt").write_bytes(b"o")
             (ckpt / "scheduler.pt").write_bytes(b"s")

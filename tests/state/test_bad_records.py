@@ -25,6 +25,10 @@ VERBS = ("status", "list", "stop", "resume", "verify", "report", "logs")
 DOCUMENTED = {int(c) for c in ExitCode}
 # values of every JSON kind, and the shapes the issue's probes used
 ODD = [5, -1, 2.5, True, None, "x", "", [], [1], {}, {"a": 1}, [{"a": "x"}], {"pid": "x"}, "a\nb\x1b[2J", 10**30]
+# ... and what only raw JSON text holds (issue 64): past Python's int() digit limit, non-finite numbers, lone
+# surrogates, a timestamp without an offset, a list of a million entries
+RAW = ["9" * 5000, "-" + "1" * 4400, "NaN", "Infinity", "-Infinity", "1e999", '"\\ud800"', '"x\\udfffy"',
+       '"2026-12-07T10:00:00"', "[" + ",".join(["{}"] * 1_000_001) + "]"]  # fmt: skip
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -40,6 +44,8 @@ def mutations(record: dict[str, Any], seed: int = 30) -> list[tuple[str, bytes]]
     for key in record:
         for value in rng.sample(ODD, 5):
             found.append((f"{key}={value!r}", json.dumps({**record, key: value}).encode()))
+        for raw in rng.sample(RAW, 3):  # values json.dumps cannot write: spliced in as JSON text
+            found.append((f"{key}={raw[:20]}", json.dumps({**record, key: "<raw>"}).replace('"<raw>"', raw).encode()))
         found.append((f"no {key}", json.dumps({k: v for k, v in record.items() if k != key}).encode()))
     text = json.dumps(record).encode()
     found += [("truncated", text[: len(text) // 2]), ("not utf-8", b"\xff\xfe" + text), ("a list", b"[1, 2]"),

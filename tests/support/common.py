@@ -4,6 +4,7 @@ reading JSON lines and finding a run folder."""
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -57,3 +58,8 @@ def only_run_dir(root: Path) -> Path:
     runs = [p for p in root.iterdir() if p.is_dir()]
     assert len(runs) == 1, f"expected one run folder in {root}, found {runs}"
     return runs[0]
+
+
+# The smallest well-formed safetensors file (a header of no tensors): what a fake checkpoint holds where the
+# launcher reads the weights' header before it takes the checkpoint (state/checkpoints.damage).
+EMPTY_SAFETENSORS = struct.pack("<Q", 2) + b"{}"

@@ -48,6 +48,7 @@ from typing import Any
 
 from launcher.rank.entry import write_error_file
 from launcher.state.runs import SAVE_DONE, SAVE_READY, SAVE_REQUEST
+from tests.support.common import EMPTY_SAFETENSORS
 
 SPEC_ENV = "FAKE_RANK_SPEC"
 PIDS_DIR = "fake_ranks"
@@ -76,7 +77,7 @@ def write_checkpoint(output: Path, step: int) -> None:
     """A small checkpoint folder that the launcher's checkpoint scan reads as complete (and exact)."""
     tmp = output / f"tmp-checkpoint-{step}"
     tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "adapter_model.safetensors").write_bytes(b"\0" * 64)
+    (tmp / "adapter_model.safetensors").write_bytes(EMPTY_SAFETENSORS)
     (tmp / "adapter_config.json").write_text("{}")
     (tmp / "trainer_state.json").write_text(json.dumps({"global_step": step}))
     (tmp / "optimizer.pt").write_bytes(b"o")
