@@ -20,7 +20,7 @@ row of ``--tokens`` tokens, forward and backward, for every route of ``--routes`
 - ``per-sample``: the packed row as SDPA causal on each sample alone, without a mask (torch picks the backend, which
   the kernels below name), each call on a window of the row from the sample's first token, its length rounded up to
   ``--bucket`` tokens (zeros after the row's end), so that cuDNN, which builds a graph for every new shape, meets
-  few: a route the product tried and dropped (docs/benchmarks.md, "Nineteenth invocation");
+  few: a route the product tried and dropped (docs/lab/2026-12-06-one-sample-route.md);
 - ``masked``: SDPA with the 4D block-diagonal mask (the packed row's route where no varlen kernel is).
 
 Per route: the first forward+backward timed alone (``first_call_ms``: with the graphs cuDNN builds for shapes new

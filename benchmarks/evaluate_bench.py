@@ -234,7 +234,7 @@ def _evaluate(out: Path, run_dir: Path, results: dict[str, Any], command: str, n
                                         batch_size=ns.batch_size)  # fmt: skip
         except KeyboardInterrupt:  # launcher.run.evaluate has stopped its child: keep the evaluations done
             found = {"ok": False, "interrupted": True, "wall_s": round(time.monotonic() - started, 1)}
-        found["command"] = command  # with the settings it ran with: --reuse may differ from the first invocation
+        found["command"] = command  # with the settings it ran with: --reuse may differ from the training call
         found["settings"] = {"batch_size": ns.batch_size, "max_new_tokens": ns.max_new_tokens,
                              "max_prompts": ns.max_prompts,
                              "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR")}  # fmt: skip

@@ -9,7 +9,7 @@ row of ``--tokens`` final hidden states (Qwen3.5-27B: hidden 5120, vocabulary 24
 as under LoRA), forward and backward under bf16 autocast, for each count of supervised tokens of ``--supervised``
 (the last positions of the row but one). Per count: one untimed call, then the median ms of ``R`` timed calls
 (CUDA events). A packed row and an unpacked step of the same length differ in how many of their tokens are
-supervised; this prices that difference (docs/benchmarks.md, "Eighteenth invocation").
+supervised; this prices that difference (docs/lab/2026-12-06-unrepeated-key-heads.md).
 
 Results go to ``DIR/loss.json``, rewritten after every count. Measurement only: nothing of the product's state is
 changed.

@@ -50,7 +50,7 @@ off: transformers' DeltaNet forward for unpacked steps, the key heads repeated b
    LLaMA-Factory's own throughput, peak allocated memory, which kernel ran (proof records), how layers were
    checkpointed in the first step, and the kernel check of the rank process (with each case's seconds as it ran,
    ``kernel_check_progress``, and for a run that did not succeed the end of its job log, Triton's reproducer
-   dumps folded); then the targets (docs/benchmarks.md) are compared. With ``--rounds R`` the list runs R times in
+   dumps folded); then the targets (docs/performance.md) are compared. With ``--rounds R`` the list runs R times in
    turn, round R's runs keyed ``VARIANT#R``; a packed variant's target (``spread-packed-row``: its median step
    period and forward+backward against ``on``'s, with a 95 % bootstrap interval of the difference, and beside it
    ``at_equal_supervised``: the packed rows read at the unpacked steps' supervised tokens;
@@ -129,7 +129,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "spread-packed-workers": {"data": "spread", "steps": 24, "lf": {"packing": True, "dataloader_num_workers": 2}},
     "on-workers": {"lf": {"dataloader_num_workers": 2}},
     # "on" with Python's garbage collector as upstream leaves it: a full collection walks the whole heap, 0.4 s
-    # inside the 16th step of a 20-step run on the 27B shape (docs/benchmarks.md, "Sixteenth invocation")
+    # inside the 16th step of a 20-step run on the 27B shape (docs/lab/2026-12-06-row-costs-and-stall.md)
     "gc-off": {"patches": {"gc_freeze": False}},
     # "on" with transformers' own DeltaNet forward for unpacked steps: the key heads repeated for the value heads
     # before FLA's chunk kernel (packed_rows.unpacked_forward off)
@@ -682,8 +682,8 @@ def at_equal_supervised(variants: dict[str, dict[str, Any]], packed: str, unpack
     """The packed rows' forward+backward against their supervised tokens (``robust_line`` over every measured step of
     every succeeded round), read at the unpacked steps' median supervised tokens, beside the unpacked median: what a
     packed row would cost holding what an unpacked step holds (a row costs what it trains on: the loss alone 18 µs a
-    supervised token at the 27B shape, docs/benchmarks.md). None without the steps' supervised tokens (results
-    before ``step_supervised``) or without two distinct counts."""
+    supervised token at the 27B shape, docs/lab/2026-12-07-packed-same-kind.md). None without the steps' supervised
+    tokens (results before ``step_supervised``) or without two distinct counts."""
 
     def pairs(name: str) -> list[tuple[int, float]]:
         found = []

@@ -14,7 +14,7 @@ steps, complete and partial checkpoints), then:
 - records ``python -X importtime`` for the same command (the 15 slowest imports, cumulative).
 
 The promise: under 0.3 s of wall time and under 1 MB of the log read. Results go to
-``--out/results.json``; figures and the command are in docs/benchmarks.md.
+``--out/results.json``; figures and the command are in docs/performance.md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The attention benchmark's arguments and its CPU-runnable parts (the measurement itself needs CUDA: its results
-and command are in docs/benchmarks.md, "Tenth invocation")."""
+and command are in docs/lab/2026-12-05-packed-attention-mask.md)."""
 
 from __future__ import annotations
 

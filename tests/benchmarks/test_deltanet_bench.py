@@ -1,5 +1,5 @@
 """The DeltaNet kernel benchmark's arguments and bounds (the measurement needs CUDA and FLA's Triton kernels: its
-results and commands are in docs/benchmarks.md, "Fourteenth invocation" and "Fifteenth invocation")."""
+results and commands are in docs/lab/2026-12-06-packed-attention-alone.md and docs/lab/2026-12-06-joined-bounds.md)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The FSDP2 benchmark's plumbing on the CPU: configs, the arithmetic, and (slow) one run over 2 gloo processes.
 
-The measurement itself (27B shape, 2 x H200) is described in docs/benchmarks.md and not run here; the tiny
-shape goes through the same ``launcher run`` path with real FSDP2 sharding over gloo, so a broken path fails
-before anyone spends GPU time on it.
+The measurement itself (27B shape, 2 x H200) is described in docs/lab/2026-12-01-fsdp2-two-gpus-plan.md and not run
+here; the tiny shape goes through the same ``launcher run`` path with real FSDP2 sharding over gloo, so a broken path
+fails before anyone spends GPU time on it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The LoRA cast benchmark's arguments and its reading (the timing needs CUDA: its results and command are in
-docs/benchmarks.md, "Fused glue"; here the reading runs on the CPU under CPU autocast with a stand-in timer and a
+docs/lab/2026-12-07-lora-input-cast.md; here the reading runs on the CPU under CPU autocast with a stand-in timer and a
 small input, through real PEFT and the real ``lora_input_cast``)."""
 
 from __future__ import annotations

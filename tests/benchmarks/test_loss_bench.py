@@ -1,5 +1,5 @@
 """The loss benchmark's arguments and its reading (the timing needs CUDA: its results and command are in
-docs/benchmarks.md, "Eighteenth invocation"; here the reading runs on the CPU with a small output projection and a
+docs/lab/2026-12-06-unrepeated-key-heads.md; here the reading runs on the CPU with a small output projection and a
 stand-in timer)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The norm benchmark's arguments and its reading (the timing needs CUDA and FLA: its results and command are in
-docs/benchmarks.md, "Twenty-second invocation"; here the reading runs transformers' arithmetic on the CPU with a
+docs/lab/2026-12-07-narrow-norms.md; here the reading runs transformers' arithmetic on the CPU with a
 stand-in timer)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The patch benchmark's plumbing on the CPU: assets, configs, the rank entry's hooks, and (slow) a whole run.
 
-The H200 measurement itself (27B shape, CUDA) is in docs/benchmarks.md; here the same code runs with the tiny
+The H200 measurement itself (27B shape, CUDA) is in docs/performance.md; here the same code runs with the tiny
 shape through ``launcher run``, so a broken path fails before anyone spends GPU time on it.
 """
 
