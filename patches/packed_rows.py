@@ -64,7 +64,7 @@ What this patch does:
    embeddings' dtype in a process that collated nothing) and reads the samples off the numbers
    (``numbered_segments``) instead of the mask's diagonals. At 4,096 tokens LLaMA-Factory's CPU mask took 7 to
    13 ms and its copy to the device 2 to 5 ms a batch, in the training process between two steps; the same mask
-   built on the device 0.23 ms (three readings on H100 hosts, ``benchmarks.attention_bench``; then by an
+   built on the device 0.23 ms (three readings on H100 hosts, ``benchmarks.lab.attention_bench``; then by an
    elementwise build of our own, equal entry for entry, since replaced by LLaMA-Factory's function).
    Then it cuts the batch after the last sample token of its fullest row, rounded up to ``cut_padding`` tokens
    (default 256; ``cut_padding``): LLaMA-Factory pads every packed row to ``cutoff_len``, and the layers compute

@@ -1,6 +1,6 @@
 """Greedy decoding speed of the routed DeltaNet kernels against the torch fallback, on one device.
 
-    python -m benchmarks.decode_bench --out DIR [--shape 27b|tiny] [--backend cuda|cpu] [--new-tokens N]
+    python -m benchmarks.lab.decode_bench --out DIR [--shape 27b|tiny] [--backend cuda|cpu] [--new-tokens N]
                                       [--prompt-tokens P] [--repeats R] [--batch-sizes 1,8,32]
                                       [--routes routed,torch] [--compare K] [--compare-tokens N]
 
@@ -248,7 +248,7 @@ def run(out: Path, shape: str, backend: str, new_tokens: int, prompt_tokens: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.lab.decode_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for decode.json (and the config-only model)")
     parser.add_argument("--shape", choices=("27b", "tiny"), default="27b")
     parser.add_argument("--backend", choices=("cuda", "cpu"), default="cuda")

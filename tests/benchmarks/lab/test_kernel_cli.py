@@ -1,4 +1,4 @@
-"""The command-line frame the one-device benchmarks share (``benchmarks.kernel_cli``), through each benchmark's own
+"""The command-line frame the one-device benchmarks share (``benchmarks.lab.kernel_cli``), through each benchmark's own
 ``main``: a bad argument ends in one message and writes nothing, an earlier results file is never overwritten, and
 the CUDA benchmarks say so where no CUDA device is."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import attention_bench, collate_bench, deltanet_bench, loss_bench
+from benchmarks.lab import attention_bench, collate_bench, deltanet_bench, loss_bench
 
 RESULTS = {loss_bench: "loss.json", deltanet_bench: "deltanet.json", attention_bench: "attention.json",
            collate_bench: "collate.json"}  # fmt: skip
@@ -80,7 +80,7 @@ def test_sigterm_ends_a_benchmark_as_ctrl_c_does_keeping_its_readings(tmp_path):
         textwrap.dedent("""
         import sys, time
         from pathlib import Path
-        from benchmarks.kernel_cli import Results, run
+        from benchmarks.lab.kernel_cli import Results, run
 
         def main():
             results = Results("probe", Path(sys.argv[1]), "probe.json", {"readings": [1.5]})
@@ -95,7 +95,7 @@ def test_sigterm_ends_a_benchmark_as_ctrl_c_does_keeping_its_readings(tmp_path):
         run(main)
     """)
     )
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(repo), os.environ.get("PYTHONPATH"))))}
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, stderr=subprocess.PIPE, text=True)
     try:

@@ -3,7 +3,7 @@ and command are in docs/lab/2026-12-05-packed-attention-mask.md)."""
 
 from __future__ import annotations
 
-from benchmarks import attention_bench
+from benchmarks.lab import attention_bench
 
 
 def test_the_routes_agree_with_the_per_sample_reference_on_the_cpu(monkeypatch):

@@ -1,7 +1,7 @@
 """What a Qwen3.5 RMSNorm costs at a length met for the first time and after, FLA's fused norm against transformers'
 ops, on one CUDA device.
 
-    python -m benchmarks.norm_bench --out DIR [--lengths 3072,3328,3584,3072] [--norms q,k,hidden,gated]
+    python -m benchmarks.lab.norm_bench --out DIR [--lengths 3072,3328,3584,3072] [--norms q,k,hidden,gated]
                                     [--kernels fla,fla-own,torch] [--repeats 10]
 
 For each norm of the 27B shape (``q``: the attention's query norm over ``[1, T, 24, 256]``; ``k``: its key norm over
@@ -26,10 +26,10 @@ import json
 import time
 from typing import Any
 
-from benchmarks import kernel_cli
-from benchmarks.attention_bench import cuda_median_ms
 from benchmarks.bench_assets import QWEN3_5_27B as SHAPE
-from benchmarks.kernel_cli import Results, counts_of, names_of, run
+from benchmarks.lab import kernel_cli
+from benchmarks.lab.attention_bench import cuda_median_ms
+from benchmarks.lab.kernel_cli import Results, counts_of, names_of, run
 
 # norm -> (heads, width, FLA's rows per tuning bucket on CUDA or None) of Qwen3.5-27B: 24 query and 4 key heads of
 # 256, hidden 5120, 48 DeltaNet value heads of 128; fla-core 0.6.0 NB = cdiv(rows, 2048) in

@@ -8,7 +8,7 @@ import json
 import sys
 import types
 
-from benchmarks import deltanet_bench
+from benchmarks.lab import deltanet_bench
 
 
 def test_the_varlen_bounds_run_the_last_segment_to_the_end_of_the_row():

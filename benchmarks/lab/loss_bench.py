@@ -1,6 +1,6 @@
 """What the training loss costs per supervised token at the 27B shape, on one CUDA device.
 
-    python -m benchmarks.loss_bench --out DIR [--supervised 2048,2457,2857] [--tokens 4096] [--chunk-tokens 512]
+    python -m benchmarks.lab.loss_bench --out DIR [--supervised 2048,2457,2857] [--tokens 4096] [--chunk-tokens 512]
                                     [--repeats 6]
 
 The product's loss (``patches.chunked_loss.chunked_causal_lm_loss``: the output projection and the cross-entropy
@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from benchmarks import kernel_cli
-from benchmarks.attention_bench import cuda_median_ms
-from benchmarks.kernel_cli import Results, counts_of, run
+from benchmarks.lab import kernel_cli
+from benchmarks.lab.attention_bench import cuda_median_ms
+from benchmarks.lab.kernel_cli import Results, counts_of, run
 
 HIDDEN, VOCAB = 5120, 248320  # Qwen3.5-27B (benchmarks.bench_assets.QWEN3_5_27B and its text extras)
 

@@ -1,6 +1,6 @@
 """What LLaMA-Factory's collator costs the host per 4,096-token row, packed against unpacked, on the CPU.
 
-    python -m benchmarks.collate_bench --out DIR [--rows 0] [--repeats 3] [--cutoff 4096]
+    python -m benchmarks.lab.collate_bench --out DIR [--rows 0] [--repeats 3] [--cutoff 4096]
 
 A training step's period holds, besides its forward and backward, the collation of the next batch in the training
 process (``dataloader_num_workers: 0``, the product's default). This times that collation alone, one row a batch
@@ -40,8 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import kernel_cli
-from benchmarks.kernel_cli import Results, run
+from benchmarks.lab import kernel_cli
+from benchmarks.lab.kernel_cli import Results, run
 
 CASES = ("unpacked", "packed", "packed-cpu-mask")
 SPREAD_TOKENS = (1000, 4096)  # patch_bench's spread at the 27B shape's cutoff

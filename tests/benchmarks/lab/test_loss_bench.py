@@ -4,7 +4,7 @@ stand-in timer)."""
 
 from __future__ import annotations
 
-from benchmarks import loss_bench
+from benchmarks.lab import loss_bench
 
 
 def test_a_reading_labels_the_asked_count_and_runs_the_loss_in_chunks():

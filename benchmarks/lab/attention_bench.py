@@ -1,6 +1,6 @@
 """The full-attention kernels of a packed row against the unpacked step's, at the 27B shape, on one CUDA device.
 
-    python -m benchmarks.attention_bench --out DIR [--tokens 4096] [--samples 1200,1700,1100] [--repeats 20]
+    python -m benchmarks.lab.attention_bench --out DIR [--tokens 4096] [--samples 1200,1700,1100] [--repeats 20]
                                          [--padding-piece 128] [--bucket 256]
                                          [--routes sdpa,sdpa-flash,sdpa-cudnn,varlen,aten-flash,per-sample,masked]
 
@@ -46,8 +46,8 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks import kernel_cli
-from benchmarks.kernel_cli import Results, counts_of, names_of, run
+from benchmarks.lab import kernel_cli
+from benchmarks.lab.kernel_cli import Results, counts_of, names_of, run
 
 ROUTES = ("sdpa", "sdpa-flash", "sdpa-cudnn", "varlen", "aten-flash", "per-sample", "masked")
 HEADS, KEY_HEADS, HEAD_DIM = 24, 4, 256  # Qwen3.5-27B full attention (benchmarks.bench_assets.QWEN3_5_27B)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks import collate_bench
+from benchmarks.lab import collate_bench
 
 
 def test_every_case_collates_its_rows_and_the_patches_are_removed_after(tmp_path, capsys):

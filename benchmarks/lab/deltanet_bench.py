@@ -1,7 +1,7 @@
 """FLA's DeltaNet kernels at the 27B shape on one CUDA device, called as an unpacked step calls them and as a
 packed row does (with ``cu_seqlens``).
 
-    python -m benchmarks.deltanet_bench --out DIR [--tokens 4096] [--samples 2482,1614] [--repeats 10]
+    python -m benchmarks.lab.deltanet_bench --out DIR [--tokens 4096] [--samples 2482,1614] [--repeats 10]
                                         [--kernels conv,conv-per-sample,chunk,chunk-repeated]
 
 One Gated DeltaNet layer of Qwen3.5-27B (16 key heads and 48 value heads of 128; the short convolution over the
@@ -43,9 +43,9 @@ import json
 import time
 from typing import Any
 
-from benchmarks import kernel_cli
-from benchmarks.attention_bench import cuda_median_ms
-from benchmarks.kernel_cli import Results, counts_of, names_of, run
+from benchmarks.lab import kernel_cli
+from benchmarks.lab.attention_bench import cuda_median_ms
+from benchmarks.lab.kernel_cli import Results, counts_of, names_of, run
 
 KERNELS = ("conv", "conv-per-sample", "chunk", "chunk-repeated")
 KEY_HEADS, VALUE_HEADS, HEAD_DIM, CONV_WIDTH = 16, 48, 128, 4  # Qwen3.5-27B (benchmarks.bench_assets.QWEN3_5_27B)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import norm_bench
+from benchmarks.lab import norm_bench
 
 
 def test_a_reading_names_the_rows_and_the_bucket_fla_tunes_by():

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from benchmarks import decode_bench  # noqa: E402
+from benchmarks.lab import decode_bench  # noqa: E402
 
 pytest_plugins = ["tests.support.patch_fixtures"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import lora_bench
+from benchmarks.lab import lora_bench
 
 pytest_plugins = ["tests.support.patch_fixtures"]
 

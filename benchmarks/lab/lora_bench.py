@@ -1,7 +1,7 @@
 """What PEFT's fp32 copy of a LoRA layer's input costs under bf16 autocast, against ``lora_input_cast``, which skips
 it: the seed's four LoRA layers of one Qwen3.5-27B attention layer, on one CUDA device.
 
-    python -m benchmarks.lora_bench --out DIR [--tokens 4096] [--rank 8] [--dropout 0.05] [--repeats 20]
+    python -m benchmarks.lab.lora_bench --out DIR [--tokens 4096] [--rank 8] [--dropout 0.05] [--repeats 20]
 
 Each of ``q_proj`` (5,120 -> 12,288: 24 heads of 256 and their gate), ``k_proj`` and ``v_proj`` (5,120 -> 1,024) and
 ``o_proj`` (6,144 -> 5,120) is a frozen bf16 ``nn.Linear`` with PEFT's LoRA on it (rank ``--rank``, alpha twice the
@@ -25,10 +25,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks import kernel_cli
-from benchmarks.attention_bench import cuda_median_ms
 from benchmarks.bench_assets import QWEN3_5_27B as SHAPE
-from benchmarks.kernel_cli import Results, run
+from benchmarks.lab import kernel_cli
+from benchmarks.lab.attention_bench import cuda_median_ms
+from benchmarks.lab.kernel_cli import Results, run
 
 # projection -> (in, out) at the 27B shape, as transformers 5.6.0's Qwen3_5Attention builds them
 PROJECTIONS = {
