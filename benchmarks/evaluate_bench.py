@@ -52,10 +52,9 @@ from typing import Any
 
 import yaml
 
-from benchmarks import patch_bench
+from benchmarks import patch_bench, results_schema
 from benchmarks.bench_entry import KERNEL_CASES_ENV
 from benchmarks.evaluate_entry import RECORD
-from launcher.files import write_json_atomic
 
 TARGET_S = 180.0  # issue 32: the default prompt set of one checkpoint in 3 minutes or less on one H200 (27B)
 TRAIN_SAMPLES, EVAL_SAMPLES = 16, 4
@@ -195,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         "state": patch_bench._read_json(run_dir / "status.json").get("state") if run_dir else None,
     }
     # written before any evaluation: one stopped from outside (a `timeout`) leaves the run for ``--reuse``
-    write_json_atomic(out / "results.json", results)
+    save_results(out, results)
     if run.get("interrupted"):
         print(f"[evaluate_bench] interrupted while training: {out / 'results.json'} holds the run", file=sys.stderr)
         return 130
@@ -205,10 +204,38 @@ def main(argv: list[str] | None = None) -> int:
     return _evaluate(out, run_dir, results, command, ns)
 
 
+def save_results(out: Path, results: dict[str, Any]) -> None:
+    """``out/results.json`` in the results schema: the training run and each evaluation are its variants
+    (``training``, ``evaluation-1``, ...)."""
+    record = {k: v for k, v in results.items() if k not in ("training", "evaluations")}
+    evaluations = results.get("evaluations") or []
+    record["variants"] = {
+        "training": results.get("training"),
+        **{f"evaluation-{n}": found for n, found in enumerate(evaluations, 1)},
+    }
+    results_schema.write(out / "results.json", record, bench="benchmarks.evaluate_bench")
+
+
+def read_results(path: Path) -> dict[str, Any]:
+    """What ``save_results`` wrote, as the script keeps it (``training``, ``evaluations``); empty when ``path`` is
+    missing or not a results file."""
+    try:
+        record = results_schema.Results.read(path).raw()
+    except (OSError, ValueError):  # pydantic's ValidationError is a ValueError
+        return {}
+    variants = record.pop("variants")
+    record.pop("targets")
+    record["training"] = variants.get("training")
+    evaluations = [found for name, found in variants.items() if name.startswith("evaluation-")]
+    if evaluations:
+        record["evaluations"] = evaluations
+    return record
+
+
 def _earlier(out: Path, shape: str) -> tuple[dict[str, Any], Path | None, str]:
     """For ``--reuse``: the results an earlier invocation wrote in ``out`` and its succeeded run, or why not."""
-    results = patch_bench._read_json(out / "results.json")
-    if not results or not isinstance(results, dict):
+    results = read_results(out / "results.json")
+    if not results:
         return {}, None, f"no readable results.json in {out}"
     training = results.get("training") or {}
     run_dir = Path(training["run_dir"]) if training.get("run_dir") else None
@@ -241,7 +268,7 @@ def _evaluate(out: Path, run_dir: Path, results: dict[str, Any], command: str, n
         evaluations.append(found)
         if found["ok"] and ns.shape == "27b":
             found["target"] = {"max_s": TARGET_S, "met": found["wall_s"] <= TARGET_S}
-        write_json_atomic(out / "results.json", results)  # after each one
+        save_results(out, results)  # after each one
         if found.get("interrupted"):
             print(f"[evaluate_bench] interrupted in evaluation {repeat}: {out / 'results.json'} holds the ones "
                   "done", file=sys.stderr)  # fmt: skip

@@ -53,7 +53,7 @@ from typing import Any
 
 import yaml
 
-from benchmarks import patch_bench
+from benchmarks import patch_bench, results_schema
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 OPTIONS: dict[str, dict[str, Any]] = {"on": {}, "full-loss": {"chunked_loss": False}}
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             results["runs"].setdefault(option, {})[label] = {**run, "distribution": config["launcher"]["distribution"],
                                                              **summary}  # fmt: skip
             print(f"[fsdp_bench] {option}, {label}: {_one_line(results['runs'][option][label])}", flush=True)
-            (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+            results_schema.write(out / "results.json", results, bench="benchmarks.fsdp_bench", variants_key="runs")
             if run.get("interrupted"):
                 print(f"[fsdp_bench] interrupted: the runs so far are in {out / 'results.json'}", file=sys.stderr)
                 return 130
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         results["targets"] = compare(results, devices, options, param_bytes=4 if backend == "cpu" else 2)
     else:
         results["targets"] = {option: one_device_targets(results["runs"].get(option, {})) for option in options}
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    results_schema.write(out / "results.json", results, bench="benchmarks.fsdp_bench", variants_key="runs")
     print(json.dumps({"targets": results["targets"]}, indent=2, default=str))
     return 0 if all(r.get("state") == "SUCCEEDED" for runs in results["runs"].values() for r in runs.values()) else 1
 

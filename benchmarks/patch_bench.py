@@ -82,12 +82,13 @@ from typing import Any
 
 import yaml
 
-from benchmarks import bench_entry
+from benchmarks import bench_entry, results_schema
 from benchmarks.bench_assets import SPREAD_REPLY_SHARE
 from launcher.files import tail_lines
 from launcher.state.runs import JOB_LOG
 
 REPO = Path(__file__).resolve().parent.parent
+BENCH = "benchmarks.patch_bench"  # its results file's ``bench``
 ALL_OFF = {"deltanet_routing": False, "fused_ops": False, "checkpoint_all_layers": False, "chunked_loss": False,
            "text_only_batches": False, "final_eval_once": False, "lora_input_cast": False,
            "packed_rows": False, "fsdp2_frozen_dtype": False, "fsdp2_resume_adapter": False,
@@ -873,14 +874,14 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.copyfile(run_dir / "launcher.log", out / "logs" / f"{key}.job.log")
             results["variants"][key] = {**run, **summary, "forecast": forecast}
             print(f"[patch_bench] {key}: {_one_line(results['variants'][key])}", flush=True)
-            (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+            results_schema.write(out / "results.json", results, bench=BENCH)
             if run.get("interrupted"):
                 break
     except KeyboardInterrupt:  # between two runs (a config, a forecast, a summary): none of them is alive
         results["interrupted"] = "between runs"
     if ns.shape == "27b":
         results["targets"] = targets(results["variants"])
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    results_schema.write(out / "results.json", results, bench=BENCH)
     print(json.dumps({"targets": results.get("targets")}, default=str))
     if results.get("interrupted") or any(v.get("interrupted") for v in results["variants"].values()):
         print(f"[patch_bench] interrupted: the variants run so far are in {out / 'results.json'}", file=sys.stderr,
