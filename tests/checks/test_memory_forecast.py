@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.results_schema import Results
 from launcher.checks import memory
-from tests.support.common import make_config
+from tests.support.common import REPO, make_config
 from tests.support.fake_runs import launcher
 
 
@@ -240,7 +241,7 @@ def test_a_greedy_rows_forecast_errs_high_against_the_h200s_measured_rows(model_
     """``decode_row_bytes`` at the 27B shape against what one H200 measured per added row of a greedy batch
     (``benchmarks/results/decode-batched-h200.json``: 512-token prompts, 128 new tokens, peaks at 1, 8 and 32 rows):
     never below a measured row (``launcher evaluate --batch-size auto`` must not overfill), at most 30 % above."""
-    found = json.loads((Path(__file__).parents[2] / "benchmarks/results/decode-batched-h200.json").read_text())
+    found = Results.read(REPO / "benchmarks/results/decode-batched-h200.json").detail  # the schema's detail block
     batches = found["routes"]["routed"]["batches"]
     peaks = sorted((int(rows), b["peak_allocated_gib"]) for rows, b in batches.items())
     measured = [(b - a) / (rb - ra) for (ra, a), (rb, b) in pairwise(peaks)]
