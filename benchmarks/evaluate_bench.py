@@ -24,16 +24,17 @@ In one invocation:
    ``benchmarks.evaluate_entry``, which builds the random base on the device instead of reading weights from disk
    (there are none) and, on CUDA, lifts FLA's Hopper guard as the training entry does.
 
-``DIR/results.json``: the training run's state; the evaluation's wall clock (request, child start, base build, test
-loss, decoding, writing ``evaluate.json``), the checkpoint's seconds and decoding record from ``evaluate.json``, the
-child's record; and the target: the whole evaluation of one checkpoint within ``TARGET_S`` on one H200 (27B shape).
-``--repeats 2`` evaluates the checkpoint again (``evaluations``, in order): the first evaluation compiles the
-decoding kernels on a cold cache, the second shows a machine whose Triton cache persists (the images keep it in a
-volume); the target is judged on each. Reading the base from disk (51 GiB of safetensors for the 27B shape) is not
-in these figures. ``--reuse`` skips steps 1 and 2: it evaluates again the run an earlier invocation trained in the
-same ``DIR`` and adds its evaluations to that ``results.json`` (each evaluation names the command that made it), so
-a warm evaluation can follow a cold one in a later call on the same machine. ``results.json`` is first written once
-the training run succeeded, before any evaluation, so an evaluation stopped from outside leaves the run to ``--reuse``.
+``DIR/results.json`` (the results schema, ``benchmarks/results_schema.py``: the training run and each evaluation are its
+variants ``training``, ``evaluation-1``, ...): the training run's state; the evaluation's wall clock (request, child
+start, base build, test loss, decoding, writing ``evaluate.json``), the checkpoint's seconds and decoding record from
+``evaluate.json``, the child's record; and the target: the whole evaluation of one checkpoint within ``TARGET_S`` on one
+H200 (27B shape). ``--repeats 2`` evaluates the checkpoint again (``evaluations``, in order): the first evaluation
+compiles the decoding kernels on a cold cache, the second shows a machine whose Triton cache persists (the images keep
+it in a volume); the target is judged on each. Reading the base from disk (51 GiB of safetensors for the 27B shape) is
+not in these figures. ``--reuse`` skips steps 1 and 2: it evaluates again the run an earlier invocation trained in the
+same ``DIR`` and adds its evaluations to that ``results.json`` (each evaluation names the command that made it), so a
+warm evaluation can follow a cold one in a later call on the same machine. ``results.json`` is first written once the
+training run succeeded, before any evaluation, so an evaluation stopped from outside leaves the run to ``--reuse``.
 Interrupted (Ctrl-C, ``timeout``, SIGTERM), it stops the run or the evaluation's child, writes ``results.json`` with
 what is done (an interrupted evaluation is recorded as such) and exits 130.
 """

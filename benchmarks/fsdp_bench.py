@@ -35,7 +35,8 @@ Under FSDP2 every rank builds the model on the meta device and materializes only
 ``launcher run`` holds ``MULTICAST_OFF`` (NVLink multicast off: the launcher passes the caller's environment
 through to the ranks; the product does not set these itself), and every rank records what it saw.
 
-``DIR/results.json``: per run the ranks' peak allocated memory, bytes materialized and environment,
+``DIR/results.json`` (the results schema, ``benchmarks/results_schema.py``; the runs are its variants): per run the
+ranks' peak allocated memory, bytes materialized and environment,
 tokens/s in total (tokens of all ranks per step / median of the slowest rank's forward+backward), the
 scaling against one device (target ``SCALING_MIN`` x devices) and the memory bound per device
 (weights / N + the one-device run's activation memory + two unsharded decoder layers), met or not.

@@ -42,26 +42,25 @@ off: transformers' DeltaNet forward for unpacked steps, the key heads repeated b
    is not lifted (kernel; the rank entry runs the kernel check instead: in the first variant's rank by default,
    ``--kernel-check``), the folder has no weights (model), and
    the samples are longer than the cutoff on purpose, which a formal run's data check refuses (data_stats).
-5. ``DIR/results.json``: the steps each variant ran (``steps``, by variant), then per variant the run's end
-   state, step times (median after ``--warmup`` steps, and by the samples of the step's batch: ``by_samples``),
-   tokens/s = tokens per step / median forward+backward time, the garbage collector's host seconds and full
-   collections over the measured steps, supervised tokens/s after the warm-up (less the host's seconds inside
-   Triton's compile and autotune calls, and over the steps of lengths seen before), the step period and
-   LLaMA-Factory's own throughput, peak allocated memory, which kernel ran (proof records), how layers were
-   checkpointed in the first step, and the kernel check of the rank process (with each case's seconds as it ran,
-   ``kernel_check_progress``, and for a run that did not succeed the end of its job log, Triton's reproducer
-   dumps folded); then the targets (docs/performance.md) are compared. With ``--rounds R`` the list runs R times in
-   turn, round R's runs keyed ``VARIANT#R``; a packed variant's target (``spread-packed-row``: its median step
-   period and forward+backward against ``on``'s, with a 95 % bootstrap interval of the difference, and beside it
-   ``at_equal_supervised``: the packed rows read at the unpacked steps' supervised tokens;
-   ``spread-packed-row-reply70`` the same against ``on-reply70``, ``spread-packed-full-row-reply70``
-   ``spread-packed-full`` against it) pools the rounds; the other targets read the
-   first round. Rounds split over several calls pool with ``pooled_targets(FILE, FILE, ...)``.
-   Interrupted (Ctrl-C, ``timeout -s INT``, SIGTERM) while it runs the variants, it stops the running variant's
-   run, waits for it to end, records it (``interrupted``), writes what it has and exits 130 (between two runs:
-   ``"interrupted": "between runs"`` at the top of the results).
-   ``profile`` adds the run's ``profile.json`` (``launcher/results/profile_report.py``) and ``profile.md``, which
-   is also copied to ``DIR/profile.md``; the traces stay in the run directory (their paths are in the results).
+5. ``DIR/results.json`` (the results schema, ``benchmarks/results_schema.py``): the steps each variant ran (``steps``,
+   by variant), then per variant the run's end state, step times (median after ``--warmup`` steps, and by the samples of
+   the step's batch: ``by_samples``), tokens/s = tokens per step / median forward+backward time, the garbage collector's
+   host seconds and full collections over the measured steps, supervised tokens/s after the warm-up (less the host's
+   seconds inside Triton's compile and autotune calls, and over the steps of lengths seen before), the step period and
+   LLaMA-Factory's own throughput, peak allocated memory, which kernel ran (proof records), how layers were checkpointed
+   in the first step, and the kernel check of the rank process (with each case's seconds as it ran,
+   ``kernel_check_progress``, and for a run that did not succeed the end of its job log, Triton's reproducer dumps
+   folded); then the targets (docs/performance.md) are compared. With ``--rounds R`` the list runs R times in turn,
+   round R's runs keyed ``VARIANT#R``; a packed variant's target (``spread-packed-row``: its median step period and
+   forward+backward against ``on``'s, with a 95 % bootstrap interval of the difference, and beside it
+   ``at_equal_supervised``: the packed rows read at the unpacked steps' supervised tokens; ``spread-packed-row-reply70``
+   the same against ``on-reply70``, ``spread-packed-full-row-reply70`` ``spread-packed-full`` against it) pools the
+   rounds; the other targets read the first round. Rounds split over several calls pool with ``pooled_targets(FILE,
+   FILE, ...)``. Interrupted (Ctrl-C, ``timeout -s INT``, SIGTERM) while it runs the variants, it stops the running
+   variant's run, waits for it to end, records it (``interrupted``), writes what it has and exits 130 (between two runs:
+   ``"interrupted": "between runs"`` at the top of the results). ``profile`` adds the run's ``profile.json``
+   (``launcher/results/profile_report.py``) and ``profile.md``, which is also copied to ``DIR/profile.md``; the traces
+   stay in the run directory (their paths are in the results).
 """
 
 from __future__ import annotations
