@@ -1,8 +1,13 @@
 """Benchmarks and measuring scripts; not part of the installed ``launcher``/``patches`` packages.
 
-``patch_bench`` (patches on/off through ``launcher run``), ``bench_entry`` (the rank entry it uses),
-``bench_assets`` (config-only model folder and 4096-token data), ``fla_guard`` (lifts FLA's Hopper guard in a
-measuring process only), ``status_bench`` (``launcher status`` on a huge trainer log), ``decode_bench`` (greedy
-decoding speed, routed DeltaNet kernels vs the torch fallback), ``fsdp_bench`` (FSDP2 on one and two devices:
-scaling and per-device memory) with ``fsdp_init`` (random weights built per rank, each rank only its shards).
+At the top, the scripts behind the product's promises (docs/performance.md), each writing one results file in the
+schema of ``results_schema.py``: ``patch_bench`` (the 27B step through ``launcher run``, variant by variant),
+``fsdp_bench`` (FSDP2 on one and two devices), ``evaluate_bench`` (``launcher evaluate`` end to end),
+``status_bench`` (``launcher status`` on a huge trainer log), ``data_stats_bench`` (``launcher data stats`` over
+10,000 samples). Their helpers: ``bench_entry`` (the rank entry), ``bench_assets`` (config-only model folder and
+data), ``fla_guard`` (lifts FLA's Hopper guard in a measuring process only), ``fsdp_init`` (random weights built per
+rank), ``evaluate_entry``.
+
+``lab/`` holds the one-question experiments (attention, collate, LoRA, loss, norm, DeltaNet, decode); their answers
+are in docs/lab/.
 """

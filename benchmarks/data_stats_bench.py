@@ -1,12 +1,13 @@
 """Benchmark: `launcher data stats` over 10,000 samples of about 3,000 tokens each.
 
-    python benchmarks/data_stats_bench.py [--samples 10000] [--tokens 3000] [--workdir DIR]
+    python -m benchmarks.data_stats_bench --out DIR [--samples 10000] [--tokens 3000] [--workdir DIR]
 
 Builds the demo assets (tiny Qwen3.5 tokenizer and processor, no download), writes a SoulChat-shaped
 alpaca-with-history dataset whose samples are about ``--tokens`` tokens long after the
 ``qwen3_5_nothink`` template (every sample's text is drawn independently, so no two samples share
 turns and the stats tool's de-duplication of shared strings gains nothing), then times the real
-command in a child process, imports included. Prints one JSON line: samples, tokens, wall seconds,
+command in a child process, imports included. Writes ``--out/results.json`` (benchmarks/results_schema.py) and
+prints its figures as one JSON line: samples, tokens, wall seconds,
 the tool's own measuring seconds (after imports and loading), CPU cores, the load average at the
 start, and how many cores other processes kept busy while the command ran (from /proc/stat, minus the
 command's own CPU time): the machine is shared, so that number says how fair the figure is.
@@ -29,6 +30,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from benchmarks import results_schema  # noqa: E402  (the repository root must be importable first)
 
 SENTENCE_TOKENS = 20  # the demo sentences average about 20 tokens with the demo tokenizer
 
@@ -82,12 +85,13 @@ def write_inputs(work: Path, samples: int, tokens: int) -> Path:
     return path
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="folder for results.json")
     parser.add_argument("--samples", type=int, default=10_000)
     parser.add_argument("--tokens", type=int, default=3_000)
     parser.add_argument("--workdir", type=Path, default=None, help="keep inputs here (default: a temp folder)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="data-stats-bench-") as tmp:
         work = args.workdir or Path(tmp)
@@ -108,7 +112,7 @@ def main() -> int:
             return proc.returncode
         result = json.loads((out / "data_stats.json").read_text())
         train = result["splits"]["train"]
-        print(json.dumps({
+        figures = {
             "samples": train["samples"],
             "tokens": train["tokens"]["before"],
             "mean_length": train["length"]["mean"],
@@ -118,7 +122,12 @@ def main() -> int:
             "cores": len(os.sched_getaffinity(0)),
             "load_at_start": [round(x, 2) for x in load_start],
             "other_processes_cores": round(max(0.0, busy - own_cpu) / wall, 2),
-        }))  # fmt: skip
+        }  # fmt: skip
+    command = " ".join(["python -m benchmarks.data_stats_bench", *(argv if argv is not None else sys.argv[1:])])
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {"command": command, **figures}
+    results_schema.write(args.out / "results.json", record, bench="benchmarks.data_stats_bench")
+    print(json.dumps(figures))
     return 0
 
 

@@ -24,16 +24,17 @@ In one invocation:
    ``benchmarks.evaluate_entry``, which builds the random base on the device instead of reading weights from disk
    (there are none) and, on CUDA, lifts FLA's Hopper guard as the training entry does.
 
-``DIR/results.json``: the training run's state; the evaluation's wall clock (request, child start, base build, test
-loss, decoding, writing ``evaluate.json``), the checkpoint's seconds and decoding record from ``evaluate.json``, the
-child's record; and the target: the whole evaluation of one checkpoint within ``TARGET_S`` on one H200 (27B shape).
-``--repeats 2`` evaluates the checkpoint again (``evaluations``, in order): the first evaluation compiles the
-decoding kernels on a cold cache, the second shows a machine whose Triton cache persists (the images keep it in a
-volume); the target is judged on each. Reading the base from disk (51 GiB of safetensors for the 27B shape) is not
-in these figures. ``--reuse`` skips steps 1 and 2: it evaluates again the run an earlier invocation trained in the
-same ``DIR`` and adds its evaluations to that ``results.json`` (each evaluation names the command that made it), so
-a warm evaluation can follow a cold one in a later call on the same machine. ``results.json`` is first written once
-the training run succeeded, before any evaluation, so an evaluation stopped from outside leaves the run to ``--reuse``.
+``DIR/results.json`` (the results schema, ``benchmarks/results_schema.py``: the training run and each evaluation are its
+variants ``training``, ``evaluation-1``, ...): the training run's state; the evaluation's wall clock (request, child
+start, base build, test loss, decoding, writing ``evaluate.json``), the checkpoint's seconds and decoding record from
+``evaluate.json``, the child's record; and the target: the whole evaluation of one checkpoint within ``TARGET_S`` on one
+H200 (27B shape). ``--repeats 2`` evaluates the checkpoint again (``evaluations``, in order): the first evaluation
+compiles the decoding kernels on a cold cache, the second shows a machine whose Triton cache persists (the images keep
+it in a volume); the target is judged on each. Reading the base from disk (51 GiB of safetensors for the 27B shape) is
+not in these figures. ``--reuse`` skips steps 1 and 2: it evaluates again the run an earlier invocation trained in the
+same ``DIR`` and adds its evaluations to that ``results.json`` (each evaluation names the command that made it), so a
+warm evaluation can follow a cold one in a later call on the same machine. ``results.json`` is first written once the
+training run succeeded, before any evaluation, so an evaluation stopped from outside leaves the run to ``--reuse``.
 Interrupted (Ctrl-C, ``timeout``, SIGTERM), it stops the run or the evaluation's child, writes ``results.json`` with
 what is done (an interrupted evaluation is recorded as such) and exits 130.
 """
@@ -52,10 +53,9 @@ from typing import Any
 
 import yaml
 
-from benchmarks import patch_bench
+from benchmarks import patch_bench, results_schema
 from benchmarks.bench_entry import KERNEL_CASES_ENV
 from benchmarks.evaluate_entry import RECORD
-from launcher.files import write_json_atomic
 
 TARGET_S = 180.0  # issue 32: the default prompt set of one checkpoint in 3 minutes or less on one H200 (27B)
 TRAIN_SAMPLES, EVAL_SAMPLES = 16, 4
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         "state": patch_bench._read_json(run_dir / "status.json").get("state") if run_dir else None,
     }
     # written before any evaluation: one stopped from outside (a `timeout`) leaves the run for ``--reuse``
-    write_json_atomic(out / "results.json", results)
+    save_results(out, results)
     if run.get("interrupted"):
         print(f"[evaluate_bench] interrupted while training: {out / 'results.json'} holds the run", file=sys.stderr)
         return 130
@@ -205,10 +205,38 @@ def main(argv: list[str] | None = None) -> int:
     return _evaluate(out, run_dir, results, command, ns)
 
 
+def save_results(out: Path, results: dict[str, Any]) -> None:
+    """``out/results.json`` in the results schema: the training run and each evaluation are its variants
+    (``training``, ``evaluation-1``, ...)."""
+    record = {k: v for k, v in results.items() if k not in ("training", "evaluations")}
+    evaluations = results.get("evaluations") or []
+    record["variants"] = {
+        "training": results.get("training"),
+        **{f"evaluation-{n}": found for n, found in enumerate(evaluations, 1)},
+    }
+    results_schema.write(out / "results.json", record, bench="benchmarks.evaluate_bench")
+
+
+def read_results(path: Path) -> dict[str, Any]:
+    """What ``save_results`` wrote, as the script keeps it (``training``, ``evaluations``); empty when ``path`` is
+    missing or not a results file."""
+    try:
+        record = results_schema.Results.read(path).raw()
+    except (OSError, ValueError):  # pydantic's ValidationError is a ValueError
+        return {}
+    variants = record.pop("variants")
+    record.pop("targets")
+    record["training"] = variants.get("training")
+    evaluations = [found for name, found in variants.items() if name.startswith("evaluation-")]
+    if evaluations:
+        record["evaluations"] = evaluations
+    return record
+
+
 def _earlier(out: Path, shape: str) -> tuple[dict[str, Any], Path | None, str]:
     """For ``--reuse``: the results an earlier invocation wrote in ``out`` and its succeeded run, or why not."""
-    results = patch_bench._read_json(out / "results.json")
-    if not results or not isinstance(results, dict):
+    results = read_results(out / "results.json")
+    if not results:
         return {}, None, f"no readable results.json in {out}"
     training = results.get("training") or {}
     run_dir = Path(training["run_dir"]) if training.get("run_dir") else None
@@ -234,14 +262,14 @@ def _evaluate(out: Path, run_dir: Path, results: dict[str, Any], command: str, n
                                         batch_size=ns.batch_size)  # fmt: skip
         except KeyboardInterrupt:  # launcher.run.evaluate has stopped its child: keep the evaluations done
             found = {"ok": False, "interrupted": True, "wall_s": round(time.monotonic() - started, 1)}
-        found["command"] = command  # with the settings it ran with: --reuse may differ from the first invocation
+        found["command"] = command  # with the settings it ran with: --reuse may differ from the training call
         found["settings"] = {"batch_size": ns.batch_size, "max_new_tokens": ns.max_new_tokens,
                              "max_prompts": ns.max_prompts,
                              "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR")}  # fmt: skip
         evaluations.append(found)
         if found["ok"] and ns.shape == "27b":
             found["target"] = {"max_s": TARGET_S, "met": found["wall_s"] <= TARGET_S}
-        write_json_atomic(out / "results.json", results)  # after each one
+        save_results(out, results)  # after each one
         if found.get("interrupted"):
             print(f"[evaluate_bench] interrupted in evaluation {repeat}: {out / 'results.json'} holds the ones "
                   "done", file=sys.stderr)  # fmt: skip

@@ -35,7 +35,8 @@ Under FSDP2 every rank builds the model on the meta device and materializes only
 ``launcher run`` holds ``MULTICAST_OFF`` (NVLink multicast off: the launcher passes the caller's environment
 through to the ranks; the product does not set these itself), and every rank records what it saw.
 
-``DIR/results.json``: per run the ranks' peak allocated memory, bytes materialized and environment,
+``DIR/results.json`` (the results schema, ``benchmarks/results_schema.py``; the runs are its variants): per run the
+ranks' peak allocated memory, bytes materialized and environment,
 tokens/s in total (tokens of all ranks per step / median of the slowest rank's forward+backward), the
 scaling against one device (target ``SCALING_MIN`` x devices) and the memory bound per device
 (weights / N + the one-device run's activation memory + two unsharded decoder layers), met or not.
@@ -53,7 +54,7 @@ from typing import Any
 
 import yaml
 
-from benchmarks import patch_bench
+from benchmarks import patch_bench, results_schema
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 OPTIONS: dict[str, dict[str, Any]] = {"on": {}, "full-loss": {"chunked_loss": False}}
@@ -298,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             results["runs"].setdefault(option, {})[label] = {**run, "distribution": config["launcher"]["distribution"],
                                                              **summary}  # fmt: skip
             print(f"[fsdp_bench] {option}, {label}: {_one_line(results['runs'][option][label])}", flush=True)
-            (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+            results_schema.write(out / "results.json", results, bench="benchmarks.fsdp_bench", variants_key="runs")
             if run.get("interrupted"):
                 print(f"[fsdp_bench] interrupted: the runs so far are in {out / 'results.json'}", file=sys.stderr)
                 return 130
@@ -306,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         results["targets"] = compare(results, devices, options, param_bytes=4 if backend == "cpu" else 2)
     else:
         results["targets"] = {option: one_device_targets(results["runs"].get(option, {})) for option in options}
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    results_schema.write(out / "results.json", results, bench="benchmarks.fsdp_bench", variants_key="runs")
     print(json.dumps({"targets": results["targets"]}, indent=2, default=str))
     return 0 if all(r.get("state") == "SUCCEEDED" for runs in results["runs"].values() for r in runs.values()) else 1
 

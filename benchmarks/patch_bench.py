@@ -42,26 +42,25 @@ off: transformers' DeltaNet forward for unpacked steps, the key heads repeated b
    is not lifted (kernel; the rank entry runs the kernel check instead: in the first variant's rank by default,
    ``--kernel-check``), the folder has no weights (model), and
    the samples are longer than the cutoff on purpose, which a formal run's data check refuses (data_stats).
-5. ``DIR/results.json``: the steps each variant ran (``steps``, by variant), then per variant the run's end
-   state, step times (median after ``--warmup`` steps, and by the samples of the step's batch: ``by_samples``),
-   tokens/s = tokens per step / median forward+backward time, the garbage collector's host seconds and full
-   collections over the measured steps, supervised tokens/s after the warm-up (less the host's seconds inside
-   Triton's compile and autotune calls, and over the steps of lengths seen before), the step period and
-   LLaMA-Factory's own throughput, peak allocated memory, which kernel ran (proof records), how layers were
-   checkpointed in the first step, and the kernel check of the rank process (with each case's seconds as it ran,
-   ``kernel_check_progress``, and for a run that did not succeed the end of its job log, Triton's reproducer
-   dumps folded); then the targets (docs/benchmarks.md) are compared. With ``--rounds R`` the list runs R times in
-   turn, round R's runs keyed ``VARIANT#R``; a packed variant's target (``spread-packed-row``: its median step
-   period and forward+backward against ``on``'s, with a 95 % bootstrap interval of the difference, and beside it
-   ``at_equal_supervised``: the packed rows read at the unpacked steps' supervised tokens;
-   ``spread-packed-row-reply70`` the same against ``on-reply70``, ``spread-packed-full-row-reply70``
-   ``spread-packed-full`` against it) pools the rounds; the other targets read the
-   first round. Rounds split over several calls pool with ``pooled_targets(FILE, FILE, ...)``.
-   Interrupted (Ctrl-C, ``timeout -s INT``, SIGTERM) while it runs the variants, it stops the running variant's
-   run, waits for it to end, records it (``interrupted``), writes what it has and exits 130 (between two runs:
-   ``"interrupted": "between runs"`` at the top of the results).
-   ``profile`` adds the run's ``profile.json`` (``launcher/results/profile_report.py``) and ``profile.md``, which
-   is also copied to ``DIR/profile.md``; the traces stay in the run directory (their paths are in the results).
+5. ``DIR/results.json`` (the results schema, ``benchmarks/results_schema.py``): the steps each variant ran (``steps``,
+   by variant), then per variant the run's end state, step times (median after ``--warmup`` steps, and by the samples of
+   the step's batch: ``by_samples``), tokens/s = tokens per step / median forward+backward time, the garbage collector's
+   host seconds and full collections over the measured steps, supervised tokens/s after the warm-up (less the host's
+   seconds inside Triton's compile and autotune calls, and over the steps of lengths seen before), the step period and
+   LLaMA-Factory's own throughput, peak allocated memory, which kernel ran (proof records), how layers were checkpointed
+   in the first step, and the kernel check of the rank process (with each case's seconds as it ran,
+   ``kernel_check_progress``, and for a run that did not succeed the end of its job log, Triton's reproducer dumps
+   folded); then the targets (docs/performance.md) are compared. With ``--rounds R`` the list runs R times in turn,
+   round R's runs keyed ``VARIANT#R``; a packed variant's target (``spread-packed-row``: its median step period and
+   forward+backward against ``on``'s, with a 95 % bootstrap interval of the difference, and beside it
+   ``at_equal_supervised``: the packed rows read at the unpacked steps' supervised tokens; ``spread-packed-row-reply70``
+   the same against ``on-reply70``, ``spread-packed-full-row-reply70`` ``spread-packed-full`` against it) pools the
+   rounds; the other targets read the first round. Rounds split over several calls pool with ``pooled_targets(FILE,
+   FILE, ...)``. Interrupted (Ctrl-C, ``timeout -s INT``, SIGTERM) while it runs the variants, it stops the running
+   variant's run, waits for it to end, records it (``interrupted``), writes what it has and exits 130 (between two runs:
+   ``"interrupted": "between runs"`` at the top of the results). ``profile`` adds the run's ``profile.json``
+   (``launcher/results/profile_report.py``) and ``profile.md``, which is also copied to ``DIR/profile.md``; the traces
+   stay in the run directory (their paths are in the results).
 """
 
 from __future__ import annotations
@@ -82,12 +81,13 @@ from typing import Any
 
 import yaml
 
-from benchmarks import bench_entry
+from benchmarks import bench_entry, results_schema
 from benchmarks.bench_assets import SPREAD_REPLY_SHARE
 from launcher.files import tail_lines
 from launcher.state.runs import JOB_LOG
 
 REPO = Path(__file__).resolve().parent.parent
+BENCH = "benchmarks.patch_bench"  # its results file's ``bench``
 ALL_OFF = {"deltanet_routing": False, "fused_ops": False, "checkpoint_all_layers": False, "chunked_loss": False,
            "text_only_batches": False, "final_eval_once": False, "lora_input_cast": False,
            "packed_rows": False, "fsdp2_frozen_dtype": False, "fsdp2_resume_adapter": False,
@@ -129,7 +129,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "spread-packed-workers": {"data": "spread", "steps": 24, "lf": {"packing": True, "dataloader_num_workers": 2}},
     "on-workers": {"lf": {"dataloader_num_workers": 2}},
     # "on" with Python's garbage collector as upstream leaves it: a full collection walks the whole heap, 0.4 s
-    # inside the 16th step of a 20-step run on the 27B shape (docs/benchmarks.md, "Sixteenth invocation")
+    # inside the 16th step of a 20-step run on the 27B shape (docs/lab/2026-12-06-row-costs-and-stall.md)
     "gc-off": {"patches": {"gc_freeze": False}},
     # "on" with transformers' own DeltaNet forward for unpacked steps: the key heads repeated for the value heads
     # before FLA's chunk kernel (packed_rows.unpacked_forward off)
@@ -682,8 +682,8 @@ def at_equal_supervised(variants: dict[str, dict[str, Any]], packed: str, unpack
     """The packed rows' forward+backward against their supervised tokens (``robust_line`` over every measured step of
     every succeeded round), read at the unpacked steps' median supervised tokens, beside the unpacked median: what a
     packed row would cost holding what an unpacked step holds (a row costs what it trains on: the loss alone 18 µs a
-    supervised token at the 27B shape, docs/benchmarks.md). None without the steps' supervised tokens (results
-    before ``step_supervised``) or without two distinct counts."""
+    supervised token at the 27B shape, docs/lab/2026-12-07-packed-same-kind.md). None without the steps' supervised
+    tokens (results before ``step_supervised``) or without two distinct counts."""
 
     def pairs(name: str) -> list[tuple[int, float]]:
         found = []
@@ -873,14 +873,14 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.copyfile(run_dir / "launcher.log", out / "logs" / f"{key}.job.log")
             results["variants"][key] = {**run, **summary, "forecast": forecast}
             print(f"[patch_bench] {key}: {_one_line(results['variants'][key])}", flush=True)
-            (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+            results_schema.write(out / "results.json", results, bench=BENCH)
             if run.get("interrupted"):
                 break
     except KeyboardInterrupt:  # between two runs (a config, a forecast, a summary): none of them is alive
         results["interrupted"] = "between runs"
     if ns.shape == "27b":
         results["targets"] = targets(results["variants"])
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    results_schema.write(out / "results.json", results, bench=BENCH)
     print(json.dumps({"targets": results.get("targets")}, default=str))
     if results.get("interrupted") or any(v.get("interrupted") for v in results["variants"].values()):
         print(f"[patch_bench] interrupted: the variants run so far are in {out / 'results.json'}", file=sys.stderr,

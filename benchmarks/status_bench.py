@@ -1,6 +1,6 @@
 """Benchmark: ``launcher status`` on a run whose ``trainer_log.jsonl`` has 1,000,000 lines.
 
-    python benchmarks/status_bench.py --out /tmp/status-bench
+    python -m benchmarks.status_bench --out /tmp/status-bench
 
 Builds a run directory the way a long run leaves it (status.json of a live run whose supervisor and
 job processes exist, a trainer log of ``--lines`` LLaMA-Factory lines with an eval line every 100
@@ -14,13 +14,12 @@ steps, complete and partial checkpoints), then:
 - records ``python -X importtime`` for the same command (the 15 slowest imports, cumulative).
 
 The promise: under 0.3 s of wall time and under 1 MB of the log read. Results go to
-``--out/results.json``; figures and the command are in docs/benchmarks.md.
+``--out/results.json``; figures and the command are in docs/performance.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -34,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks import results_schema  # noqa: E402
 from launcher.files import write_json_atomic  # noqa: E402
 from launcher.procs import boot_id, identity  # noqa: E402  (the repository root must be importable first)
 from launcher.state.record import SCHEMA_VERSION  # noqa: E402
@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         read = bytes_read_from(run_dir, log, ns.out / "strace.txt")
         imports = import_profile(run_dir)
         results = {
-            "command": " ".join(["python", "-m", "launcher", "status", "RUN_DIR"]),
+            "command": " ".join(["python -m benchmarks.status_bench", *(argv if argv is not None else sys.argv[1:])]),
+            "timed_command": " ".join(["python", "-m", "launcher", "status", "RUN_DIR"]),
             "trainer_log_lines": ns.lines,
             "trainer_log_bytes": log.stat().st_size,
             "repeats": ns.repeats,
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         sleeper.kill()
         sleeper.wait()
-    (ns.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    results_schema.write(ns.out / "results.json", results, bench="benchmarks.status_bench")
     w, r, load = results["wall_s"], results["log_read"], results["context"]["load_average_1_5_15"]
     print(
         f"launcher status on {ns.lines:,} lines ({results['trainer_log_bytes'] / 1e6:.0f} MB): wall median "

@@ -422,7 +422,7 @@ def type_problem(value: Any, hint: Any) -> str | None:
     Any, unions, ``list[X]``, ``dict[str, X]``, TypedDicts), or None when it is.
 
     A typed check of our own rather than pydantic: ``launcher status`` must not pay pydantic's import
-    (docs/benchmarks.md). Depth is bounded by the reader (``read_json_bounded``), so the recursion is too.
+    (docs/performance.md). Depth is bounded by the reader (``read_json_bounded``), so the recursion is too.
     """
     if hint is Any:
         return None

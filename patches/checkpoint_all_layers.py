@@ -7,8 +7,8 @@ globals at call time. That function defaults to ``use_reentrant=True`` and wraps
 that a layer is checkpointed only if it owns a trainable parameter. With LoRA on ``q,k,v,o`` only the
 full-attention layers qualify: on Qwen3.5-27B the 48 Gated DeltaNet layers and their MLPs run
 un-checkpointed although gradients flow through them (111.8 GiB peak instead of 66.9 GiB at 4096 tokens,
-docs/benchmarks.md). LLaMA-Factory turns non-reentrant on by itself only under FSDP2; the trainable-only
-rule stays either way. The HF ``Trainer`` (transformers 5.6.0, ``_inner_training_loop``) calls
+docs/lab/2026-11-30-patches-on-off.md). LLaMA-Factory turns non-reentrant on by itself only under FSDP2;
+the trainable-only rule stays either way. The HF ``Trainer`` (transformers 5.6.0, ``_inner_training_loop``) calls
 ``model.gradient_checkpointing_enable(args.gradient_checkpointing_kwargs)`` again just before the loop, so a
 fix made only at model build time could be undone.
 

@@ -2,8 +2,8 @@
 
 Checkpointing every decoder layer (``checkpoint_all_layers``) is the safe default; each layer left
 un-checkpointed saves its recompute (about 1.5 % of a 27B step per layer on one H200) and costs its
-activations (about 1 GiB per layer at 4,096 tokens there; docs/benchmarks.md). The right number depends on
-the device, the model and the sequence length, so it is measured, not tabled:
+activations (about 1 GiB per layer at 4,096 tokens there; docs/lab/2026-12-01-performance-options.md).
+The right number depends on the device, the model and the sequence length, so it is measured, not tabled:
 
 1. ``layer_meter.InForwardMeter`` leaves the first decoder layer of each kind (class and ``layer_type``: a
    DeltaNet and a full-attention decoder layer differ) un-checkpointed in the first training step and counts,
@@ -23,7 +23,7 @@ the device, the model and the sequence length, so it is measured, not tabled:
 4. With a budget, the first plan is made before anything has run it, so it prices each layer at ``PRIOR_FACTOR``
    times its count: what kernels keep outside autograd's saved tensors and the backward's working buffers were once
    measured at 1.48x the count (the side-forward meter this one replaced); layers counted in the forward have since
-   taken 0.97 to 1.001 times their count in the budget runs on one H200 (docs/benchmarks.md, "Ninth invocation"). The
+   taken 0.97 to 1.001 times their count in the budget runs on one H200 (docs/lab/2026-12-05-budget-pair.md). The
    second step, which runs that plan, measures the real factor from its peak (``correction``, never below 1: a layer
    is never priced under its count). Dearer than the prior, the plan is made again at the real factor and the layers
    it no longer affords are checkpointed again from the third step; cheaper, the plan made again at the real factor

@@ -1,15 +1,14 @@
 """Compute the training loss from the final hidden states in token chunks, never holding the whole logits.
 
 Upstream behaviour (transformers 5.6.0, ``models/qwen3_5/modeling_qwen3_5.py``,
-``Qwen3_5ForConditionalGeneration.forward``): with ``labels`` given, the forward projects every position
-through ``lm_head`` (``logits = self.lm_head(hidden_states)``), and ``ForCausalLMLoss``
-(``loss/loss_utils.py``) upcasts the whole tensor to float32 before the cross-entropy. At vocabulary
-248,320 and 4,096 tokens that is 2 GiB of bf16 logits, 4 GiB of fp32 logits and as much again for their
-gradient: about 9 GiB of the 65 GiB peak of a 27B LoRA step on one H200 (docs/benchmarks.md), and the part
-that grows with the context, so anything above ~16k tokens does not fit on one device. The class sets
-``accepts_loss_kwargs = False`` and calls ``self.loss_function(logits=..., labels=..., vocab_size=...)``
-without ``num_items_in_batch``: the loss is the mean over the micro-batch's supervised tokens (labels
-shifted by one, ``-100`` ignored); LLaMA-Factory 0.9.5 (``CustomSeq2SeqTrainer``, processor given) also
+``Qwen3_5ForConditionalGeneration.forward``): with ``labels`` given, the forward projects every position through
+``lm_head`` (``logits = self.lm_head(hidden_states)``), and ``ForCausalLMLoss`` (``loss/loss_utils.py``) upcasts the
+whole tensor to float32 before the cross-entropy. At vocabulary 248,320 and 4,096 tokens that is 2 GiB of bf16 logits, 4
+GiB of fp32 logits and as much again for their gradient: about 9 GiB of the 65 GiB peak of a 27B LoRA step on one H200
+(docs/lab/2026-12-01-performance-options.md), and the part that grows with the context, so anything above ~16k tokens
+does not fit on one device. The class sets ``accepts_loss_kwargs = False`` and calls ``self.loss_function(logits=...,
+labels=..., vocab_size=...)`` without ``num_items_in_batch``: the loss is the mean over the micro-batch's supervised
+tokens (labels shifted by one, ``-100`` ignored); LLaMA-Factory 0.9.5 (``CustomSeq2SeqTrainer``, processor given) also
 sets ``model_accepts_loss_kwargs = False``, so the Trainer divides by ``gradient_accumulation_steps``.
 
 What this patch does (class-level wrapper of that ``forward``; nothing else of the model changes):
@@ -64,7 +63,8 @@ EXPECTED_PARAMETERS = (
 
 class Options(BaseModel):
     """``launcher.patches.chunked_loss``: ``chunk_tokens`` supervised tokens per chunk (default 512: on one H200
-    the 27B step peaked 1.3 GiB lower than at 1024 for about 0.6 % of its speed, docs/benchmarks.md)."""
+    the 27B step peaked 1.3 GiB lower than at 1024 for about 0.6 % of its speed,
+    docs/lab/2026-12-01-performance-options.md)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     enabled: bool = True

@@ -21,7 +21,8 @@ in ``accelerate.accelerator``):
    original parameter dtype" for any group that mixes them (pytorch PR #154103 relaxed it to trainable parameters
    only, first in 2.8); the NPU and CUDA images pin torch 2.7.1. ``shared`` leaves them in the layer's unit
    (torch >= 2.8 only): one gather and one set of FSDP2 hooks fewer per layer with LoRA, 1.3 % of the 27B step on
-   one H200 (docs/benchmarks.md). ``auto`` (the default) is ``shared`` where torch allows it, else ``own``;
+   one H200 (docs/lab/2026-12-02-fsdp2-one-device.md). ``auto`` (the default) is ``shared`` where torch allows
+   it, else ``own``;
 3. ``embedding_units: true`` (the default): the frozen input and output embeddings (when not tied) become FSDP2
    units of their own before accelerate makes the root unit, so neither stays gathered through the decoder layers'
    backward (in the root's unit both do: 4.74 GiB for the 27B shape); the output embedding is gathered once per

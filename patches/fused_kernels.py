@@ -38,13 +38,12 @@ OPS = ("conv", "rms_norm", "gated_norm", "swiglu")
 # (``cdiv(rows, 2048)``, for the gated norm ``cdiv(rows, 65536)``), as a compile-time constant and as an autotune key,
 # and use it nowhere in their bodies: every new bucket compiles and benchmarks each configuration again (9 or 6
 # for the layer norm). Rows are tokens x heads, so the q norm met a new bucket every 85 tokens of length: a packed
-# run on one H100 lost 16 to 37 s at each new length (docs/benchmarks.md, "Twenty-first invocation").
+# run on one H100 lost 16 to 37 s at each new length (docs/lab/2026-12-07-cut-rows-new-lengths.md).
 # ``tune_by_width`` takes ``NB`` out of these keys: a kernel is tuned once per width and flags, and a new bucket
 # costs one compile of the chosen configuration. The configuration is the one tuned at the first length met: in the
 # process, or, where Triton keeps autotuning results (FLA asks it to; ``TRITON_CACHE_AUTOTUNING``), in the cache.
 # Tuned at 512 tokens and run at 4,096 on one H100 it was as fast as FLA's own choice at 4,096 within the spread of
-# two readings, and a new length of a packed run cost 1.5 s instead of 16 to 37 (docs/benchmarks.md, "Twenty-third
-# invocation").
+# two readings, and a new length of a packed run cost 1.5 s instead of 16 to 37 (docs/lab/2026-12-07-tuned-by-width.md).
 ROW_BUCKET_KEY = "NB"
 FLA_ROW_BUCKETED = {"rms_norm": (("fla.modules.norm.layernorm", "layer_norm_fwd_kernel"),
                                  ("fla.modules.norm.layernorm", "layer_norm_bwd_kernel")),

@@ -5,7 +5,7 @@ code): the DeltaNet layer binds ``causal_conv1d_fn`` at construction from a modu
 the CUDA-only ``causal-conv1d`` package imports, else it runs ``nn.Conv1d`` (``conv_depthwise2d``) and prints "The
 fast path is not available"; ``Qwen3_5RMSNorm`` runs unfused in fp32 (``x.float()``, pow, mean, rsqrt,
 ``* (1 + w)``, cast back); ``Qwen3_5RMSNormGated`` likewise; ``Qwen3_5MLP`` computes ``act_fn(gate) * up`` as
-two kernels. On one H200 these ops took about a fifth of a 27B step (docs/benchmarks.md, "Fused glue").
+two kernels. On one H200 these ops took about a fifth of a 27B step (docs/lab/2026-12-02-fused-glue.md).
 
 What this patch does, per op (``fused_kernels.select_kernels``; each has an off switch,
 ``launcher.patches.fused_ops.<op>: false``):

@@ -6,7 +6,7 @@ which walks every tracked object of the process, when more than ten middle-gener
 objects waiting to join the oldest generation are more than a quarter of those already in it. Once the model, the
 datasets, the optimizer and the compiled kernels are built, a training rank tracks of the order of 800,000 objects
 (773,613 at the first step of the 27B shape on one H100). There, one full collection took 0.38 to 0.44 s inside
-the 16th step's period of every 20-step run (docs/benchmarks.md, "Sixteenth invocation"; the 40-step runs of
+the 16th step's period of every 20-step run (docs/lab/2026-12-06-row-costs-and-stall.md; the 40-step runs of
 earlier invocations stalled there and again at the 33rd step), about 2 % of the step time, which the step medians
 leave out and throughput does not. With several ranks, each collects at its own moment and the others wait for it
 at the next collective.

@@ -42,7 +42,8 @@ What this patch does:
    device has one: on CUDA FlashAttention 2 with the row's ``cu_seqlens`` through
    ``torch.ops.aten._flash_attention_forward`` (``ATEN_FLASH``: the operator ``varlen_attn`` wraps and torch's nested
    tensors call, in every torch from 2.7.1, the images', to 2.14; it shares key heads, which ``varlen_attn`` before
-   ``enable_gqa`` repeats: a 27B attention layer 0.8 ms slower on an H100, docs/benchmarks.md), or through
+   ``enable_gqa`` repeats: a 27B attention layer 0.8 ms slower on an H100,
+   docs/lab/2026-12-06-packed-padding-key-heads.md), or through
    ``torch.nn.attention.varlen.varlen_attn`` where the operator's arguments are not the ones expected;
    ``torch_npu.npu_fusion_attention`` (layout ``TND`` with the samples'
    cumulative lengths, causal ``sparse_mode`` 3) on NPU; bf16/fp16 only, the row's padding cut into segments of
@@ -63,7 +64,7 @@ What this patch does:
    embeddings' dtype in a process that collated nothing) and reads the samples off the numbers
    (``numbered_segments``) instead of the mask's diagonals. At 4,096 tokens LLaMA-Factory's CPU mask took 7 to
    13 ms and its copy to the device 2 to 5 ms a batch, in the training process between two steps; the same mask
-   built on the device 0.23 ms (three readings on H100 hosts, ``benchmarks.attention_bench``; then by an
+   built on the device 0.23 ms (three readings on H100 hosts, ``benchmarks.lab.attention_bench``; then by an
    elementwise build of our own, equal entry for entry, since replaced by LLaMA-Factory's function).
    Then it cuts the batch after the last sample token of its fullest row, rounded up to ``cut_padding`` tokens
    (default 256; ``cut_padding``): LLaMA-Factory pads every packed row to ``cutoff_len``, and the layers compute
@@ -135,7 +136,8 @@ MASKED = "sdpa with the block mask"
 # step runs, where SDPA would run it with cuDNN's kernel: exact for every sample token (causal order keeps them off
 # the padding, and nothing of a sample reads the padding's outputs), and 0.63 to 1.86 ms a checkpointed 27B attention
 # layer cheaper than FlashAttention 2's varlen kernel on rows of 3,162 and 4,095 tokens on an H100 with torch 2.11
-# (docs/benchmarks.md, "Eighteenth invocation"); in training 5 to 9 ms a one-sample row ("Nineteenth invocation").
+# (docs/lab/2026-12-06-unrepeated-key-heads.md); in training 5 to 9 ms a one-sample row
+# (docs/lab/2026-12-06-one-sample-route.md).
 # Where SDPA would pick FlashAttention 2 the whole row would cost more than the varlen call on the sample and its
 # padding pieces, which stays there. SDPA on each sample's own slice of the row was measured too and left out: it
 # gained 0.08 ms a layer on one sample (against the whole row) and 0.1 ms on two (against the varlen call), lost 0.9 ms
@@ -166,7 +168,8 @@ class Options(BaseModel):
     # attention of packed rows through a varlen kernel where the device has one (CUDA, NPU); false: the block mask
     varlen_attention: bool = True
     # build the packed row's 4D mask on the device from LLaMA-Factory's sample numbers; false: its collator builds
-    # it on the CPU (32 MiB at 4,096 tokens in bf16: 7 to 13 ms and a 2 to 5 ms copy a batch, docs/benchmarks.md)
+    # it on the CPU (32 MiB at 4,096 tokens in bf16: 7 to 13 ms and a 2 to 5 ms copy a batch,
+    # docs/lab/2026-12-05-packed-target-three-readings.md)
     device_mask: bool = True
     # unpacked batches (no cache) through the same layer arithmetic where the chunk kernel is FLA, so their key
     # heads reach it unrepeated too; false: transformers' forward repeats them (see ``value_heads``)
@@ -223,7 +226,7 @@ class Segments:
         kernel, take for these rows: the padding joined to the sample before it, and (None, None) where that leaves
         one sequence (a batch of one row holding one sample: batch size 1 per device), which the kernels then run as
         they run an unpacked step. FLA's convolution took 1.59 ms forward+backward with ``cu_seqlens`` against 1.39
-        without at the 27B width on an H100 (docs/benchmarks.md, "Fourteenth invocation"), in each of 48 layers a
+        without at the 27B width on an H100 (docs/lab/2026-12-06-packed-attention-alone.md), in each of 48 layers a
         step."""
         key = ("state", str(device))
         if key not in self._on_device:
@@ -515,7 +518,8 @@ def varlen_kernel(query, scaling: float | None, dropout: float) -> str | None:
     if query.device.type != "cuda" or torch.cuda.get_device_capability(query.device)[0] < 8:
         return None
     # the operator shares key heads, which varlen_attn before enable_gqa repeats (torch 2.11: 3.07 against 2.22 ms a
-    # checkpointed 27B attention layer on an H100, docs/benchmarks.md); later varlen_attn wraps the same call
+    # checkpointed 27B attention layer on an H100, docs/lab/2026-12-06-packed-padding-key-heads.md); later varlen_attn
+    # wraps the same call
     if aten_flash_op() is not None:
         return ATEN_FLASH
     options = torch_varlen_options()

@@ -1,13 +1,13 @@
 """Pad every batch to a multiple of N tokens, so a run meets few distinct sequence lengths (off by default).
 
-Upstream behaviour (LLaMA-Factory 0.9.5, ``src/llamafactory/train/sft/workflow.py``): the SFT collator is
-built with ``pad_to_multiple_of=8`` (when training), with no key to change it. On real data of unequal
-lengths every step can meet a new padded length; kernels that specialise on the length (Triton's
-autotuning and compilation of the DeltaNet and attention kernels, graph compilers on NPU) then compile again.
-On CUDA fla-core 0.6.0 keeps the length out of its autotune keys, so a new length costs a compile only when
-the number of 64-token chunks crosses a power of two (docs/benchmarks.md); on NPU each new shape can cost
-more. Padding to a multiple such as 256 bounds the shapes at ``cutoff_len / 256``, at the price of computing
-padding (masked out of attention and labels, so the loss is unchanged).
+Upstream behaviour (LLaMA-Factory 0.9.5, ``src/llamafactory/train/sft/workflow.py``): the SFT collator is built with
+``pad_to_multiple_of=8`` (when training), with no key to change it. On real data of unequal lengths every step can meet
+a new padded length; kernels that specialise on the length (Triton's autotuning and compilation of the DeltaNet and
+attention kernels, graph compilers on NPU) then compile again. On CUDA fla-core 0.6.0 keeps the length out of its
+autotune keys, so a new length costs a compile only when the number of 64-token chunks crosses a power of two
+(docs/lab/2026-12-01-performance-options.md); on NPU each new shape can cost more. Padding to a multiple such as 256
+bounds the shapes at ``cutoff_len / 256``, at the price of computing padding (masked out of attention and labels, so the
+loss is unchanged).
 
 What this patch does: sets ``pad_to_multiple_of`` on each collator of the multimodal family to ``multiple``
 before it pads (the padded positions get attention mask 0 and label -100, as LLaMA-Factory's own padding).

@@ -6,7 +6,8 @@ Upstream behaviour (LLaMA-Factory 0.9.5, ``src/llamafactory/data/collator.py``,
 appends a 64x64 white image to the first sample, with its tokens masked out of attention and labels ("avoid
 process hanging in zero3/fsdp case"). So a text-only run still sends the 27-block vision tower through
 forward, recompute and backward on every step, and attention gets an explicit mask: measured on one H200
-through the launcher, turning it off took the 27B step from 2,545 to 2,814 tokens/s (docs/benchmarks.md).
+through the launcher, turning it off took the 27B step from 2,545 to 2,814 tokens/s
+(docs/lab/2026-12-01-performance-options.md).
 The dummy exists for a real reason: under FSDP or ZeRO-3 every rank must run the vision tower's
 collectives if any rank does, so a batch with an image on one rank and none on another would hang.
 

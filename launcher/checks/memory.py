@@ -4,7 +4,7 @@
 ``config.json`` (hidden size, intermediate size, layers and their kinds, heads, vocabulary, vision tower) and
 the run config (dtype, ``cutoff_len``, batch sizes, LoRA targets and rank, distribution and ranks, the patches
 and their options), with the few calibration constants below, each named with the measurement it comes from
-(docs/benchmarks.md, "Memory forecast", has the table of forecasts against every measured point).
+(docs/lab/2026-12-02-memory-forecast.md has the table of forecasts against every measured point).
 
 The terms (GiB per device):
 
@@ -50,7 +50,8 @@ from launcher.results.lora_targets import (
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-# --- calibration constants (one H200, 27B shape, LoRA r8 q/k/v/o, batch 1; docs/benchmarks.md) -----------------
+# --- calibration constants (one H200, 27B shape, LoRA r8 q/k/v/o, batch 1) -------------------------------------------
+# (docs/lab/2026-12-02-memory-forecast.md)
 # Saved activations of one un-checkpointed decoder layer per token, in elements of the activation dtype: the MLP
 # keeps its gate and up projections and their SwiGLU product (3 x intermediate_size), the token mixer keeps
 # these many hidden-widths. From the layer meter's counts at 4,096 tokens (`budget120`, run 4 of "Performance
@@ -65,7 +66,7 @@ REAL_OVER_COUNTED = 1.48
 FUSED_GLUE_LAYER_SHARE = 0.708
 # The backward of one checkpointed layer (its recomputed activations, their gradients, the layer's input gradient)
 # against the count of the widest layer kind: fitted on the 65,536-token point (115.94 GiB, `ctx64k`), where it
-# dominates; the 8k, 16k and 32k points check it (docs/benchmarks.md, "Memory forecast").
+# dominates; the 8k, 16k and 32k points check it (docs/lab/2026-12-02-memory-forecast.md).
 BACKWARD_OVER_COUNTED = 2.18
 # The loss per logit: bf16 logits, their float32 copy for the cross-entropy, its float32 gradient and the bf16
 # gradient of the logits: 2 + 4 + 4 + 2 bytes. Check: chunks of 1,024 peaked 1.41 GiB above chunks of 512 (56.55

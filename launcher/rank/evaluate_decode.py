@@ -35,7 +35,7 @@ from launcher.checks.memory import GIB, SLACK_GIB, SLACK_SHARE
 
 AUTO = "auto"  # ``--batch-size auto``: as many rows as the device's free memory holds, by the forecast
 # At most this many rows a batch with ``auto``: one H200 decoded a step in about 0.21 s from 1 row to 32
-# (docs/benchmarks.md; not measured beyond 32), and each batch is one progress line.
+# (docs/lab/2026-12-02-batched-decoding.md; not measured beyond 32), and each batch is one progress line.
 AUTO_MAX_ROWS = 64
 FALLBACK_ROWS = 16  # ``auto`` when the model's config gives no forecast (a model that is not Qwen3.5)
 

@@ -47,7 +47,7 @@ PHASES = (
     "between steps",
 )
 KIND_NAMES = {"linear_attention": "DeltaNet", "full_attention": "full attention"}
-# One fix per phase, the first lever to pull there (docs/npu-tuning.md and README, "Out of memory").
+# One fix per phase, the first lever to pull there (docs/npu-tuning.md and docs/usage.md, "Out of memory").
 FIXES = {
     "loading": "shard the weights: launcher.distribution: fsdp2 over more devices",
     "forward": "a lower cutoff_len or per_device_train_batch_size (the forward keeps every checkpointed layer's "

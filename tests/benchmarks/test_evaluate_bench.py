@@ -12,6 +12,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from benchmarks import evaluate_bench  # noqa: E402
+from benchmarks.results_schema import Results  # noqa: E402
 from launcher.demo import OPENINGS  # noqa: E402
 from launcher.state.runs import EVALUATE_JSON  # noqa: E402
 
@@ -42,12 +43,12 @@ def test_reuse_without_an_earlier_run_is_refused_and_writes_nothing(tmp_path, ca
         evaluate_bench.main(["--out", str(tmp_path), "--shape", "tiny", "--reuse"])
     assert exc.value.code == 2
     assert "--reuse: no readable results.json" in capsys.readouterr().err and not any(tmp_path.iterdir())
-    (tmp_path / "results.json").write_text(json.dumps({"shape": "27b", "training": {"state": "SUCCEEDED"}}))
+    evaluate_bench.save_results(tmp_path, {"command": "earlier", "shape": "27b", "training": {"state": "SUCCEEDED"}})
     with pytest.raises(SystemExit):
         evaluate_bench.main(["--out", str(tmp_path), "--shape", "tiny", "--reuse"])
     assert "has the 27b shape, not tiny" in capsys.readouterr().err
-    assert json.loads((tmp_path / "results.json").read_text())["shape"] == "27b"  # left as it was
-    (tmp_path / "results.json").write_text(json.dumps({"shape": "tiny", "training": {"state": "TERMINATED"}}))
+    assert evaluate_bench.read_results(tmp_path / "results.json")["shape"] == "27b"  # left as it was
+    evaluate_bench.save_results(tmp_path, {"command": "earlier", "shape": "tiny", "training": {"state": "TERMINATED"}})
     with pytest.raises(SystemExit):
         evaluate_bench.main(["--out", str(tmp_path), "--shape", "tiny", "--reuse"])
     assert "names no succeeded training run" in capsys.readouterr().err
@@ -64,14 +65,17 @@ def test_one_checkpoint_is_trained_then_evaluated_with_the_default_prompt_set(tm
     real_evaluate = evaluate_bench.evaluate_checkpoint
 
     def noting(*args, **kwargs):
-        recorded_before.append(json.loads((out / "results.json").read_text()))
+        recorded_before.append(evaluate_bench.read_results(out / "results.json"))
         return real_evaluate(*args, **kwargs)
 
     monkeypatch.setattr(evaluate_bench, "evaluate_checkpoint", noting)
     # 10 test conversations: more than the demo's 8 client lines, so each must open differently to be a prompt
     assert evaluate_bench.main(["--out", str(out), "--shape", "tiny", "--test", "10", "--max-prompts", "10",
                                 "--max-new-tokens", "6", "--batch-size", "8", "--repeats", "2"]) == 0  # fmt: skip
-    results = json.loads((out / "results.json").read_text())
+    written = Results.read(out / "results.json")  # the results schema, validated
+    assert written.bench == "benchmarks.evaluate_bench" and written.commit and written.converted is None
+    assert written.figures["evaluation-2.wall_s"] == written.variants["evaluation-2"]["wall_s"]
+    results = evaluate_bench.read_results(out / "results.json")
     assert results["training"]["state"] == "SUCCEEDED"
     # the trained run was on disk before the first evaluation began: a stopped evaluation leaves it for --reuse
     assert recorded_before[0]["training"] == results["training"] and "evaluations" not in recorded_before[0]
@@ -98,7 +102,7 @@ def test_one_checkpoint_is_trained_then_evaluated_with_the_default_prompt_set(tm
     trained = results["training"]
     assert evaluate_bench.main(["--out", str(out), "--shape", "tiny", "--max-prompts", "10", "--max-new-tokens", "6",
                                 "--batch-size", "8", "--reuse"]) == 0  # fmt: skip
-    again = json.loads((out / "results.json").read_text())
+    again = evaluate_bench.read_results(out / "results.json")
     assert again["training"] == trained and again["evaluations"][:2] == results["evaluations"]
     assert len(again["evaluations"]) == 3 and again["evaluations"][2]["ok"]
     assert again["evaluations"][2]["command"].endswith("--reuse") and again["evaluations"][2]["prompts"] == 16
@@ -110,6 +114,6 @@ def test_one_checkpoint_is_trained_then_evaluated_with_the_default_prompt_set(tm
 
     monkeypatch.setattr(evaluate_bench, "evaluate_checkpoint", interrupted)
     assert evaluate_bench.main(["--out", str(out), "--shape", "tiny", "--max-prompts", "10", "--reuse"]) == 130
-    stopped = json.loads((out / "results.json").read_text())
+    stopped = evaluate_bench.read_results(out / "results.json")
     assert stopped["evaluations"][:3] == again["evaluations"]  # the evaluations done are kept
     assert stopped["evaluations"][3]["interrupted"] and not stopped["evaluations"][3]["ok"]

@@ -1,13 +1,11 @@
 """The FSDP2 benchmark's plumbing on the CPU: configs, the arithmetic, and (slow) one run over 2 gloo processes.
 
-The measurement itself (27B shape, 2 x H200) is described in docs/benchmarks.md and not run here; the tiny
-shape goes through the same ``launcher run`` path with real FSDP2 sharding over gloo, so a broken path fails
-before anyone spends GPU time on it.
+The measurement itself (27B shape, 2 x H200) is described in docs/lab/2026-12-01-fsdp2-two-gpus-plan.md and not run
+here; the tiny shape goes through the same ``launcher run`` path with real FSDP2 sharding over gloo, so a broken path
+fails before anyone spends GPU time on it.
 """
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import yaml
@@ -16,6 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from benchmarks import bench_assets, fsdp_bench  # noqa: E402
+from benchmarks.results_schema import Results  # noqa: E402
 from launcher.run.config import load_run_config  # noqa: E402
 from patches import fsdp2_frozen_dtype  # noqa: E402
 
@@ -106,7 +105,10 @@ def test_tiny_benchmark_shards_over_two_gloo_processes(tmp_path):
     out = tmp_path / "bench"
     fsdp_bench.main(["--out", str(out), "--shape", "tiny", "--backend", "cpu", "--steps", "3", "--warmup", "1",
                      "--samples", "3", "--timeout", "500"])  # fmt: skip
-    results = json.loads((out / "results.json").read_text())
+    written = Results.read(out / "results.json")  # the results schema, validated
+    assert written.bench == "benchmarks.fsdp_bench" and written.commit and written.converted is None
+    results = written.raw("runs")
+    assert written.figures["on.2.tokens_per_s_total"] == results["runs"]["on"]["2"]["tokens_per_s_total"]
     assert results["environment_passed"]["NCCL_NVLS_ENABLE"] == "0"
     one, two = results["runs"]["on"]["1"], results["runs"]["on"]["2"]
     for run, world in ((one, 1), (two, 2)):

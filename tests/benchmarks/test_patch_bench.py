@@ -1,6 +1,6 @@
 """The patch benchmark's plumbing on the CPU: assets, configs, the rank entry's hooks, and (slow) a whole run.
 
-The H200 measurement itself (27B shape, CUDA) is in docs/benchmarks.md; here the same code runs with the tiny
+The H200 measurement itself (27B shape, CUDA) is in docs/performance.md; here the same code runs with the tiny
 shape through ``launcher run``, so a broken path fails before anyone spends GPU time on it.
 """
 
@@ -18,6 +18,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from benchmarks import bench_assets, bench_entry, fla_guard, patch_bench  # noqa: E402
+from benchmarks.results_schema import Results  # noqa: E402
 from launcher.run.config import load_run_config  # noqa: E402
 from launcher.state.runs import JOB_LOG  # noqa: E402
 
@@ -425,9 +426,13 @@ def test_the_packed_rows_are_also_read_at_the_unpacked_steps_supervised_tokens()
 def run_tiny_bench(out, *args: str) -> dict:
     """``patch_bench`` with the tiny shape on the CPU; its results, once it exited 0."""
     code = patch_bench.main(["--out", str(out), "--shape", "tiny", "--samples", "3", "--timeout", "600", *args])
-    results = json.loads((out / "results.json").read_text())
-    assert code == 0, results
-    return results
+    written = Results.read(out / "results.json")  # the results schema, validated
+    assert code == 0, written
+    assert written.bench == "benchmarks.patch_bench" and written.command.startswith("python -m benchmarks.patch_bench")
+    assert written.commit and written.versions["torch"] and written.device.startswith("cpu")
+    assert written.converted is None and written.figures  # every variant's numbers, by path
+    assert all(written.figures[f"{name}.tokens_per_s"] == v["tokens_per_s"] for name, v in written.variants.items())
+    return written.raw()
 
 
 def test_allocator_retries_are_counted_over_the_measured_steps_only():
@@ -645,7 +650,7 @@ def test_an_interrupted_benchmark_ends_its_run_before_it_exits(tmp_path, signall
         assert RunState(read_status(run_dir)["state"]).terminal, read_status(run_dir)["state"]
         assert bench.returncode == 130 and "stopping the run and waiting for it to end" in err
         assert "Traceback" not in err and "the variants run so far are in" in err
-        kept = json.loads((out / "results.json").read_text())["variants"]["on"]  # what the run recorded is kept
+        kept = Results.read(out / "results.json").variants["on"]  # what the run recorded is kept
         assert kept["interrupted"] and not kept["timed_out"] and RunState(kept["state"]).terminal
     finally:
         if bench.poll() is None:

@@ -1,6 +1,6 @@
 """The memory forecast (``launcher.checks.memory``) against every measured peak, on known configs, and in ``check``.
 
-The table of measured points is docs/benchmarks.md, "Memory forecast": every point within 10 %. A real CPU training
+The table of measured points is docs/lab/2026-12-02-memory-forecast.md: every point within 10 %. A real CPU training
 step against the forecast (allocated bytes and resident set) is test_memory_forecast_cpu.py.
 """
 
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.results_schema import Results
 from launcher.checks import memory
-from tests.support.common import make_config
+from tests.support.common import REPO, make_config
 from tests.support.fake_runs import launcher
 
 
@@ -79,7 +80,7 @@ def test_backend_auto_in_check_names_no_device_so_no_verdict_without_device_memo
     assert memory_finding(config, 16.0).level == ERROR  # 51 GiB of weights on a 16 GiB device
 
 
-# (name, run settings, measured peak GiB, where it was measured); docs/benchmarks.md, "Memory forecast"
+# (name, run settings, measured peak GiB, where it was measured); docs/lab/2026-12-02-memory-forecast.md
 MEASURED = [
     ("4k, every layer checkpointed, chunked loss", {}, 55.14, "perf-h200-run4.json on"),
     ("8k", {"cutoff_len": 8192}, 59.6, "seed's H200 measurement"),
@@ -181,7 +182,8 @@ def test_the_parameter_arithmetic_counts_what_transformers_builds(model_27b, dem
         shape = memory.read_shape(json.loads((folder / "config.json").read_text()))
         assert memory.parameter_counts(shape)["total"] == count_parameters(folder)["total"]
     shape = memory.read_shape(json.loads((model_27b / "config.json").read_text()))
-    counts = memory.parameter_counts(shape)  # docs/benchmarks.md: fsdp_bench.unit_sizes on the meta device
+    # docs/lab/2026-12-01-fsdp2-two-gpus-plan.md: fsdp_bench.unit_sizes on the meta device
+    counts = memory.parameter_counts(shape)
     assert (counts["root"], counts["largest_layer"]) == (2_592_065_408, 383_273_184)
     lf = {"finetuning_type": "lora", "lora_rank": 8, "lora_target": "q_proj,k_proj,v_proj,o_proj"}
     assert memory.lora_parameters(shape, json.loads((model_27b / "config.json").read_text()), lf) == 5_242_880
@@ -202,7 +204,8 @@ def test_the_verdict_names_the_largest_term_and_the_option_that_shrinks_it(model
     assert upcast.verdict == "will not fit" and upcast.largest == "weights"
     assert "fsdp2_frozen_dtype: true" in upcast.fixes["weights"]
     formal = _forecast(model_27b, tmp_path, distribution="fsdp2", ranks=8, device_gib=59.6)
-    assert formal.verdict == "fits" and 12 < formal.peak < 14  # docs/benchmarks.md: 12.8 projected bottom-up
+    # docs/lab/2026-12-02-memory-forecast.md: 12.8 projected bottom-up
+    assert formal.verdict == "fits" and 12 < formal.peak < 14
     assert formal.largest == "weights" and "loss" in formal.terms  # lm_head gathered at the loss: its peak phase
     rooted = _forecast(model_27b, tmp_path, distribution="fsdp2", ranks=8, device_gib=59.6,
                        patches={"fsdp2_frozen_dtype": {"embedding_units": False}})  # fmt: skip
@@ -238,7 +241,7 @@ def test_a_greedy_rows_forecast_errs_high_against_the_h200s_measured_rows(model_
     """``decode_row_bytes`` at the 27B shape against what one H200 measured per added row of a greedy batch
     (``benchmarks/results/decode-batched-h200.json``: 512-token prompts, 128 new tokens, peaks at 1, 8 and 32 rows):
     never below a measured row (``launcher evaluate --batch-size auto`` must not overfill), at most 30 % above."""
-    found = json.loads((Path(__file__).parents[2] / "benchmarks/results/decode-batched-h200.json").read_text())
+    found = Results.read(REPO / "benchmarks/results/decode-batched-h200.json").detail  # the schema's detail block
     batches = found["routes"]["routed"]["batches"]
     peaks = sorted((int(rows), b["peak_allocated_gib"]) for rows, b in batches.items())
     measured = [(b - a) / (rb - ra) for (ra, a), (rb, b) in pairwise(peaks)]

@@ -3,7 +3,8 @@
 On CPU the routed kernel is transformers' torch chunk implementation itself, so a pass there shows bf16
 rounding only. These tests show the comparison is live: kernels broken on purpose (layout read as
 [B, H, T, D], wrong output scale, state leaking across packed sequences, NaN, a crash) fail, and bf16 fails a
-threshold below its rounding. FLA's kernel needs an accelerator; docs/benchmarks.md records the H200 run.
+threshold below its rounding. FLA's kernel needs an accelerator;
+docs/lab/2026-11-30-deltanet-kernel-validation.md records the H200 run.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ weight as given; ``swiglu(gate, up)``), and a stand-in ``torch_npu`` module offe
 built with the patch selecting those kernels (backend ``cuda`` or ``npu``, routing off so the DeltaNet chunk
 stays transformers' torch kernel on the CPU) must compute what transformers' own ops compute, forward and
 backward; a planted layout error must not. The real kernels are checked by ``launcher validate-kernels`` on the
-device (``tests/checks/test_validate_kernels.py`` and docs/benchmarks.md).
+device (``tests/checks/test_validate_kernels.py`` and docs/lab/2026-12-02-fused-glue.md).
 """
 
 from __future__ import annotations

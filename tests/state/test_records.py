@@ -311,7 +311,8 @@ def test_status_shows_the_failing_ranks_own_exit_code(tmp_path):
 
 
 def test_status_imports_neither_the_training_stack_nor_the_validators(tmp_path):
-    """What keeps `launcher status` fast (docs/benchmarks.md): no torch, pydantic, patches or preflight."""
+    """What keeps `launcher status` fast (docs/lab/2026-11-30-status-million-lines.md): no torch, pydantic, patches or
+    preflight."""
     run_dir = crafted_run(tmp_path)
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "launcher", "status", str(run_dir)],
                           cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
