@@ -62,7 +62,8 @@ def child_env(backend: Backend) -> dict[str, str]:
 
     The caller's environment passes through whole (device selection, NCCL/HCCL settings); on top of it:
     unbuffered output, the repository root on PYTHONPATH so the child imports this launcher and its
-    patches, and, for a CPU run, no visible GPU.
+    patches, for a CPU run no visible GPU, and for a CUDA run GPUs numbered by PCI bus, as nvidia-smi numbers them
+    (``state/devices.py``: the lease and the job must mean the same GPU by the same index).
     """
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
@@ -70,4 +71,6 @@ def child_env(backend: Backend) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     if backend.name == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU run stays on the CPU even on a GPU host
+    if backend.name == "cuda":  # indices as nvidia-smi counts them (by PCI bus): what the device lease reads
+        env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     return env

@@ -580,9 +580,12 @@ def forecast_run(config, lf: dict[str, Any], device_gib: float | None) -> Foreca
     return forecast(shape, run, lora_parameters(shape, raw, lf), device_gib)
 
 
-def check_memory(config, lf: dict[str, Any], backend: str, device_gib: float | None = None) -> tuple[str, str]:
+def check_memory(config, lf: dict[str, Any], backend: str, device_gib: float | None = None,
+                 free_gib: float | None = None) -> tuple[str, str]:  # fmt: skip
     """``(status, detail)`` of the ``memory`` row: ``fail`` for will not fit, ``warn`` for tight or when the
-    forecast cannot be made, ``ok`` otherwise. ``device_gib`` (``--device-memory``) overrides what torch reads."""
+    forecast cannot be made, ``ok`` otherwise. ``device_gib`` (``--device-memory``) overrides what torch reads;
+    ``free_gib``, the least free memory of the run's devices now (preflight's ``devices`` row), is held against
+    the peak too: a peak that fits the device but not what other processes leave of it fails."""
     if device_gib is None:
         device_gib = device_memory_gib(backend)
     try:
@@ -590,7 +593,15 @@ def check_memory(config, lf: dict[str, Any], backend: str, device_gib: float | N
     except (ValueError, OSError) as err:
         return "warn", f"memory forecast not made: {err}"
     status = {"will not fit": "fail", "tight": "warn"}.get(result.verdict or "", "ok")
-    return status, result.line()
+    line = result.line()
+    if free_gib is not None and status != "fail":
+        if result.peak > free_gib:
+            status = "fail"
+            line += (f"; but only {free_gib:.1f} GiB are free now on the fullest of the run's devices (other "
+                     "processes hold the rest, see the devices row): WILL NOT FIT beside them")  # fmt: skip
+        else:
+            line += f"; {free_gib:.1f} GiB free now on the fullest of the run's devices"
+    return status, line
 
 
 def parse_gib(text: str) -> float:

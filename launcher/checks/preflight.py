@@ -42,6 +42,7 @@ from launcher import backend as backends
 from launcher.checks import model as modelcheck
 from launcher.checks import packages
 from launcher.checks.data_check import check_dataset, check_output
+from launcher.checks.devices import check_devices
 from launcher.checks.memory import check_memory
 from launcher.files import write_json_atomic
 from launcher.state.record import now_iso
@@ -155,7 +156,8 @@ def run_preflight(
         ("triton", lambda: [check_triton(backend)] if backend != "cpu" else []),
         ("kernel", lambda: [check_kernel(backend, _routing_kernel(prepared), glue=_glue_ops(prepared))]),
         ("model", lambda: check_model(model_dir, skip)),
-        ("memory", lambda: [("memory", *check_memory(config, lf, backend, device_gib))]),
+        ("devices", lambda: [_devices_row(prepared, stats)]),
+        ("memory", lambda: [("memory", *check_memory(config, lf, backend, device_gib, stats.get("free_gib")))]),
         ("dataset", lambda: [check_dataset(lf)]),
         ("output", lambda: [check_output(Path(config.launcher.output_root), config.launcher.smoke)]),
         ("data_stats", lambda: [check_data_stats(config, stats)]),
@@ -175,6 +177,14 @@ def run_preflight(
         report.checks.extend(Check(n, s, d, elapsed) for n, s, d in rows)
     report.data_stats = stats.get("result")
     return report
+
+
+def _devices_row(prepared: Prepared, out: dict[str, Any]) -> Row:
+    """The ``devices`` row (checks/devices.py), reading the devices as the job will see them; the least free
+    memory among them goes into ``out["free_gib"]`` for the memory row."""
+    status, detail, out["free_gib"] = check_devices(prepared.backend.name, prepared.config.launcher,
+                                                    backends.child_env(prepared.backend))  # fmt: skip
+    return "devices", status, detail
 
 
 def check_data_stats(config, out: dict[str, Any], sample: int = 500) -> Row:

@@ -48,10 +48,17 @@ def _cmd_logs(ns: argparse.Namespace) -> int:
     return show_logs(run_dir(ns), ns.follow, ns.lines)
 
 
-def _cmd_list(ns: argparse.Namespace) -> int:
-    from launcher.monitor.status import show_list
+def _args_list(p: argparse.ArgumentParser) -> None:
+    add_root_arg(p)
+    p.add_argument("--devices", action="store_true",
+                   help="the device leases of this host instead: device, holding run, runs folder, user, since "
+                        "(every runs folder, user and container of the host; $LAUNCHER_LEASE_DIR)")  # fmt: skip
 
-    return show_list(runs_root(ns))
+
+def _cmd_list(ns: argparse.Namespace) -> int:
+    from launcher.monitor.status import show_leases, show_list
+
+    return show_leases() if ns.devices else show_list(runs_root(ns))
 
 
 def _readable_record(folder: Path):
@@ -184,8 +191,8 @@ VERBS: tuple[Verb, ...] = (
          _args_status, _cmd_status),
     Verb("logs", "print the end of a run's job log; -f follows it",
          "launcher logs\n  launcher logs demo-cpu-20261130-101500 -f", _args_logs, _cmd_logs),
-    Verb("list", "list runs with their end states and exit codes",
-         "launcher list\n  launcher list --root /outputs/runs", add_root_arg, _cmd_list),
+    Verb("list", "list runs with their end states and exit codes; --devices: who holds which device on this host",
+         "launcher list\n  launcher list --root /outputs/runs\n  launcher list --devices", _args_list, _cmd_list),
     Verb("verify",
          "acceptance checklist of a run: steps, exit code, final adapter loads, finite tensors, LoRA count and "
          "non-zero B, metrics files; PASS/FAIL with evidence, writes verify.json (no torch needed)",

@@ -110,6 +110,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "attempt": record.attempt,
         "smoke": record.smoke,
         "pids": seen.live_pids,
+        "devices": [f"{d.get('host_index')} ({d.get('identity')})" for d in record.devices],
         "supervisor_pid": (record.supervisor or {}).get("pid"),
         "step": step,
         "total_steps": total,
@@ -239,6 +240,7 @@ def render(info: dict[str, Any]) -> str:
         ("run", f"{info['run_id']} (attempt {info['attempt']}{', smoke' if info['smoke'] else ''})"),
         ("state", state),
         ("pids", ", ".join(map(str, info["pids"])) or "-"),
+        *([("devices", ", ".join(info["devices"]))] if info.get("devices") else []),
         ("step", step),
         ("epoch", fmt(info["epoch"], ".3f")),
         ("loss", fmt(info["loss"], ".4f")),
@@ -319,6 +321,24 @@ def show_list(root: Path) -> int:
         if r.run_exit_code is not None:  # what `launcher run` returned (128 + signal for a stop)
             exit_text = str(r.run_exit_code)
         print(shown(f"{r.run_id:<40}{state:<19}{exit_text:<8}{r.attempt!s:<9}{r.created:<27}{r.ended or '-'}"))
+    return ExitCode.OK
+
+
+def show_leases() -> int:
+    """``launcher list --devices``: the device leases held on this host (state/lease.py), one row per device."""
+    from launcher.state.lease import lease_dir, list_leases
+
+    folder = lease_dir()
+    held = list_leases(folder)
+    if not held:
+        print(f"no device is leased on this host ({folder})")
+        return ExitCode.OK
+    print(f"{'device':<10}{'identity':<46}{'run':<36}{'user':<12}{'since':<27}runs folder")
+    for lease in held:
+        row = (f"{lease.get('host_index', '?')!s:<10}{lease.get('device', '?')!s:<46}"
+               f"{lease.get('run_id') or 'being set up'!s:<36}{lease.get('user', '?')!s:<12}"
+               f"{lease.get('since', '?')!s:<27}{lease.get('runs_root', '?')}")  # fmt: skip
+        print(shown(row + (f"  ({lease['note']})" if lease.get("note") else "")))
     return ExitCode.OK
 
 

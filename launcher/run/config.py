@@ -138,6 +138,10 @@ class LauncherSection(BaseModel):
     # CUDA (NPU where torch_npu has it): record the allocator's history for the first N optimizer steps; a rank
     # that runs out of memory writes a snapshot to the run directory (launcher/rank/oomtrack.py); 0: off
     memory_history_steps: int = Field(default=0, ge=0, le=100000)
+    # a shared server (docs/devices.md): preflight's devices row fails when another process holds more than this
+    # many GiB on one of the run's devices, unless allow_busy_devices
+    busy_device_gib: float = Field(default=2.0, ge=0)
+    allow_busy_devices: bool = False
 
     @field_validator("run_name")
     @classmethod

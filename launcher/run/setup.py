@@ -15,6 +15,8 @@ from launcher.checks.config_rules import check_run_config
 from launcher.errors import ExitCode, LauncherError
 from launcher.procs import find_live
 from launcher.run.config import ConfigError, RunConfig
+from launcher.state.devices import DeviceError, run_devices
+from launcher.state.lease import DeviceLease
 from launcher.state.reconcile import reconcile
 from launcher.state.record import RecordUnreadable, RunStore
 from launcher.state.runs import list_runs
@@ -42,6 +44,25 @@ def prepare(config: RunConfig) -> Prepared:
     for note in [*config.notes, *(f.message for f in found.items if f.level == WARN)]:
         print(f"note: {note}", file=sys.stderr)
     return Prepared(config, backends.resolve(config.launcher.backend))
+
+
+def lease_devices(prepared: Prepared) -> DeviceLease:
+    """Take the device leases of a run: exactly the accelerators its job will use (``state/devices.run_devices``
+    from the job's environment), held until the end record is written. A CPU run uses none.
+
+    Raises:
+        LeaseBusy (REFUSED): a device is leased by another run, named with its runs folder, user and devices.
+        LauncherError (USAGE): the selection names a device this host does not have, or the lease folder or a
+            lease file cannot be used.
+    """
+    backend = prepared.backend
+    if backend.name == "cpu":
+        return DeviceLease([])
+    try:
+        devices = run_devices(backend.name, prepared.config.launcher.nproc_per_node, backends.child_env(backend))
+    except DeviceError as err:
+        raise LauncherError(str(err), ExitCode.USAGE) from None
+    return DeviceLease(devices).acquire(Path(prepared.config.launcher.output_root))
 
 
 def check_earlier_runs(root: Path) -> list[str]:

@@ -52,10 +52,11 @@ from launcher.run.rootcause import (
     root_cause,
 )
 from launcher.run.rundir import RunDir, make_run_dir, write_run_files
-from launcher.run.setup import Prepared, check_earlier_runs, prepare
+from launcher.run.setup import Prepared, check_earlier_runs, lease_devices, prepare
 from launcher.run.signals import Received, StopRequested, StopSignals, end_hold_guard
 from launcher.run.tuning import tuning_env
 from launcher.state.checkpoints import last_complete_checkpoint
+from launcher.state.lease import DeviceLease
 from launcher.state.reconcile import reconcile
 from launcher.state.record import RunStore, now_iso, parse_time
 from launcher.state.runs import TRAINER_LOG
@@ -711,15 +712,20 @@ def supervise(config: RunConfig, *, echo: bool = True, handshake: Handshake | No
     """
     handshake = handshake or Handshake()
     lock = RunLock(config.launcher.output_root)
+    lease = DeviceLease([])
     try:
         lock.acquire()
         warnings = check_earlier_runs(config.launcher.output_root)
         for warning in warnings:
             print(f"warning: {warning}", file=sys.stderr)
         prepared = prepare(config)
+        lease = lease_devices(prepared)  # before anything is on disk: a refusal changes nothing
         end_hold_guard()  # from here a stop signal waits for the supervisor, which records it in the run
         run_dir, store, attempt = _open_run(prepared, lock, resume, adopt)
+        lease.describe(run_dir.run_id, run_dir.path, config.launcher.output_root)
+        store.save(devices=[{"host_index": d.host_index, "identity": d.identity} for d in lease.devices])
     except (LauncherError, StopRequested):  # a stop: before the run existed (the hold's guard, signals.py)
+        lease.release()
         lock.release()  # the caller that holds the handshake sends the refusal (`_supervise`)
         raise
     try:
@@ -749,4 +755,5 @@ def supervise(config: RunConfig, *, echo: bool = True, handshake: Handshake | No
             store.land()
         raise
     finally:
+        lease.release()  # after the end record, as the run lock
         lock.release()

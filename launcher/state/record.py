@@ -214,6 +214,8 @@ class RunRecord:
     attempts: list[Attempt] = field(default_factory=list)  # earlier attempts: state, cause, steps lost
     # a run submitted to Slurm (`launcher submit`): job_id, nodes, partition, time, runtime, image, script
     slurm: dict[str, Any] | None = None
+    # the accelerators the run leased (state/lease.py): {host_index, identity} each; none on a CPU run
+    devices: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def terminal(self) -> bool:

@@ -134,7 +134,8 @@ exit codes of `launcher run` (and `launcher resume --foreground`):
   1, N       FAILED: the job's exit code (torchrun exits 1 whatever a rank died of)
   128 + N    FAILED: the job was killed by signal N (137: SIGKILL)
   2          FAILED_SETUP: config, preflight or environment refused before training
-  3          refused: another run holds the lock or its processes are alive (no run started)
+  3          refused: another run holds the lock or a device lease, or its processes are alive (no run
+             started)
   4          FAILED_ACCEPTANCE: the job exited 0 but an acceptance check failed
   5          OUT_OF_MEMORY: a rank was killed as out of memory
   6, 7       SUPERVISOR_LOST, NODE_LOST: recorded from outside (status, list): the supervisor died

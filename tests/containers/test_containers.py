@@ -32,6 +32,7 @@ import psutil
 import pytest
 import yaml
 
+from launcher.errors import ExitCode
 from tests.support import fake_runs
 from tests.support.engine import BASE_IMAGE, ENABLE, IMAGE, ROOT, docker_cli, project_context
 
@@ -531,3 +532,68 @@ def test_two_containers_train_the_demo_as_two_nodes(cpu_image, engine, tmp_path)
         for name in names:
             subprocess.run([docker_cli(), "rm", "--force", name], capture_output=True, check=False)
         subprocess.run(["chown", "-R", f"{os.getuid()}:{os.getgid()}", str(tmp_path)], check=False)
+
+
+# one process that takes GPU-0's lease (a device of this test's naming) and holds it; in the container it reads the
+# lease folder compose mounts, on the host the one LAUNCHER_LEASE_DIR names (the same folder)
+LEASE_HOLDER = """
+import sys, time
+from pathlib import Path
+from launcher.errors import LauncherError
+from launcher.state.devices import Device
+from launcher.state.lease import DeviceLease, lease_dir
+root, run, hold = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "hold"
+try:
+    lease = DeviceLease([Device("cuda", "0", "cuda:GPU-lease-test")], lease_dir()).acquire(root)
+except LauncherError as err:
+    print(err, flush=True)
+    sys.exit(err.exit_code)
+lease.describe(run, root / run, root)
+print("held", flush=True)
+while hold:
+    time.sleep(1)
+"""
+
+
+def lease_on_host(tmp_path: Path, env: dict[str, str], how: str, **popen: Any) -> Any:
+    """LEASE_HOLDER on the host: ``hold`` (a running process) or ``once`` (run to its end)."""
+    argv = [sys.executable, "-c", LEASE_HOLDER, str(tmp_path / "host-runs"), "host-run", how]
+    if how == "hold":
+        return subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, text=True)
+    return subprocess.run(argv, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+
+
+def test_a_host_run_and_a_container_run_see_each_others_leases(compose: Compose, tmp_path) -> None:
+    """The lease folder is one host folder, mounted by compose into every container: a lease the host holds refuses
+    the container, and one the container holds refuses the host, each naming the holder (the engine is real; the
+    device is a name, no GPU is needed to lease it)."""
+    folder = tmp_path / "leases"
+    env = {"LAUNCHER_LEASE_DIR": str(folder)}
+    host = lease_on_host(tmp_path, env, "hold")
+    try:
+        assert host.stdout.readline() == "held\n"
+        seen = compose.cmd(
+            "run", "--rm", "train-cpu", "python", "-c", LEASE_HOLDER, "/outputs/runs", "box-run", "once", env=env
+        )
+        assert seen.returncode == ExitCode.REFUSED, seen.stdout + seen.stderr
+        assert "is leased by run host-run of user root" in seen.stdout, seen.stdout
+        assert f"runs folder {tmp_path / 'host-runs'}" in seen.stdout, seen.stdout
+    finally:
+        host.kill()
+        host.wait()
+    holder = ["run", "-d", "--name", "lease-holder-box", "train-cpu", "python", "-c", LEASE_HOLDER]
+    compose.cmd(*holder, "/outputs/runs", "box-run", "hold", env=env, check=True)
+
+    def box_holds() -> bool:
+        return "box-run" in "".join(p.read_text() for p in folder.glob("*.owner-*.json"))
+
+    try:
+        wait_for("the container's lease", box_holds, timeout=180)
+        from_host = launcher_on_host("list", "--devices", env=env)
+        assert "box-run" in from_host.stdout and "/outputs/runs" in from_host.stdout, from_host.stdout
+        taken = lease_on_host(tmp_path, env, "once")
+        assert taken.returncode == ExitCode.REFUSED and "is leased by run box-run" in taken.stdout, taken.stdout
+    finally:
+        subprocess.run([docker_cli(), "rm", "--force", "lease-holder-box"], capture_output=True, timeout=120)
+    freed = lease_on_host(tmp_path, env, "once")
+    assert freed.returncode == 0 and freed.stdout == "held\n", freed.stdout  # the container gone: its lease with it
