@@ -189,6 +189,8 @@ def manifest(config: RunConfig, backend: Backend, run_dir: RunDir) -> dict[str, 
             "tag": os.environ.get("LAUNCHER_IMAGE"),
             "digest": os.environ.get("LAUNCHER_IMAGE_DIGEST"),
             "base": os.environ.get("LAUNCHER_BASE_IMAGE"),
+            # the npu-cann9 image: the sha256 its user pinned for the triton-ascend wheel no public index carries
+            "triton_ascend_sha256": os.environ.get("LAUNCHER_TRITON_ASCEND_SHA256") or None,
         },  # fmt: skip
         "model": model_fingerprint(Path(str(lf.get("model_name_or_path", "")))),
         "data": data_fingerprint(lf),
