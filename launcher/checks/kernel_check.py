@@ -100,10 +100,33 @@ def _quick_suite(backend: str, kernel_fn, name: str, glue_ops: tuple[str, ...] =
     return found
 
 
+def choose_kernels(backend: str, glue_ops: tuple[str, ...], shapes: dict[str, int]) -> dict[str, Any]:
+    """``launcher.checks.kernel_choice`` for the components the run binds (the convolution and the gated norm only
+    where ``fused_ops`` leaves them on); returns its record."""
+    from launcher.checks import kernel_choice
+
+    candidates = {c: opts for c, opts in kernel_choice.npu_candidates().items() if c == "chunk" or c in glue_ops}
+    choice = kernel_choice.choose(backend, candidates, kernel_choice.run_cases(shapes), device_name(backend), shapes)
+    return choice.to_dict()
+
+
+def chosen_chunk(record: dict[str, Any]):
+    """The chunk kernel a ``kernel_choice`` record chose, loaded, and its description (None when none passed)."""
+    from launcher.checks import kernel_choice
+
+    chunk = record["components"]["chunk"]
+    for name, loader in kernel_choice.npu_candidates()["chunk"]:
+        if name == chunk["chosen"]:
+            return loader()
+    return None
+
+
 def check(backend: str, kernel: str = "auto", suite: bool = True,
-          glue_ops: tuple[str, ...] = ("conv", "rms_norm", "gated_norm", "swiglu")) -> dict[str, Any]:  # fmt: skip
+          glue_ops: tuple[str, ...] = ("conv", "rms_norm", "gated_norm", "swiglu"),
+          shapes: dict[str, int] | None = None) -> dict[str, Any]:  # fmt: skip
     """Run the kernel once, then (``suite``) the quick validation suite; return a JSON-able result with
-    ``ok`` and the measured errors."""
+    ``ok`` and the measured errors. On NPU with ``kernel: auto``, first choose the kernels (``choose_kernels`` at
+    ``shapes``, the 27B model's when not given)."""
     started = time.monotonic()
     result: dict[str, Any] = {"backend": backend, "shape": list(SHAPE), "ok": False}
     try:
@@ -111,7 +134,18 @@ def check(backend: str, kernel: str = "auto", suite: bool = True,
 
         device = device_name(backend)
         dtype = torch.float32 if backend == "cpu" else torch.bfloat16
-        kernel_fn, name = select_kernel(backend, kernel)
+        if backend == "npu" and kernel == "auto":
+            from launcher.checks.kernel_choice import run_shapes
+
+            record = choose_kernels(backend, glue_ops, shapes or run_shapes(None, 4096))
+            result["kernel_choice"] = record
+            loaded = chosen_chunk(record)
+            if loaded is None:
+                raise RuntimeError("no chunk kernel passed its validation cases on this device")
+            kernel_fn, name = loaded
+            glue_ops = tuple(op for op in glue_ops if op not in record["components"])  # checked by the choice
+        else:
+            kernel_fn, name = select_kernel(backend, kernel)
         result.update(kernel=name, device=device, dtype=str(dtype).removeprefix("torch."))
 
         ref_out, ref_grads = _run(reference_gated_delta_rule, _inputs(torch, torch.float32, "cpu", True))
