@@ -27,8 +27,8 @@ from launcher.checks.kernel_cases import Case
 COMPONENTS = ("chunk", "conv", "gated_norm")
 ORDER = {"npu": {"chunk": ("fla", "ascendc", "torch"), "conv": ("fla", "torch"), "gated_norm": ("fla", "torch")}}
 ALLOW_KEY = "launcher.patches.deltanet_routing.allow_torch_fallback"
-# What a torch fallback costs, from measurements on one H200 (docs/benchmarks.md; docs/npu-tuning.md, "Kernel choice"
-# has the table). Not measured on an NPU: the 910B's ratio is expected of the same order (the torch loop is many
+# What a torch fallback costs, from measurements on one H200 (docs/npu-tuning.md, "Kernel choice on NPU", has the
+# table and sources). Not measured on an NPU: the 910B's ratio is expected of the same order (the torch loop is many
 # small kernels there too).
 SLOWDOWN = {
     "chunk": "about 8x the 27B step (12.9 s against 1.49 s on one H200; the kernel alone 44x: 174.9 ms against "
