@@ -81,14 +81,15 @@ def _rel_err(torch, got, ref) -> float:
     return float(torch.linalg.vector_norm(got - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-12))
 
 
-def _quick_suite(backend: str, kernel_fn, name: str, glue_ops: tuple[str, ...] = ()) -> dict[str, Any]:
+def _quick_suite(backend: str, kernel_fn, name: str, glue_ops: tuple[str, ...] = (),
+                 glue_only: bool = False) -> dict[str, Any]:  # fmt: skip
     """``launcher validate-kernels --suite quick`` on the same kernel (``launcher.kernels``): bf16 against the
     fp32 torch reference with T != H, grouped heads and packed sequences (skipped for kernels without
     ``cu_seqlens``), and the glue cases of the ops in ``glue_ops`` (those the run's ``fused_ops`` binds: an op
     the config turned off is not checked, so a broken kernel can be worked around)."""
     from launcher.checks.kernels import SUITES, validate
 
-    ops = {c.name: c.op for c in SUITES["quick"] if c.op is None or c.op in glue_ops}
+    ops = {c.name: c.op for c in SUITES["quick"] if (c.op is None and not glue_only) or c.op in glue_ops}
     report = validate(backend, suite="quick", kernel_fn=kernel_fn, kernel_name=name, cases=tuple(ops))
     cases = {c.name: c.status if c.max_error is None else f"{c.status} {c.max_error:.1e}" for c in report.cases}
     found: dict[str, Any] = {"validate_kernels": {"ok": report.ok, "cases": cases, "error": report.error}}
@@ -121,6 +122,26 @@ def chosen_chunk(record: dict[str, Any]):
     return None
 
 
+def _choose_then_check(backend: str, glue_ops: tuple[str, ...], shapes: dict[str, int] | None) -> dict[str, Any]:
+    """The kernel choice, then the quick suite's cases of the glue ops the choice does not cover (rms_norm, swiglu)
+    with their routed kernels. The choice's own cases replace the fixed-shape check above: they run at the run's
+    head size, the only one some kernels take."""
+    from launcher.checks.kernel_choice import run_shapes
+
+    record = choose_kernels(backend, glue_ops, shapes or run_shapes(None, 4096))
+    found: dict[str, Any] = {"kernel_choice": record, "ok": False}
+    missing = [name for name, c in record["components"].items() if c["chosen"] is None]
+    if missing:
+        found["error"] = f"no kernel passed its validation cases on this device for: {', '.join(missing)}"
+        return found
+    kernel_fn, name = chosen_chunk(record)
+    found.update(kernel=name, device=device_name(backend), dtype="bfloat16", ok=True)
+    rest = tuple(op for op in glue_ops if op not in record["components"])
+    if rest:
+        found.update(_quick_suite(backend, kernel_fn, name, rest, glue_only=True))
+    return found
+
+
 def check(backend: str, kernel: str = "auto", suite: bool = True,
           glue_ops: tuple[str, ...] = ("conv", "rms_norm", "gated_norm", "swiglu"),
           shapes: dict[str, int] | None = None) -> dict[str, Any]:  # fmt: skip
@@ -135,17 +156,10 @@ def check(backend: str, kernel: str = "auto", suite: bool = True,
         device = device_name(backend)
         dtype = torch.float32 if backend == "cpu" else torch.bfloat16
         if backend == "npu" and kernel == "auto":
-            from launcher.checks.kernel_choice import run_shapes
-
-            record = choose_kernels(backend, glue_ops, shapes or run_shapes(None, 4096))
-            result["kernel_choice"] = record
-            loaded = chosen_chunk(record)
-            if loaded is None:
-                raise RuntimeError("no chunk kernel passed its validation cases on this device")
-            kernel_fn, name = loaded
-            glue_ops = tuple(op for op in glue_ops if op not in record["components"])  # checked by the choice
-        else:
-            kernel_fn, name = select_kernel(backend, kernel)
+            result.update(_choose_then_check(backend, glue_ops, shapes))
+            result["seconds"] = round(time.monotonic() - started, 2)
+            return result
+        kernel_fn, name = select_kernel(backend, kernel)
         result.update(kernel=name, device=device, dtype=str(dtype).removeprefix("torch."))
 
         ref_out, ref_grads = _run(reference_gated_delta_rule, _inputs(torch, torch.float32, "cpu", True))

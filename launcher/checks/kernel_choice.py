@@ -52,7 +52,7 @@ class ComponentChoice:
     chosen: str | None = None
     description: str = ""
     refused: list[Refusal] = field(default_factory=list)
-    passed_cases: list[str] = field(default_factory=list)
+    passed_cases: dict[str, float | None] = field(default_factory=dict)  # case -> its largest relative error
     expected_slowdown: str | None = None
 
 
@@ -99,16 +99,22 @@ def run_shapes(model_config: dict[str, Any] | None, seq_len: int) -> dict[str, i
 
 
 def run_cases(shapes: dict[str, int]) -> dict[str, tuple[Case, ...]]:
-    """Each component's cases: the quick suite's (small shapes), then the run's shapes (one sequence of
-    ``seq_len`` tokens; the same packed into three samples for the kernels that take their boundaries)."""
+    """Each component's cases at the run's heads and head size (kernels compile per heads and size, and some take one
+    head size only: fla_npu's K = 128): the quick suite's layouts (batch 2 with T not a multiple of the chunk,
+    grouped heads, three samples packed with ``cu_seqlens``, given repeated and unrepeated), then one sequence of the
+    run's ``seq_len`` tokens and the same packed into three samples; the glue ops' quick cases and the run's shapes."""
     from launcher.checks.kernels import SUITES
 
     t, hk, hv, d = shapes["seq_len"], shapes["key_heads"], shapes["value_heads"], shapes["head_dim"]
-    lens = (t // 4, t // 2, t - t // 4 - t // 2)
-    quick = SUITES["quick"]
-    chunk = tuple(c for c in quick if c.op is None and c.prefill is None)
+    lens, quick = (t // 4, t // 2, t - t // 4 - t // 2), SUITES["quick"]
+    small = (45, 85, 70)
     return {
-        "chunk": (*chunk, Case("run", 1, t, hv, d, key_heads=hk, about=f"the run's DeltaNet call, {t} tokens"),
+        "chunk": (Case("layout", 2, 150, hv, d, about="batch 2, T=150, not a multiple of the 64-token chunk"),
+                  Case("grouped", 1, 128, hv, d, key_heads=hk, about=f"q, k repeated from {hk} to {hv} heads"),
+                  Case("varlen", 1, sum(small), hv, d, key_heads=hk, seq_lens=small, about="3 samples packed"),
+                  Case("varlen_grouped", 1, sum(small), hv, d, key_heads=hk, seq_lens=small, unrepeated=True,
+                       about="3 samples packed, key heads unrepeated"),
+                  Case("run", 1, t, hv, d, key_heads=hk, about=f"the run's DeltaNet call, {t} tokens"),
                   Case("run_varlen", 1, t, hv, d, key_heads=hk, seq_lens=lens, unrepeated=True,
                        about="the run's shapes, 3 samples packed with cu_seqlens")),
         "conv": (*(c for c in quick if c.op == "conv"),
@@ -148,7 +154,7 @@ def choose(backend: str, candidates: dict[str, list[tuple[str, Loader]]], cases:
             except Exception as err:  # not installed, does not import, refused by its own guard
                 record.refused.append(Refusal(name, "load", f"{type(err).__name__}: {err}"))
                 continue
-            failed = None
+            failed, passed = None, {}
             for case in cases[component]:
                 if component == "chunk":
                     result = check_case(torch, case, kernel, torch_reference(), dev, threshold)
@@ -159,11 +165,12 @@ def choose(backend: str, candidates: dict[str, list[tuple[str, Loader]]], cases:
                 if result.status == "fail":
                     failed = Refusal(name, case.name, result.note)
                     break
+                passed[case.name] = None if result.max_error is None else round(result.max_error, 6)
             if failed is not None:
                 record.refused.append(failed)
                 continue
             record.chosen, record.description = name, description
-            record.passed_cases = [c.name for c in cases[component]]
+            record.passed_cases = passed
             record.expected_slowdown = SLOWDOWN[component] if name == "torch" else None
             break
     return choice

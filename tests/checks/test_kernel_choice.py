@@ -59,6 +59,16 @@ def broken_gated_norm(x, gate, weight, eps):
     return (weight * (xf * (xf.pow(2).mean(-1, keepdim=True) + eps).rsqrt()).to(x.dtype) * gate).to(x.dtype)
 
 
+def test_every_chunk_case_runs_at_the_runs_heads_and_head_size() -> None:
+    """fla_npu's AscendC kernel takes K = 128 only: a case at another head size would refuse it for nothing."""
+    shapes = {"seq_len": 4096, "key_heads": 16, "value_heads": 48, "head_dim": 128}
+    cases = run_cases(shapes)
+    assert {(c.heads, c.dim, c.key_heads or 16) for c in cases["chunk"]} == {(48, 128, 16)}
+    assert [c.seq_len for c in cases["chunk"] if c.name.startswith("run")] == [4096, 4096]
+    assert {c.op for c in cases["conv"]} == {"conv"} and cases["conv"][-1].shape == [1, 4096, 80, 128]
+    assert cases["gated_norm"][-1].shape == [1, 4096, 48, 128]
+
+
 def test_the_first_candidate_that_passes_wins_and_later_ones_are_not_tried() -> None:
     calls: list[str] = []
     candidates = {"chunk": [("fla", loader(grouped_varlen_kernel(), "stand-in fla", calls, "fla")),
@@ -67,8 +77,9 @@ def test_the_first_candidate_that_passes_wins_and_later_ones_are_not_tried() -> 
     choice = choose("npu", candidates, run_cases(SHAPES), "cpu", SHAPES)
     chunk = choice.components["chunk"]
     assert (chunk.chosen, chunk.description, chunk.refused, calls) == ("fla", "stand-in fla", [], ["fla"])
-    assert chunk.passed_cases == [c.name for c in run_cases(SHAPES)["chunk"]]
+    assert list(chunk.passed_cases) == [c.name for c in run_cases(SHAPES)["chunk"]]
     assert "run" in chunk.passed_cases and "run_varlen" in chunk.passed_cases  # the run's shapes were checked
+    assert all(0 < error < 0.05 for error in chunk.passed_cases.values())  # each case's largest error, kept
     assert chunk.expected_slowdown is None and choice.torch_fallbacks == []
 
 
@@ -107,8 +118,7 @@ def _torch_fallback_result() -> dict:
     candidates = {"chunk": [("fla", loader(head_major, "broken fla")), ("ascendc", not_installed),
                             ("torch", loader(reference(), "torch"))]}  # fmt: skip
     record = choose("npu", candidates, run_cases(SHAPES), "cpu", SHAPES).to_dict()
-    return {"ok": True, "kernel": "torch", "device": "npu:0", "dtype": "bfloat16", "shape": [1, 96, 2, 64],
-            "fwd_rel_err": 0.004, "grad_rel_err": 0.006, "kernel_choice": record}  # fmt: skip
+    return {"ok": True, "kernel": "torch", "device": "npu:0", "dtype": "bfloat16", "kernel_choice": record}
 
 
 def test_a_silent_torch_fallback_on_npu_fails_preflight_unless_the_config_allows_it() -> None:
@@ -145,3 +155,27 @@ def test_the_choice_is_recorded_in_preflight_json_and_shown_by_status(tmp_path) 
     assert info["kernel_choice"] == record
     row = next(line for line in render(info).splitlines() if line.startswith("kernels"))
     assert "chunk torch (fla refused at layout" in row and "[torch fallback: about 8x" in row
+
+
+def test_the_kernel_check_on_npu_chooses_then_reports_one_row(monkeypatch) -> None:
+    """``kernel_check.check`` on a simulated NPU: the device is the CPU and the candidates are stand-ins (a broken
+    FLA chunk kernel, a missing fla_npu, torch; a correct FLA convolution and gated norm), as there is no NPU here.
+    The child's result carries the choice; the preflight row made from it refuses the torch fallback."""
+    from launcher.checks import kernel_check
+
+    candidates = {"chunk": [("fla", loader(head_major, "broken fla")), ("ascendc", not_installed),
+                            ("torch", loader(reference(), "transformers torch_chunk_gated_delta_rule"))],
+                  "conv": [("fla", loader(glue("conv"), "stand-in fla conv")), ("torch", loader(glue("conv"), "t"))],
+                  "gated_norm": [("fla", loader(glue("gated_norm"), "stand-in fla norm"))]}  # fmt: skip
+    monkeypatch.setattr(kernel_check, "device_name", lambda backend: "cpu")
+    monkeypatch.setattr(kernel_choice, "npu_candidates", lambda: candidates)
+    result = kernel_check.check("npu", "auto", glue_ops=("conv", "gated_norm"), shapes=SHAPES)
+    assert result["ok"] is True and result["kernel"] == "transformers torch_chunk_gated_delta_rule", result
+    components = result["kernel_choice"]["components"]
+    assert {name: c["chosen"] for name, c in components.items()} == {"chunk": "torch", "conv": "fla",
+                                                                     "gated_norm": "fla"}  # fmt: skip
+    assert json.loads(json.dumps(result)) == result  # the child prints it as one JSON line
+    status, detail = kernel_row("npu", result)[1:]
+    assert status == "fail" and detail.startswith("kernel choice: chunk torch (fla refused at layout")
+    off = kernel_check.check("npu", "auto", glue_ops=(), shapes=SHAPES)  # fused_ops off: only the chunk is chosen
+    assert list(off["kernel_choice"]["components"]) == ["chunk"]
