@@ -12,8 +12,9 @@
 #
 # Another suite, e.g. Ubuntu 24.04 with Python 3.12 (the base of the npu-cann9 stand-in,
 # tests/containers/test_npu_standin.py):
-#   DEBIAN_SUITE=noble DEBIAN_MIRROR=http://archive.ubuntu.com/ubuntu BASE_PYTHON=python3.12 DEBOOTSTRAP_COMPONENTS=main,universe \
-#   DEBOOTSTRAP_KEYRING=/path/ubuntu-archive-keyring.gpg bash scripts/docker-base-image.sh local/ubuntu-python:noble
+#   DEBIAN_SUITE=noble DEBIAN_MIRROR=<an Ubuntu archive mirror> BASE_PYTHON=python3.12 \
+#   DEBOOTSTRAP_COMPONENTS=main,universe DEBOOTSTRAP_KEYRING=<ubuntu-archive-keyring.gpg> \
+#   bash scripts/docker-base-image.sh local/ubuntu-python:noble
 # A suite debootstrap has no script for takes Ubuntu's common one (gutsy), which serves every release since.
 set -euo pipefail
 
