@@ -141,7 +141,7 @@ def test_locked_install_and_verify_image_pass_on_the_standin(npu_image) -> None:
     out = npu_image["build"]
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-5000:]
-    assert "wheelhouse: /wheelhouse/npu-x86_64 has every wheel requirements.lock needs here" in log
+    assert "wheelhouse: /wheelhouse/npu-x86_64 has every wheel requirements.lock needs on this platform" in log
     assert "--no-index --find-links /wheelhouse/npu-x86_64" in log
     assert "verify_image.py" in log and "verify_image:" not in log  # the guard ran and reported nothing
 
@@ -186,14 +186,14 @@ def test_cann9_build_refuses_a_triton_ascend_wheel_it_was_not_pinned_for(cann9_i
     assert f"{cann9_image['wheel']} has sha256 {cann9_image['pin']}, but the pinned value is {'0' * 64}" in wrong_log
     assert "no sha256 is pinned for it" in empty_log and cann9_image["pin"] in empty_log
     # the lock itself installed before the refusal: only the pinned wheel's step failed
-    assert "has every wheel requirements-npu-cann9.lock needs here" in wrong_log
+    assert "has every wheel requirements-npu-cann9.lock needs on this platform" in wrong_log
 
 
 def test_cann9_locked_install_pinned_wheel_and_verify_image_pass_on_the_standin(cann9_image) -> None:
     out = cann9_image["build"]
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-5000:]
-    assert "wheelhouse: /wheelhouse/npu-cann9 has every wheel requirements-npu-cann9.lock needs here" in log
+    assert "wheelhouse: /wheelhouse/npu-cann9 has every wheel requirements-npu-cann9.lock needs on this platform" in log
     assert f"sha256 {cann9_image['pin']} matches the pinned value" in log
     assert "verify_image.py" in log and "verify_image:" not in log
 
