@@ -30,6 +30,7 @@ not passed (training calls the chunk kernel without them); a call asking for the
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 FWD, BWD = "npu_chunk_gated_delta_rule_fwd", "npu_chunk_gated_delta_rule_bwd"

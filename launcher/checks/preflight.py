@@ -420,11 +420,11 @@ def _run_shapes(prepared: Prepared, model_dir: Path) -> dict[str, int]:
     run's ``cutoff_len``."""
     from launcher.checks.kernel_choice import run_shapes
 
+    seq_len = int(prepared.config.llamafactory.get("cutoff_len") or 4096)
     try:
-        config = modelcheck.read_config(model_dir)
-    except ValueError:
-        config = None
-    return run_shapes(config, int(prepared.config.llamafactory.get("cutoff_len") or 4096))
+        return run_shapes(modelcheck.read_config(model_dir), seq_len)
+    except (ValueError, TypeError, OSError):  # the model rows say what is wrong with the config
+        return run_shapes(None, seq_len)
 
 
 def check_kernel(backend: str, kernel: str = "auto", timeout_s: float = KERNEL_TIMEOUT_S,

@@ -179,3 +179,16 @@ def test_the_kernel_check_on_npu_chooses_then_reports_one_row(monkeypatch) -> No
     assert status == "fail" and detail.startswith("kernel choice: chunk torch (fla refused at layout")
     off = kernel_check.check("npu", "auto", glue_ops=(), shapes=SHAPES)  # fused_ops off: only the chunk is chosen
     assert list(off["kernel_choice"]["components"]) == ["chunk"]
+
+
+def test_the_runs_shapes_come_from_the_model_config_and_cutoff_len(demo_assets) -> None:
+    """The demo model's config (tiny, real) against the 27B defaults used when a config cannot be read."""
+    from launcher.checks.model import read_config
+
+    text = read_config(demo_assets["model"])["text_config"]
+    shapes = kernel_choice.run_shapes(read_config(demo_assets["model"]), 256)
+    expected = {"key_heads": "linear_num_key_heads", "value_heads": "linear_num_value_heads",
+                "head_dim": "linear_key_head_dim"}  # fmt: skip
+    assert shapes == {"seq_len": 256, **{key: text[field] for key, field in expected.items()}}
+    assert kernel_choice.run_shapes(None, 4096) == {"seq_len": 4096, "key_heads": 16, "value_heads": 48,
+                                                    "head_dim": 128}  # fmt: skip
