@@ -116,16 +116,17 @@ def cann9_image(engine, tmp_path_factory) -> dict[str, object]:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     t1 = time.monotonic()
     context = _wheelhouse_context(tmp_path_factory, "requirements-npu-cann9.lock", "3.12.13", "npu-cann9")
-    wheel = make_wheel(context / "wheelhouse" / "npu-cann9")
+    # bytes of this session's own (another sha256), so the pinned step never comes from an earlier build's cache
+    wheel = make_wheel(context / "wheelhouse" / "npu-cann9", note=f"stand-in {time.time_ns()}")
     pin = hashlib.sha256(wheel.read_bytes()).hexdigest()
     t2 = time.monotonic()
 
-    def build(sha: str) -> subprocess.CompletedProcess:
+    def build(sha: str, *extra: str) -> subprocess.CompletedProcess:
         return _docker(["build", "--progress=plain", "--target", "npu-cann9", "--build-arg", f"CANN9_IMAGE={STANDIN9}",
                         "--build-arg", "WHEELHOUSE=npu-cann9", "--build-arg", f"TRITON_ASCEND_SHA256={sha}",
-                        "-t", IMAGE9, str(context)])  # fmt: skip
+                        *extra, "-t", IMAGE9, str(context)])  # fmt: skip
 
-    wrong = build("0" * 64)
+    wrong = build("0" * 64, "--no-cache")  # the locked install runs here (and logs); the later builds reuse it
     empty = build("")
     t3 = time.monotonic()
     good = build(pin)
@@ -185,15 +186,15 @@ def test_cann9_build_refuses_a_triton_ascend_wheel_it_was_not_pinned_for(cann9_i
     wrong_log, empty_log = wrong.stdout + wrong.stderr, empty.stdout + empty.stderr
     assert f"{cann9_image['wheel']} has sha256 {cann9_image['pin']}, but the pinned value is {'0' * 64}" in wrong_log
     assert "no sha256 is pinned for it" in empty_log and cann9_image["pin"] in empty_log
-    # the lock itself installed before the refusal: only the pinned wheel's step failed
-    assert "has every wheel requirements-npu-cann9.lock needs on this platform" in wrong_log
+    # the lock itself installed offline before the refusal: only the pinned wheel's step failed
+    assert "wheelhouse: /wheelhouse/npu-cann9 has every wheel requirements-npu-cann9.lock needs on this" in wrong_log
+    assert "--no-index --find-links /wheelhouse/npu-cann9" in wrong_log
 
 
 def test_cann9_locked_install_pinned_wheel_and_verify_image_pass_on_the_standin(cann9_image) -> None:
     out = cann9_image["build"]
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-5000:]
-    assert "wheelhouse: /wheelhouse/npu-cann9 has every wheel requirements-npu-cann9.lock needs on this platform" in log
     assert f"sha256 {cann9_image['pin']} matches the pinned value" in log
     assert "verify_image.py" in log and "verify_image:" not in log
 
