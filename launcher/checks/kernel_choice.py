@@ -12,7 +12,8 @@ The machinery is ``launcher.checks.kernels.check_case`` and ``launcher.checks.gl
 same checks as ``launcher validate-kernels``; this module only orders candidates and keeps the record. It runs in
 preflight's kernel child (``launcher.checks.kernel_check``); the record lands in ``preflight.json``
 (``kernel_choice``), each rank's routing and fused_ops proofs, and ``launcher status``. Training binds the chosen
-kernels (``patches.deltanet_routing`` and ``patches.fused_ops`` read the record through ``launch facts``).
+kernels (``patches.deltanet_routing`` and ``patches.fused_ops`` get the record in their facts: each rank's entry,
+``launcher.rank.entry.run_facts``, adds it from ``preflight.json``).
 A torch choice on NPU fails preflight unless ``launcher.patches.deltanet_routing.allow_torch_fallback: true``.
 """
 
@@ -24,7 +25,6 @@ from typing import Any
 
 from launcher.checks.kernel_cases import Case
 
-COMPONENTS = ("chunk", "conv", "gated_norm")
 ORDER = {"npu": {"chunk": ("fla", "ascendc", "torch"), "conv": ("fla", "torch"), "gated_norm": ("fla", "torch")}}
 ALLOW_KEY = "launcher.patches.deltanet_routing.allow_torch_fallback"
 # What a torch fallback costs, from measurements on one H200 (docs/npu-tuning.md, "Kernel choice on NPU", has the

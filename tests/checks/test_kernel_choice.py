@@ -192,3 +192,15 @@ def test_the_runs_shapes_come_from_the_model_config_and_cutoff_len(demo_assets) 
     assert shapes == {"seq_len": 256, **{key: text[field] for key, field in expected.items()}}
     assert kernel_choice.run_shapes(None, 4096) == {"seq_len": 4096, "key_heads": 16, "value_heads": 48,
                                                     "head_dim": 128}  # fmt: skip
+
+
+def test_each_rank_gets_the_choice_from_preflight_json_in_its_facts(tmp_path) -> None:
+    from launcher.rank.entry import run_facts
+
+    launch = {"facts": {"cutoff_len": 4096, "packing": False}}
+    assert run_facts(tmp_path, launch) == launch["facts"]  # no preflight.json (the kernel row skipped): no choice
+    record = _torch_fallback_result()["kernel_choice"]
+    PreflightReport("config.yaml", "npu", kernel_choice=record).write(tmp_path)
+    assert run_facts(tmp_path, launch) == {**launch["facts"], "kernel_choice": record}
+    (tmp_path / "preflight.json").write_text("{ damaged")
+    assert run_facts(tmp_path, launch) == launch["facts"]
