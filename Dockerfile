@@ -2,12 +2,19 @@
 #
 #   npu  (default target): Ascend 910B. CANN 8.5.0, Python 3.11, torch 2.7.1 (CPU build) + torch-npu
 #        2.7.1.post2, triton-ascend 3.2.0 (no community triton), fla-core 0.6.0; Python from requirements.lock.
+#        Everything from PyPI.
+#   npu-cann9: Ascend 910B on the pairing fla-core 0.6.0 declares for NPU: CANN 9.0.0, Python 3.12, torch
+#        2.10.0 (CPU build) + torch-npu 2.10.0.post7, triton-ascend 3.6.0, fla-core 0.6.0; Python from
+#        requirements-npu-cann9.lock, plus the triton-ascend 3.6.0 wheel the user brings (not on PyPI):
+#          TRITON_ASCEND_SHA256=<its sha256> WHEELHOUSE=<folder> docker compose --profile cann9 build train-cann9
+#        The build refuses the wheel unless its sha256 equals TRITON_ASCEND_SHA256 (docs/environment.md).
 #   cuda: NVIDIA GPUs (x86_64). torch 2.7.1 (CUDA 12.6 wheels) + triton 3.3.1, fla-core 0.6.0; Python from
 #        requirements-cuda.lock.
 #   cpu:  the CPU demo and the container tests (x86_64). The development environment's torch 2.14.1 stack
 #        and the same training stack; Python from requirements-cpu.lock.
 #
 #   docker compose build train                      # npu (what `docker compose up train` runs)
+#   docker compose --profile cann9 build train-cann9  # npu-cann9 (offline only, see above)
 #   docker compose --profile cuda build train-cuda  # cuda
 #   docker compose --profile cpu build train-cpu    # cpu
 #   docker build --target cuda -t deltanet-launcher:cuda .
@@ -62,6 +69,8 @@
 # image (scripts/build-image.sh cpu does it all).
 ARG REGISTRY_MIRROR=""
 ARG CANN_IMAGE=${REGISTRY_MIRROR:+${REGISTRY_MIRROR}/}quay.io/ascend/cann:8.5.0-910b-ubuntu22.04-py3.11
+# Python 3.12.13 at /usr/local/python3.12.13 (Ascend/cann-container-image, cann/9.0.0-910b-ubuntu22.04-py3.12).
+ARG CANN9_IMAGE=${REGISTRY_MIRROR:+${REGISTRY_MIRROR}/}quay.io/ascend/cann:9.0.0-910b-ubuntu22.04-py3.12
 # Full Debian image, not -slim: Triton compiles a small C launcher with gcc and Python.h at run time.
 ARG CUDA_BASE_IMAGE=${REGISTRY_MIRROR:+${REGISTRY_MIRROR}/}docker.io/library/python:3.11.14-bookworm
 # Any Debian/Ubuntu image with Python 3.11 as `python3.11` on PATH and its venv module (the official
@@ -165,6 +174,67 @@ ARG LAUNCHER_GIT_COMMIT=""
 ARG CPU_BASE_IMAGE
 ENV LAUNCHER_GIT_COMMIT=${LAUNCHER_GIT_COMMIT} \
     LAUNCHER_BASE_IMAGE=${CPU_BASE_IMAGE}
+
+ENTRYPOINT ["/usr/local/bin/launcher-entrypoint"]
+CMD ["launcher", "--help"]
+
+# ---------------------------------------------------------------------------------------------------
+# The pairing fla-core 0.6.0 declares for NPU (its `npu` extra: torch 2.10.0, torch_npu 2.10.0.post7, torchvision
+# 0.25.0, triton-ascend 3.6.0), on CANN 9.x with Python 3.12. Built like `npu` (hash lock, offline from a
+# wheelhouse, pins verified), plus one wheel no public index carries: triton-ascend 3.6.0, which the user puts
+# into the wheelhouse and pins by its sha256 (TRITON_ASCEND_SHA256); the build refuses any other file. The image
+# records the pinned hash (LAUNCHER_TRITON_ASCEND_SHA256), and every run's manifest.json copies it.
+FROM ${CANN9_IMAGE} AS npu-cann9
+
+ARG CANN_VERSION=9.0.0
+ARG TORCH_VERSION=2.10.0
+ARG TORCH_NPU_VERSION=2.10.0.post7
+ARG TRITON_ASCEND_VERSION=3.6.0
+ARG FLA_VERSION=0.6.0
+ARG LLAMAFACTORY_VERSION=0.9.5
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:${PATH} \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1 \
+    HF_HUB_OFFLINE=1 \
+    LAUNCHER_CANN_VERSION=${CANN_VERSION} \
+    LAUNCHER_LOCK=requirements-npu-cann9.lock
+
+WORKDIR /opt/launcher
+RUN python3.12 -m venv /opt/venv
+
+COPY requirements-npu-cann9.lock ./
+COPY docker/wheelhouse.py docker/
+ARG WHEELHOUSE=""
+RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
+    python docker/wheelhouse.py install requirements-npu-cann9.lock
+# The user's triton-ascend wheel: installed only when its sha256 equals the pinned value (an empty pin refuses).
+ARG TRITON_ASCEND_SHA256=""
+RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
+    python docker/wheelhouse.py install-pinned "triton-ascend==${TRITON_ASCEND_VERSION}" \
+        --sha256 "${TRITON_ASCEND_SHA256}"
+
+COPY docker/verify_image.py docker/
+RUN python docker/verify_image.py "torch==${TORCH_VERSION}" "torch-npu==${TORCH_NPU_VERSION}" \
+        "triton-ascend==${TRITON_ASCEND_VERSION}" "fla-core==${FLA_VERSION}" \
+        "llamafactory==${LLAMAFACTORY_VERSION}" --absent triton
+
+COPY pyproject.toml README.md ./
+COPY patches/ patches/
+COPY launcher/ launcher/
+RUN pip install --no-cache-dir --no-deps --no-build-isolation --no-index --editable .
+COPY configs/ configs/
+COPY requirements.in requirements.lock requirements-cuda.in requirements-cpu.in requirements-cpu.lock \
+     requirements-npu-cann9.in requirements-npu-cann9.lock ./
+COPY docker/entrypoint.sh /usr/local/bin/launcher-entrypoint
+
+ARG LAUNCHER_GIT_COMMIT=""
+ARG CANN9_IMAGE
+ENV LAUNCHER_GIT_COMMIT=${LAUNCHER_GIT_COMMIT} \
+    LAUNCHER_BASE_IMAGE=${CANN9_IMAGE} \
+    LAUNCHER_TRITON_ASCEND_SHA256=${TRITON_ASCEND_SHA256}
 
 ENTRYPOINT ["/usr/local/bin/launcher-entrypoint"]
 CMD ["launcher", "--help"]

@@ -10,12 +10,21 @@
     # anywhere, before a build: is the wheelhouse complete for the image's platform? (names what is missing)
     python3 docker/wheelhouse.py check requirements.lock wheelhouse/npu-aarch64 --platform aarch64
 
+    # in the Dockerfile: one wheel that no public index carries (triton-ascend 3.6.0), brought into the
+    # wheelhouse by the user, installed only when its sha256 equals the value the user pinned
+    python docker/wheelhouse.py install-pinned triton-ascend==3.6.0 --sha256 <64 hex digits>
+
 ``install`` runs ``pip install --no-cache-dir --no-deps --require-hashes --only-binary=:all: -r LOCK``
 and, with a wheelhouse, adds ``--no-index --find-links DIR`` after ``check`` found a wheel with a locked
 hash for every entry that applies here; otherwise it stops with one message naming the missing
 packages. ``download`` evaluates the lock's markers for the *target* platform (pip would evaluate
 them for the machine it runs on) and calls ``pip download --no-deps --require-hashes
 --only-binary=:all:`` with ``--platform/--python-version/--implementation/--abi`` for that target.
+
+``install-pinned`` needs ``WHEELHOUSE``: it finds the one wheel of that name and version for this platform there,
+compares its sha256 with ``--sha256`` (empty: refused, with the command that prints the hash) and installs it
+with ``pip --no-index --require-hashes --no-deps`` against a requirement line carrying that hash, so pip checks
+the same value again.
 
 Standalone on purpose: it runs in the image before anything but pip is installed, so it reads the
 lock itself (the same format as launcher/lockfile.py) and takes ``packaging`` from pip if needed.
@@ -44,7 +53,8 @@ except ImportError:  # a fresh venv: pip's vendored copy
     from pip._vendor.packaging.utils import canonicalize_name, parse_wheel_filename  # type: ignore[no-redef]
     from pip._vendor.packaging.version import Version  # type: ignore[no-redef]
 
-MOUNT = Path("/wheelhouse")  # where the Dockerfile bind-mounts the build context's wheelhouse/
+# where the Dockerfile bind-mounts the build context's wheelhouse/ (WHEELHOUSE_MOUNT: tests run it elsewhere)
+MOUNT = Path(os.environ.get("WHEELHOUSE_MOUNT") or "/wheelhouse")
 PIP_FLAGS = ["--no-cache-dir", "--no-deps", "--require-hashes", "--only-binary=:all:"]
 # Target machines. Both images run glibc >= 2.35 (CANN's Ubuntu 22.04: 2.35; Debian bookworm: 2.36),
 # so every manylinux tag up to 2.35 fits; pip does not expand one --platform to the older tags itself.
@@ -193,6 +203,52 @@ def cmd_install(lock: Path) -> None:
     os.execv(sys.executable, [*command, "-r", str(lock)])
 
 
+def cmd_install_pinned(pin: str, expected: str) -> None:
+    name, sep, version = pin.partition("==")
+    if not sep or not name.strip() or not version.strip():
+        raise WheelhouseError(f"{pin!r} is not name==version")
+    folder_name = os.environ.get("WHEELHOUSE", "").strip()
+    if not folder_name:
+        raise WheelhouseError(
+            f"{pin} is on no public index: build offline with WHEELHOUSE=<folder> and put its wheel in "
+            "wheelhouse/<folder>/ (docs/environment.md)"
+        )
+    folder = MOUNT / folder_name
+    wanted = (canonicalize_name(name), Version(version))
+    found = []
+    if folder.is_dir():
+        for path in sorted(folder.glob("*.whl")):
+            wheel_name, wheel_version, _, tags = parse_wheel_filename(path.name)
+            if (wheel_name, wheel_version) == wanted and tags & set(sys_tags()):
+                found.append(path)
+    if len(found) != 1:
+        what = "no wheel" if not found else f"{len(found)} wheels ({', '.join(p.name for p in found)})"
+        raise WheelhouseError(
+            f"{pin}: {what} for this platform ({platform.machine()}, CPython "
+            f"{'.'.join(platform.python_version_tuple()[:2])}) in wheelhouse/{folder_name}; put exactly one there"
+        )
+    wheel = found[0]
+    actual = sha256(wheel)
+    expected = expected.strip().lower()
+    if not expected:
+        raise WheelhouseError(
+            f"{wheel.name} is in wheelhouse/{folder_name}, but no sha256 is pinned for it: check where the wheel "
+            f"came from, then pass its hash as the build argument (sha256sum wheelhouse/{folder_name}/{wheel.name}; "
+            f"this file's is {actual})"
+        )
+    if actual != expected:
+        raise WheelhouseError(
+            f"{wheel.name} has sha256 {actual}, but the pinned value is {expected}: the wheel is not the one that was "
+            "pinned; replace it with the pinned wheel, or pin this one only after checking where it came from"
+        )
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(f"{name.strip()}=={version.strip()} --hash=sha256:{expected}\n")
+    command = [sys.executable, "-m", "pip", "install", *PIP_FLAGS, "--no-index", "--find-links", str(folder),
+               "-r", f.name]  # fmt: skip
+    print(f"wheelhouse: {wheel.name} sha256 {actual} matches the pinned value; " + " ".join(command), flush=True)
+    os.execv(sys.executable, command)
+
+
 def cmd_download(lock: Path, out: Path, machine: str, python: str) -> None:
     environment = target_environment(machine, python)
     entries = [e for e in read_lock(lock) if applies(e, environment)]
@@ -234,7 +290,14 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--python", default="3.11.14", help="the image's CPython version, with --platform")
     i = sub.add_parser("install", help="pip install LOCK (from /wheelhouse/$WHEELHOUSE when set)")
     i.add_argument("lock", type=Path)
+    p = sub.add_parser("install-pinned", help="pip install one wheel from /wheelhouse/$WHEELHOUSE whose sha256 "
+                                               "equals --sha256 (a wheel no public index carries)")  # fmt: skip
+    p.add_argument("pin", help="name==version")
+    p.add_argument("--sha256", default="", help="the wheel's sha256, pinned by the user (a build argument)")
     ns = parser.parse_args(argv)
+    if ns.verb == "install-pinned":
+        cmd_install_pinned(ns.pin, ns.sha256)
+        return
     if not ns.lock.is_file():
         raise WheelhouseError(f"{ns.lock}: no such lock file")
     if ns.verb == "download":

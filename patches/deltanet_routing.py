@@ -15,12 +15,19 @@ What this patch does, before the model is built (``select_route`` decides, ``app
 =======  ============  ===============================  =========================================
 backend  kernel        chunk kernel                     conv1d / gated RMSNorm / recurrent (decode)
 =======  ============  ===============================  =========================================
-npu      auto or fla   FLA (triton-ascend); required    torch nn.Conv1d / torch norm / FLA
+npu      auto          preflight's choice (below)       torch nn.Conv1d / torch norm / FLA or torch
+npu      fla           FLA (triton-ascend); required    torch nn.Conv1d / torch norm / FLA
 cuda     auto          FLA if it imports, else torch    upstream choice / torch norm / FLA
 cuda     fla           FLA; required                    upstream choice / torch norm / FLA
 cpu      auto          transformers' torch reference    torch / torch / torch
 any      torch         transformers' torch reference    torch / torch / torch
 =======  ============  ===============================  =========================================
+
+On NPU with ``auto``, preflight has tried FLA's kernel, then fla_npu's AscendC kernels (``ascendc_gdn``, where
+installed), then the torch loop, each through the validation cases at the run's shapes, and recorded the first
+that passed in ``preflight.json`` (``launcher.checks.kernel_choice``); each rank reads it from its facts and binds
+that kernel (decoding keeps FLA's recurrent kernel only when the chunk kernel is FLA's). Without a choice (the
+kernel row skipped) FLA is required, as with ``fla``. The proof records the choice.
 
 The gated RMSNorm module is always transformers' own ``Qwen3_5RMSNormGated``: FLA's ``FusedRMSNormGated`` module
 is never built, because transformers' constructor passes it ``torch.cuda.current_device()`` (fails on NPU) and
@@ -55,7 +62,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict
 
-from . import trainer_hook
+from . import ascendc_gdn, trainer_hook
 from .errors import PatchError
 from .fla_probe import FLA_SUPPORTED, FlaFacts, fla_presence, probe_fla
 from .kernel_recorder import CallLog, KernelRecorder, qualified_name
@@ -78,11 +85,14 @@ TORCH_KERNEL_FIX = "or set launcher.patches.deltanet_routing.kernel: torch to tr
 
 
 class Options(BaseModel):
-    """``launcher.patches.deltanet_routing``: ``kernel`` is auto (per backend), fla, or torch."""
+    """``launcher.patches.deltanet_routing``: ``kernel`` is auto (per backend), fla, or torch. On NPU, ``auto`` takes
+    the kernels preflight chose by validation (``launcher.checks.kernel_choice``); a choice that fell back to torch
+    stops the run at preflight unless ``allow_torch_fallback`` (about 8x slower a 27B step)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     enabled: bool = True
     kernel: Literal["auto", "fla", "torch"] = "auto"
+    allow_torch_fallback: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,22 +116,37 @@ TARGETS = (
 class Route:
     """Which implementation each DeltaNet piece gets; ``upstream`` keeps transformers' import-time choice."""
 
-    kernel: Literal["fla", "torch"]
+    kernel: Literal["fla", "ascendc", "torch"]
     recurrent: Literal["fla", "torch"]
     conv: Literal["upstream", "torch"]
     reason: str
+
+
+def refusals(component: dict[str, Any]) -> str:
+    """The kernels preflight refused for one component of its kernel choice, each with its failing case."""
+    return "; ".join(f"{r['kernel']} refused at {r['case']}: {r['note']}" for r in component.get("refused", []))
 
 
 def _torch_route(reason: str) -> Route:
     return Route(kernel="torch", recurrent="torch", conv="torch", reason=reason)
 
 
-def select_route(backend: str, kernel: str, fla: FlaFacts) -> Route:
-    """Decide the route from the backend, the configured ``kernel`` and what FLA offers (pure logic).
+def select_route(backend: str, kernel: str, fla: FlaFacts, chosen: dict[str, Any] | None = None) -> Route:
+    """Decide the route from the backend, the configured ``kernel``, what FLA offers and, on NPU with ``auto``, the
+    chunk kernel preflight chose (``chosen``: the ``chunk`` entry of ``launcher.checks.kernel_choice``'s record) (pure
+    logic).
 
     Raises:
         PatchError: the configured kernel cannot run here; the message carries FLA's reason and the fix.
     """
+    if chosen is not None and backend == "npu" and kernel == "auto" and chosen.get("chosen") != "fla":
+        reason = f"preflight chose {chosen.get('chosen')} by validation ({refusals(chosen) or 'nothing refused'})"
+        if chosen.get("chosen") == "ascendc":  # decoding keeps the torch loop: FLA's recurrent kernel was not chosen
+            return Route(kernel="ascendc", recurrent="torch", conv="torch", reason=reason)
+        if chosen.get("chosen") == "torch":
+            return _torch_route(reason)
+        raise PatchError(NAME, f"preflight's kernel choice holds no usable chunk kernel: {chosen}",
+                         "run launcher preflight again (it chooses the kernels) and read its kernel row")  # fmt: skip
     if kernel == "torch":
         note = f"; FLA would have refused: {fla.refusal}" if fla.refusal else ""
         return _torch_route(f"the config chose kernel: torch{note}")
@@ -221,17 +246,22 @@ _active: dict[str, Any] = {}  # the installed route, its call log and proof file
 
 def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dict[str, Any]) -> dict[str, Any]:
     """Select and install the route; idempotent (always wraps the saved upstream values, never a recorder)."""
+    record = facts.get("kernel_choice") if backend == "npu" and options["kernel"] == "auto" else None
+    chosen = (record or {}).get("components", {}).get("chunk")
     # On CUDA transformers has imported FLA already (if installed); on NPU import it only to use it.
-    wants_fla = backend == "cuda" or (backend == "npu" and options["kernel"] != "torch")
+    wants_fla = backend == "cuda" or (backend == "npu" and options["kernel"] != "torch" and
+                                      (chosen or {}).get("chosen", "fla") == "fla")  # fmt: skip
     fla = probe_fla(backend) if wants_fla else fla_presence()
-    route = select_route(backend, options["kernel"], fla)
+    route = select_route(backend, options["kernel"], fla, chosen)
     kernels = load_fla_kernels() if route.kernel == "fla" else FlaKernels()
+    if route.kernel == "ascendc":
+        kernels = FlaKernels(chunk=ascendc_gdn.chunk_gated_delta_rule)
     log = CallLog(lambda call: proof.update(first_call={**call, "recorded_at": utc_now()}))
     decode_log = CallLog(lambda call: proof.update(first_decode_call={**call, "recorded_at": utc_now()}))
     for target in TARGETS:
         module = importlib.import_module(target.module)
         originals = _ORIGINALS.setdefault(target.module, {name: getattr(module, name) for name in ROUTED_GLOBALS})
-        chunk = kernels.chunk if route.kernel == "fla" else module.torch_chunk_gated_delta_rule
+        chunk = kernels.chunk if route.kernel != "torch" else module.torch_chunk_gated_delta_rule
         recurrent = kernels.fused_recurrent if route.recurrent == "fla" else module.torch_recurrent_gated_delta_rule
         recorder = {"expected_device": BACKEND_DEVICE[backend], "patch": NAME, "backend": backend}
         values = {
@@ -257,6 +287,7 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
             "expected_device": BACKEND_DEVICE[backend],
         },
         "fla": fla.as_record(),
+        **({"kernel_choice": record} if record is not None else {}),
     }
 
 

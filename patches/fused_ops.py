@@ -21,8 +21,10 @@ What this patch does, per op (``fused_kernels.select_kernels``; each has an off 
   first time costs a compile, not a tuning.
 
 On CUDA every op is FLA's Triton kernel; on NPU FLA's triton-ascend kernels, except the plain RMSNorm, which
-goes to ``torch_npu.npu_rms_norm`` (``fused_kernels`` says why); on CPU nothing changes (the patch records
-why). ``launcher validate-kernels`` checks each op against an fp32 reference at the 27B shapes.
+goes to ``torch_npu.npu_rms_norm`` (``fused_kernels`` says why), and the convolution and the gated norm where
+preflight's kernel choice refused FLA's kernel at a validation case (``launcher.checks.kernel_choice``: then
+transformers' torch op, with the refusal recorded); on CPU nothing changes (the patch records why).
+``launcher validate-kernels`` checks each op against an fp32 reference at the 27B shapes.
 Proof per rank: the kernel and reason per op, and at the first training step how many modules of each kind
 the model has and how many fused calls that step made.
 
@@ -43,6 +45,7 @@ from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict
 
 from . import fused_kernels, trainer_hook
+from .deltanet_routing import refusals
 from .fla_probe import FLA_SUPPORTED, probe_fla
 from .proof import ProofFile, utc_now
 from .versions import require_global_loads, require_symbols
@@ -153,6 +156,10 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
     wanted = {op: options[op] for op in fused_kernels.OPS}
     fla_reason = fla_usable(backend) if any(wanted.values()) else "no op asked for"
     choices = fused_kernels.select_kernels(backend, wanted, fla_reason, backend == "npu" and npu_rms_norm_available())
+    record = facts.get("kernel_choice") if backend == "npu" else None
+    for op, found in ((record or {}).get("components") or {}).items():
+        if op in choices and choices[op].kernel == "fla" and found.get("chosen") == "torch":
+            choices[op] = fused_kernels.Choice("torch", f"preflight chose torch by validation ({refusals(found)})")
     kernels = {op: fused_kernels.load(op, c.kernel) for op, c in choices.items() if c.kernel != "torch"}
     conv = fused_kernels.FlaConv(kernels["conv"]) if "conv" in kernels else None
     makers = {
@@ -171,7 +178,8 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
     _state.update(proof=proof, conv=conv, choices=choices, calls=dict.fromkeys(fused_kernels.OPS, 0))
     trainer_hook.on_first_training_step(NAME, before=_before_first_step, after=_after_first_step)
     record = {
-        "ops": {op: {**asdict(c), "callable": _callable_name(op, c.kernel)} for op, c in choices.items()},
+        **({"kernel_choice": record} if record is not None else {}),
+        "ops": {op: {**asdict(c), "callable": callable_name(op, c.kernel)} for op, c in choices.items()},
         "expected_device": {"cpu": "cpu", "cuda": "cuda", "npu": "npu"}[backend],
     }
     tuned = fused_kernels.tune_chosen_norms(backend, choices)
@@ -180,7 +188,8 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
     return record
 
 
-def _callable_name(op: str, kernel: str) -> str:
+def callable_name(op: str, kernel: str) -> str:
+    """What training calls for ``op`` served by ``kernel`` (proofs, and preflight's kernel choice)."""
     if kernel == "torch_npu":
         return "torch_npu.npu_rms_norm"
     if kernel == "fla":

@@ -27,7 +27,8 @@ Order (fixed; ``PATCH_NAMES``):
    garbage collector before the call after the first optimizer step; independent of the others.
 
 Each ``apply`` also gets ``facts``: what the launcher knew about the run before it started (``launch.json``:
-the datasets' media count, ``cutoff_len``, whether it packs), the same on every rank.
+the datasets' media count, ``cutoff_len``, whether it packs; on NPU preflight's ``kernel_choice``), the same on every
+rank.
 
 For each patch, in that order, ``apply_enabled``:
 

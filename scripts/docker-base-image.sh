@@ -9,11 +9,19 @@
 # compiler (CPU torch has no Triton). The image is rebuilt whenever `docker image inspect` says it is
 # missing. The Debian mirror is read from the machine's apt sources at run time (DEBIAN_MIRROR
 # overrides it). Needs root, debootstrap and a running engine (scripts/docker-engine.sh).
+#
+# Another suite, e.g. Ubuntu 24.04 with Python 3.12 (the base of the npu-cann9 stand-in,
+# tests/containers/test_npu_standin.py):
+#   DEBIAN_SUITE=noble DEBIAN_MIRROR=<an Ubuntu archive mirror> BASE_PYTHON=python3.12 \
+#   DEBOOTSTRAP_COMPONENTS=main,universe DEBOOTSTRAP_KEYRING=<ubuntu-archive-keyring.gpg> \
+#   bash scripts/docker-base-image.sh local/ubuntu-python:noble
+# A suite debootstrap has no script for takes Ubuntu's common one (gutsy), which serves every release since.
 set -euo pipefail
 
 TAG=${1:-${BASE_IMAGE_TAG:-local/debian-python:bookworm}}
 SUITE=${DEBIAN_SUITE:-bookworm}
 PACKAGES=python3,python3-venv,ca-certificates
+PYTHON=${BASE_PYTHON:-python3.11}
 DOCKER=/usr/bin/docker
 
 die() {
@@ -43,10 +51,19 @@ if [[ -z $mirror && -f /etc/apt/sources.list ]]; then
 fi
 [[ -n $mirror ]] || die "no Debian mirror found in /etc/apt/sources.list.d/*.sources or /etc/apt/sources.list; set DEBIAN_MIRROR"
 
+script=/usr/share/debootstrap/scripts/$SUITE
+[[ -e $script ]] || script=/usr/share/debootstrap/scripts/gutsy
+options=(--components="${DEBOOTSTRAP_COMPONENTS:-main}")
+if [[ -n ${DEBOOTSTRAP_KEYRING:-} ]]; then
+    [[ -f $DEBOOTSTRAP_KEYRING ]] || die "DEBOOTSTRAP_KEYRING=$DEBOOTSTRAP_KEYRING is not a file"
+    options+=(--keyring="$DEBOOTSTRAP_KEYRING")
+fi
+
 rootfs=$(mktemp -d /tmp/debian-rootfs.XXXXXX)
 trap 'rm -rf "$rootfs"' EXIT
 echo "docker-base-image: debootstrap $SUITE ($PACKAGES) -> $TAG"
-debootstrap --variant=minbase --include="$PACKAGES" "$SUITE" "$rootfs" "$mirror" >"$rootfs.log" 2>&1 || {
+debootstrap --variant=minbase "${options[@]}" --include="$PACKAGES" "$SUITE" "$rootfs" "$mirror" "$script" \
+    >"$rootfs.log" 2>&1 || {
     tail -n 20 "$rootfs.log" >&2
     die "debootstrap failed (log: $rootfs.log)"
 }
@@ -56,6 +73,6 @@ tar -C "$rootfs" --numeric-owner -c . |
     "$DOCKER" import --change 'CMD ["/bin/bash"]' \
         --change 'ENV LANG=C.UTF-8 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
         --message "debootstrap --variant=minbase --include=$PACKAGES $SUITE" - "$TAG" >/dev/null
-"$DOCKER" run --rm "$TAG" python3.11 -c 'import ensurepip, ssl, venv' ||
+"$DOCKER" run --rm "$TAG" "$PYTHON" -c 'import ensurepip, ssl, venv' ||
     die "the new image $TAG cannot import ensurepip/ssl/venv"
 echo "docker-base-image: built $TAG ($("$DOCKER" image inspect --format '{{.Size}}' "$TAG") bytes)"

@@ -59,6 +59,23 @@ def torch_ops() -> dict[str, Callable]:
     return {"conv": conv, "rms_norm": rms_norm, "gated_norm": gated_norm, "swiglu": swiglu}
 
 
+def glue_kernel(op: str, kernel: str) -> Callable:
+    """The callable training binds for ``op`` served by ``kernel`` (``fla``, ``torch_npu`` or ``torch``), through the
+    adapter ``fused_ops`` installs."""
+    from patches import fused_kernels
+
+    if kernel == "torch":
+        return torch_ops()[op]
+    loaded = fused_kernels.load(op, kernel)
+    if op == "conv":
+        return fused_kernels.FlaConv(loaded)
+    if op == "rms_norm":
+        return lambda x, w, eps, _k=loaded, _n=kernel: fused_kernels.rms_norm(_n, _k, x, w, eps)
+    if op == "gated_norm":
+        return lambda x, g, w, eps, _k=loaded: fused_kernels.gated_norm(_k, x, g, w, eps)
+    return loaded
+
+
 def select_glue_kernels(backend: str) -> tuple[dict[str, Callable], dict[str, str]]:
     """The callables training binds for each op on ``backend`` (adapters included), and their descriptions."""
     from patches import fused_kernels, fused_ops
@@ -66,22 +83,8 @@ def select_glue_kernels(backend: str) -> tuple[dict[str, Callable], dict[str, st
     choices = fused_kernels.select_kernels(backend, dict.fromkeys(fused_kernels.OPS, True),
                                            fused_ops.fla_usable(backend),
                                            backend == "npu" and fused_ops.npu_rms_norm_available())  # fmt: skip
-    ops = torch_ops()
     fused_kernels.tune_chosen_norms(backend, choices)  # as ``fused_ops`` tunes them for training
-    chosen: dict[str, Callable] = {}
-    for op, choice in choices.items():
-        if choice.kernel == "torch":
-            chosen[op] = ops[op]
-            continue
-        kernel = fused_kernels.load(op, choice.kernel)
-        if op == "conv":
-            chosen[op] = fused_kernels.FlaConv(kernel)
-        elif op == "rms_norm":
-            chosen[op] = lambda x, w, eps, _k=kernel, _n=choice.kernel: fused_kernels.rms_norm(_n, _k, x, w, eps)
-        elif op == "gated_norm":
-            chosen[op] = lambda x, g, w, eps, _k=kernel: fused_kernels.gated_norm(_k, x, g, w, eps)
-        else:
-            chosen[op] = kernel
+    chosen = {op: glue_kernel(op, choice.kernel) for op, choice in choices.items()}
     return chosen, {op: f"{c.kernel} ({c.reason})" for op, c in choices.items()}
 
 

@@ -81,14 +81,15 @@ def _rel_err(torch, got, ref) -> float:
     return float(torch.linalg.vector_norm(got - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-12))
 
 
-def _quick_suite(backend: str, kernel_fn, name: str, glue_ops: tuple[str, ...] = ()) -> dict[str, Any]:
+def _quick_suite(backend: str, kernel_fn, name: str, glue_ops: tuple[str, ...] = (),
+                 glue_only: bool = False) -> dict[str, Any]:  # fmt: skip
     """``launcher validate-kernels --suite quick`` on the same kernel (``launcher.kernels``): bf16 against the
     fp32 torch reference with T != H, grouped heads and packed sequences (skipped for kernels without
     ``cu_seqlens``), and the glue cases of the ops in ``glue_ops`` (those the run's ``fused_ops`` binds: an op
     the config turned off is not checked, so a broken kernel can be worked around)."""
     from launcher.checks.kernels import SUITES, validate
 
-    ops = {c.name: c.op for c in SUITES["quick"] if c.op is None or c.op in glue_ops}
+    ops = {c.name: c.op for c in SUITES["quick"] if (c.op is None and not glue_only) or c.op in glue_ops}
     report = validate(backend, suite="quick", kernel_fn=kernel_fn, kernel_name=name, cases=tuple(ops))
     cases = {c.name: c.status if c.max_error is None else f"{c.status} {c.max_error:.1e}" for c in report.cases}
     found: dict[str, Any] = {"validate_kernels": {"ok": report.ok, "cases": cases, "error": report.error}}
@@ -100,10 +101,53 @@ def _quick_suite(backend: str, kernel_fn, name: str, glue_ops: tuple[str, ...] =
     return found
 
 
+def choose_kernels(backend: str, glue_ops: tuple[str, ...], shapes: dict[str, int]) -> dict[str, Any]:
+    """``launcher.checks.kernel_choice`` for the components the run binds (the convolution and the gated norm only
+    where ``fused_ops`` leaves them on); returns its record."""
+    from launcher.checks import kernel_choice
+
+    candidates = {c: opts for c, opts in kernel_choice.npu_candidates().items() if c == "chunk" or c in glue_ops}
+    choice = kernel_choice.choose(backend, candidates, kernel_choice.run_cases(shapes), device_name(backend), shapes)
+    return choice.to_dict()
+
+
+def chosen_chunk(record: dict[str, Any]):
+    """The chunk kernel a ``kernel_choice`` record chose, loaded, and its description (None when none passed)."""
+    from launcher.checks import kernel_choice
+
+    chunk = record["components"]["chunk"]
+    for name, loader in kernel_choice.npu_candidates()["chunk"]:
+        if name == chunk["chosen"]:
+            return loader()
+    return None
+
+
+def _choose_then_check(backend: str, glue_ops: tuple[str, ...], shapes: dict[str, int] | None) -> dict[str, Any]:
+    """The kernel choice, then the quick suite's cases of the glue ops the choice does not cover (rms_norm, swiglu)
+    with their routed kernels. The choice's own cases replace the fixed-shape check above: they run at the run's
+    head size, the only one some kernels take."""
+    from launcher.checks.kernel_choice import run_shapes
+
+    record = choose_kernels(backend, glue_ops, shapes or run_shapes(None, 4096))
+    found: dict[str, Any] = {"kernel_choice": record, "ok": False}
+    missing = [name for name, c in record["components"].items() if c["chosen"] is None]
+    if missing:
+        found["error"] = f"no kernel passed its validation cases on this device for: {', '.join(missing)}"
+        return found
+    kernel_fn, name = chosen_chunk(record)
+    found.update(kernel=name, device=device_name(backend), dtype="bfloat16", ok=True)
+    rest = tuple(op for op in glue_ops if op not in record["components"])
+    if rest:
+        found.update(_quick_suite(backend, kernel_fn, name, rest, glue_only=True))
+    return found
+
+
 def check(backend: str, kernel: str = "auto", suite: bool = True,
-          glue_ops: tuple[str, ...] = ("conv", "rms_norm", "gated_norm", "swiglu")) -> dict[str, Any]:  # fmt: skip
+          glue_ops: tuple[str, ...] = ("conv", "rms_norm", "gated_norm", "swiglu"),
+          shapes: dict[str, int] | None = None) -> dict[str, Any]:  # fmt: skip
     """Run the kernel once, then (``suite``) the quick validation suite; return a JSON-able result with
-    ``ok`` and the measured errors."""
+    ``ok`` and the measured errors. On NPU with ``kernel: auto``, first choose the kernels (``choose_kernels`` at
+    ``shapes``, the 27B model's when not given)."""
     started = time.monotonic()
     result: dict[str, Any] = {"backend": backend, "shape": list(SHAPE), "ok": False}
     try:
@@ -111,6 +155,10 @@ def check(backend: str, kernel: str = "auto", suite: bool = True,
 
         device = device_name(backend)
         dtype = torch.float32 if backend == "cpu" else torch.bfloat16
+        if backend == "npu" and kernel == "auto":
+            result.update(_choose_then_check(backend, glue_ops, shapes))
+            result["seconds"] = round(time.monotonic() - started, 2)
+            return result
         kernel_fn, name = select_kernel(backend, kernel)
         result.update(kernel=name, device=device, dtype=str(dtype).removeprefix("torch."))
 

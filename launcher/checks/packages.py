@@ -10,6 +10,7 @@ so the few lines of joining and splitting are done here; each requirement itself
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,9 @@ from launcher import SOURCE_ROOT as PROJECT_ROOT
 from patches.versions import installed_version
 
 LOCK_FILES = {"npu": "requirements.lock", "cuda": "requirements-cuda.lock", "cpu": "requirements-cpu.lock"}
+# An image built from another lock of its backend names it (the Dockerfile's npu-cann9 target:
+# requirements-npu-cann9.lock).
+LOCK_ENV = "LAUNCHER_LOCK"
 
 
 @dataclass(frozen=True)
@@ -45,8 +49,8 @@ class LockedPackage:
 
 
 def lock_path(backend: str, root: Path = PROJECT_ROOT) -> Path:
-    """The lock file the image for ``backend`` was built from."""
-    return root / LOCK_FILES[backend]
+    """The lock file the image for ``backend`` was built from (``$LAUNCHER_LOCK`` when the image names one)."""
+    return root / (os.environ.get(LOCK_ENV) or LOCK_FILES[backend])
 
 
 def parse_lock(path: Path) -> list[LockedPackage]:

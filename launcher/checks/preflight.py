@@ -11,7 +11,10 @@ Rows (status ``ok``, ``warn``, ``fail`` or ``skip``; only ``fail`` stops a run):
 - ``driver``: the host driver version (mounted read-only) against the HDK lines the image's CANN supports
 - ``packages``: installed versions against the lock file the image was built from
 - ``triton``: community triton absent next to triton-ascend (npu); a Triton FLA accepts on Hopper (cuda)
-- ``kernel``: the Gated DeltaNet kernel runs on the device, forward and backward (``launcher.checks.kernel_check``)
+- ``kernel``: the Gated DeltaNet kernel runs on the device, forward and backward (``launcher.checks.kernel_check``);
+  on NPU with ``kernel: auto`` the chunk kernel, the convolution and the gated norm are chosen there by validation
+  at the run's shapes (``launcher.checks.kernel_choice``; the record is ``preflight.json``'s ``kernel_choice``), and
+  a torch fallback fails the row unless ``launcher.patches.deltanet_routing.allow_torch_fallback: true``
 - ``model.*``: model type, layer pattern, weights, tokenizer, checksum manifest (``launcher.checks.model``)
 - ``memory``: the forecast peak per device, term by term, against the device's memory (``launcher.checks.memory``)
 - ``dataset``: datasets registered in ``dataset_info.json``, files present and readable (``launcher.checks.data_check``)
@@ -82,6 +85,7 @@ class PreflightReport:
     checks: list[Check] = field(default_factory=list)
     created: str = field(default_factory=now_iso)
     data_stats: dict[str, Any] | None = None  # the short token statistics, written as data_stats.json
+    kernel_choice: dict[str, Any] | None = None  # on NPU: each DeltaNet component's kernel, what was refused
 
     @property
     def ok(self) -> bool:
@@ -154,7 +158,19 @@ def run_preflight(
         ("driver", lambda: [check_driver(driver_dir)] if backend == "npu" else []),
         ("packages", lambda: [check_packages(backend)]),
         ("triton", lambda: [check_triton(backend)] if backend != "cpu" else []),
-        ("kernel", lambda: [check_kernel(backend, _routing_kernel(prepared), glue=_glue_ops(prepared))]),
+        (
+            "kernel",
+            lambda: [
+                check_kernel(
+                    backend,
+                    _routing_kernel(prepared),
+                    glue=_glue_ops(prepared),
+                    shapes=_run_shapes(prepared, model_dir),
+                    allow=_allow_torch(prepared),
+                    out=found,
+                )
+            ],
+        ),
         ("model", lambda: check_model(model_dir, skip)),
         ("devices", lambda: [_devices_row(prepared, stats)]),
         ("memory", lambda: [("memory", *check_memory(config, lf, backend, device_gib, stats.get("free_gib")))]),
@@ -163,6 +179,7 @@ def run_preflight(
         ("data_stats", lambda: [check_data_stats(config, stats)]),
     ]
     stats: dict[str, Any] = {}
+    found: dict[str, Any] = {}
     report = PreflightReport(str(config.source), backend)
     for name, step in steps:
         if name in skip:
@@ -176,6 +193,7 @@ def run_preflight(
         elapsed = round(time.monotonic() - started, 2)
         report.checks.extend(Check(n, s, d, elapsed) for n, s, d in rows)
     report.data_stats = stats.get("result")
+    report.kernel_choice = found.get("kernel_choice")
     return report
 
 
@@ -402,30 +420,76 @@ def _glue_ops(prepared: Prepared) -> str:
     return ",".join(op for op in ("conv", "rms_norm", "gated_norm", "swiglu") if settings.get(op, True)) or "none"
 
 
+def _allow_torch(prepared: Prepared) -> bool:
+    settings = prepared.config.patches.get("deltanet_routing") or {}
+    return bool(settings.get("allow_torch_fallback", False))
+
+
+def _run_shapes(prepared: Prepared, model_dir: Path) -> dict[str, int]:
+    """The run's DeltaNet shapes for the kernel choice: the model's config (the 27B model's if unreadable) and the
+    run's ``cutoff_len``."""
+    from launcher.checks.kernel_choice import run_shapes
+
+    seq_len = int(prepared.config.llamafactory.get("cutoff_len") or 4096)
+    try:
+        return run_shapes(modelcheck.read_config(model_dir), seq_len)
+    except (ValueError, TypeError, OSError):  # the model rows say what is wrong with the config
+        return run_shapes(None, seq_len)
+
+
 def check_kernel(backend: str, kernel: str = "auto", timeout_s: float = KERNEL_TIMEOUT_S,
-                 glue: str = "conv,rms_norm,gated_norm,swiglu") -> Row:  # fmt: skip
-    """Run ``launcher.checks.kernel_check`` in a child process (see its docstring for why)."""
+                 glue: str = "conv,rms_norm,gated_norm,swiglu", shapes: dict[str, int] | None = None,
+                 allow: bool = False, out: dict[str, Any] | None = None) -> Row:  # fmt: skip
+    """Run ``launcher.checks.kernel_check`` in a child process (see its docstring for why); ``out`` gets the kernel
+    choice record when the child made one."""
     env = backends.child_env(backends.BACKENDS[backend])
     cmd = [sys.executable, "-m", "launcher", "_kernel-check", "--backend", backend, "--kernel", kernel,
            "--glue", glue]  # fmt: skip
+    if shapes is not None:
+        cmd += ["--shapes", json.dumps(shapes)]
     try:
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         return "kernel", "fail", f"kernel check did not finish in {timeout_s:.0f} s ({' '.join(cmd[1:])})"
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if not lines:
-        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
-        return "kernel", "fail", f"kernel check exited {out.returncode} without a result: {tail}"
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return "kernel", "fail", f"kernel check exited {proc.returncode} without a result: {tail}"
     result = json.loads(lines[-1])
+    if out is not None and result.get("kernel_choice") is not None:
+        out["kernel_choice"] = result["kernel_choice"]
+    return kernel_row(backend, result, allow)
+
+
+def kernel_row(backend: str, result: dict[str, Any], allow: bool = False) -> Row:
+    """The ``kernel`` row of a kernel check's result: its errors, the kernel choice, and the torch-fallback rule
+    (on NPU a component that fell to torch fails the row unless the config allows it; then it warns)."""
     shape = "x".join(map(str, result.get("shape", [])))
     where = f"{result.get('kernel', '?')} on {result.get('device', '?')} [B,T,H,D]={shape} {result.get('dtype', '')}"
+    record = result.get("kernel_choice")
+    chosen = ""
+    if record is not None:
+        from launcher.checks.kernel_choice import ALLOW_KEY, summary
+
+        chosen = f"kernel choice: {summary(record)}; "
+        fallbacks = [name for name, c in record["components"].items() if c.get("chosen") == "torch"]
+        if fallbacks and result.get("ok") and backend == "npu":
+            text = (f"{chosen}{', '.join(fallbacks)} fell back to torch, every step slower as noted; "
+                    "launcher validate-kernels --device npu shows each failing case")  # fmt: skip
+            if allow:
+                return "kernel", "warn", f"{text} (allowed by {ALLOW_KEY}: true)"
+            return "kernel", "fail", f"{text}; fix the kernels, or accept the slowdown with {ALLOW_KEY}: true"
     if not result.get("ok"):
-        return "kernel", "fail", f"{where}: {result.get('error', 'failed')}"
+        where = f"on {result.get('device', '?')}" if record is not None else where
+        return "kernel", "fail", f"{chosen}{where}: {result.get('error', 'failed')}"
+    if "fwd_rel_err" not in result:  # the choice's cases, at the run's shapes, replaced the fixed-shape check
+        suite = _suite_summary(result.get("validate_kernels"))
+        return "kernel", "ok", f"{chosen}on {result.get('device', '?')} ({result.get('seconds', 0):.0f} s){suite}"
     return (
         "kernel",
         "ok",
         (
-            f"{where}: fwd+bwd rel. error {result['fwd_rel_err']:.1e}/{result['grad_rel_err']:.1e} "
+            f"{chosen}{where}: fwd+bwd rel. error {result['fwd_rel_err']:.1e}/{result['grad_rel_err']:.1e} "
             f"vs torch reference ({result.get('seconds', 0):.0f} s){_suite_summary(result.get('validate_kernels'))}"
         ),
     )

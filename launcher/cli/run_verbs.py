@@ -190,6 +190,9 @@ def _args_kernel_check(p: argparse.ArgumentParser) -> None:
     p.add_argument("--glue", default="conv,rms_norm,gated_norm,swiglu", metavar="OPS",
                    help="the fused glue ops the run binds (launcher.patches.fused_ops), checked in the quick suite; "
                         "'none' for none")  # fmt: skip
+    p.add_argument("--shapes", default=None, metavar="JSON",
+                   help="the run's DeltaNet shapes (seq_len, key_heads, value_heads, head_dim) for the kernel choice "
+                        "on NPU; default the 27B model's at 4,096 tokens")  # fmt: skip
 
 
 def _cmd_kernel_check(ns: argparse.Namespace) -> int:
@@ -197,7 +200,8 @@ def _cmd_kernel_check(ns: argparse.Namespace) -> int:
     from launcher.checks.kernel_check import check
 
     glue = tuple(op for op in ns.glue.split(",") if op and op != "none")
-    result = check(ns.backend, ns.kernel, suite=not ns.no_suite, glue_ops=glue)
+    shapes = json.loads(ns.shapes) if ns.shapes else None
+    result = check(ns.backend, ns.kernel, suite=not ns.no_suite, glue_ops=glue, shapes=shapes)
     print(json.dumps(result), flush=True)
     return ExitCode.OK if result["ok"] else ExitCode.FAILED
 

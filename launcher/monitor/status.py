@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from launcher.checks.kernel_choice import summary as kernel_summary
 from launcher.errors import ExitCode
 from launcher.files import FileFollower, read_json_object, shown, tail_lines
 from launcher.rank.oomtrack import summary
@@ -28,6 +29,7 @@ from launcher.state.runs import (
     CHECKPOINT_FOLDER,
     JOB_LOG,
     OUTPUT_SUBDIR,
+    PREFLIGHT_FILE,
     SUPERVISOR_LOG,
     TRAINER_LOG,
     TRAINER_STATE,
@@ -146,7 +148,14 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "slurm": record.slurm,
         "slurm_state": None if seen.slurm_view is None else seen.slurm_view.state,
         "slurm_status": None if seen.slurm_view is None else seen.slurm_view.describe(),
+        "kernel_choice": kernel_choice(run_dir),
     }  # fmt: skip
+
+
+def kernel_choice(run_dir: Path) -> dict[str, Any] | None:
+    """Preflight's kernel choice on NPU (``preflight.json``), or None where it made none."""
+    found = read_json_object(run_dir / PREFLIGHT_FILE)
+    return found.get("kernel_choice") if isinstance(found, dict) else None
 
 
 def _container_now(record: RunRecord, seen: Reconciled) -> dict[str, Any]:
@@ -281,6 +290,8 @@ def render(info: dict[str, Any]) -> str:
         rows.append(("container", f"{info['container_name']} ({info['container_status']})"))
     if info.get("slurm_status"):
         rows.append(("slurm", info["slurm_status"]))
+    if info.get("kernel_choice"):  # which kernel each DeltaNet component got on NPU, and what preflight refused
+        rows.append(("kernels", kernel_summary(info["kernel_choice"])))
     log = info["trainer_log"]
     if skipped := info.get("trainer_log_long_lines_skipped"):
         log += f" ({skipped} line(s) over {MAX_LINE_BYTES:,} bytes skipped: damaged)"

@@ -27,7 +27,7 @@ from launcher.files import DiskTolerantStream, disk_error, write_json_or_warn
 from launcher.rank import oomtrack
 from launcher.rank.stopsave import StoppedAfterSave, install_sigterm_handler, make_callback
 from launcher.results import best_adapter
-from launcher.state.runs import ERROR_RECORD, ERRORS_DIR, LAUNCH_FILE, PROOF_DIR
+from launcher.state.runs import ERROR_RECORD, ERRORS_DIR, LAUNCH_FILE, PREFLIGHT_FILE, PROOF_DIR
 
 
 def write_error_file(run_dir: Path, exc: BaseException) -> Path:
@@ -87,6 +87,18 @@ def _leave_process_group() -> None:
         pass
 
 
+def run_facts(run_dir: Path, launch: dict) -> dict:
+    """``launch.json``'s facts, plus the kernel choice preflight made on NPU (``preflight.json``'s
+    ``kernel_choice``), which ``deltanet_routing`` and ``fused_ops`` bind."""
+    from launcher.files import read_json_object
+
+    facts = dict(launch.get("facts") or {})
+    preflight = read_json_object(run_dir / PREFLIGHT_FILE)
+    if isinstance(preflight, dict) and preflight.get("kernel_choice") is not None:
+        facts["kernel_choice"] = preflight["kernel_choice"]
+    return facts
+
+
 def _train(run_dir: Path, callbacks: tuple = ()) -> int:
     launch = json.loads((run_dir / LAUNCH_FILE).read_text())
     install_sigterm_handler(run_dir)
@@ -94,7 +106,7 @@ def _train(run_dir: Path, callbacks: tuple = ()) -> int:
     import patches
 
     patches.apply_enabled(
-        launch["patches"], backend=launch["backend"], proof_dir=run_dir / PROOF_DIR, facts=launch.get("facts")
+        launch["patches"], backend=launch["backend"], proof_dir=run_dir / PROOF_DIR, facts=run_facts(run_dir, launch)
     )
 
     from launcher.data.privacy import log_examples_wanted, protect_training_log

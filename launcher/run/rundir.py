@@ -185,13 +185,20 @@ def manifest(config: RunConfig, backend: Backend, run_dir: RunDir) -> dict[str, 
         "packages": package_versions(),
         "git_commit": git_commit(),
         "container": container_identity(),
-        "image": {
-            "tag": os.environ.get("LAUNCHER_IMAGE"),
-            "digest": os.environ.get("LAUNCHER_IMAGE_DIGEST"),
-            "base": os.environ.get("LAUNCHER_BASE_IMAGE"),
-        },  # fmt: skip
+        "image": image_record(),
         "model": model_fingerprint(Path(str(lf.get("model_name_or_path", "")))),
         "data": data_fingerprint(lf),
+    }
+
+
+def image_record() -> dict[str, str | None]:
+    """The image the run is in, as its Dockerfile and compose baked it in (all None outside an image)."""
+    return {
+        "tag": os.environ.get("LAUNCHER_IMAGE"),
+        "digest": os.environ.get("LAUNCHER_IMAGE_DIGEST"),
+        "base": os.environ.get("LAUNCHER_BASE_IMAGE"),
+        # the npu-cann9 image: the sha256 its user pinned for the triton-ascend wheel no public index carries
+        "triton_ascend_sha256": os.environ.get("LAUNCHER_TRITON_ASCEND_SHA256") or None,
     }
 
 

@@ -55,16 +55,16 @@ def _stages() -> dict[str, list[str]]:
 # --- Dockerfile ---------------------------------------------------------------------------------------
 
 
-def test_three_targets_npu_last_and_no_frontend_to_pull() -> None:
-    assert list(_stages()) == ["cuda", "cpu", "npu"]  # the last stage is what `docker build .` builds
+def test_four_targets_npu_last_and_no_frontend_to_pull() -> None:
+    assert list(_stages()) == ["cuda", "cpu", "npu-cann9", "npu"]  # the last stage is what `docker build .` builds
     assert not DOCKERFILE.startswith("# syntax=")
     mirror = re.escape("${REGISTRY_MIRROR:+${REGISTRY_MIRROR}/}")
     assert re.search(rf"^ARG CPU_BASE_IMAGE={mirror}docker\.io/library/python:3\.11\.\d+-bookworm$", DOCKERFILE, re.M)
     # every base image is pulled through the registry mirror when REGISTRY_MIRROR is given (compose passes it)
     bases = re.findall(r"^ARG (\w+_IMAGE)=(.*)$", DOCKERFILE, re.M)
-    assert {name for name, _ in bases} == {"CANN_IMAGE", "CUDA_BASE_IMAGE", "CPU_BASE_IMAGE"}
+    assert {name for name, _ in bases} == {"CANN_IMAGE", "CANN9_IMAGE", "CUDA_BASE_IMAGE", "CPU_BASE_IMAGE"}
     assert all(re.match(mirror + r"(docker|quay)\.io/", value) for _, value in bases), bases
-    for service in ("train", "train-cuda", "train-cpu"):
+    for service in ("train", "train-cann9", "train-cuda", "train-cpu"):
         args = COMPOSE["services"][service]["build"]["args"]
         assert "REGISTRY_MIRROR" in (args if isinstance(args, dict) else [a.split("=")[0] for a in args]), service
 
@@ -91,12 +91,18 @@ def _kinds(steps: list[str]) -> list[str]:
 def test_cpu_target_has_the_npu_and_cuda_layer_order() -> None:
     stages = _stages()
     assert _kinds(stages["cpu"]) == _kinds(stages["npu"]) == _kinds(stages["cuda"])
+    # npu-cann9 adds one step to that order: the user's pinned triton-ascend wheel, right after the locked install
+    cann9 = _kinds(stages["npu-cann9"])
+    first = cann9.index("lock")
+    assert cann9[first : first + 2] == ["lock", "lock"] and cann9[:first] + cann9[first + 1 :] == _kinds(stages["npu"])
+    pinned = [step for step in stages["npu-cann9"] if "wheelhouse.py install-pinned" in step]
+    assert len(pinned) == 1 and "--sha256" in pinned[0]
     entry = [s for s in stages["cpu"] if s.startswith(("ENTRYPOINT", "CMD"))]
     assert entry == ['ENTRYPOINT ["/usr/local/bin/launcher-entrypoint"]', 'CMD ["launcher", "--help"]']
 
 
 @pytest.mark.parametrize(("target", "base"), [("cuda", "CUDA_BASE_IMAGE"), ("cpu", "CPU_BASE_IMAGE"),
-                                              ("npu", "CANN_IMAGE")])  # fmt: skip
+                                              ("npu", "CANN_IMAGE"), ("npu-cann9", "CANN9_IMAGE")])  # fmt: skip
 def test_base_image_is_recorded_from_a_redeclared_arg(target: str, base: str) -> None:
     steps = _stages()[target]
     declared = steps.index(f"ARG {base}")
@@ -150,7 +156,17 @@ def test_every_service_names_its_container_in_the_environment() -> None:
 
 def test_the_anchors_are_what_the_services_use() -> None:
     text = (ROOT / "compose.yaml").read_text()
-    assert text.count("<<: *run-service") == 3 and text.count("<<: *run-environment") == 3
+    assert text.count("<<: *run-service") == 3 and text.count("<<: *run-environment") == 4
+    # train-cann9 is train (devices, driver mounts, shm, ulimits) with its own image, build and environment
+    assert text.count("<<: *npu-service") == 1 and "train: &npu-service" in text
+    cann9, train = COMPOSE["services"]["train-cann9"], COMPOSE["services"]["train"]
+    assert cann9["build"]["target"] == "npu-cann9" and cann9["profiles"] == ["cann9"]
+    assert cann9["build"]["args"]["TRITON_ASCEND_SHA256"] == "${TRITON_ASCEND_SHA256:-}"
+    same = ("devices", "volumes", "shm_size", "ulimits", "command", "working_dir", "security_opt", "user")
+    assert {key: cann9[key] for key in same} == {key: train[key] for key in same}
+    assert {k: v for k, v in cann9["environment"].items() if not k.startswith("LAUNCHER_")} == {
+        k: v for k, v in train["environment"].items() if not k.startswith("LAUNCHER_")
+    }
     for volume in ("model", "data", "outputs", "logs", "configs"):
         assert f"- *{volume}-volume" in text  # train lists the anchored entries, not copies
 

@@ -91,21 +91,25 @@ def test_dockerfile_passes_hadolint() -> None:
 
 def test_dockerfile_has_its_targets_and_npu_is_the_default() -> None:
     stages = dockerfile_stages()
-    assert list(stages) == ["global", "cuda", "cpu", "npu"]  # the last stage is what `docker build .` builds
+    # the last stage is what `docker build .` builds
+    assert list(stages) == ["global", "cuda", "cpu", "npu-cann9", "npu"]
     base = stages["global"]["CANN_IMAGE"]
     assert re.fullmatch(r"\S+/cann:8\.5\.0-910b-ubuntu22\.04-py3\.11(@sha256:[0-9a-f]{64})?", base), base
     assert stages["npu"]["CANN_VERSION"] == "8.5.0"
+    cann9 = stages["global"]["CANN9_IMAGE"]
+    assert re.fullmatch(r"\S+/cann:9\.\d+\.\d+-910b-ubuntu22\.04-py3\.12(@sha256:[0-9a-f]{64})?", cann9), cann9
+    assert cann9.split("/cann:")[1].startswith(stages["npu-cann9"]["CANN_VERSION"] + "-")
 
 
 def test_dockerfile_installs_only_from_the_locks_with_hashes() -> None:
     """Every target installs its lock through docker/wheelhouse.py (pip --no-deps --require-hashes, from
     PyPI or offline from a wheelhouse) and then only the project itself, with no index."""
     lines = DOCKERFILE.read_text().splitlines()
-    locked = [ln.strip() for ln in lines if ln.strip().startswith("python docker/wheelhouse.py install")]
+    locked = [ln.strip() for ln in lines if ln.strip().startswith("python docker/wheelhouse.py install ")]
     assert sorted(ln.split()[-1] for ln in locked) == ["requirements-cpu.lock", "requirements-cuda.lock",
-                                                       "requirements.lock"]  # fmt: skip
+                                                       "requirements-npu-cann9.lock", "requirements.lock"]  # fmt: skip
     others = [ln for ln in lines if "pip install" in ln]
-    assert len(others) == 3 and all("--no-deps" in ln and "--no-index --editable ." in ln for ln in others), others
+    assert len(others) == 4 and all("--no-deps" in ln and "--no-index --editable ." in ln for ln in others), others
     flags = (ROOT / "docker" / "wheelhouse.py").read_text()
     assert '"--no-deps", "--require-hashes", "--only-binary=:all:"' in flags
 
@@ -210,6 +214,62 @@ def test_npu_pins_agree_across_dockerfile_in_and_lock() -> None:
     assert lock["torch-npu"].startswith(lock["torch"])  # torch-npu is built for exactly this torch
 
 
+def test_npu_cann9_pins_are_the_pairing_fla_core_declares() -> None:
+    """The npu-cann9 target pins what fla-core 0.6.0's `npu` extra asks for (torch 2.10.0, torch_npu 2.10.0.post7,
+    torchvision 0.25.0, triton-ascend 3.6.0; read from its wheel's metadata, docs/environment.md), agreeing across
+    the Dockerfile, the .in file and the lock; triton-ascend is not in the lock (not on PyPI) but installed from the
+    user's pinned wheel."""
+    args = dockerfile_stages()["npu-cann9"]
+    lock, spec = locked("requirements-npu-cann9.lock"), pins_in("requirements-npu-cann9.in")
+    declared = {"torch": "2.10.0", "torch-npu": "2.10.0.post7", "torchvision": "0.25.0"}
+    assert {name: lock[name] for name in declared} == declared
+    expected = {"torch": args["TORCH_VERSION"], "torch-npu": args["TORCH_NPU_VERSION"], "fla-core": args["FLA_VERSION"],
+                "llamafactory": args["LLAMAFACTORY_VERSION"]}  # fmt: skip
+    for name, version in expected.items():
+        assert lock[name] == version == spec[name], name
+    assert args["TRITON_ASCEND_VERSION"] == "3.6.0" and "triton-ascend" not in lock and "triton" not in lock
+    assert lock["torch-npu"].startswith(lock["torch"])
+    text = DOCKERFILE.read_text()
+    assert 'install-pinned "triton-ascend==${TRITON_ASCEND_VERSION}"' in text and '"${TRITON_ASCEND_SHA256}"' in text
+    assert "LAUNCHER_TRITON_ASCEND_SHA256=${TRITON_ASCEND_SHA256}" in text
+    # the training stack is the same in both NPU images
+    npu = locked("requirements.lock")
+    for name in ("llamafactory", "transformers", "peft", "accelerate", "trl", "datasets", "tokenizers", "fla-core"):
+        assert lock[name] == npu[name], name
+
+
+def test_install_pinned_takes_only_the_wheel_whose_sha256_was_pinned(tmp_path: Path) -> None:
+    """``docker/wheelhouse.py install-pinned`` on a stand-in triton-ascend 3.6.0 wheel (tests/support/standin_wheel.py:
+    the real wheel is on Huawei's index only): no pin, another hash, no WHEELHOUSE, or no wheel refuse with one
+    message each and install nothing; the pinned hash installs it through pip --require-hashes (into a target
+    folder here, the venv in the image)."""
+    from tests.support.standin_wheel import make_wheel
+
+    wheel = make_wheel(tmp_path / "mount" / "npu-cann9")
+    good = __import__("hashlib").sha256(wheel.read_bytes()).hexdigest()
+    target = tmp_path / "target"
+    env = {**os.environ, "WHEELHOUSE_MOUNT": str(tmp_path / "mount"), "WHEELHOUSE": "npu-cann9",
+           "PIP_TARGET": str(target)}  # fmt: skip
+    script = [sys.executable, str(ROOT / "docker" / "wheelhouse.py"), "install-pinned", "triton-ascend==3.6.0"]
+
+    def run(sha: str, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*script, "--sha256", sha], env={**env, **extra}, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+
+    empty = run("")
+    assert empty.returncode == 1 and "no sha256 is pinned" in empty.stderr and good in empty.stderr, empty.stderr
+    other = run("0" * 64)
+    assert other.returncode == 1 and f"has sha256 {good}, but the pinned value is {'0' * 64}" in other.stderr
+    assert "no public index" in run(good, WHEELHOUSE="").stderr
+    missing = subprocess.run([*script[:-1], "triton-ascend==3.6.1", "--sha256", good], env=env, capture_output=True,
+                             text=True)  # fmt: skip
+    assert missing.returncode == 1 and "triton-ascend==3.6.1: no wheel" in missing.stderr
+    assert not target.exists()  # nothing installed by a refusal
+    ok = run(good.upper())
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "matches the pinned value" in ok.stdout and (target / "triton_ascend_standin.py").is_file()
+
+
 def test_cuda_pins_agree_across_dockerfile_in_and_lock() -> None:
     args, lock, spec = dockerfile_stages()["cuda"], locked("requirements-cuda.lock"), pins_in("requirements-cuda.in")
     expected = {"torch": args["TORCH_VERSION"], "triton": args["TRITON_VERSION"], "fla-core": args["FLA_VERSION"],
@@ -237,7 +297,7 @@ def test_shared_pins_agree_between_the_two_images_and_pyproject() -> None:
         assert npu[lockfile.canonicalize_name(name)] == version, req
 
 
-@pytest.mark.parametrize("lock_name", ["requirements.lock", "requirements-cuda.lock"])
+@pytest.mark.parametrize("lock_name", ["requirements.lock", "requirements-cuda.lock", "requirements-npu-cann9.lock"])
 def test_locks_pin_everything_with_hashes_and_name_their_command(lock_name: str) -> None:
     packages = lockfile.parse_lock(ROOT / lock_name)
     assert packages and all(p.hashes for p in packages)
@@ -263,25 +323,28 @@ def _words(text: str) -> str:
         ("requirements.lock", "aarch64-manylinux_2_28"),
         ("requirements.lock", "x86_64-manylinux_2_28"),
         ("requirements-cuda.lock", "x86_64-manylinux_2_28"),
+        ("requirements-npu-cann9.lock", "aarch64-manylinux_2_28"),
+        ("requirements-npu-cann9.lock", "x86_64-manylinux_2_28"),
     ],
 )
 def test_every_locked_package_has_a_wheel_on_pypi(tmp_path: Path, lock_name: str, platform: str) -> None:
     """Resolves the lock against PyPI for the platform (metadata only, nothing installed); needs network."""
+    python = "3.12" if "cann9" in lock_name else "3.11"
     cmd = [_tool("uv"), "pip", "install", "--dry-run", "--no-deps", "--require-hashes", "--only-binary", ":all:",
-           "--python-version", "3.11", "--python-platform", platform, "--target", str(tmp_path / "t"),
+           "--python-version", python, "--python-platform", platform, "--target", str(tmp_path / "t"),
            "-r", str(ROOT / lock_name)]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    wanted = sum(p.applies(_marker_env(platform)) for p in lockfile.parse_lock(ROOT / lock_name))
+    wanted = sum(p.applies(_marker_env(platform, python)) for p in lockfile.parse_lock(ROOT / lock_name))
     assert out.stderr.count("\n + ") == wanted
 
 
-def _marker_env(platform: str) -> dict[str, str]:
+def _marker_env(platform: str, python: str = "3.11") -> dict[str, str]:
     from packaging.markers import default_environment
 
     machine = platform.split("-")[0]
     return {**default_environment(), "sys_platform": "linux", "platform_system": "Linux",
-            "platform_machine": machine, "python_version": "3.11", "python_full_version": "3.11.14",
+            "platform_machine": machine, "python_version": python, "python_full_version": f"{python}.0",
             "implementation_name": "cpython", "platform_python_implementation": "CPython"}  # fmt: skip
 
 

@@ -245,3 +245,71 @@ def test_simulated_npu_decodes_with_fla_recurrent(tmp_path, stub_fla):
     route = read_proof(tmp_path, "deltanet_routing")["route"]
     assert route["recurrent"] == "fla"
     assert route["recurrent_gated_delta_rule"] == "fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule (recorded)"
+
+
+def _choice(chunk: str, conv: str = "fla", gated_norm: str = "fla") -> dict:
+    """A ``launcher.checks.kernel_choice`` record as preflight writes it into preflight.json (each refusal with its
+    failing case)."""
+    refused = {"ascendc": [{"kernel": "fla", "case": "layout", "note": "dg differs by 40.00% (threshold 5%)"}],
+               "torch": [{"kernel": "fla", "case": "layout", "note": "dg differs by 40.00% (threshold 5%)"},
+                         {"kernel": "ascendc", "case": "load", "note": "RuntimeError: fla_npu is not installed"}],
+               "fla": []}  # fmt: skip
+    component = {name: {"component": name, "chosen": kernel, "refused": refused[kernel] if name == "chunk" else
+                        ([] if kernel == "fla" else refused["ascendc"]), "passed_cases": [], "description": "",
+                        "expected_slowdown": None}
+                 for name, kernel in (("chunk", chunk), ("conv", conv), ("gated_norm", gated_norm))}  # fmt: skip
+    return {"backend": "npu", "shapes": {"seq_len": 4096}, "components": component}
+
+
+@pytest.mark.usefixtures("restore_patches")
+def test_simulated_npu_binds_the_ascendc_kernel_preflight_chose_and_records_the_choice(tmp_path, stub_fla):
+    """Stand-ins: ``stub_fla`` for FLA on triton-ascend; fla_npu itself is never imported here (the AscendC adapter
+    loads it at its first call, which no test makes: there is no NPU)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    from patches import ascendc_gdn
+
+    stub_fla(platform="npu")
+    choice = _choice("ascendc")
+    patches.apply_enabled({"fused_ops": False}, backend="npu", proof_dir=tmp_path, facts={"kernel_choice": choice})
+    record = read_proof(tmp_path, "deltanet_routing")
+    assert record["route"]["kernel"] == "ascendc" and record["route"]["recurrent"] == "torch"
+    assert "preflight chose ascendc by validation (fla refused at layout" in record["route"]["reason"]
+    assert record["kernel_choice"] == choice
+    assert isinstance(m.chunk_gated_delta_rule, KernelRecorder)
+    assert m.chunk_gated_delta_rule.kernel is ascendc_gdn.chunk_gated_delta_rule
+    assert m.is_fast_path_available is False
+
+
+@pytest.mark.usefixtures("restore_patches")
+def test_simulated_npu_binds_torch_where_preflight_chose_it_and_fla_without_a_choice(tmp_path, stub_fla):
+    """Stand-in: ``stub_fla`` for FLA on triton-ascend. A torch choice reaches training only when the config allowed
+    it (preflight refuses it otherwise); without a choice (the kernel row skipped) FLA is required, as before."""
+    stub_fla(platform="npu")
+    patches.apply_enabled({"fused_ops": False}, backend="npu", proof_dir=tmp_path / "t",
+                          facts={"kernel_choice": _choice("torch")})  # fmt: skip
+    route = read_proof(tmp_path / "t", "deltanet_routing")["route"]
+    assert (route["kernel"], route["recurrent"]) == ("torch", "torch") and "ascendc refused at load" in route["reason"]
+    patches.apply_enabled({"fused_ops": False}, backend="npu", proof_dir=tmp_path / "f",
+                          facts={"kernel_choice": _choice("fla")})  # fmt: skip
+    assert read_proof(tmp_path / "f", "deltanet_routing")["route"]["kernel"] == "fla"
+    patches.apply_enabled({"fused_ops": False}, backend="npu", proof_dir=tmp_path / "n")
+    assert read_proof(tmp_path / "n", "deltanet_routing")["route"]["kernel"] == "fla"
+    # kernel: torch in the config is the user's own choice, whatever preflight recorded
+    patches.apply_enabled({"fused_ops": False, "deltanet_routing": {"kernel": "torch"}}, backend="npu",
+                          proof_dir=tmp_path / "c", facts={"kernel_choice": _choice("ascendc")})  # fmt: skip
+    assert "the config chose kernel: torch" in read_proof(tmp_path / "c", "deltanet_routing")["route"]["reason"]
+
+
+@pytest.mark.usefixtures("restore_patches")
+def test_simulated_npu_fused_ops_keep_torch_for_a_glue_op_preflight_refused_fla_for(tmp_path, stub_fla):
+    """Stand-in: ``stub_fla`` (FLA's conv and gated norm in plain torch) on a simulated NPU."""
+    stub_fla(platform="npu")
+    patches.apply_enabled({}, backend="npu", proof_dir=tmp_path, facts={"kernel_choice": _choice("fla", conv="torch")})
+    ops = read_proof(tmp_path, "fused_ops")["ops"]
+    assert (
+        ops["conv"]["kernel"] == "torch"
+        and "preflight chose torch by validation (fla refused at layout" in (ops["conv"]["reason"])
+    )
+    assert ops["gated_norm"]["kernel"] == "fla" and ops["swiglu"]["kernel"] == "fla"
+    assert read_proof(tmp_path, "fused_ops")["kernel_choice"]["components"]["conv"]["chosen"] == "torch"

@@ -15,7 +15,7 @@ from patches.registry import PATCHES
 
 CHECKPOINT_DEFAULTS = {"enabled": True, "uncheckpointed_layers": None, "memory_budget_gib": None}
 DEFAULTS = {
-    "deltanet_routing": {"enabled": True, "kernel": "auto"},
+    "deltanet_routing": {"enabled": True, "kernel": "auto", "allow_torch_fallback": False},
     "fused_ops": {"enabled": True, "conv": True, "rms_norm": True, "gated_norm": True, "swiglu": True},
     "checkpoint_all_layers": CHECKPOINT_DEFAULTS,
     "chunked_loss": {"enabled": True, "chunk_tokens": 512},
@@ -62,9 +62,15 @@ def test_unmentioned_patches_are_enabled_with_defaults(raw):
 @pytest.mark.parametrize(
     ("raw", "expected"),
     [
-        ({"deltanet_routing": False}, {"enabled": False, "kernel": "auto"}),
-        ({"deltanet_routing": {"kernel": "torch"}}, {"enabled": True, "kernel": "torch"}),
-        ({"deltanet_routing": {"enabled": False, "kernel": "fla"}}, {"enabled": False, "kernel": "fla"}),
+        ({"deltanet_routing": False}, {"enabled": False, "kernel": "auto", "allow_torch_fallback": False}),
+        (
+            {"deltanet_routing": {"kernel": "torch"}},
+            {"enabled": True, "kernel": "torch", "allow_torch_fallback": False},
+        ),
+        (
+            {"deltanet_routing": {"enabled": False, "kernel": "fla"}},
+            {"enabled": False, "kernel": "fla", "allow_torch_fallback": False},
+        ),
     ],
 )
 def test_bool_and_mapping_forms(raw, expected):

@@ -103,4 +103,8 @@ def test_records_go_to_the_folder_of_this_rank(tmp_path, monkeypatch):
     patches.apply_enabled({"deltanet_routing": {"kernel": "torch"}}, backend="cpu", proof_dir=tmp_path)
     assert sorted(p.name for p in (tmp_path / "rank3").iterdir()) == sorted(f"{n}.json" for n in patches.PATCH_NAMES)
     record = read_proof(tmp_path, "deltanet_routing", rank=3)
-    assert (record["rank"], record["world_size"], record["options"]) == (3, 4, {"kernel": "torch"})
+    assert (record["rank"], record["world_size"], record["options"]) == (
+        3,
+        4,
+        {"kernel": "torch", "allow_torch_fallback": False},
+    )
