@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 import patches
 from launcher.checks.config_rules import file_problems
-from launcher.errors import ExitCode, LauncherError
+from launcher.errors import ExitCode, LauncherError, did_you_mean
 from launcher.run.tuning import Tuning
 
 # Keys the launcher owns in the LLaMA-Factory part: it decides where a run writes.
@@ -203,7 +203,9 @@ def _pydantic_problems(err: ValidationError, prefix: str) -> list[str]:
         key = ".".join(str(p) for p in (prefix, *e["loc"]))
         if e["type"] == "extra_forbidden":
             model = _SECTION_MODELS.get(str(e["loc"][0]), LauncherSection) if len(e["loc"]) > 1 else LauncherSection
-            problems.append(f"{key}: unknown key; allowed keys: {', '.join(model.model_fields)}")
+            hint = did_you_mean(str(e["loc"][-1]), model.model_fields, prefix=key.rpartition(".")[0] + ".")
+            allowed = f"allowed keys: {', '.join(model.model_fields)}"
+            problems.append(f"{key}: unknown key; " + (f"{hint} ({allowed})" if hint else allowed))
         else:
             problems.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
     return problems
