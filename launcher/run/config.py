@@ -49,6 +49,11 @@ class ConfigError(LauncherError):
         lines = "\n".join(f"  - {p}" for p in problems)
         super().__init__(f"{source}: {len(problems)} problem(s):\n{lines}", ExitCode.USAGE)
 
+    def naming(self, keys: list[str], where: str) -> ConfigError:
+        """The same problems, each about one of ``keys`` saying it was set ``where`` (not in the file)."""
+        return ConfigError(self.source, [p + (f" (set {where})" if p.split(":", 1)[0].strip() in keys else "")
+                                         for p in self.problems])  # fmt: skip
+
 
 class FsdpSettings(BaseModel):
     """FSDP2 settings for ``distribution: fsdp2`` (written into the run's accelerate config)."""
@@ -218,10 +223,10 @@ _SECTION_MODELS: dict[str, type[BaseModel]] = {"fsdp": FsdpSettings, "early_stop
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 
-def parse_overrides(items: list[str]) -> dict[str, Any]:
+def parse_overrides(items: list[str], source: str = "command line") -> dict[str, Any]:
     """``key=value`` arguments after the config, as LLaMA-Factory's CLI takes them (``learning_rate=1e-4``,
     ``launcher.nproc_per_node=2``). Values are read as YAML, and numbers in e notation as numbers (YAML 1.1
-    would read ``1e-4`` as text).
+    would read ``1e-4`` as text). ``source``: where the items come from, for the message.
 
     Raises:
         ConfigError: an item is not ``key=value``.
@@ -229,8 +234,8 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     bad = [item for item in items if "=" not in item or not item.split("=", 1)[0].strip()]
     if bad:
-        raise ConfigError("command line", [f"{item!r}: an override is KEY=VALUE (e.g. learning_rate=1.0e-4)"
-                                           for item in bad])  # fmt: skip
+        raise ConfigError(source, [f"{item!r}: an override is KEY=VALUE (e.g. learning_rate=1.0e-4)"
+                                   for item in bad])  # fmt: skip
     for item in items:
         key, text = (part.strip() for part in item.split("=", 1))
         value = yaml.safe_load(text) if text else None

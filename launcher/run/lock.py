@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +138,33 @@ def is_locked(root: Path) -> bool:
         return True
     probe.release(force=True)
     return False
+
+
+def being_set_up(root: Path) -> dict[str, Any] | None:
+    """What the lock's holder wrote about itself while it is still setting its run up (it holds the lock, and its
+    run folder does not exist yet: the config is being checked); None otherwise, or when the lock cannot be probed
+    from here (a lock file this user cannot open)."""
+    owner = read_owner(root)
+    if not owner or owner.get("run_id"):
+        return None
+    try:
+        return owner if is_locked(root) else None
+    except OSError:
+        return None
+
+
+def wait_for_run_id(root: Path, timeout_s: float, every_s: float = 0.5) -> str | None:
+    """The run id the lock's holder names once its run folder exists; None when it let go of the lock first (its
+    config was refused) or ``timeout_s`` passed. Polls the owner file and the lock, never takes a held lock."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        owner = read_owner(root)
+        if owner.get("run_id"):
+            return str(owner["run_id"])
+        try:
+            if not is_locked(root):
+                return None
+        except OSError:
+            return None
+        time.sleep(every_s)
+    return None
