@@ -19,6 +19,15 @@ if [[ ${1:-} == --fast ]]; then
     base="not slow and "
 fi
 engine="(docker or docker_npu or slurm)"
+# where the engine's tests live (tests/test_architecture.py checks that no other module has one): the second pass
+# collects only these, not the whole suite again, unless the arguments name paths of their own
+engine_paths=(tests/containers tests/slurm)
+for arg in "$@"; do
+    if [[ -e ${arg%%::*} ]]; then
+        engine_paths=()
+        break
+    fi
+done
 bash scripts/setup-env.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
@@ -26,7 +35,8 @@ rc=0
 python -m pytest -q -p no:cacheprovider --timeout 900 -n "${TEST_WORKERS:-2}" -m "${base}not ${engine}" "$@" || rc=$?
 if ((rc == 0 || rc == 1)); then # not interrupted, no usage error: the engine's pass reports too
     second=0
-    python -m pytest -q -p no:cacheprovider --timeout 900 -m "${base}${engine}" "$@" || second=$?
+    python -m pytest -q -p no:cacheprovider --timeout 900 -m "${base}${engine}" \
+        ${engine_paths[@]+"${engine_paths[@]}"} "$@" || second=$?
     ((second == 5)) && second=0 # an argument that selects none of the engine's tests is no failure
     ((rc != 0)) || rc=$second
 fi
