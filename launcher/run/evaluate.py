@@ -196,7 +196,7 @@ def _require_trained_on(name: str, train_file: Path, manifest: Manifest | None, 
                      "on the current data")  # fmt: skip
 
 
-def _model_folder(option: str, path: Path, marker: str, what: str) -> Path:
+def _given_folder(option: str, path: Path, marker: str, what: str) -> Path:
     if not (path / marker).is_file():
         raise _usage(f"{option} {path}: no {marker} there; give the folder that holds {what}")
     return path.resolve()
@@ -217,15 +217,16 @@ def host_inputs(files: RunFiles, *, model_dir: Path | None, data_dir: Path | Non
                 options: list[str]) -> tuple[str | None, Path | None]:  # fmt: skip
     """The base model and the data folder the evaluation reads here: ``--model`` and ``--data-dir`` when given;
     else, for a run that ran in a container, the paths it recorded there (manifest.json) mapped through the
-    container's mounts, as the engine reports them. ``None``: the run's own value (a run of this machine).
+    container's mounts, as the engine reports them (else as they are, where they exist here). ``None``: the run's
+    own value (a run of this machine).
 
     Raises:
         LauncherError: an option names no model or data folder; or a container run's model or data is not here
             and no mount holds it (the message gives the options, and the ``docker compose run`` command that
             evaluates the run in its image with ``options``).
     """
-    model = _model_folder("--model", model_dir, "config.json", "the base model") if model_dir else None
-    data = _model_folder("--data-dir", data_dir, "dataset_info.json", "the run's data") if data_dir else None
+    model = _given_folder("--model", model_dir, "config.json", "the base model") if model_dir else None
+    data = _given_folder("--data-dir", data_dir, "dataset_info.json", "the run's data") if data_dir else None
     record, manifest = files.status, files.manifest
     if record is None or not record.container or container_identity() is not None or (model and data):
         return (str(model) if model else None), data
@@ -233,11 +234,12 @@ def host_inputs(files: RunFiles, *, model_dir: Path | None, data_dir: Path | Non
                         or files.lf_args.get("model_name_or_path")),
               "data": (data, "--data-dir", (manifest.data.get("dataset_dir") if manifest else None)
                        or files.lf_args.get("dataset_dir"))}  # fmt: skip
-    missing = {what: (option, str(path)) for what, (given, option, path) in wanted.items()
-               if not given and path and not Path(str(path)).exists()}  # fmt: skip
-    mounts, why = container_mounts(record) if missing else ([], None)
-    found = {what: _through_mounts(path, mounts) for what, (_option, path) in missing.items()}
-    unmapped = {what: missing[what] for what, here in found.items() if here is None}
+    todo = {what: (option, str(path)) for what, (given, option, path) in wanted.items() if not given and path}
+    mounts, why = container_mounts(record) if todo else ([], None)
+    # the mount first: a path of the container that also exists here may be another folder
+    found = {what: _through_mounts(path, mounts) or (Path(path) if Path(path).exists() else None)
+             for what, (_option, path) in todo.items()}  # fmt: skip
+    unmapped = {what: todo[what] for what, here in found.items() if here is None}
     if unmapped:
         paths = " and ".join(f"{what} {path}" for what, (_option, path) in unmapped.items())
         give = " ".join(f"{option} DIR" for option, _path in unmapped.values())
