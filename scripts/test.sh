@@ -2,7 +2,8 @@
 # The test suite on a CPU machine: sets up .venv first, then runs pytest.
 #   bash scripts/test.sh                 everything (what CI runs; about 40 min on 2 cores with CI's engine)
 #   bash scripts/test.sh --fast          all but the tests marked slow, which train the tiny model through
-#                                        real processes (about 2.5 min on 2 cores): the run for each edit
+#                                        real processes (about 2.5 min on a quiet 2-core machine; README):
+#                                        the run for each edit
 #   bash scripts/test.sh --fast -k stop  extra arguments go to pytest (give no -m: the script selects by marker)
 #
 # Two passes: the tests that need no Docker engine in TEST_WORKERS pytest-xdist workers (default 2; 0 runs them
