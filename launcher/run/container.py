@@ -32,7 +32,7 @@ from launcher.state.stop import clear_stop_request, request_stop
 END_MARGIN_S = 60.0  # after the grace: the supervisor stops what is left of the job and writes the end record
 HANDSHAKE_TIMEOUT_S = 300.0
 RESUME_SUFFIX = "-resume"
-COMPOSE_LABELS = "com.docker.compose."  # compose's own labels (project, service, config hash...): not copied
+COMPOSE_LABELS = "com.docker.compose."  # compose's own labels (project, service, config hash...): emptied
 
 
 class NoEngine(Exception):
@@ -229,12 +229,14 @@ def _remove_exited(client: Any, name: str) -> None:
 
 def _clone(client: Any, old: Any, name: str, command: list[str]) -> Any:
     """A container like ``old`` (image, mounts, user, devices, security, network, environment), running
-    ``command``, named ``name``; started. It carries none of compose's labels: compose takes an exited container of
-    its project that is not one of its services' own for an orphan and warns at every later ``up`` ("Found orphan
-    containers"); the next resume of the run removes it (``_remove_exited``), or ``docker rm NAME``."""
+    ``command``, named ``name``; started. Compose's labels are empty on it, so no compose command of the project
+    lists it, counts it as one of its services' or warns about it as an orphan (a one-off of the project was
+    reported as "Found orphan containers" after a host resume); the next resume of the run removes it
+    (``_remove_exited``), else ``docker rm NAME``."""
     config, host = old.attrs["Config"], dict(old.attrs["HostConfig"])
     env = [e for e in config.get("Env") or [] if not e.startswith("LAUNCHER_CONTAINER=")]
-    labels = {k: v for k, v in (config.get("Labels") or {}).items() if not k.startswith(COMPOSE_LABELS)}
+    # emptied, not left out: a container takes its image's labels, and compose's build labels the image too
+    labels = {k: "" if k.startswith(COMPOSE_LABELS) else v for k, v in (config.get("Labels") or {}).items()}
     created = client.api.create_container(
         old.attrs["Image"], command=command, name=name, entrypoint=config.get("Entrypoint"),
         environment=[*env, f"LAUNCHER_CONTAINER={name}"], user=config.get("User") or None,
