@@ -7,6 +7,8 @@ fix. The command line prints it once (``error: ...``) and exits with its code; n
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from enum import IntEnum
 
 
@@ -29,3 +31,10 @@ class LauncherError(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+
+def did_you_mean(word: str, choices: Iterable[str], prefix: str = "") -> str | None:
+    """``did you mean PREFIXNAME?`` for the one of ``choices`` closest to a misspelt ``word`` (difflib's ratio of at
+    least 0.6), None when none is that close. One wording for every unknown key the launcher refuses."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"did you mean {prefix}{close[0]}?" if close else None

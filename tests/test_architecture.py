@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from pathlib import Path
 
 import pytest
@@ -307,3 +308,14 @@ def test_the_entry_alias_keeps_the_names_wrappers_use():
         rank_entry.write_error_file,
         rank_entry.LAUNCH_FILE,
     )
+
+
+def test_the_engine_tests_live_where_the_engine_pass_collects_them():
+    """``scripts/test.sh``'s second pass (markers docker, docker_npu, slurm) collects only its ``engine_paths``: the
+    whole suite again took about 50 s on a busy 2-core machine only to skip everything but them."""
+    script = (REPO / "scripts" / "test.sh").read_text()
+    (line,) = [line for line in script.splitlines() if line.startswith("engine_paths=(")]
+    paths = line.removeprefix("engine_paths=(").removesuffix(")").split()
+    marked = {p.relative_to(REPO).as_posix() for p in (REPO / "tests").rglob("test_*.py")
+              if re.search(r"pytest\.mark\.(docker|docker_npu|slurm)\b", p.read_text())}  # fmt: skip
+    assert marked and all(any(m.startswith(p + "/") for p in paths) for m in marked), (paths, marked)

@@ -43,6 +43,7 @@ from launcher.checks.data_check import (
     held_out_problems,
     no_dataset,
 )
+from launcher.errors import did_you_mean
 from launcher.results.lora_targets import (
     ATTENTION_PROJECTIONS,
     DELTANET_PROJECTIONS,
@@ -165,8 +166,7 @@ def check_keys_and_types(args: dict[str, Any], out: Findings) -> None:
     fields = argument_fields()
     for key, value in args.items():
         if key not in fields:
-            close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
-            hint = f"did you mean {close[0]}?" if close else "remove it (see LLaMA-Factory's examples)"
+            hint = did_you_mean(key, fields) or "remove it (see LLaMA-Factory's examples)"
             out.add(key, ERROR, f"{key}: not a LLaMA-Factory argument; {hint}")
         elif (problem := _type_problem(key, value, fields[key])) is not None:
             out.add(key, ERROR, problem)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,27 @@ def runs_root(ns: argparse.Namespace) -> Path:
     return default_root()
 
 
+SETUP_WAIT_S = 600.0  # a run being set up (its config checked) gets its folder within this; then the newest run
+
+
 def run_dir(ns: argparse.Namespace) -> Path:
-    """The run directory RUN names, or the newest under the runs folder; raises ``RunNotFound``."""
-    return run_dir_for(ns.run, runs_root(ns))
+    """The run directory RUN names, or the newest under the runs folder; raises ``RunNotFound``.
+
+    Without RUN, while a run is being set up under the runs folder (its supervisor holds the lock and checks the
+    config: 40 to 100 s after ``docker compose up -d`` on a busy machine), the newest folder is the previous run:
+    this waits for the new run's folder instead, and says so on stderr.
+    """
+    root = runs_root(ns)
+    if ns.run is None:
+        from launcher.run.lock import being_set_up, wait_for_run_id
+
+        owner = being_set_up(root)
+        if owner is not None:
+            print(f"waiting for the run being set up under {root} (supervisor pid {owner.get('pid')} on "
+                  f"{owner.get('hostname')}, since {owner.get('since')}): its folder appears once its config is "
+                  f"checked", file=sys.stderr, flush=True)  # fmt: skip
+            run_id = wait_for_run_id(root, SETUP_WAIT_S)
+            if run_id is not None:
+                return run_dir_for(run_id, root)
+            print("warning: no run folder came of it; showing the newest run", file=sys.stderr, flush=True)
+    return run_dir_for(ns.run, root)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 from launcher.cli.registry import Verb, add_config_arg, add_run_arg, overrides_of, run_dir
 from launcher.errors import ExitCode, LauncherError
@@ -20,15 +22,42 @@ def _args_run(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
-    from launcher.run.config import load_run_config
+    from launcher.run.config import ConfigError, load_run_config
     from launcher.run.supervisor import supervise
 
+    from_env = _env_overrides()
     if os.environ.get(RESUME_ENV, "").strip():
+        if from_env:
+            raise LauncherError(
+                f"{OVERRIDES_ENV} (compose's TRAIN_OVERRIDES) and {RESUME_ENV} (RESUME_RUN) are both set: a resume "
+                "continues the run with its own config and overrides; unset TRAIN_OVERRIDES to resume, or unset "
+                "RESUME_RUN to start a new run with them"
+            )
         return _resume_instead(ns)
-    return supervise(load_run_config(ns.config, overrides_of(ns)), echo=not ns.quiet)
+    try:
+        return supervise(load_run_config(ns.config, {**from_env, **overrides_of(ns)}), echo=not ns.quiet)
+    except ConfigError as err:  # a key from the environment is not in the file: say where it was set
+        raise err.naming(list(from_env), f"by {OVERRIDES_ENV}, compose's TRAIN_OVERRIDES") from None
 
 
 RESUME_ENV, ADAPTER_ONLY_ENV = "LAUNCHER_RESUME", "LAUNCHER_RESUME_ADAPTER_ONLY"  # compose: RESUME_RUN, ...
+OVERRIDES_ENV = "LAUNCHER_OVERRIDES"  # compose: TRAIN_OVERRIDES
+
+
+def _env_overrides() -> dict[str, Any]:
+    """``LAUNCHER_OVERRIDES="max_steps=40 launcher.stop_grace_s=30"`` (compose's TRAIN_OVERRIDES): KEY=VALUE items
+    split as a shell would (quote a value with spaces), applied like those after the config; the command line's
+    win. A run records them in overrides.yaml with the others."""
+    from launcher.run.config import parse_overrides
+
+    text = os.environ.get(OVERRIDES_ENV, "").strip()
+    source = f"{OVERRIDES_ENV} (compose's TRAIN_OVERRIDES)"
+    try:
+        items = shlex.split(text)
+    except ValueError as err:
+        raise LauncherError(f"{source}={text!r}: {err}; give KEY=VALUE items separated by spaces, e.g. "
+                            "TRAIN_OVERRIDES=\"max_steps=40 launcher.stop_grace_s=30\"") from None  # fmt: skip
+    return parse_overrides(items, source) if items else {}
 
 
 def _resume_instead(ns: argparse.Namespace) -> int:

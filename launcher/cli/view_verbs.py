@@ -70,10 +70,15 @@ def _readable_record(folder: Path):
     return read_record(folder) if (folder / STATUS_FILE).exists() else None
 
 
+def _add_model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, metavar="DIR",
+                   help="base model folder (config.json), when the recorded model path is not valid here (a run "
+                        "that ran in a container: the host's copy of the model)")  # fmt: skip
+
+
 def _args_verify(p: argparse.ArgumentParser) -> None:
     add_run_arg(p)
-    p.add_argument("--model", type=Path, metavar="DIR",
-                   help="base model folder (config.json), when the recorded model path is not valid here")  # fmt: skip
+    _add_model_arg(p)
     p.add_argument("--json", action="store_true", help="print verify.json instead of the PASS/FAIL lines")
 
 
@@ -162,6 +167,29 @@ def _args_evaluate(p: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_BATCH_SIZE}: as many as the device's free memory holds beside the model, at most "
                         f"{AUTO_MAX_ROWS}; give a number if the device runs out of memory)")  # fmt: skip
     p.add_argument("--show", action="store_true", help="also print the answers (they are counselling text)")
+    _add_model_arg(p)
+    p.add_argument("--data-dir", type=Path, metavar="DIR",
+                   help="the run's data folder (dataset_info.json and the test split), when the recorded one is not "
+                        "valid here; a container run's paths are otherwise mapped through its mounts")  # fmt: skip
+
+
+def _in_image_options(ns: argparse.Namespace) -> list[str]:
+    """The options given that mean the same in the run's image (``--prompts`` names a file here: left out)."""
+    from launcher.run.evaluate import (
+        DEFAULT_BATCH_SIZE,
+        DEFAULT_CHECKPOINTS,
+        DEFAULT_MAX_NEW_TOKENS,
+        DEFAULT_MAX_PROMPTS,
+    )
+
+    given = {
+        "--checkpoints": (ns.checkpoints, DEFAULT_CHECKPOINTS),
+        "--max-new-tokens": (ns.max_new_tokens, DEFAULT_MAX_NEW_TOKENS),
+        "--max-prompts": (ns.max_prompts, DEFAULT_MAX_PROMPTS),
+        "--batch-size": (ns.batch_size, DEFAULT_BATCH_SIZE),
+    }
+    options = [f"{name}={value}" for name, (value, default) in given.items() if value != default]
+    return options + (["--show"] if ns.show else [])
 
 
 def _cmd_evaluate(ns: argparse.Namespace) -> int:
@@ -172,8 +200,8 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
 
     folder = run_dir(ns)
     request = build_request(folder, checkpoints=ns.checkpoints, prompts_file=ns.prompts,
-                            max_new_tokens=ns.max_new_tokens, max_prompts=ns.max_prompts,
-                            batch_size=ns.batch_size)  # fmt: skip
+                            max_new_tokens=ns.max_new_tokens, max_prompts=ns.max_prompts, batch_size=ns.batch_size,
+                            model_dir=ns.model, data_dir=ns.data_dir, options=_in_image_options(ns))  # fmt: skip
     names = ", ".join(c["name"] for c in request["checkpoints"])
     print(f"evaluate {request['run_id']}: {names} on {request['backend']}; test split "
           f"{request['test_split']['file']} ({request['test_split']['samples']} samples)", flush=True)  # fmt: skip
@@ -208,6 +236,7 @@ VERBS: tuple[Verb, ...] = (
          "client turns and shipped crisis prompts, screening signals; writes evaluate.json and evaluate.md",
          "launcher evaluate demo-cpu-20261130-101500\n  launcher evaluate RUN --checkpoints best,last,500 "
          "--max-new-tokens 256\n  launcher evaluate RUN --prompts my_prompts.json --max-prompts 0\n"
-         "  launcher evaluate RUN --batch-size 8   # 8 prompts a batch instead of as many as the free memory holds",
+         "  launcher evaluate RUN --batch-size 8   # 8 prompts a batch instead of as many as the free memory holds\n"
+         "  launcher evaluate --root outputs/runs --model demo/model --data-dir demo/data   # a container run's inputs",
          _args_evaluate, _cmd_evaluate),
 )  # fmt: skip

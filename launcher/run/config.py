@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 import patches
 from launcher.checks.config_rules import file_problems
-from launcher.errors import ExitCode, LauncherError
+from launcher.errors import ExitCode, LauncherError, did_you_mean
 from launcher.files import MAX_YAML_BYTES, Unreadable, load_yaml, read_regular, shown
 from launcher.run.tuning import Tuning
 
@@ -49,6 +49,11 @@ class ConfigError(LauncherError):
         self.problems = problems
         lines = "\n".join(f"  - {p}" for p in problems)
         super().__init__(f"{source}: {len(problems)} problem(s):\n{lines}", ExitCode.USAGE)
+
+    def naming(self, keys: list[str], where: str) -> ConfigError:
+        """The same problems, each about one of ``keys`` saying it was set ``where`` (not in the file)."""
+        return ConfigError(self.source, [p + (f" (set {where})" if p.split(":", 1)[0].strip() in keys else "")
+                                         for p in self.problems])  # fmt: skip
 
 
 class FsdpSettings(BaseModel):
@@ -208,7 +213,9 @@ def _pydantic_problems(err: ValidationError, prefix: str) -> list[str]:
         key = ".".join(str(p) for p in (prefix, *e["loc"]))
         if e["type"] == "extra_forbidden":
             model = _SECTION_MODELS.get(str(e["loc"][0]), LauncherSection) if len(e["loc"]) > 1 else LauncherSection
-            problems.append(f"{key}: unknown key; allowed keys: {', '.join(model.model_fields)}")
+            hint = did_you_mean(str(e["loc"][-1]), model.model_fields, prefix=key.rpartition(".")[0] + ".")
+            allowed = f"allowed keys: {', '.join(model.model_fields)}"
+            problems.append(f"{key}: unknown key; " + (f"{hint} ({allowed})" if hint else allowed))
         else:
             problems.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
     return problems
@@ -221,10 +228,10 @@ _SECTION_MODELS: dict[str, type[BaseModel]] = {"fsdp": FsdpSettings, "early_stop
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 
-def parse_overrides(items: list[str]) -> dict[str, Any]:
+def parse_overrides(items: list[str], source: str = "command line") -> dict[str, Any]:
     """``key=value`` arguments after the config, as LLaMA-Factory's CLI takes them (``learning_rate=1e-4``,
     ``launcher.nproc_per_node=2``). Values are read as YAML, and numbers in e notation as numbers (YAML 1.1
-    would read ``1e-4`` as text).
+    would read ``1e-4`` as text). ``source``: where the items come from, for the message.
 
     Raises:
         ConfigError: an item is not ``key=value``.
@@ -232,14 +239,14 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     bad = [item for item in items if "=" not in item or not item.split("=", 1)[0].strip()]
     if bad:
-        raise ConfigError("command line", [f"{item!r}: an override is KEY=VALUE (e.g. learning_rate=1.0e-4)"
-                                           for item in bad])  # fmt: skip
+        raise ConfigError(source, [f"{item!r}: an override is KEY=VALUE (e.g. learning_rate=1.0e-4)"
+                                   for item in bad])  # fmt: skip
     for item in items:
         key, text = (part.strip() for part in item.split("=", 1))
         try:
             value = load_yaml(text, f"the override {key}") if text else None
         except Unreadable as err:
-            raise ConfigError("command line", [str(err)]) from None
+            raise ConfigError(source, [str(err)]) from None
         if isinstance(value, str) and _NUMBER.match(value):
             value = float(value) if any(c in value for c in ".eE") else int(value)
         values[key] = value

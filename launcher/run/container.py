@@ -25,12 +25,14 @@ from typing import Any
 from launcher.errors import ExitCode, LauncherError
 from launcher.state.reconcile import CONTAINER_ALIVE, Reconciled, find_container, reconcile
 from launcher.state.record import RecordUnreadable, RunRecord, RunStore, read_record
+from launcher.state.runs import follow_up
 from launcher.state.states import RunState
 from launcher.state.stop import clear_stop_request, request_stop
 
 END_MARGIN_S = 60.0  # after the grace: the supervisor stops what is left of the job and writes the end record
 HANDSHAKE_TIMEOUT_S = 300.0
 RESUME_SUFFIX = "-resume"
+COMPOSE_LABELS = "com.docker.compose."  # compose's own labels (project, service, config hash...): emptied
 
 
 class NoEngine(Exception):
@@ -146,14 +148,41 @@ def resume_command(record: RunRecord, adapter_only: bool) -> list[str]:
             *(["--adapter-only"] if adapter_only else [])]  # fmt: skip
 
 
-def compose_resume_command(record: RunRecord, adapter_only: bool) -> str:
-    """The compose command that resumes the run in its service's container (compose.yaml's RESUME_RUN; each
-    service's container is named ``deltanet-<service>``, and the cuda and cpu services need their profile)."""
+def _compose_service(record: RunRecord) -> tuple[list[str], str]:
+    """The ``--profile`` options and the compose service of the run's container: each service's container is named
+    ``deltanet-<service>`` (a resume's ``-resume`` more), and the cuda and cpu services need their profile."""
     service = _label(record).removesuffix(RESUME_SUFFIX).removeprefix("deltanet-")
     profile = service.removeprefix("train-") if service.startswith("train-") else None
+    return (["--profile", profile] if profile else []), service
+
+
+def compose_resume_command(record: RunRecord, adapter_only: bool) -> str:
+    """The compose command that resumes the run in its service's container (compose.yaml's RESUME_RUN)."""
+    profile, service = _compose_service(record)
     env = [f"RESUME_RUN={record.run_dir or record.run_id}", *(["RESUME_ADAPTER_ONLY=1"] if adapter_only else [])]
-    return shlex.join([*env, "docker", "compose", *(["--profile", profile] if profile else []), "up", "--detach",
-                       service])  # fmt: skip
+    return shlex.join([*env, "docker", "compose", *profile, "up", "--detach", service])
+
+
+def compose_run_command(record: RunRecord, verb: str, *args: str) -> str:
+    """``docker compose run --rm SERVICE launcher VERB RUN_DIR ...``: the verb in a new container of the run's
+    service (its image and mounts), on the run directory as the container sees it."""
+    profile, service = _compose_service(record)
+    return shlex.join(["docker", "compose", *profile, "run", "--rm", service, "launcher", verb,
+                       record.run_dir or record.run_id, *args])  # fmt: skip
+
+
+def container_mounts(record: RunRecord) -> tuple[list[tuple[str, str]], str | None]:
+    """The run's container's mounts as ``(path in the container, path here)``, as the engine reports them (the
+    container of the run's latest attempt: a resume's clone has the same mounts); else no mounts and why."""
+    try:
+        container = find_container(_client(), record.container or {})
+    except NoEngine as err:
+        return [], f"no Docker engine answers here to tell its mounts ({err})"
+    if container is None:
+        return [], f"the engine no longer has container {_label(record)} to tell its mounts"
+    mounts = [(str(m.get("Destination")), str(m.get("Source"))) for m in container.attrs.get("Mounts") or []
+              if m.get("Destination") and m.get("Source")]  # fmt: skip
+    return mounts, None
 
 
 def resume_in_container(run_dir: Path, record: RunRecord, adapter_only: bool) -> int:
@@ -180,8 +209,7 @@ def resume_in_container(run_dir: Path, record: RunRecord, adapter_only: bool) ->
     new = _clone(client, old, name, resume_command(record, adapter_only))
     print(f"resuming run {record.run_id} in container {name} (made from {old.name}: same image, mounts and user)")
     _wait_for_attempt(run_dir, record, new)
-    print(f"follow it with:\n  launcher status {record.run_id} --watch\n  launcher logs {record.run_id} -f\n"
-          f"  docker logs -f {name}\nstop it with:\n  launcher stop {record.run_id}")  # fmt: skip
+    print(follow_up(record.run_id, run_dir.parent, f"docker logs -f {name}"))
     return ExitCode.OK
 
 
@@ -201,12 +229,14 @@ def _remove_exited(client: Any, name: str) -> None:
 
 def _clone(client: Any, old: Any, name: str, command: list[str]) -> Any:
     """A container like ``old`` (image, mounts, user, devices, security, network, environment), running
-    ``command``, named ``name``; started. Compose's labels mark it as a one-off of the same service."""
+    ``command``, named ``name``; started. Compose's labels are empty on it, so no compose command of the project
+    lists it, counts it as one of its services' or warns about it as an orphan (a one-off of the project was
+    reported as "Found orphan containers" after a host resume); the next resume of the run removes it
+    (``_remove_exited``), else ``docker rm NAME``."""
     config, host = old.attrs["Config"], dict(old.attrs["HostConfig"])
     env = [e for e in config.get("Env") or [] if not e.startswith("LAUNCHER_CONTAINER=")]
-    labels = {k: v for k, v in (config.get("Labels") or {}).items() if k != "com.docker.compose.container-number"}
-    if "com.docker.compose.project" in labels:
-        labels["com.docker.compose.oneoff"] = "True"
+    # emptied, not left out: a container takes its image's labels, and compose's build labels the image too
+    labels = {k: "" if k.startswith(COMPOSE_LABELS) else v for k, v in (config.get("Labels") or {}).items()}
     created = client.api.create_container(
         old.attrs["Image"], command=command, name=name, entrypoint=config.get("Entrypoint"),
         environment=[*env, f"LAUNCHER_CONTAINER={name}"], user=config.get("User") or None,

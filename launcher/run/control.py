@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import selectors
+import shlex
 import subprocess
 import sys
 import time
@@ -36,7 +37,7 @@ from launcher.run.slurm import stop_slurm_run
 from launcher.run.supervisor import supervise
 from launcher.state.reconcile import reconcile, same_namespace
 from launcher.state.record import RecordUnreadable, RunStore, read_record
-from launcher.state.runs import CONFIG_COPY, OVERRIDES_FILE, SUPERVISOR_LOG
+from launcher.state.runs import CONFIG_COPY, OVERRIDES_FILE, SUPERVISOR_LOG, follow_up
 from launcher.state.states import RunState
 from launcher.state.stop import (
     SAVE_KILL_GRACE_S,
@@ -88,12 +89,7 @@ def start_detached(config: RunConfig, resume: ResumePlan | None = None) -> int:
         f"started run {reply['run_id']} (supervisor pid {reply['pid']})\n"
         f"  run dir:     {reply['run_dir']}\n"
         f"  trainer log: {reply['trainer_log']}\n"
-        f"follow it with:\n"
-        f"  launcher status {reply['run_id']} --watch\n"
-        f"  launcher logs {reply['run_id']} -f\n"
-        f"  tail -f {reply['trainer_log']}\n"
-        f"stop it with:\n"
-        f"  launcher stop {reply['run_id']}"
+        + follow_up(reply["run_id"], Path(reply["run_dir"]).parent, shlex.join(["tail", "-f", reply["trainer_log"]]))
     )
     return 0
 

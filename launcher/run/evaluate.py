@@ -31,7 +31,7 @@ from launcher.data.privacy import log_examples_wanted
 from launcher.demo import is_demo_model
 from launcher.errors import ExitCode, LauncherError
 from launcher.files import read_json_object, sha256_file, write_json_atomic, write_text_atomic
-from launcher.procs import terminate, tree
+from launcher.procs import container_identity, terminate, tree
 from launcher.results.curves import read_trainer_state
 from launcher.results.evaluate import (
     build_document,
@@ -40,9 +40,10 @@ from launcher.results.evaluate import (
     render_markdown,
 )
 from launcher.results.report import build_report
+from launcher.run.container import compose_run_command, container_mounts
 from launcher.run.signals import STOP_SIGNALS, interrupt_on_signal
 from launcher.state.checkpoints import scan_checkpoints
-from launcher.state.runfiles import Manifest, eval_dataset_names, load_run_files, read_launch
+from launcher.state.runfiles import Manifest, RunFiles, eval_dataset_names, load_run_files, read_launch
 from launcher.state.runs import (
     ADAPTER_FILE,
     CHECKPOINT_FOLDER,
@@ -139,14 +140,15 @@ def _best(run_dir: Path, by_step):
     return next((c for c in by_step.values() if name and Path(name).name == c.path.name), None)
 
 
-def find_test_split(lf: dict[str, Any], manifest: Manifest | None) -> dict[str, Any]:
+def find_test_split(lf: dict[str, Any], manifest: Manifest | None, dataset_dir: Path | None = None) -> dict[str, Any]:
     """The held-out test split of the run's training data: its ``NAME.prepare.json`` record, checked.
+    ``dataset_dir``: where that data is here (``host_inputs``), else where the run recorded it.
 
     Raises:
         LauncherError: the training data has no test split, or the file is missing or changed since prepare.
     """
     recorded = manifest.data.get("dataset_dir") if manifest else None
-    dataset_dir = Path(str(recorded or lf.get("dataset_dir", "data")))
+    dataset_dir = dataset_dir or Path(str(recorded or lf.get("dataset_dir", "data")))
     names = [n.strip() for n in str(lf.get("dataset") or "").split(",") if n.strip()]
     info = read_json_object(dataset_dir / "dataset_info.json")
     info = info if isinstance(info, dict) else {}
@@ -194,6 +196,63 @@ def _require_trained_on(name: str, train_file: Path, manifest: Manifest | None, 
                      "on the current data")  # fmt: skip
 
 
+def _given_folder(option: str, path: Path, marker: str, what: str) -> Path:
+    if not (path / marker).is_file():
+        raise _usage(f"{option} {path}: no {marker} there; give the folder that holds {what}")
+    return path.resolve()
+
+
+def _through_mounts(recorded: str, mounts: list[tuple[str, str]]) -> Path | None:
+    """Where a path of the container is here, through the deepest mount that holds it; None when none does or
+    the host's side of it is not there."""
+    holders = [(inside, here) for inside, here in mounts if recorded == inside or recorded.startswith(inside + "/")]
+    if not holders:
+        return None
+    inside, here = max(holders, key=lambda m: len(m[0]))
+    found = Path(here) / Path(recorded).relative_to(inside)
+    return found if found.exists() else None
+
+
+def host_inputs(files: RunFiles, *, model_dir: Path | None, data_dir: Path | None,
+                options: list[str]) -> tuple[str | None, Path | None]:  # fmt: skip
+    """The base model and the data folder the evaluation reads here: ``--model`` and ``--data-dir`` when given;
+    else, for a run that ran in a container, the paths it recorded there (manifest.json) mapped through the
+    container's mounts, as the engine reports them (else as they are, where they exist here). ``None``: the run's
+    own value (a run of this machine).
+
+    Raises:
+        LauncherError: an option names no model or data folder; or a container run's model or data is not here
+            and no mount holds it (the message gives the options, and the ``docker compose run`` command that
+            evaluates the run in its image with ``options``).
+    """
+    model = _given_folder("--model", model_dir, "config.json", "the base model") if model_dir else None
+    data = _given_folder("--data-dir", data_dir, "dataset_info.json", "the run's data") if data_dir else None
+    record, manifest = files.status, files.manifest
+    if record is None or not record.container or container_identity() is not None or (model and data):
+        return (str(model) if model else None), data
+    wanted = {"model": (model, "--model", (manifest.model.get("path") if manifest else None)
+                        or files.lf_args.get("model_name_or_path")),
+              "data": (data, "--data-dir", (manifest.data.get("dataset_dir") if manifest else None)
+                       or files.lf_args.get("dataset_dir"))}  # fmt: skip
+    todo = {what: (option, str(path)) for what, (given, option, path) in wanted.items() if not given and path}
+    mounts, why = container_mounts(record) if todo else ([], None)
+    # the mount first: a path of the container that also exists here may be another folder
+    found = {what: _through_mounts(path, mounts) or (Path(path) if Path(path).exists() else None)
+             for what, (_option, path) in todo.items()}  # fmt: skip
+    unmapped = {what: todo[what] for what, here in found.items() if here is None}
+    if unmapped:
+        paths = " and ".join(f"{what} {path}" for what, (_option, path) in unmapped.items())
+        give = " ".join(f"{option} DIR" for option, _path in unmapped.values())
+        raise _usage(f"{files.run_id} ran in container {record.container.get('name') or record.container.get('id')}: "
+                     f"its {paths} {'is' if len(unmapped) == 1 else 'are'} not on this machine and "
+                     f"{why or 'no mount of the container holds ' + ('it' if len(unmapped) == 1 else 'them')}; give "
+                     f"the host's copy with {give}, or evaluate it in its image, from the compose folder with the "
+                     f"run's OUTPUTS_DIR: {compose_run_command(record, 'evaluate', *options)}")  # fmt: skip
+    model = model or found.get("model")
+    data = data or found.get("data")
+    return (str(model) if model else None), data
+
+
 def require_ended(run_dir: Path) -> None:
     """Refuse a run that has not ended: a pending, running, finishing or stalled one."""
     from launcher.state.record import RecordUnreadable, read_record
@@ -216,8 +275,11 @@ def run_levers(manifest: Manifest | None) -> dict[str, str]:
 
 
 def build_request(run_dir: Path, *, checkpoints: str, prompts_file: Path | None, max_new_tokens: int,
-                  max_prompts: int, batch_size: int | str = DEFAULT_BATCH_SIZE) -> dict[str, Any]:  # fmt: skip
-    """Everything the child needs, checked (see the module docstring for what is refused)."""
+                  max_prompts: int, batch_size: int | str = DEFAULT_BATCH_SIZE, model_dir: Path | None = None,
+                  data_dir: Path | None = None, options: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Everything the child needs, checked (see the module docstring for what is refused). ``model_dir`` and
+    ``data_dir``: the base model and data folders here (``host_inputs``); ``options``: the command line's own, for
+    the command that evaluates a container run in its image."""
     if max_new_tokens < 1:
         raise _usage(f"--max-new-tokens {max_new_tokens}: generate at least 1 token, e.g. --max-new-tokens 128")
     if max_prompts < 0:
@@ -233,6 +295,8 @@ def build_request(run_dir: Path, *, checkpoints: str, prompts_file: Path | None,
     backend = launch.backend
     if backend not in BACKENDS:
         raise _usage(f"{run_dir / LAUNCH_FILE}: backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    model, data = host_inputs(files, model_dir=model_dir, data_dir=data_dir, options=options or [])
+    lf_args = {**files.lf_args, **({"model_name_or_path": model} if model else {})}
     extra = read_prompts_file(prompts_file) if prompts_file is not None else []
     extra += [{"id": p["id"], "kind": "crisis", "prompt": p["text"], "reference": None} for p in load_crisis_prompts()]
     return {
@@ -242,15 +306,15 @@ def build_request(run_dir: Path, *, checkpoints: str, prompts_file: Path | None,
         "patches": launch.patches,
         "facts": launch.facts,
         "log_examples": log_examples_wanted(run_dir),
-        "lf_args": files.lf_args,
+        "lf_args": lf_args,
         "checkpoints": choose_checkpoints(run_dir, checkpoints),
-        "test_split": find_test_split(files.lf_args, files.manifest),
+        "test_split": find_test_split(lf_args, files.manifest, data),
         "extra_prompts": extra,
         "max_new_tokens": max_new_tokens,
         "max_test_prompts": max_prompts,
         "batch_size": batch_size,
         "environment": run_levers(files.manifest),
-        "demo_model": is_demo_model(Path(str(files.lf_args.get("model_name_or_path", "")))),
+        "demo_model": is_demo_model(Path(str(lf_args.get("model_name_or_path", "")))),
     }
 
 

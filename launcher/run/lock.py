@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from launcher.errors import ExitCode, LauncherError
 from launcher.files import make_folder, read_json_object, shown, type_problem, write_json_atomic
 from launcher.procs import boot_id, find_live, pid_namespace, self_identity
 from launcher.state.record import Identity, now_iso
+from launcher.state.runs import STATUS_FILE
 
 LOCK_NAME = "launcher.lock"
 OWNER_NAME = "launcher.lock.owner.json"
@@ -160,3 +162,39 @@ def is_locked(root: Path) -> bool:
     except LockBusy:
         return True
     return False
+
+
+def being_set_up(root: Path) -> dict[str, Any] | None:
+    """What the lock's holder wrote about itself while it is still setting its run up (it holds the lock, and its
+    run folder does not exist yet: the config is being checked); None otherwise, or when the lock cannot be probed
+    from here (a lock file this user cannot open)."""
+    owner = read_owner(root)
+    if not owner or (owner.get("run_id") and _recorded(root, owner)):
+        return None
+    try:
+        return owner if is_locked(root) else None
+    except OSError:
+        return None
+
+
+def _recorded(root: Path, owner: dict[str, Any]) -> bool:
+    """Whether the run the owner names has its record yet (the supervisor names it just before writing it)."""
+    return (root / str(owner["run_id"]) / STATUS_FILE).is_file()
+
+
+def wait_for_run_id(root: Path, timeout_s: float, every_s: float = 0.5) -> str | None:
+    """The run id the lock's holder names once its run folder holds its record; None when it let go of the lock
+    first (its config was refused) or ``timeout_s`` passed. Polls the owner file and the lock, never takes a held
+    lock."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        owner = read_owner(root)
+        if owner.get("run_id") and _recorded(root, owner):
+            return str(owner["run_id"])
+        try:
+            if not is_locked(root):
+                return None
+        except OSError:
+            return None
+        time.sleep(every_s)
+    return None

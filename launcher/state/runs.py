@@ -16,6 +16,7 @@ Nothing here needs torch, and nothing here imports another ``launcher.state`` mo
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 
 from launcher.errors import ExitCode, LauncherError
@@ -170,6 +171,23 @@ def unrecorded_runs(root: Path) -> list[Path]:
     except OSError:
         return []
     return sorted(p for p in folders if any((p / name).exists() for name in (CONFIG_COPY, EVENTS_FILE, LAUNCH_FILE)))
+
+
+def host_command(verb: str, run_id: str, root: Path, *args: str) -> str:
+    """``launcher VERB RUN_ID --root ROOT ...``, shell-quoted: a command that finds the run from any folder (the
+    follow-up lines that ``start`` and ``resume`` print)."""
+    return shlex.join(["launcher", verb, run_id, "--root", str(root), *args])
+
+
+def follow_up(run_id: str, root: Path, *extra: str) -> str:
+    """The lines ``start`` and ``resume`` print after a run began: follow it (``extra`` adds lines), stop it."""
+    lines = [host_command("status", run_id, root, "--watch"), host_command("logs", run_id, root, "-f"), *extra]
+    return (
+        "follow it with:\n"
+        + "".join(f"  {line}\n" for line in lines)
+        + "stop it with:\n  "
+        + host_command("stop", run_id, root)
+    )
 
 
 def list_runs(root: Path) -> list[Path]:

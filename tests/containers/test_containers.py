@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -159,6 +160,69 @@ def test_up_trains_the_demo_to_succeeded(compose: Compose, engine) -> None:
     assert launcher_on_host("report", run, "--no-plot").returncode == 0
     info = json.loads(launcher_on_host("status", run, "--json").stdout)
     assert info["state"] == "SUCCEEDED" and info["step"] == DEMO["max_steps"] and info["last_checkpoint"]
+    # evaluate from the host: the model and data live in the image, not in a mount: refused in one line with the
+    # command that evaluates the run in its image; that command works; so do the host's copies
+    refused = launcher_on_host("evaluate", run, "--max-prompts", "2", timeout=300)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stdout + refused.stderr
+    command = refused.stderr.rstrip().rsplit(": ", 1)[1]
+    assert command == (f"docker compose --profile cpu run --rm train-cpu launcher evaluate /outputs/runs/{run.name} "
+                       "--max-prompts=2"), refused.stderr  # fmt: skip
+    in_image = compose.cmd(*shlex.split(command)[2:], timeout=900)
+    assert in_image.returncode == 0, in_image.stdout[-3000:] + in_image.stderr[-3000:]
+    assert json.loads((run / "evaluate.json").read_text())["run_id"] == run.name
+    (run / "evaluate.json").unlink()
+    host_demo = compose.root / "host-demo"
+    here = launcher_on_host("evaluate", run, "--max-prompts", "2", "--model", host_demo / "model", "--data-dir",
+                            host_demo / "data", timeout=600)  # fmt: skip
+    assert here.returncode == 0, here.stdout[-3000:] + here.stderr[-3000:]
+    assert (run / "evaluate.json").is_file()
+
+
+def test_overrides_through_compose_evaluate_through_the_mounts_and_the_new_run_at_once(compose: Compose,
+                                                                                     engine) -> None:  # fmt: skip
+    """TRAIN_OVERRIDES: a bad key stops the container in one message naming it; good ones (the model and data
+    mounted from the host, 2 steps) train and are recorded. The host's `evaluate` finds the container's model and
+    data through the container's mounts. Right after `up -d`, the host's `status` without RUN waits for the new
+    run's folder instead of showing the previous run."""
+    built = launcher_on_host("demo-assets", "--out", compose.root / "assets", timeout=300)
+    assert built.returncode == 0, built.stderr
+    mounts = {"MODEL_DIR": str(compose.root / "assets" / "model"), "DATA_DIR": str(compose.root / "assets" / "data")}
+    bad = compose.cmd("up", "--exit-code-from", "train-cpu", "train-cpu",
+                      env={**mounts, "TRAIN_OVERRIDES": "max_step=2"}, timeout=900)  # fmt: skip
+    assert bad.returncode == 2, bad.stdout[-3000:] + bad.stderr[-3000:]
+    said = engine.containers.get(CONTAINER).logs().decode(errors="replace")  # what the launcher printed
+    assert ("max_step: not a LLaMA-Factory argument; did you mean max_steps? (set by LAUNCHER_OVERRIDES, compose's "
+            "TRAIN_OVERRIDES)") in said, said[-3000:]  # fmt: skip
+    assert compose.runs() == []
+    overrides = "model_name_or_path=/models/Qwen3.5-27B dataset_dir=/data max_steps=2 save_steps=2 eval_steps=2"
+    up = compose.cmd("up", "--exit-code-from", "train-cpu", "train-cpu",
+                     env={**mounts, "TRAIN_OVERRIDES": overrides}, timeout=900)  # fmt: skip
+    assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+    (run,) = compose.runs()
+    assert yaml.safe_load((run / "overrides.yaml").read_text())["max_steps"] == 2
+    steps = [json.loads(line) for line in (run / "output" / "trainer_log.jsonl").read_text().splitlines()]
+    assert {r["total_steps"] for r in steps} == {2}
+    root = compose.outputs / "runs"
+    evaluated = launcher_on_host("evaluate", "--root", root, "--max-prompts", "2", timeout=600)
+    assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
+    doc = json.loads((run / "evaluate.json").read_text())
+    assert doc["run_id"] == run.name and doc["test_split"]["path"].startswith(mounts["DATA_DIR"]), doc["test_split"]
+
+    compose.cmd("up", "--detach", "train-cpu", env={**mounts, "TRAIN_OVERRIDES": overrides.replace("=2 ", "=400 ")},
+                check=True)  # fmt: skip
+    from launcher.run.lock import read_owner
+
+    def new_holder() -> dict[str, Any] | None:  # the first run's supervisor left its owner file naming that run
+        owner = read_owner(root)
+        return owner if owner and owner.get("run_id") != run.name else None
+
+    owner = wait_for("the new supervisor to hold the lock", new_holder, timeout=300)
+    shown = launcher_on_host("status", "--root", root, "--json", timeout=600)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    (new,) = [p for p in compose.runs() if p != run]
+    assert json.loads(shown.stdout)["run_id"] == new.name, (owner, shown.stdout)
+    if owner.get("run_id") is None:  # asked while the config was being checked: it waited and said so
+        assert shown.stderr.startswith(f"waiting for the run being set up under {root}"), shown.stderr
 
 
 @pytest.fixture(scope="module")
@@ -344,6 +408,13 @@ def test_host_stop_saves_through_the_engine_and_host_resume_finishes_the_run(det
     assert max(r.get("current_steps", 0) for r in steps) == STEPS and saved["step"] < STEPS
     host = json.loads(launcher_on_host("status", run, "--json").stdout)
     assert host["container_name"] == name and host["container_status"] == "Exited (0)", host
+    assert f"--root {run.parent}" in resumed.stdout, resumed.stdout  # the follow-ups find the run from anywhere
+    # the resume container is none of compose's: its compose labels are empty (a one-off of the project was
+    # reported as an orphan), so compose neither lists it nor warns about it
+    labels = engine.containers.get(name).labels
+    assert not [k for k, v in labels.items() if k.startswith("com.docker.compose.") and v], labels
+    listed = c.cmd("ps", "--all", "--format", "{{.Name}}", check=True)
+    assert name not in listed.stdout and "orphan" not in listed.stderr, listed.stdout + listed.stderr
 
 
 def test_host_stop_now_through_the_engine_and_refused_without_one(detached, engine) -> None:

@@ -360,3 +360,39 @@ def test_an_interrupted_evaluation_stops_its_child_and_keeps_the_earlier_log(tmp
         for proc in [*children, psutil.Process(parent.pid)] if parent.poll() is None else children:
             if proc.is_running():
                 proc.kill()
+
+
+# ---- a run that ran in a container, evaluated from the host (the real engine: tests/containers/) ------------
+
+
+@pytest.fixture
+def container_run(crafted) -> Path:
+    """``crafted`` as a run of compose's cpu service records itself: its container, and its model and data at the
+    image's paths, which do not exist here."""
+    status = json.loads((crafted / "status.json").read_text())
+    status.update(container={"name": "deltanet-train-cpu", "id": "0" * 64}, run_dir=f"/outputs/runs/{crafted.name}")
+    (crafted / "status.json").write_text(json.dumps(status))
+    manifest = json.loads((crafted / "manifest.json").read_text())
+    manifest["model"]["path"] = "/opt/launcher/demo/model"
+    manifest["data"]["dataset_dir"] = "/opt/launcher/demo/data"
+    (crafted / "manifest.json").write_text(json.dumps(manifest))
+    return crafted
+
+
+def test_a_container_run_without_its_inputs_here_names_the_options_and_the_compose_command(container_run, tmp_path,
+                                                                                          monkeypatch):  # fmt: skip
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")
+    message = _refused(container_run, "--checkpoints", "last", "--max-prompts", "4")
+    assert message.startswith(f"error: {container_run.name} ran in container deltanet-train-cpu: its model "
+                              "/opt/launcher/demo/model and data /opt/launcher/demo/data are not on this machine and "
+                              "no Docker engine answers here to tell its mounts"), message  # fmt: skip
+    assert "give the host's copy with --model DIR --data-dir DIR" in message, message
+    assert message.endswith(f": docker compose --profile cpu run --rm train-cpu launcher evaluate /outputs/runs/"
+                            f"{container_run.name} --checkpoints=last --max-prompts=4"), message  # fmt: skip
+    # the data given here: only the model is missing, and the message names only it
+    message = _refused(container_run, "--data-dir", tmp_path / "data")
+    assert "its model /opt/launcher/demo/model is not on this machine and no Docker engine answers" in message
+    assert "--model DIR," in message and "--data-dir DIR" not in message
+    message = _refused(container_run, "--model", tmp_path / "nowhere", "--data-dir", tmp_path / "data")
+    assert f"--model {tmp_path / 'nowhere'}: no config.json there" in message, message
+    assert not (container_run / EVALUATE_JSON).exists()

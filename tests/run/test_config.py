@@ -165,6 +165,25 @@ def test_unknown_nested_keys_list_the_nested_allowed_keys(tmp_path, model_dir):
     assert "launcher.early_stopping.mode: unknown key; allowed keys: patience, metric" in text
 
 
+def test_a_misspelt_launcher_key_gets_did_you_mean(tmp_path, model_dir):
+    """As LLaMA-Factory keys do (checks/config_check.py): the closest allowed key, with its section, then the list;
+    a key close to none gets the list alone."""
+    data = {
+        "model_name_or_path": str(model_dir),
+        "launcher": {"smoke": True, "stop_grace": 30, "restart": {"max_restart": 2}, "colour": "blue"},
+    }
+    with pytest.raises(ConfigError) as info:
+        load_run_config(write(tmp_path, data))
+    problems = info.value.problems
+    assert any(p.startswith("launcher.stop_grace: unknown key; did you mean launcher.stop_grace_s? (allowed keys: ")
+               for p in problems), problems  # fmt: skip
+    nested = ("launcher.restart.max_restart: unknown key; did you mean launcher.restart.max_restarts? (allowed keys: "
+              "max_restarts, backoff_s)")  # fmt: skip
+    assert nested in problems, problems
+    (colour,) = [p for p in problems if p.startswith("launcher.colour")]
+    assert "did you mean" not in colour and "allowed keys: backend, " in colour, colour
+
+
 def test_early_stopping_needs_aligned_eval_and_save(tmp_path, model_dir):
     base = {"model_name_or_path": str(model_dir), "launcher": {"smoke": True, "early_stopping": {"patience": 2}}}
     with pytest.raises(ConfigError, match="eval_strategy is 'no'"):

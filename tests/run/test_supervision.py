@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import sys
 import time
@@ -239,10 +240,16 @@ def test_tiny_model_trained_through_start_and_followed_with_status_json(tmp_path
     started = launcher("start", cfg, env=env, timeout=300)
     assert started.returncode == 0, started.stdout + started.stderr
     run_id = started.stdout.split("started run ", 1)[1].split()[0]
+    # the printed follow-up commands name the runs folder: they find the run from any folder
+    printed = [shlex.split(line) for line in started.stdout.splitlines() if line.strip().startswith("launcher ")]
+    assert [c[1] for c in printed] == ["status", "logs", "stop"], started.stdout
+    assert all(c[2:5] == [run_id, "--root", str(tmp_path / "runs")] for c in printed), started.stdout
+    watch = printed[0]
+    assert watch[-1] == "--watch", watch
     seen = []
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
-        proc = launcher("status", run_id, "--root", tmp_path / "runs", "--json", env=env, timeout=60)
+        proc = launcher(*watch[1:-1], "--json", env=env, timeout=60)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         info = json.loads(proc.stdout)
         if not seen or seen[-1] != info["state"]:
