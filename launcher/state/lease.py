@@ -34,7 +34,7 @@ from launcher.state.devices import Device
 from launcher.state.record import now_iso
 
 LEASE_DIR_ENV = "LAUNCHER_LEASE_DIR"
-DEFAULT_LEASE_DIR = Path("https://gh.072103.xyz/tmp/deltanet-launcher-leases")
+DEFAULT_LEASE_DIR = Path(os.sep, "tmp", "deltanet-launcher-leases")  # the same path on the host and in containers
 OWNER_MAX_BYTES = 64 << 10
 
 

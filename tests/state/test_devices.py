@@ -238,3 +238,15 @@ def test_the_leases_are_recorded_in_a_file_the_owner_can_read(tmp_path: Path) ->
     finally:
         lease.release()
     wait_for("the lease given back", lambda: list_leases(folder) == [], timeout=10)
+
+
+def test_the_default_lease_folder_is_the_one_compose_mounts_into_every_container() -> None:
+    import yaml
+
+    from launcher.state.lease import DEFAULT_LEASE_DIR
+
+    compose = yaml.safe_load((REPO / "compose.yaml").read_text())
+    (volume,) = [v for v in compose["x-run-volumes"] if v["target"] == str(DEFAULT_LEASE_DIR)]
+    assert DEFAULT_LEASE_DIR.is_absolute() and volume["source"] == f"${{LAUNCHER_LEASE_DIR:-{DEFAULT_LEASE_DIR}}}"
+    for name, service in compose["services"].items():
+        assert any(v["target"] == str(DEFAULT_LEASE_DIR) for v in service["volumes"]), name
