@@ -104,8 +104,9 @@ def _write(out: Path, name: str, records: list[dict[str, Any]]) -> Path:
     return out
 
 
-def write_dataset(out: Path, model_dir: Path, cutoff_len: int, samples: int = 8, seed: int = 0,
-                  reply_share: float = 0.5) -> Path:  # fmt: skip
+def write_dataset(
+    out: Path, model_dir: Path, cutoff_len: int, samples: int = 8, seed: int = 0, reply_share: float = 0.5
+) -> Path:
     """Alpaca records whose prompt and response each exceed half of ``cutoff_len`` tokens, together more than twice
     it, in the ratio ``1 - reply_share`` to ``reply_share``, plus dataset_info.json. LLaMA-Factory's truncation of
     such a pair (``infer_seqlen``) keeps ``cutoff_len`` tokens in all, about ``reply_share`` of them the response's
@@ -141,8 +142,14 @@ def write_spread_dataset(out: Path, model_dir: Path, low: int, high: int, sample
     for _ in range(samples):
         total = rng.randint(low, high) - 24  # the template's own tokens
         prompt, reply = int(total * (1 - SPREAD_REPLY_SHARE)), int(total * SPREAD_REPLY_SHARE)
-        records.append({"system": "", "instruction": _text_of(rng, tokenizer, CLIENT, prompt),
-                        "input": "", "output": _text_of(rng, tokenizer, COUNSELOR, reply)})  # fmt: skip
+        records.append(
+            {
+                "system": "",
+                "instruction": _text_of(rng, tokenizer, CLIENT, prompt),
+                "input": "",
+                "output": _text_of(rng, tokenizer, COUNSELOR, reply),
+            }
+        )
     return _write(out, SPREAD, records)
 
 

@@ -80,8 +80,9 @@ def rank_device(backend: str) -> str:
     return "cpu" if backend == "cpu" else f"{backend}:{local}"
 
 
-def run_kernel_check(backend: str, patch_settings: dict[str, Any], spec: str,
-                     recorder: Recorder | None = None) -> dict[str, Any] | None:  # fmt: skip
+def run_kernel_check(
+    backend: str, patch_settings: dict[str, Any], spec: str, recorder: Recorder | None = None
+) -> dict[str, Any] | None:
     """``launcher validate-kernels`` cases ``suite:case,case`` on the kernel this run routes to. Each case is
     printed as it starts and ends, and recorded (``kernel_check_progress``: the cases done, and the one running
     since when), so a run stopped inside the check says where its time went."""
@@ -135,9 +136,13 @@ def install_random_init(device: str, recorder: Recorder) -> None:
             model = fsdp_init.build_on_meta(cls, config, dtype)
             model.eval()
             install_shard_materialization(device, seed, recorder)
-            recorder.update(model_build={"how": "built on the meta device; shards not materialized yet",
-                                         "parameters": sum(p.numel() for p in model.parameters()),
-                                         "dtype": str(dtype)})  # fmt: skip
+            recorder.update(
+                model_build={
+                    "how": "built on the meta device; shards not materialized yet",
+                    "parameters": sum(p.numel() for p in model.parameters()),
+                    "dtype": str(dtype),
+                }
+            )
             return model
         started = time.perf_counter()
         with torch.device(device):
@@ -145,13 +150,15 @@ def install_random_init(device: str, recorder: Recorder) -> None:
         model.eval()  # as from_pretrained returns it; LLaMA-Factory switches to train()
         if device != "cpu":
             getattr(torch, device.split(":")[0]).synchronize()
-        recorder.update(model_build={
-            "how": f"{cls.__name__}._from_config(config, dtype={dtype}) under torch.device({device!r}), "
-                   "random init, seed from the marker; replaces from_pretrained for this folder only",
-            "seconds": round(time.perf_counter() - started, 2),
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "dtype": str(dtype),
-        })  # fmt: skip
+        recorder.update(
+            model_build={
+                "how": f"{cls.__name__}._from_config(config, dtype={dtype}) under torch.device({device!r}), "
+                "random init, seed from the marker; replaces from_pretrained for this folder only",
+                "seconds": round(time.perf_counter() - started, 2),
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "dtype": str(dtype),
+            }
+        )
         return model
 
     PreTrainedModel.from_pretrained = classmethod(from_pretrained)
@@ -249,9 +256,11 @@ def install_step_timer(torch, dev, recorder: Recorder) -> None:
         collected = gc_clock.read()
         if state["last_start"] is not None:  # the previous step's whole period ends where this one starts
             before = state["gc_at_last_start"]
-            recorder.data["steps"][-1].update(period_s=round(start - state["last_start"], 4),
-                                              period_gc_s=round(collected[0] - before[0], 4),
-                                              period_full_gcs=collected[1] - before[1])  # fmt: skip
+            recorder.data["steps"][-1].update(
+                period_s=round(start - state["last_start"], 4),
+                period_gc_s=round(collected[0] - before[0], 4),
+                period_full_gcs=collected[1] - before[1],
+            )
         state["last_start"], state["gc_at_last_start"] = start, collected
         allocated = dev.module.memory_allocated() / 2**30 if dev.module is not None else None
         clock = TRITON_CLOCK.read()
@@ -262,26 +271,28 @@ def install_step_timer(torch, dev, recorder: Recorder) -> None:
         ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
         mask = inputs.get("attention_mask") if hasattr(inputs, "get") else None
         labels = inputs.get("labels") if hasattr(inputs, "get") else None
-        recorder.add_step({
-            "step": len(recorder.data["steps"]) + 1,
-            "seconds": round(time.perf_counter() - start, 4),
-            "period_s": None,  # with period_gc_s and period_full_gcs, set when the next step starts
-            "period_gc_s": None,
-            "period_full_gcs": None,
-            # LLaMA-Factory's collator appends a masked dummy image to text-only batches of VL models (and pads
-            # to a multiple of 8): seq_len counts those positions, tokens only the sample's own tokens.
-            "tokens": real_tokens(mask, ids),
-            "samples": row_samples(mask),
-            "seq_len": int(ids.shape[-1]) if ids is not None else None,
-            "supervised_tokens": int((labels[..., 1:] != -100).sum()) if labels is not None else None,
-            "compile_autotune_s": round(compiled["compile_autotune_s"], 3),
-            "compiles": compiled["compiles"] + compiled["autotunes"],
-            "gc_s": round(after[0] - collected[0], 4),
-            "full_gcs": after[1] - collected[1],
-            "allocated_at_start_gib": None if allocated is None else round(allocated, 3),
-            "peak_allocated_gib": dev.peak_gib(),
-            "alloc_retries": dev.alloc_retries(),
-        })  # fmt: skip
+        recorder.add_step(
+            {
+                "step": len(recorder.data["steps"]) + 1,
+                "seconds": round(time.perf_counter() - start, 4),
+                "period_s": None,  # with period_gc_s and period_full_gcs, set when the next step starts
+                "period_gc_s": None,
+                "period_full_gcs": None,
+                # LLaMA-Factory's collator appends a masked dummy image to text-only batches of VL models (and pads
+                # to a multiple of 8): seq_len counts those positions, tokens only the sample's own tokens.
+                "tokens": real_tokens(mask, ids),
+                "samples": row_samples(mask),
+                "seq_len": int(ids.shape[-1]) if ids is not None else None,
+                "supervised_tokens": int((labels[..., 1:] != -100).sum()) if labels is not None else None,
+                "compile_autotune_s": round(compiled["compile_autotune_s"], 3),
+                "compiles": compiled["compiles"] + compiled["autotunes"],
+                "gc_s": round(after[0] - collected[0], 4),
+                "full_gcs": after[1] - collected[1],
+                "allocated_at_start_gib": None if allocated is None else round(allocated, 3),
+                "peak_allocated_gib": dev.peak_gib(),
+                "alloc_retries": dev.alloc_retries(),
+            }
+        )
         return result
 
     Trainer.training_step = training_step

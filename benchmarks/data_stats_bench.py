@@ -102,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         proc = subprocess.run(
             [sys.executable, "-m", "launcher", "data", "stats", str(config), "--out", str(out)],
-            cwd=REPO, capture_output=True, text=True,
-        )  # fmt: skip
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
         wall = time.perf_counter() - started
         busy, own = cpu_busy_seconds() - busy_before, resource.getrusage(resource.RUSAGE_CHILDREN)
         own_cpu = (own.ru_utime + own.ru_stime) - (own_before.ru_utime + own_before.ru_stime)
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             "cores": len(os.sched_getaffinity(0)),
             "load_at_start": [round(x, 2) for x in load_start],
             "other_processes_cores": round(max(0.0, busy - own_cpu) / wall, 2),
-        }  # fmt: skip
+        }
     command = " ".join(["python -m benchmarks.data_stats_bench", *(argv if argv is not None else sys.argv[1:])])
     args.out.mkdir(parents=True, exist_ok=True)
     record = {"command": command, **figures}

@@ -69,8 +69,13 @@ def bench_config(out: Path, shape: str, backend: str, steps: int) -> dict[str, A
     config["launcher"]["run_name"] = f"evaluate-bench-{shape}"
     pad = {"pad_lengths": {"multiple": patch_bench.CUTOFF[shape]}}  # one shape to compile
     config["launcher"]["patches"] = {**config["launcher"]["patches"], **pad}
-    config.update(dataset_dir=str(out / "data"), dataset=DATASET_TRAIN, save_strategy="steps", save_steps=steps,
-                  save_only_model=True)  # fmt: skip
+    config.update(
+        dataset_dir=str(out / "data"),
+        dataset=DATASET_TRAIN,
+        save_strategy="steps",
+        save_steps=steps,
+        save_only_model=True,
+    )
     return config
 
 
@@ -80,8 +85,9 @@ def unpadded(patches: dict[str, Any]) -> dict[str, Any]:
     return {**patches, "pad_lengths": {**patches.get("pad_lengths", {}), "enabled": False}}
 
 
-def evaluate_checkpoint(run_dir: Path, *, max_new_tokens: int, max_prompts: int,
-                        batch_size: int | str) -> dict[str, Any]:  # fmt: skip
+def evaluate_checkpoint(
+    run_dir: Path, *, max_new_tokens: int, max_prompts: int, batch_size: int | str
+) -> dict[str, Any]:
     """``launcher evaluate RUN --checkpoints last`` through ``launcher.run.evaluate`` with the measuring child;
     the wall clock of the whole evaluation and what ``evaluate.json`` says of the checkpoint."""
     from launcher.errors import LauncherError
@@ -89,8 +95,14 @@ def evaluate_checkpoint(run_dir: Path, *, max_new_tokens: int, max_prompts: int,
 
     started = time.monotonic()
     try:
-        request = build_request(run_dir, checkpoints="last", prompts_file=None, max_new_tokens=max_new_tokens,
-                                max_prompts=max_prompts, batch_size=batch_size)  # fmt: skip
+        request = build_request(
+            run_dir,
+            checkpoints="last",
+            prompts_file=None,
+            max_new_tokens=max_new_tokens,
+            max_prompts=max_prompts,
+            batch_size=batch_size,
+        )
         request["patches"] = unpadded(request["patches"])
         doc = evaluate_run(run_dir, request, child="benchmarks.evaluate_entry")
     except LauncherError as err:
@@ -98,22 +110,31 @@ def evaluate_checkpoint(run_dir: Path, *, max_new_tokens: int, max_prompts: int,
     wall = round(time.monotonic() - started, 1)
     checkpoint = doc["checkpoints"][0]
     return {
-        "ok": True, "wall_s": wall, "checkpoint": checkpoint["name"], "prompts": len(doc["prompts"]),
-        "test_samples": request["test_split"]["samples"], "checkpoint_seconds": checkpoint.get("seconds"),
-        "test_loss": checkpoint.get("test_loss"), "test_loss_seconds": checkpoint.get("test_loss_seconds"),
+        "ok": True,
+        "wall_s": wall,
+        "checkpoint": checkpoint["name"],
+        "prompts": len(doc["prompts"]),
+        "test_samples": request["test_split"]["samples"],
+        "checkpoint_seconds": checkpoint.get("seconds"),
+        "test_loss": checkpoint.get("test_loss"),
+        "test_loss_seconds": checkpoint.get("test_loss_seconds"),
         "decoding": checkpoint.get("decoding"),
-        "kernels": doc.get("kernels"), "child": patch_bench._read_json(run_dir / "bench" / RECORD),
-    }  # fmt: skip
+        "kernels": doc.get("kernels"),
+        "child": patch_bench._read_json(run_dir / "bench" / RECORD),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.evaluate_bench", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="examples:\n  python -m benchmarks.evaluate_bench --out /tmp/ev\n"
-                                            "  python -m benchmarks.evaluate_bench --out /tmp/ev --shape tiny "
-                                            "--test 4 --max-new-tokens 16\n"
-                                            "  python -m benchmarks.evaluate_bench --out /tmp/ev --reuse   "
-                                            "# the same run, evaluated again")  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.evaluate_bench",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  python -m benchmarks.evaluate_bench --out /tmp/ev\n"
+        "  python -m benchmarks.evaluate_bench --out /tmp/ev --shape tiny "
+        "--test 4 --max-new-tokens 16\n"
+        "  python -m benchmarks.evaluate_bench --out /tmp/ev --reuse   "
+        "# the same run, evaluated again",
+    )
     parser.add_argument("--out", type=Path, required=True, help="folder for assets, the run and results.json")
     parser.add_argument("--shape", choices=("27b", "tiny"), default="27b")
     parser.add_argument("--backend", choices=("cuda", "npu", "cpu"), help="default: cuda for 27b, cpu for tiny")
@@ -129,10 +150,13 @@ def main(argv: list[str] | None = None) -> int:
         help="evaluations of the checkpoint, one after another (2: a cold then a warm Triton cache)",
     )
     parser.add_argument("--timeout", type=float, default=900, help="seconds for the training run before a stop")
-    parser.add_argument("--reuse", action="store_true",
-                        help="no training: evaluate again the run an earlier invocation trained in --out (its "
-                             "results.json gains these evaluations), as on a machine whose Triton cache it "
-                             "filled")  # fmt: skip
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="no training: evaluate again the run an earlier invocation trained in --out (its "
+        "results.json gains these evaluations), as on a machine whose Triton cache it "
+        "filled",
+    )
     ns = parser.parse_args(argv)
     for name in ("max_new_tokens", "test", "steps", "repeats"):
         if getattr(ns, name) < 1:
@@ -178,11 +202,16 @@ def main(argv: list[str] | None = None) -> int:
     env = patch_bench.bench_env(out, ns.shape, {KERNEL_CASES_ENV: "none"})
     results: dict[str, Any] = {
         "command": command,
-        "shape": ns.shape, "backend": backend, "batch_size": ns.batch_size, "max_new_tokens": ns.max_new_tokens,
-        "max_prompts": ns.max_prompts, "test_split": ns.test, "target_s": TARGET_S,
+        "shape": ns.shape,
+        "backend": backend,
+        "batch_size": ns.batch_size,
+        "max_new_tokens": ns.max_new_tokens,
+        "max_prompts": ns.max_prompts,
+        "test_split": ns.test,
+        "target_s": TARGET_S,
         "base": "built on the device with random weights (benchmarks.evaluate_entry); reading it from disk is not "
-                "in these figures",
-    }  # fmt: skip
+        "in these figures",
+    }
     print(f"[evaluate_bench] training: python -m launcher run {path} --quiet", flush=True)
     try:
         run = patch_bench.run_variant(["run", str(path), "--quiet"], env, ns.timeout, out / "logs" / "train.log")
@@ -258,26 +287,35 @@ def _evaluate(out: Path, run_dir: Path, results: dict[str, Any], command: str, n
     for repeat in range(1, ns.repeats + 1):
         started = time.monotonic()
         try:
-            found = evaluate_checkpoint(run_dir, max_new_tokens=ns.max_new_tokens, max_prompts=ns.max_prompts,
-                                        batch_size=ns.batch_size)  # fmt: skip
+            found = evaluate_checkpoint(
+                run_dir, max_new_tokens=ns.max_new_tokens, max_prompts=ns.max_prompts, batch_size=ns.batch_size
+            )
         except KeyboardInterrupt:  # launcher.run.evaluate has stopped its child: keep the evaluations done
             found = {"ok": False, "interrupted": True, "wall_s": round(time.monotonic() - started, 1)}
         found["command"] = command  # with the settings it ran with: --reuse may differ from the training call
-        found["settings"] = {"batch_size": ns.batch_size, "max_new_tokens": ns.max_new_tokens,
-                             "max_prompts": ns.max_prompts,
-                             "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR")}  # fmt: skip
+        found["settings"] = {
+            "batch_size": ns.batch_size,
+            "max_new_tokens": ns.max_new_tokens,
+            "max_prompts": ns.max_prompts,
+            "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
+        }
         evaluations.append(found)
         if found["ok"] and ns.shape == "27b":
             found["target"] = {"max_s": TARGET_S, "met": found["wall_s"] <= TARGET_S}
         save_results(out, results)  # after each one
         if found.get("interrupted"):
-            print(f"[evaluate_bench] interrupted in evaluation {repeat}: {out / 'results.json'} holds the ones "
-                  "done", file=sys.stderr)  # fmt: skip
+            print(
+                f"[evaluate_bench] interrupted in evaluation {repeat}: {out / 'results.json'} holds the ones done",
+                file=sys.stderr,
+            )
             return 130
-        summary = {k: found.get(k) for k in ("ok", "wall_s", "checkpoint_seconds", "prompts", "decoding", "error",
-                                             "target")}  # fmt: skip
-        print(f"[evaluate_bench] evaluation {repeat} of {ns.repeats}: "
-              f"{json.dumps(summary, indent=2, default=str)}", flush=True)  # fmt: skip
+        summary = {
+            k: found.get(k) for k in ("ok", "wall_s", "checkpoint_seconds", "prompts", "decoding", "error", "target")
+        }
+        print(
+            f"[evaluate_bench] evaluation {repeat} of {ns.repeats}: {json.dumps(summary, indent=2, default=str)}",
+            flush=True,
+        )
         if not found["ok"]:
             return 1
     return 0

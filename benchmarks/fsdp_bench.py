@@ -90,8 +90,16 @@ def run_name(shape: str, devices: int, options: str) -> str:
     return f"fsdp-{shape}-{devices}dev-{options}"
 
 
-def bench_config(out: Path, shape: str, backend: str, steps: int, devices: int, options: str,
-                 single: str = "fsdp2", variant: str | None = None) -> dict[str, Any]:  # fmt: skip
+def bench_config(
+    out: Path,
+    shape: str,
+    backend: str,
+    steps: int,
+    devices: int,
+    options: str,
+    single: str = "fsdp2",
+    variant: str | None = None,
+) -> dict[str, Any]:
     """``patch_bench``'s ``on`` config on ``devices`` processes under FSDP2 (one device: ``single``), or one of
     the ``ONE_DEVICE`` variants."""
     config = patch_bench.run_config(out, "on", shape, backend, steps)
@@ -114,16 +122,20 @@ def one_device_targets(runs: dict[str, Any]) -> dict[str, Any]:
     budget, single_budget = runs.get("fsdp2-budget120", {}), runs.get("single-budget120", {})
     return {
         "succeeded": {label: run.get("state") == "SUCCEEDED" for label, run in runs.items()},
-        "fsdp2_peak_gib": peak, "peak_max_gib": PEAK_MAX_GIB,
+        "fsdp2_peak_gib": peak,
+        "peak_max_gib": PEAK_MAX_GIB,
         "peak_met": None if peak is None else peak <= PEAK_MAX_GIB,
-        "single_tokens_per_s": one, "fsdp2_tokens_per_s": many, "speed_ratio": ratio, "speed_min": SPEED_MIN,
+        "single_tokens_per_s": one,
+        "fsdp2_tokens_per_s": many,
+        "speed_ratio": ratio,
+        "speed_min": SPEED_MIN,
         "speed_met": None if ratio is None else ratio >= SPEED_MIN,
         "single_peak_gib": single.get("peak_allocated_gib_max"),
         "budget120_peak_gib": budget.get("peak_allocated_gib_max"),
         "budget120_tokens_per_s": budget.get("tokens_per_s_total"),
         "single_budget120_peak_gib": single_budget.get("peak_allocated_gib_max"),
         "single_budget120_tokens_per_s": single_budget.get("tokens_per_s_total"),
-    }  # fmt: skip
+    }
 
 
 def unit_sizes(model_dir: Path) -> dict[str, int]:
@@ -139,9 +151,13 @@ def unit_sizes(model_dir: Path) -> dict[str, int]:
         if type(module).__name__ in sizes:
             sizes[type(module).__name__].append(sum(p.numel() for p in module.parameters()))
     total = sum(p.numel() for p in model.parameters())
-    return {"decoder_layer_max": max(sizes["Qwen3_5DecoderLayer"]), "decoder_layers": len(sizes["Qwen3_5DecoderLayer"]),
-            "vision_block_max": max(sizes["Qwen3_5VisionBlock"]), "vision_blocks": len(sizes["Qwen3_5VisionBlock"]),
-            "root_unit": total - sum(sizes["Qwen3_5DecoderLayer"]) - sum(sizes["Qwen3_5VisionBlock"])}  # fmt: skip
+    return {
+        "decoder_layer_max": max(sizes["Qwen3_5DecoderLayer"]),
+        "decoder_layers": len(sizes["Qwen3_5DecoderLayer"]),
+        "vision_block_max": max(sizes["Qwen3_5VisionBlock"]),
+        "vision_blocks": len(sizes["Qwen3_5VisionBlock"]),
+        "root_unit": total - sum(sizes["Qwen3_5DecoderLayer"]) - sum(sizes["Qwen3_5VisionBlock"]),
+    }
 
 
 def world_summary(run_dir: Path, warmup: int) -> dict[str, Any]:
@@ -151,9 +167,15 @@ def world_summary(run_dir: Path, warmup: int) -> dict[str, Any]:
     for record in records:
         steps = record.get("steps", [])
         peaks = [s["peak_allocated_gib"] for s in steps if s.get("peak_allocated_gib") is not None]
-        ranks.append({"rank": (record.get("environment") or {}).get("RANK"), "steps": len(steps),
-                      "peak_allocated_gib": max(peaks) if peaks else None,
-                      "model_build": record.get("model_build"), "environment": record.get("environment")})  # fmt: skip
+        ranks.append(
+            {
+                "rank": (record.get("environment") or {}).get("RANK"),
+                "steps": len(steps),
+                "peak_allocated_gib": max(peaks) if peaks else None,
+                "model_build": record.get("model_build"),
+                "environment": record.get("environment"),
+            }
+        )
     result: dict[str, Any] = {"ranks": ranks, "world_size": len(records)}
     count = min((len(r.get("steps", [])) for r in records), default=0)
     if count:
@@ -161,14 +183,24 @@ def world_summary(run_dir: Path, warmup: int) -> dict[str, Any]:
         tokens = [sum(r["steps"][i].get("tokens") or 0 for r in records) for i in range(count)]
         median_s = statistics.median(slowest[warmup:] or slowest)
         peaks = [r["peak_allocated_gib"] for r in ranks if r["peak_allocated_gib"] is not None]
-        result.update(steps_all_ranks=count, tokens_per_step_total=tokens[-1], median_slowest_fwd_bwd_s=median_s,
-                      tokens_per_s_total=round(tokens[-1] / median_s, 1) if median_s else None,
-                      peak_allocated_gib_max=max(peaks) if peaks else None)  # fmt: skip
+        result.update(
+            steps_all_ranks=count,
+            tokens_per_step_total=tokens[-1],
+            median_slowest_fwd_bwd_s=median_s,
+            tokens_per_s_total=round(tokens[-1] / median_s, 1) if median_s else None,
+            peak_allocated_gib_max=max(peaks) if peaks else None,
+        )
     return result
 
 
-def memory_bound(counts: dict[str, int], units: dict[str, int], single: dict[str, Any], multi: dict[str, Any],
-                 devices: int, param_bytes: int) -> dict[str, Any]:  # fmt: skip
+def memory_bound(
+    counts: dict[str, int],
+    units: dict[str, int],
+    single: dict[str, Any],
+    multi: dict[str, Any],
+    devices: int,
+    param_bytes: int,
+) -> dict[str, Any]:
     """Per-device peak of the ``devices`` run against weights / N + one-device activations + two unsharded layers.
 
     Weights: the parameter count x ``param_bytes`` (the model's dtype). One-device activations: that run's peak
@@ -205,8 +237,13 @@ def scaling(single: dict[str, Any], multi: dict[str, Any], devices: int) -> dict
     one, many = single.get("tokens_per_s_total"), multi.get("tokens_per_s_total")
     ratio = round(many / one, 3) if one and many else None
     least = round(SCALING_MIN * devices, 3)
-    return {"one_device_tokens_per_s": one, "tokens_per_s_total": many, "ratio": ratio, "minimum": least,
-            "met": ratio is not None and ratio >= least}  # fmt: skip
+    return {
+        "one_device_tokens_per_s": one,
+        "tokens_per_s_total": many,
+        "ratio": ratio,
+        "minimum": least,
+        "met": ratio is not None and ratio >= least,
+    }
 
 
 def compare(results: dict[str, Any], devices: list[int], options: list[str], param_bytes: int) -> dict[str, Any]:
@@ -222,7 +259,7 @@ def compare(results: dict[str, Any], devices: list[int], options: list[str], par
                 "scaling": scaling(single, multi, n // base),
                 "memory": memory_bound(
                     results["model_parameters"], results["units"], single, multi, n // base, param_bytes
-                ),  # fmt: skip
+                ),
             }
     return found
 
@@ -231,17 +268,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.fsdp_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for assets, configs, runs and results.json")
     parser.add_argument("--shape", choices=("27b", "tiny"), default="27b")
-    parser.add_argument("--backend", choices=("cuda", "npu", "cpu"), default=None,
-                        help="default: cuda for 27b, cpu for tiny")  # fmt: skip
+    parser.add_argument(
+        "--backend", choices=("cuda", "npu", "cpu"), default=None, help="default: cuda for 27b, cpu for tiny"
+    )
     parser.add_argument("--devices", default="1,2", help="device counts, the first is the baseline (default 1,2)")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run (default 6)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians (default 2)")
-    parser.add_argument("--single", choices=("fsdp2", "ddp"), default="fsdp2",
-                        help="distribution of the one-device run (default fsdp2: the same path)")  # fmt: skip
+    parser.add_argument(
+        "--single",
+        choices=("fsdp2", "ddp"),
+        default="fsdp2",
+        help="distribution of the one-device run (default fsdp2: the same path)",
+    )
     parser.add_argument("--options", default="on", help=f"comma-separated option sets: {', '.join(OPTIONS)}")
-    parser.add_argument("--variants", default=None,
-                        help=f"with --devices 1: comma-separated, of {', '.join(ONE_DEVICE)} "
-                             f"(default: {','.join(DEFAULT_VARIANTS)})")  # fmt: skip
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help=f"with --devices 1: comma-separated, of {', '.join(ONE_DEVICE)} (default: {','.join(DEFAULT_VARIANTS)})",
+    )
     parser.add_argument("--samples", type=int, default=8, help="dataset samples (default 8)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run before a graceful stop")
     ns = parser.parse_args(argv)
@@ -251,8 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     if sorted(set(options) - set(OPTIONS)):
         parser.error(f"unknown option set(s) in {ns.options!r}; choose from {', '.join(OPTIONS)}")
     if not devices or devices != sorted(set(devices)) or devices[0] < 1 or (len(devices) == 1 and devices[0] != 1):
-        parser.error(f"--devices {ns.devices}: give 1 (the one-device comparison) or increasing counts, the baseline "
-                     "first (e.g. 1,2)")  # fmt: skip
+        parser.error(
+            f"--devices {ns.devices}: give 1 (the one-device comparison) or increasing counts, the baseline "
+            "first (e.g. 1,2)"
+        )
     default_variants = [v for v in ONE_DEVICE if v in DEFAULT_VARIANTS and not (backend == "cpu" and v in NEEDS_PEAK)]
     variants = [v.strip() for v in ns.variants.split(",") if v.strip()] if ns.variants else default_variants
     if any(v in PROFILED for v in variants) and ns.steps - ns.warmup < 1:
@@ -260,8 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     if sorted(set(variants) - set(ONE_DEVICE)) or (ns.variants and len(devices) > 1):
         parser.error(f"--variants {ns.variants}: only with --devices 1, of {', '.join(ONE_DEVICE)}")
     if backend == "cpu" and (budgeted := [v for v in variants if v in NEEDS_PEAK]):
-        parser.error(f"--variants {','.join(budgeted)}: a memory budget needs an allocator that reports its peak, "
-                     "which the CPU has not; run them with --backend cuda or npu")  # fmt: skip
+        parser.error(
+            f"--variants {','.join(budgeted)}: a memory budget needs an allocator that reports its peak, "
+            "which the CPU has not; run them with --backend cuda or npu"
+        )
     out = ns.out.resolve()
     (out / "configs").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
@@ -270,11 +318,18 @@ def main(argv: list[str] | None = None) -> int:
     env = patch_bench.bench_env(out, ns.shape, extra)
     results: dict[str, Any] = {
         "command": " ".join(["python -m benchmarks.fsdp_bench", *(argv if argv is not None else sys.argv[1:])]),
-        "shape": ns.shape, "backend": backend, "devices": devices, "single": ns.single, "steps": ns.steps,
-        "warmup": ns.warmup, "environment_passed": extra, "preflight_skipped": patch_bench.PREFLIGHT_SKIP,
+        "shape": ns.shape,
+        "backend": backend,
+        "devices": devices,
+        "single": ns.single,
+        "steps": ns.steps,
+        "warmup": ns.warmup,
+        "environment_passed": extra,
+        "preflight_skipped": patch_bench.PREFLIGHT_SKIP,
         "model_parameters": patch_bench._read_json(out / "model_parameters.json"),
-        "units": unit_sizes(out / "model"), "runs": {},
-    }  # fmt: skip
+        "units": unit_sizes(out / "model"),
+        "runs": {},
+    }
     plan = [(n, None) for n in devices] if len(devices) > 1 else [(1, v) for v in variants]
     for option in options:
         for n, variant in plan:
@@ -286,8 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             args = patch_bench.launcher_args(label, path, ns.steps, ns.warmup, profiled=profiled)
             print(f"[fsdp_bench] {option}, {label}: python -m launcher {' '.join(args)}", flush=True)
             try:
-                run = patch_bench.run_variant(args, env, ns.timeout,
-                                              out / "logs" / f"{option}-{label}.supervisor.log")  # fmt: skip
+                run = patch_bench.run_variant(args, env, ns.timeout, out / "logs" / f"{option}-{label}.supervisor.log")
             except patch_bench.RunInterrupted as stop:  # its run has ended: record it, then go no further
                 run = stop.run
             run_dir = patch_bench._newest_run(out / "runs", config["launcher"]["run_name"] + ("-profile" * profiled))
@@ -296,8 +350,11 @@ def main(argv: list[str] | None = None) -> int:
                 summary = {**patch_bench.summarize(run_dir, ns.warmup), **world_summary(run_dir, ns.warmup)}
                 if profiled:
                     summary["profile"] = patch_bench.profile_summary(run_dir, out)
-            results["runs"].setdefault(option, {})[label] = {**run, "distribution": config["launcher"]["distribution"],
-                                                             **summary}  # fmt: skip
+            results["runs"].setdefault(option, {})[label] = {
+                **run,
+                "distribution": config["launcher"]["distribution"],
+                **summary,
+            }
             print(f"[fsdp_bench] {option}, {label}: {_one_line(results['runs'][option][label])}", flush=True)
             results_schema.write(out / "results.json", results, bench="benchmarks.fsdp_bench", variants_key="runs")
             if run.get("interrupted"):
@@ -313,9 +370,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _one_line(r: dict[str, Any]) -> str:
-    return (f"state {r.get('state')}, {r.get('world_size')} rank(s), {r.get('steps_all_ranks')} steps, "
-            f"{r.get('tokens_per_s_total')} tok/s in total, peak {r.get('peak_allocated_gib_max')} GiB per device, "
-            f"wall {r.get('wall_s')} s")  # fmt: skip
+    return (
+        f"state {r.get('state')}, {r.get('world_size')} rank(s), {r.get('steps_all_ranks')} steps, "
+        f"{r.get('tokens_per_s_total')} tok/s in total, peak {r.get('peak_allocated_gib_max')} GiB per device, "
+        f"wall {r.get('wall_s')} s"
+    )
 
 
 if __name__ == "__main__":

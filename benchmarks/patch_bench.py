@@ -88,10 +88,19 @@ from launcher.state.runs import JOB_LOG
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = "benchmarks.patch_bench"  # its results file's ``bench``
-ALL_OFF = {"deltanet_routing": False, "fused_ops": False, "checkpoint_all_layers": False, "chunked_loss": False,
-           "text_only_batches": False, "final_eval_once": False, "lora_input_cast": False,
-           "packed_rows": False, "fsdp2_frozen_dtype": False, "fsdp2_resume_adapter": False,
-           "gc_freeze": False}  # fmt: skip
+ALL_OFF = {
+    "deltanet_routing": False,
+    "fused_ops": False,
+    "checkpoint_all_layers": False,
+    "chunked_loss": False,
+    "text_only_batches": False,
+    "final_eval_once": False,
+    "lora_input_cast": False,
+    "packed_rows": False,
+    "fsdp2_frozen_dtype": False,
+    "fsdp2_resume_adapter": False,
+    "gc_freeze": False,
+}
 GLUE_OFF = {"fused_ops": False, "lora_input_cast": False}  # the product before the fused-glue issue
 # name -> patches (on top of the product's defaults), cutoff factor, data ("full": every sample at the cutoff;
 # "spread": about 1,000 to 4,096 tokens), steps (None: --steps)
@@ -172,10 +181,12 @@ PACKING_GAIN_MIN = 1.5  # supervised tokens/s of spread-packed over spread (the 
 # target's key -> the packed variant and the unpacked one it is held against (same collation: in the training
 # process, or in workers). "on"'s samples answer in half their tokens, the spread's in 70 %: ``-reply70`` pairs the
 # packed rows with unpacked steps of the same share, so that both train on the same kind of sample
-PACKED_ROW_PAIRS = {"spread-packed-row": ("spread-packed", "on"),
-                    "spread-packed-row-reply70": ("spread-packed", "on-reply70"),
-                    "spread-packed-full-row-reply70": ("spread-packed-full", "on-reply70"),
-                    "spread-packed-workers-row": ("spread-packed-workers", "on-workers")}  # fmt: skip
+PACKED_ROW_PAIRS = {
+    "spread-packed-row": ("spread-packed", "on"),
+    "spread-packed-row-reply70": ("spread-packed", "on-reply70"),
+    "spread-packed-full-row-reply70": ("spread-packed-full", "on-reply70"),
+    "spread-packed-workers-row": ("spread-packed-workers", "on-workers"),
+}
 BOOTSTRAP_DRAWS = 2000  # resamples of each side's measured steps for the interval of a difference of medians
 # the routed chunk kernel (and its packed call with the key heads unrepeated, as packed rows make it) and the fused
 # glue, in the rank, with FLA's guard lifted as for training
@@ -319,13 +330,20 @@ def run_variant(args: list[str], env: dict[str, str], timeout_s: float, log: Pat
             code = proc.wait(timeout=timeout_s)
         except KeyboardInterrupt:
             interrupted = True
-            print("[patch_bench] interrupted: stopping the run and waiting for it to end (at most "
-                  f"{INTERRUPT_WAIT_S} s; another Ctrl-C leaves it running)", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                "[patch_bench] interrupted: stopping the run and waiting for it to end (at most "
+                f"{INTERRUPT_WAIT_S} s; another Ctrl-C leaves it running)",
+                file=sys.stderr,
+                flush=True,
+            )
             code, ended = _stop(proc, INTERRUPT_WAIT_S)
             if not ended:
-                print(f"[patch_bench] the run did not end in {INTERRUPT_WAIT_S} s; its supervisor was killed and "
-                      f"its job may still run (`launcher status`; the supervisor's log: {log})", file=sys.stderr,
-                      flush=True)  # fmt: skip
+                print(
+                    f"[patch_bench] the run did not end in {INTERRUPT_WAIT_S} s; its supervisor was killed and "
+                    f"its job may still run (`launcher status`; the supervisor's log: {log})",
+                    file=sys.stderr,
+                    flush=True,
+                )
         except subprocess.TimeoutExpired:
             try:
                 code, _ = _stop(proc, 90)
@@ -333,8 +351,12 @@ def run_variant(args: list[str], env: dict[str, str], timeout_s: float, log: Pat
                 interrupted = True
                 code, _ = _stop(proc, INTERRUPT_WAIT_S)
     wall = time.monotonic() - started
-    run = {"command": " ".join(["python", *cmd[1:]]), "exit_code": code, "wall_s": round(wall, 1),
-           "timed_out": not interrupted and wall >= timeout_s}  # fmt: skip
+    run = {
+        "command": " ".join(["python", *cmd[1:]]),
+        "exit_code": code,
+        "wall_s": round(wall, 1),
+        "timed_out": not interrupted and wall >= timeout_s,
+    }
     if interrupted:
         raise RunInterrupted({**run, "interrupted": True})
     return run
@@ -351,8 +373,10 @@ def _newest_run(root: Path, name: str) -> Path | None:
     """The newest run directory of run name ``name`` (``NAME-YYYYMMDD-HHMMSS``, launcher.run.rundir): not one of a
     longer name that starts the same (``...-fsdp2-profile-...`` is not a ``...-fsdp2`` run)."""
     own = re.compile(re.escape(name) + r"-\d{8}-\d{6}(-\d+)?")
-    runs = sorted((p for p in root.glob(f"{name}-*") if own.fullmatch(p.name) and (p / "status.json").exists()),
-                  key=lambda p: p.stat().st_mtime)  # fmt: skip
+    runs = sorted(
+        (p for p in root.glob(f"{name}-*") if own.fullmatch(p.name) and (p / "status.json").exists()),
+        key=lambda p: p.stat().st_mtime,
+    )
     return runs[-1] if runs else None
 
 
@@ -377,20 +401,45 @@ def _proof_summary(run_dir: Path) -> dict[str, Any]:
             "second_step_observed": (ckpt.get("second_training_step") or {}).get("observed"),
             "third_step_observed": (ckpt.get("third_training_step") or {}).get("observed"),
         },
-        **{name: {k: v for k, v in _read_json(run_dir / "proof" / "rank0" / f"{name}.json").items()
-                  if k in ("status", "first_call", "first_batch", "dummy_image", "why", "evaluations", "multiple")}
-           for name in ("chunked_loss", "text_only_batches", "final_eval_once", "pad_lengths")},
-        "packed_rows": {k: v for k, v in _read_json(run_dir / "proof" / "rank0" / "packed_rows.json").items()
-                        if k in ("status", "packing", "first_packed_batch", "first_packed_call",
-                                 "first_packed_attention", "first_one_sample_attention",
-                                 "first_multi_sample_attention", "first_unpacked_call", "first_training_step",
-                                 "error")},
-        **{name: {k: v for k, v in _read_json(run_dir / "proof" / "rank0" / f"{name}.json").items()
-                  if k in ("status", "ops", "first_training_step", "error")}
-           for name in ("fused_ops", "lora_input_cast")},
-        "gc_freeze": {k: v for k, v in _read_json(run_dir / "proof" / "rank0" / "gc_freeze.json").items()
-                      if k in ("status", "frozen_objects", "full_collection_s", "before_training_step", "upstream")},
-    }  # fmt: skip
+        **{
+            name: {
+                k: v
+                for k, v in _read_json(run_dir / "proof" / "rank0" / f"{name}.json").items()
+                if k in ("status", "first_call", "first_batch", "dummy_image", "why", "evaluations", "multiple")
+            }
+            for name in ("chunked_loss", "text_only_batches", "final_eval_once", "pad_lengths")
+        },
+        "packed_rows": {
+            k: v
+            for k, v in _read_json(run_dir / "proof" / "rank0" / "packed_rows.json").items()
+            if k
+            in (
+                "status",
+                "packing",
+                "first_packed_batch",
+                "first_packed_call",
+                "first_packed_attention",
+                "first_one_sample_attention",
+                "first_multi_sample_attention",
+                "first_unpacked_call",
+                "first_training_step",
+                "error",
+            )
+        },
+        **{
+            name: {
+                k: v
+                for k, v in _read_json(run_dir / "proof" / "rank0" / f"{name}.json").items()
+                if k in ("status", "ops", "first_training_step", "error")
+            }
+            for name in ("fused_ops", "lora_input_cast")
+        },
+        "gc_freeze": {
+            k: v
+            for k, v in _read_json(run_dir / "proof" / "rank0" / "gc_freeze.json").items()
+            if k in ("status", "frozen_objects", "full_collection_s", "before_training_step", "upstream")
+        },
+    }
 
 
 def _retries_in(steps: list[dict[str, Any]], warmup: int) -> int | None:
@@ -493,9 +542,11 @@ def gc_summary(measured: list[dict[str, Any]]) -> dict[str, Any]:
     periods = [s.get("period_gc_s") for s in measured if s.get("period_gc_s") is not None]
     if not periods:
         return {}
-    return {"gc_s_measured": round(sum(periods), 3),
-            "full_gcs_measured": sum(s.get("period_full_gcs") or 0 for s in measured),
-            "gc_s_longest_period": round(max(periods), 3)}  # fmt: skip
+    return {
+        "gc_s_measured": round(sum(periods), 3),
+        "full_gcs_measured": sum(s.get("period_full_gcs") or 0 for s in measured),
+        "gc_s_longest_period": round(max(periods), 3),
+    }
 
 
 def profile_summary(run_dir: Path, out: Path) -> dict[str, Any]:
@@ -510,8 +561,12 @@ def profile_summary(run_dir: Path, out: Path) -> dict[str, Any]:
         path = run_dir / name
         files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
         traces[str(path)] = round(sum(p.stat().st_size for p in files) / 2**20, 1)
-    return {"report": report or None, "markdown": md.read_text() if md.is_file() else None,
-            "markdown_copy": str(out / "profile.md") if md.is_file() else None, "trace_mib": traces}  # fmt: skip
+    return {
+        "report": report or None,
+        "markdown": md.read_text() if md.is_file() else None,
+        "markdown_copy": str(out / "profile.md") if md.is_file() else None,
+        "trace_mib": traces,
+    }
 
 
 def robust_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -543,8 +598,9 @@ def lengths_summary(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         seen.add(s.get("seq_len"))
     lost = None
     if len(repeat) >= 2 and len({s["seq_len"] for s in repeat}) >= 2:
-        slope, intercept = robust_line([(s["seq_len"], s["seconds"] - (s.get("compile_autotune_s") or 0.0))
-                                        for s in repeat])  # fmt: skip
+        slope, intercept = robust_line(
+            [(s["seq_len"], s["seconds"] - (s.get("compile_autotune_s") or 0.0)) for s in repeat]
+        )
         lost = round(sum(max(0.0, s["seconds"] - (intercept + slope * s["seq_len"])) for s in new), 2)
     repeat_seconds = sum(s["seconds"] for s in repeat)
     repeat_supervised = sum(s.get("supervised_tokens") or 0 for s in repeat)
@@ -611,17 +667,27 @@ def targets(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
         row: dict[str, Any] = {"state": v.get("state"), "succeeded": v.get("state") == "SUCCEEDED"}
         peak, tps = v.get("peak_allocated_gib"), v.get("tokens_per_s")
         if "peak_max" in target:
-            row["peak_allocated_gib"] = {"value": peak, "limit": target["peak_max"],
-                                         "met": peak is not None and peak <= target["peak_max"]}  # fmt: skip
+            row["peak_allocated_gib"] = {
+                "value": peak,
+                "limit": target["peak_max"],
+                "met": peak is not None and peak <= target["peak_max"],
+            }
         if "tokens_per_s_min" in target:
             least = target["tokens_per_s_min"]
-            row["tokens_per_s"] = {"value": tps, "minimum": least, "met": tps is not None and tps >= least,
-                                   "shortfall": None if tps is None else round(1 - tps / least, 4)}  # fmt: skip
+            row["tokens_per_s"] = {
+                "value": tps,
+                "minimum": least,
+                "met": tps is not None and tps >= least,
+                "shortfall": None if tps is None else round(1 - tps / least, 4),
+            }
         if "other_compute_max_s" in target:
             ranks = ((v.get("profile") or {}).get("report") or {}).get("ranks") or [{}]
             other = ranks[0].get("parts_s", {}).get("other_compute")
-            row["other_compute_s"] = {"value": other, "limit": target["other_compute_max_s"],
-                                      "met": other is not None and other <= target["other_compute_max_s"]}  # fmt: skip
+            row["other_compute_s"] = {
+                "value": other,
+                "limit": target["other_compute_max_s"],
+                "met": other is not None and other <= target["other_compute_max_s"],
+            }
         found[name] = row
     for key, (packed, unpacked) in PACKED_ROW_PAIRS.items():
         row = packed_row_target(variants, packed, unpacked)
@@ -657,8 +723,9 @@ def succeeded_rounds(variants: dict[str, dict[str, Any]], variant: str) -> list[
     return [v for name, v in variants.items() if name.split("#")[0] == variant and v.get("state") == "SUCCEEDED"]
 
 
-def median_difference(a: dict[int, list[float]], b: dict[int, list[float]],
-                      draws: int = BOOTSTRAP_DRAWS) -> dict[str, Any]:  # fmt: skip
+def median_difference(
+    a: dict[int, list[float]], b: dict[int, list[float]], draws: int = BOOTSTRAP_DRAWS
+) -> dict[str, Any]:
     """Both medians and median(a) - median(b), in seconds, over all their steps, with a 95 % bootstrap interval of
     the difference that resamples step positions, each with all its rounds (``measured_steps``), so that the rows'
     differences in content count once per row. Seeded: a results file gives the same interval again. It speaks of
@@ -670,12 +737,18 @@ def median_difference(a: dict[int, list[float]], b: dict[int, list[float]],
     def median_of(steps: dict[int, list[float]], positions) -> float:
         return statistics.median(value for position in positions for value in steps[position])
 
-    spread = sorted(median_of(a, rng.choices(sorted(a), k=len(a))) - median_of(b, rng.choices(sorted(b), k=len(b)))
-                    for _ in range(draws))  # fmt: skip
-    return {"packed_s": round(median_of(a, a), 4), "unpacked_s": round(median_of(b, b), 4),
-            "difference_s": round(median_of(a, a) - median_of(b, b), 4),
-            "ci95_s": [round(spread[int(0.025 * draws)], 4), round(spread[int(0.975 * draws) - 1], 4)],
-            "steps": [sum(map(len, a.values())), sum(map(len, b.values()))], "positions": [len(a), len(b)]}  # fmt: skip
+    spread = sorted(
+        median_of(a, rng.choices(sorted(a), k=len(a))) - median_of(b, rng.choices(sorted(b), k=len(b)))
+        for _ in range(draws)
+    )
+    return {
+        "packed_s": round(median_of(a, a), 4),
+        "unpacked_s": round(median_of(b, b), 4),
+        "difference_s": round(median_of(a, a) - median_of(b, b), 4),
+        "ci95_s": [round(spread[int(0.025 * draws)], 4), round(spread[int(0.975 * draws) - 1], 4)],
+        "steps": [sum(map(len, a.values())), sum(map(len, b.values()))],
+        "positions": [len(a), len(b)],
+    }
 
 
 def at_equal_supervised(variants: dict[str, dict[str, Any]], packed: str, unpacked: str) -> dict[str, Any] | None:
@@ -689,8 +762,9 @@ def at_equal_supervised(variants: dict[str, dict[str, Any]], packed: str, unpack
         found = []
         for v in (v for v in succeeded_rounds(variants, name) if v.get("step_supervised")):
             skip = v.get("warmup_steps", 0)
-            found += [(n, s) for n, s in zip(v["step_supervised"][skip:], v["step_seconds"][skip:], strict=True)
-                      if n and s]  # fmt: skip
+            found += [
+                (n, s) for n, s in zip(v["step_supervised"][skip:], v["step_seconds"][skip:], strict=True) if n and s
+            ]
         return found
 
     rows, steps = pairs(packed), pairs(unpacked)
@@ -700,10 +774,15 @@ def at_equal_supervised(variants: dict[str, dict[str, Any]], packed: str, unpack
     supervised = statistics.median(n for n, _ in steps)
     at = intercept + slope * supervised
     unpacked_s = statistics.median(s for _, s in steps)
-    return {"slope_us_per_token": round(slope * 1e6, 1), "unpacked_supervised": supervised,
-            "packed_mean_supervised": round(statistics.mean(n for n, _ in rows)), "packed_at_it_s": round(at, 4),
-            "unpacked_s": round(unpacked_s, 4), "difference_s": round(at - unpacked_s, 4),
-            "steps": len(rows)}  # fmt: skip
+    return {
+        "slope_us_per_token": round(slope * 1e6, 1),
+        "unpacked_supervised": supervised,
+        "packed_mean_supervised": round(statistics.mean(n for n, _ in rows)),
+        "packed_at_it_s": round(at, 4),
+        "unpacked_s": round(unpacked_s, 4),
+        "difference_s": round(at - unpacked_s, 4),
+        "steps": len(rows),
+    }
 
 
 def packed_row_target(variants: dict[str, dict[str, Any]], packed: str, unpacked: str) -> dict[str, Any] | None:
@@ -721,9 +800,14 @@ def packed_row_target(variants: dict[str, dict[str, Any]], packed: str, unpacked
         return None
     decides = rows.get("period") or rows["fwd_bwd"]
     low, high = decides["ci95_s"]
-    return {**rows, "against": unpacked, "decided_by": "period" if "period" in rows else "fwd_bwd",
-            "met": decides["difference_s"] <= 0, "resolved": high < 0 or low > 0,
-            "at_equal_supervised": at_equal_supervised(variants, packed, unpacked)}  # fmt: skip
+    return {
+        **rows,
+        "against": unpacked,
+        "decided_by": "period" if "period" in rows else "fwd_bwd",
+        "met": decides["difference_s"] <= 0,
+        "resolved": high < 0 or low > 0,
+        "at_equal_supervised": at_equal_supervised(variants, packed, unpacked),
+    }
 
 
 def pooled_targets(*paths: str | Path) -> dict[str, Any]:
@@ -748,8 +832,13 @@ def pooled_targets(*paths: str | Path) -> dict[str, Any]:
 
 def _gain(packed: float | None, unpacked: float | None, least: float) -> dict[str, Any]:
     gain = round(packed / unpacked, 3) if packed and unpacked else None
-    return {"packed": packed, "unpacked": unpacked, "gain": gain, "minimum": least,
-            "met": gain is not None and gain >= least}  # fmt: skip
+    return {
+        "packed": packed,
+        "unpacked": unpacked,
+        "gain": gain,
+        "minimum": least,
+        "met": gain is not None and gain >= least,
+    }
 
 
 def prepare_assets(out: Path, shape: str, samples: int, variants: list[str]) -> None:
@@ -792,27 +881,42 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.patch_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for assets, configs, runs and results.json")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per variant (default 6)")
-    parser.add_argument("--all-steps", type=int, default=None, metavar="N",
-                        help="optimizer steps for every variant, overriding a variant's own count (spread: 32); "
-                             "for example 160 runs the 80 short samples twice, so the second pass meets lengths "
-                             "seen before")  # fmt: skip
+    parser.add_argument(
+        "--all-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="optimizer steps for every variant, overriding a variant's own count (spread: 32); "
+        "for example 160 runs the 80 short samples twice, so the second pass meets lengths "
+        "seen before",
+    )
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians (default 2)")
-    parser.add_argument("--variants", default="on,off",
-                        help=f"comma-separated, run in this order (default on,off): {', '.join(VARIANTS)}")  # fmt: skip
+    parser.add_argument(
+        "--variants",
+        default="on,off",
+        help=f"comma-separated, run in this order (default on,off): {', '.join(VARIANTS)}",
+    )
     parser.add_argument("--shape", choices=("27b", "tiny"), default="27b")
-    parser.add_argument("--backend", choices=("cuda", "cpu", "npu"), default=None,
-                        help="default: cuda for 27b, cpu for tiny")  # fmt: skip
+    parser.add_argument(
+        "--backend", choices=("cuda", "cpu", "npu"), default=None, help="default: cuda for 27b, cpu for tiny"
+    )
     parser.add_argument("--samples", type=int, default=8, help="dataset samples (default 8)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per variant before a graceful stop")
-    rounds = ("run the --variants list this many times in turn (default 1; for example --variants on,spread-packed "
-              "--rounds 3 alternates them, so that the card's warming shows in both); round R's results are keyed "
-              "VARIANT#R, and the packed-row target pools them")  # fmt: skip
+    rounds = (
+        "run the --variants list this many times in turn (default 1; for example --variants on,spread-packed "
+        "--rounds 3 alternates them, so that the card's warming shows in both); round R's results are keyed "
+        "VARIANT#R, and the packed-row target pools them"
+    )
     parser.add_argument("--rounds", type=int, default=1, help=rounds)
-    parser.add_argument("--kernel-check", choices=("first", "each", "none"), default="first",
-                        help="which variants' ranks run the kernel-check cases (KERNEL_CASES) before training: "
-                             "the first (default: every variant routes its kernels as auto, so the first rank's "
-                             "check covers the rest on this machine), each, or none; on a cold Triton cache the "
-                             "cases take minutes of the variant's --timeout")  # fmt: skip
+    parser.add_argument(
+        "--kernel-check",
+        choices=("first", "each", "none"),
+        default="first",
+        help="which variants' ranks run the kernel-check cases (KERNEL_CASES) before training: "
+        "the first (default: every variant routes its kernels as auto, so the first rank's "
+        "check covers the rest on this machine), each, or none; on a cold Triton cache the "
+        "cases take minutes of the variant's --timeout",
+    )
     ns = parser.parse_args(argv)
     backend = ns.backend or ("cuda" if ns.shape == "27b" else "cpu")
     variants = [v.strip() for v in ns.variants.split(",") if v.strip()]
@@ -828,8 +932,10 @@ def main(argv: list[str] | None = None) -> int:
     steps = {v: steps_of(v, ns.steps, ns.all_steps) for v in variants}
     short = [v for v in variants if VARIANTS[v].get("profile") and steps[v] - ns.warmup < 1]
     if short:
-        parser.error(f"--warmup {ns.warmup} leaves no step to profile in {', '.join(short)} "
-                     f"({steps[short[0]]} steps in all); for example --warmup 2")  # fmt: skip
+        parser.error(
+            f"--warmup {ns.warmup} leaves no step to profile in {', '.join(short)} "
+            f"({steps[short[0]]} steps in all); for example --warmup 2"
+        )
     out = ns.out.resolve()
     (out / "configs").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
@@ -838,10 +944,14 @@ def main(argv: list[str] | None = None) -> int:
     env = bench_env(out, ns.shape)
     results: dict[str, Any] = {
         "command": " ".join(["python -m benchmarks.patch_bench", *(argv if argv is not None else sys.argv[1:])]),
-        "shape": ns.shape, "backend": backend, "steps": steps, "warmup": ns.warmup,
-        "preflight_skipped": PREFLIGHT_SKIP, "model_parameters": _read_json(out / "model_parameters.json"),
+        "shape": ns.shape,
+        "backend": backend,
+        "steps": steps,
+        "warmup": ns.warmup,
+        "preflight_skipped": PREFLIGHT_SKIP,
+        "model_parameters": _read_json(out / "model_parameters.json"),
         "variants": {},
-    }  # fmt: skip
+    }
     checked = {"first": range(1), "each": range(len(variants)), "none": range(0)}[ns.kernel_check]
     results["kernel_check_in"] = [variants[i] for i in checked]  # by position: --variants on,on checks the first
     try:
@@ -883,8 +993,11 @@ def main(argv: list[str] | None = None) -> int:
     results_schema.write(out / "results.json", results, bench=BENCH)
     print(json.dumps({"targets": results.get("targets")}, default=str))
     if results.get("interrupted") or any(v.get("interrupted") for v in results["variants"].values()):
-        print(f"[patch_bench] interrupted: the variants run so far are in {out / 'results.json'}", file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(
+            f"[patch_bench] interrupted: the variants run so far are in {out / 'results.json'}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 130
     return 0 if all(v.get("state") == "SUCCEEDED" for v in results["variants"].values()) else 1
 
@@ -902,12 +1015,14 @@ def forecast_of(config_path: Path) -> dict[str, Any] | str:
 
 
 def _one_line(v: dict[str, Any]) -> str:
-    return (f"state {v.get('state')}, {v.get('steps_recorded')} steps, seq {v.get('seq_lens')}, "
-            f"fwd+bwd median {v.get('median_fwd_bwd_s')} s -> {v.get('tokens_per_s')} tok/s, "
-            f"period {v.get('median_period_s')} s, peak {v.get('peak_allocated_gib')} GiB, "
-            f"first step {v.get('first_step_s')} s, supervised {v.get('supervised_tokens_per_s')} tok/s, "
-            f"{v.get('distinct_seq_lens')} lengths (lost {v.get('seconds_lost_to_new_lengths')} s), "
-            f"wall {v.get('wall_s')} s")  # fmt: skip
+    return (
+        f"state {v.get('state')}, {v.get('steps_recorded')} steps, seq {v.get('seq_lens')}, "
+        f"fwd+bwd median {v.get('median_fwd_bwd_s')} s -> {v.get('tokens_per_s')} tok/s, "
+        f"period {v.get('median_period_s')} s, peak {v.get('peak_allocated_gib')} GiB, "
+        f"first step {v.get('first_step_s')} s, supervised {v.get('supervised_tokens_per_s')} tok/s, "
+        f"{v.get('distinct_seq_lens')} lengths (lost {v.get('seconds_lost_to_new_lengths')} s), "
+        f"wall {v.get('wall_s')} s"
+    )
 
 
 if __name__ == "__main__":

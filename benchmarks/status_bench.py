@@ -145,8 +145,17 @@ def bytes_read_from(run_dir: Path, log: Path, trace: Path) -> dict[str, object]:
     """Bytes the kernel returned to the status process from reads of ``log`` (strace -f -y)."""
     if shutil.which("strace") is None:
         return {"error": "strace not installed (apt-get install strace)"}
-    cmd = ["strace", "-f", "-y", "-qq", "-o", str(trace),
-           "-e", "trace=read,pread64,readv,preadv,preadv2,mmap", *status_cmd(run_dir)]  # fmt: skip
+    cmd = [
+        "strace",
+        "-f",
+        "-y",
+        "-qq",
+        "-o",
+        str(trace),
+        "-e",
+        "trace=read,pread64,readv,preadv,preadv2,mmap",
+        *status_cmd(run_dir),
+    ]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if out.returncode != 0:
         return {"error": f"strace exited {out.returncode}: {out.stderr[-500:]}"}
@@ -166,8 +175,9 @@ def bytes_read_from(run_dir: Path, log: Path, trace: Path) -> dict[str, object]:
 
 def import_profile(run_dir: Path, top: int = 15) -> list[dict[str, object]]:
     """The slowest imports of the status command (cumulative microseconds, from -X importtime)."""
-    out = subprocess.run([sys.executable, "-X", "importtime", *status_cmd(run_dir)[1:]], cwd=REPO,
-                         capture_output=True, text=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", *status_cmd(run_dir)[1:]], cwd=REPO, capture_output=True, text=True
+    )
     rows = []
     for line in out.stderr.splitlines():
         parts = line.removeprefix("import time:").split("|")
@@ -196,9 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="folder for the run directory and results.json")
     p.add_argument("--lines", type=int, default=1_000_000, help="trainer log lines (default 1,000,000)")
     p.add_argument("--repeats", type=int, default=15, help="timed calls after one warm-up (default 15)")
-    p.add_argument("--long-line-mb", type=int, default=0, metavar="MB",
-                   help="end the log with one line of MB megabytes (damage: skipped and counted; the promise is "
-                        "then under 1 s, reading the log once)")  # fmt: skip
+    p.add_argument(
+        "--long-line-mb",
+        type=int,
+        default=0,
+        metavar="MB",
+        help="end the log with one line of MB megabytes (damage: skipped and counted; the promise is "
+        "then under 1 s, reading the log once)",
+    )
     ns = p.parse_args(argv)
     ns.out.mkdir(parents=True, exist_ok=True)
     run_dir, sleeper = build_run(ns.out.resolve(), ns.lines)
@@ -225,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                 "min": round(min(times), 4),
                 "max": round(max(times), 4),
                 "all": [round(t, 4) for t in times],
-            },  # fmt: skip
+            },
             "log_read": read,
             "long_line_mb": ns.long_line_mb,
             "limits": {"wall_s": limit_s, "log_bytes": limit_bytes},

@@ -115,10 +115,15 @@ def applies(entry: Entry, environment: dict[str, str] | None) -> bool:
 
 def target_environment(machine: str, python: str) -> dict[str, str]:
     return {
-        "implementation_name": "cpython", "platform_python_implementation": "CPython",
-        "platform_machine": machine, "platform_system": "Linux", "sys_platform": "linux", "os_name": "posix",
-        "python_version": ".".join(python.split(".")[:2]), "python_full_version": python,
-    }  # fmt: skip
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+        "platform_machine": machine,
+        "platform_system": "Linux",
+        "sys_platform": "linux",
+        "os_name": "posix",
+        "python_version": ".".join(python.split(".")[:2]),
+        "python_full_version": python,
+    }
 
 
 def sha256(path: Path) -> str:
@@ -139,8 +144,11 @@ def target_tags(machine: str, python: str) -> set:
         from pip._vendor.packaging.tags import Tag  # type: ignore[no-redef]
 
     digits = "".join(python.split(".")[:2])
-    interpreters = [f"cp{digits}", *(f"py{digits[0]}{minor}" for minor in range(int(digits[1:]), -1, -1)),
-                    f"py{digits[0]}"]  # fmt: skip
+    interpreters = [
+        f"cp{digits}",
+        *(f"py{digits[0]}{minor}" for minor in range(int(digits[1:]), -1, -1)),
+        f"py{digits[0]}",
+    ]
     platforms = [*platform_tags(machine), f"linux_{machine}"]
     tags = {Tag(f"cp{digits}", abi, plat) for abi in (f"cp{digits}", "abi3", "none") for plat in platforms}
     tags |= {Tag(f"cp3{minor}", "abi3", plat) for minor in range(2, int(digits[1:]) + 1) for plat in platforms}
@@ -243,8 +251,18 @@ def cmd_install_pinned(pin: str, expected: str) -> None:
         )
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(f"{name.strip()}=={version.strip()} --hash=sha256:{expected}\n")
-    command = [sys.executable, "-m", "pip", "install", *PIP_FLAGS, "--no-index", "--find-links", str(folder),
-               "-r", f.name]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        *PIP_FLAGS,
+        "--no-index",
+        "--find-links",
+        str(folder),
+        "-r",
+        f.name,
+    ]
     print(f"wheelhouse: {wheel.name} sha256 {actual} matches the pinned value; " + " ".join(command), flush=True)
     os.execv(sys.executable, command)
 
@@ -259,11 +277,29 @@ def cmd_download(lock: Path, out: Path, machine: str, python: str) -> None:
     major_minor = environment["python_version"]
     abi = "cp" + major_minor.replace(".", "")
     command = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes", "--only-binary=:all:",
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--require-hashes",
+        "--only-binary=:all:",
         *(f"--platform={tag}" for tag in platform_tags(machine)),
-        "--python-version", major_minor, "--implementation", "cp",
-        "--abi", abi, "--abi", "abi3", "--abi", "none", "-d", str(out), "-r", f.name,
-    ]  # fmt: skip
+        "--python-version",
+        major_minor,
+        "--implementation",
+        "cp",
+        "--abi",
+        abi,
+        "--abi",
+        "abi3",
+        "--abi",
+        "none",
+        "-d",
+        str(out),
+        "-r",
+        f.name,
+    ]
     print(f"wheelhouse: {len(entries)} packages of {lock.name} for linux {machine}, CPython {python} -> {out}")
     try:
         subprocess.run(command, check=True)
@@ -282,16 +318,22 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("out", type=Path)
     d.add_argument("--platform", choices=MACHINES, default=platform.machine(), help="target machine")
     d.add_argument("--python", default="3.11.14", help="target CPython version (markers and wheel tags)")
-    c = sub.add_parser("check", help="does WHEELHOUSE hold every wheel LOCK needs on this machine, or with "
-                                     "--platform on the image's (run it before a build)?")  # fmt: skip
+    c = sub.add_parser(
+        "check",
+        help="does WHEELHOUSE hold every wheel LOCK needs on this machine, or with "
+        "--platform on the image's (run it before a build)?",
+    )
     c.add_argument("lock", type=Path)
     c.add_argument("wheelhouse", type=Path)
     c.add_argument("--platform", choices=MACHINES, default=None, help="the image's machine (default: this one's tags)")
     c.add_argument("--python", default="3.11.14", help="the image's CPython version, with --platform")
     i = sub.add_parser("install", help="pip install LOCK (from /wheelhouse/$WHEELHOUSE when set)")
     i.add_argument("lock", type=Path)
-    p = sub.add_parser("install-pinned", help="pip install one wheel from /wheelhouse/$WHEELHOUSE whose sha256 "
-                                               "equals --sha256 (a wheel no public index carries)")  # fmt: skip
+    p = sub.add_parser(
+        "install-pinned",
+        help="pip install one wheel from /wheelhouse/$WHEELHOUSE whose sha256 "
+        "equals --sha256 (a wheel no public index carries)",
+    )
     p.add_argument("pin", help="name==version")
     p.add_argument("--sha256", default="", help="the wheel's sha256, pinned by the user (a build argument)")
     ns = parser.parse_args(argv)

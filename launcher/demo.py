@@ -251,14 +251,17 @@ def build_model_dir(out: Path, seed: int = 0, shard_size: str = "300KB") -> Path
     model.save_pretrained(out, max_shard_size=shard_size)
     build_processor(tokenizer).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / DEMO_MODEL_MARK).write_text("The launcher's demo model: a tiny Qwen3.5-architecture model with random "
-                                       "weights, built by `launcher demo`. What it generates is meaningless by "
-                                       "construction; it exists to exercise the pipeline.\n")  # fmt: skip
+    (out / DEMO_MODEL_MARK).write_text(
+        "The launcher's demo model: a tiny Qwen3.5-architecture model with random "
+        "weights, built by `launcher demo`. What it generates is meaningless by "
+        "construction; it exists to exercise the pipeline.\n"
+    )
     return out
 
 
-def write_dataset(out: Path, train: int = 48, eval: int = 8, seed: int = 0, test: int = 6,
-                  distinct_test_openings: bool = False) -> Path:  # fmt: skip
+def write_dataset(
+    out: Path, train: int = 48, eval: int = 8, seed: int = 0, test: int = 6, distinct_test_openings: bool = False
+) -> Path:
     """Write train/validation files and their ``dataset_info.json`` into ``out``, and a held-out test split
     (``demo_counsel_train_test.json``, not registered) recorded as ``launcher data prepare --test-size`` records
     one, so that ``launcher evaluate`` runs on the demo (its records are synthetic, as the rest).
@@ -282,8 +285,12 @@ def write_dataset(out: Path, train: int = 48, eval: int = 8, seed: int = 0, test
     test_file.write_text(
         json.dumps(demo_records(test, seed + 2, distinct_openings=distinct_test_openings), ensure_ascii=False, indent=1)
     )
-    record = {"format": "demo", "name": DATASET_TRAIN, "counts": {"train": train, "val": eval, "test": test},
-              "test": {"file": test_file.name, "sha256": sha256_file(test_file), "samples": test}}  # fmt: skip
+    record = {
+        "format": "demo",
+        "name": DATASET_TRAIN,
+        "counts": {"train": train, "val": eval, "test": test},
+        "test": {"file": test_file.name, "sha256": sha256_file(test_file), "samples": test},
+    }
     (out / f"{DATASET_TRAIN}.prepare.json").write_text(json.dumps(record, indent=2) + "\n")
     return out
 

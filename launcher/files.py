@@ -113,8 +113,12 @@ def disk_error(exc: BaseException, path: Path | None = None) -> dict[str, Any] |
             break
         except OSError:
             continue
-    return {"errno": errno.errorcode.get(exc.errno, str(exc.errno)), "path": None if path is None else str(path),
-            "free_bytes": free, "message": exc.strerror}  # fmt: skip
+    return {
+        "errno": errno.errorcode.get(exc.errno, str(exc.errno)),
+        "path": None if path is None else str(path),
+        "free_bytes": free,
+        "message": exc.strerror,
+    }
 
 
 def write_json_or_warn(path: Path, data: Any, what: str) -> dict[str, Any] | None:
@@ -307,8 +311,13 @@ def open_regular(path: Path) -> int:
     return fd
 
 
-_FILE_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-               stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a folder"}  # fmt: skip
+_FILE_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFDIR: "a folder",
+}
 
 
 def read_regular(path: Path, max_bytes: int) -> bytes:
@@ -405,8 +414,9 @@ def _value_count(data: bytes, limit: int) -> int:
     return bare.count(b",") + bare.count(b"[") + bare.count(b"{") + 1
 
 
-def read_json_bounded(path: Path, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH,
-                      max_items: int = MAX_JSON_ITEMS) -> Any:  # fmt: skip
+def read_json_bounded(
+    path: Path, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH, max_items: int = MAX_JSON_ITEMS
+) -> Any:
     """The JSON value in ``path`` (a regular file, ``read_regular``) parsed by ``parse_json``, read only if it
     is at most ``max_bytes``.
 
@@ -485,8 +495,11 @@ def typed(data: Any, model: type[T]) -> T:
     for key, value in values.items():
         if why := type_problem(value, hints[key]):
             raise Unreadable(f"field {key!r}: {why}")
-    missing = [f.name for f in dataclasses.fields(model) if f.name not in values
-               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # fmt: skip
+    missing = [
+        f.name
+        for f in dataclasses.fields(model)
+        if f.name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     if missing:
         raise Unreadable(f"no field {missing[0]!r}")
     return model(**values)
@@ -502,8 +515,9 @@ def read_typed(path: Path, model: type[T], max_bytes: int = MAX_JSON_BYTES, max_
     return typed(read_json_bounded(path, max_bytes, max_depth), model)
 
 
-def read_optional(path: Path, model: type[T], max_bytes: int = MAX_JSON_BYTES,
-                  max_depth: int = MAX_JSON_DEPTH) -> tuple[T | None, str | None]:  # fmt: skip
+def read_optional(
+    path: Path, model: type[T], max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH
+) -> tuple[T | None, str | None]:
     """``read_typed`` for a record that may be absent: ``(record, None)``; ``(None, None)`` when there is no
     file; ``(None, "unreadable: PATH (why)")`` when there is one that cannot be read as a ``model``."""
     try:
@@ -562,8 +576,10 @@ def load_yaml(text: str, what: str) -> Any:
         raise Unreadable(f"{what} has {len(text):,} characters, more than the {MAX_YAML_BYTES:,} a config may have")
     try:
         if "*" in text and (nodes := _expanded_nodes(yaml.compose(text, Loader=yaml.SafeLoader))) > MAX_YAML_NODES:
-            raise Unreadable(f"{what}: its YAML aliases (*name) expand it to {nodes:,} values, more than "
-                             f"{MAX_YAML_NODES:,} (an alias bomb?); write the values out")  # fmt: skip
+            raise Unreadable(
+                f"{what}: its YAML aliases (*name) expand it to {nodes:,} values, more than "
+                f"{MAX_YAML_NODES:,} (an alias bomb?); write the values out"
+            )
         return yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise Unreadable(f"{what} is not valid YAML: {shown(err)}") from None

@@ -71,9 +71,20 @@ class _Function:
                 @staticmethod
                 def forward(ctx, q, k, v, g, beta, scale):
                     q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # [B, H, T, D]
-                    out = getattr(ops, FWD)(q, k, v, g, beta, layout="BNSD", scale=scale, chunk_size=CHUNK,
-                                            use_exp2=False, use_qk_l2norm_in_kernel=False, disable_recompute=True,
-                                            output_final_state=False)  # fmt: skip
+                    out = getattr(ops, FWD)(
+                        q,
+                        k,
+                        v,
+                        g,
+                        beta,
+                        layout="BNSD",
+                        scale=scale,
+                        chunk_size=CHUNK,
+                        use_exp2=False,
+                        use_qk_l2norm_in_kernel=False,
+                        disable_recompute=True,
+                        output_final_state=False,
+                    )
                     o, g_cumsum, a = out[0], out[2], out[3]
                     ctx.save_for_backward(q, k, v, g_cumsum, beta, a)
                     ctx.scale = scale
@@ -83,9 +94,21 @@ class _Function:
                 def backward(ctx, d_o):
                     q, k, v, g_cumsum, beta, a = ctx.saved_tensors
                     dq, dk, dv, d_beta, d_g = getattr(ops, BWD)(
-                        q, k, v, g_cumsum, beta, a, d_o.contiguous(), ctx.scale, layout="BNSD", chunk_size=CHUNK,
-                        use_exp2=False, use_qk_l2norm_in_kernel=False, q_rstd=None, k_rstd=None,
-                    )[:5]  # fmt: skip
+                        q,
+                        k,
+                        v,
+                        g_cumsum,
+                        beta,
+                        a,
+                        d_o.contiguous(),
+                        ctx.scale,
+                        layout="BNSD",
+                        chunk_size=CHUNK,
+                        use_exp2=False,
+                        use_qk_l2norm_in_kernel=False,
+                        q_rstd=None,
+                        k_rstd=None,
+                    )[:5]
                     dq, dk, dv = (x.transpose(1, 2) for x in (dq, dk, dv))
                     return dq, dk, dv, d_g, d_beta, None
 
@@ -93,8 +116,9 @@ class _Function:
         return cls.cls
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=False, **kwargs):  # fmt: skip
+def chunk_gated_delta_rule(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs
+):
     """FLA's ``chunk_gated_delta_rule`` contract: q, k ``[B, T, Hk, K]``, v ``[B, T, Hv, V]``, g and beta
     ``[B, T, Hv]``; returns ``(o [B, T, Hv, V], None)``."""
     if initial_state is not None or output_final_state or kwargs.get("cu_seqlens") is not None:

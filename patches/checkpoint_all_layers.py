@@ -191,9 +191,16 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
     if getattr(lf._gradient_checkpointing_enable, _MARKER, None) != NAME:
         _state["original"] = lf._gradient_checkpointing_enable
     lf._gradient_checkpointing_enable = _gradient_checkpointing_enable
-    _state.update(proof=proof, enabled=True, enable_calls=[], func=non_reentrant_checkpoint(), backend=backend,
-                  count=options.get("uncheckpointed_layers"), budget=options.get("memory_budget_gib"),
-                  cutoff_len=facts.get("cutoff_len"))  # fmt: skip
+    _state.update(
+        proof=proof,
+        enabled=True,
+        enable_calls=[],
+        func=non_reentrant_checkpoint(),
+        backend=backend,
+        count=options.get("uncheckpointed_layers"),
+        budget=options.get("memory_budget_gib"),
+        cutoff_len=facts.get("cutoff_len"),
+    )
     trainer_hook.on_first_training_step(NAME, before=_before_first_step, after=_after_first_step)
     return {
         "replaced": [
@@ -271,31 +278,57 @@ def _finish_measuring(model) -> None:
     checkpoint_every_layer(model, _state["func"])  # the measured layers too; the plan picks again
     kinds, backend = meter.layers_by_kind, _state["backend"]
     costs, seq_len = agree_costs(meter.costs, kinds, meter.seq_len, backend)
-    record: dict[str, Any] = {"errors": meter.errors, "measured_layers": meter.measured, "timed_layers": meter.timed,
-                              "measured_here": {k: asdict(c) for k, c in meter.costs.items()},
-                              "first_layer_forward_s": meter.first_forward_s,
-                              "ranks": _world_size(), "recorded_at": utc_now()}  # fmt: skip
+    record: dict[str, Any] = {
+        "errors": meter.errors,
+        "measured_layers": meter.measured,
+        "timed_layers": meter.timed,
+        "measured_here": {k: asdict(c) for k, c in meter.costs.items()},
+        "first_layer_forward_s": meter.first_forward_s,
+        "ranks": _world_size(),
+        "recorded_at": utc_now(),
+    }
     if not costs:
         record["note"] = "no layer could be measured on any rank; every layer stays checkpointed"
     elif _state["count"] is not None:
         chosen = plan(costs, count=_state["count"])
         agreed = agree_counts(chosen.uncheckpointed, kinds, backend)
-        record.update(asdict(chosen), uncheckpointed=agreed, this_rank_chose=chosen.uncheckpointed,
-                      uncheckpointed_names=apply_plan(model, agreed))  # fmt: skip
+        record.update(
+            asdict(chosen),
+            uncheckpointed=agreed,
+            this_rank_chose=chosen.uncheckpointed,
+            uncheckpointed_names=apply_plan(model, agreed),
+        )
     else:
         # the first step kept the measured layers' activations: without them it is the all-checkpointed peak
         # (their count is below what they really took, so this errs high: fewer layers, never more)
         raw_peak = _memory(backend).max_memory_allocated() / GIB
         first_peak = raw_peak - meter.measured_bytes / GIB
-        chosen = plan(scaled(costs, PRIOR_FACTOR), budget_gib=_state["budget"], peak_gib=first_peak,
-                      held_gib=_state["held_gib"], seq_len=seq_len, cutoff_len=_state.get("cutoff_len"))  # fmt: skip
+        chosen = plan(
+            scaled(costs, PRIOR_FACTOR),
+            budget_gib=_state["budget"],
+            peak_gib=first_peak,
+            held_gib=_state["held_gib"],
+            seq_len=seq_len,
+            cutoff_len=_state.get("cutoff_len"),
+        )
         agreed = agree_counts(chosen.uncheckpointed, kinds, backend)
-        record.update(asdict(chosen), uncheckpointed=agreed, this_rank_chose=chosen.uncheckpointed,
-                      uncheckpointed_names=apply_plan(model, agreed),
-                      first_step_raw_peak_gib=round(raw_peak, 3))  # fmt: skip
-        _state["budget_plan"] = {"costs": costs, "chosen": agreed, "first_peak": first_peak, "kinds": kinds,
-                                 "seq_len": seq_len, "names": record["uncheckpointed_names"], "step": 2,
-                                 "priced_at": PRIOR_FACTOR}  # fmt: skip
+        record.update(
+            asdict(chosen),
+            uncheckpointed=agreed,
+            this_rank_chose=chosen.uncheckpointed,
+            uncheckpointed_names=apply_plan(model, agreed),
+            first_step_raw_peak_gib=round(raw_peak, 3),
+        )
+        _state["budget_plan"] = {
+            "costs": costs,
+            "chosen": agreed,
+            "first_peak": first_peak,
+            "kinds": kinds,
+            "seq_len": seq_len,
+            "names": record["uncheckpointed_names"],
+            "step": 2,
+            "priced_at": PRIOR_FACTOR,
+        }
     record["uncheckpointed_total"] = len(record.get("uncheckpointed_names", []))
     _state["proof"].update(layer_plan=record)
     _watch_step(2)
@@ -352,27 +385,59 @@ def _correct_plan(model) -> None:
     done = _state.pop("budget_plan")
     peak = _memory(_state["backend"]).max_memory_allocated() / GIB
     step_seq_len, first_seq_len = done.get("watched_seq_len", done["seq_len"]), done["seq_len"]
-    factor = correction(done["costs"], done["chosen"], peak_gib=peak, held_gib=_state["held_gib"],
-                        first_peak_gib=done["first_peak"], seq_len=step_seq_len,
-                        first_seq_len=first_seq_len)  # fmt: skip
-    record: dict[str, Any] = {"step": done["step"], "step_peak_gib": round(peak, 3), "factor": round(factor, 4),
-                              "step_seq_len": step_seq_len, "priced_at": done["priced_at"]}  # fmt: skip
-    keep = revised(done["costs"], done["chosen"], factor, priced_at=done["priced_at"], may_widen=done["step"] == 2,
-                   budget_gib=_state["budget"], peak_gib=done["first_peak"], held_gib=_state["held_gib"],
-                   seq_len=done["seq_len"], cutoff_len=_state.get("cutoff_len"))  # fmt: skip
+    factor = correction(
+        done["costs"],
+        done["chosen"],
+        peak_gib=peak,
+        held_gib=_state["held_gib"],
+        first_peak_gib=done["first_peak"],
+        seq_len=step_seq_len,
+        first_seq_len=first_seq_len,
+    )
+    record: dict[str, Any] = {
+        "step": done["step"],
+        "step_peak_gib": round(peak, 3),
+        "factor": round(factor, 4),
+        "step_seq_len": step_seq_len,
+        "priced_at": done["priced_at"],
+    }
+    keep = revised(
+        done["costs"],
+        done["chosen"],
+        factor,
+        priced_at=done["priced_at"],
+        may_widen=done["step"] == 2,
+        budget_gib=_state["budget"],
+        peak_gib=done["first_peak"],
+        held_gib=_state["held_gib"],
+        seq_len=done["seq_len"],
+        cutoff_len=_state.get("cutoff_len"),
+    )
     keep = agree_counts(keep, done["kinds"], _state["backend"])  # every rank, whatever its own factor
     rechecked = shrink_plan(model, done["names"], keep)
     kept = apply_plan(model, keep)
     widened = [n for n in kept if n not in done["names"]]
     if widened:  # the same on every rank (agreed counts, one model): the third step is watched on all or none
-        _state["budget_plan"] = {**{k: v for k, v in done.items() if k != "watched_seq_len"}, "chosen": keep,
-                                 "names": kept, "priced_at": factor, "step": 3}  # fmt: skip
+        _state["budget_plan"] = {
+            **{k: v for k, v in done.items() if k != "watched_seq_len"},
+            "chosen": keep,
+            "names": kept,
+            "priced_at": factor,
+            "step": 3,
+        }
         _watch_step(3)
     if keep != done["chosen"]:
         record["projected_peak_gib"] = projected_peak_gib(
-            scaled(done["costs"], factor), keep, peak_gib=done["first_peak"], held_gib=_state["held_gib"],
-            seq_len=done["seq_len"], cutoff_len=_state.get("cutoff_len"))  # fmt: skip
-    record.update(keep=keep, rechecked=rechecked, widened=widened, uncheckpointed_names=kept,
-                  uncheckpointed_total=len(kept))  # fmt: skip
-    _state["proof"].update(**{"plan_correction" if done["step"] == 2 else "plan_recheck": {
-        **record, "recorded_at": utc_now()}})  # fmt: skip
+            scaled(done["costs"], factor),
+            keep,
+            peak_gib=done["first_peak"],
+            held_gib=_state["held_gib"],
+            seq_len=done["seq_len"],
+            cutoff_len=_state.get("cutoff_len"),
+        )
+    record.update(
+        keep=keep, rechecked=rechecked, widened=widened, uncheckpointed_names=kept, uncheckpointed_total=len(kept)
+    )
+    _state["proof"].update(
+        **{"plan_correction" if done["step"] == 2 else "plan_recheck": {**record, "recorded_at": utc_now()}}
+    )

@@ -82,9 +82,16 @@ class Plan:
     detail: dict[str, Any]
 
 
-def plan(costs: dict[str, LayerCost], *, count: int | None = None, budget_gib: float | None = None,
-         peak_gib: float | None = None, held_gib: float | None = None, seq_len: int | None = None,
-         cutoff_len: int | None = None) -> Plan:  # fmt: skip
+def plan(
+    costs: dict[str, LayerCost],
+    *,
+    count: int | None = None,
+    budget_gib: float | None = None,
+    peak_gib: float | None = None,
+    held_gib: float | None = None,
+    seq_len: int | None = None,
+    cutoff_len: int | None = None,
+) -> Plan:
     """Choose how many layers of each measured kind to leave un-checkpointed.
 
     Args:
@@ -97,12 +104,16 @@ def plan(costs: dict[str, LayerCost], *, count: int | None = None, budget_gib: f
     Returns:
         A ``Plan``; with a budget, ``projected_peak_gib`` is the peak expected at ``cutoff_len``.
     """
-    order = sorted((c for c in costs.values() if c.saved_bytes > 0), key=lambda c: c.forward_s / c.saved_bytes,
-                   reverse=True)  # fmt: skip
+    order = sorted(
+        (c for c in costs.values() if c.saved_bytes > 0), key=lambda c: c.forward_s / c.saved_bytes, reverse=True
+    )
     scale = length_scale(seq_len, cutoff_len)
     chosen: dict[str, int] = {}
-    detail: dict[str, Any] = {"order": [c.kind for c in order], "length_scale": round(scale, 4),
-                              "costs": {c.kind: asdict(c) for c in order}}  # fmt: skip
+    detail: dict[str, Any] = {
+        "order": [c.kind for c in order],
+        "length_scale": round(scale, 4),
+        "costs": {c.kind: asdict(c) for c in order},
+    }
     if count is not None:
         left = count
         for cost in order:
@@ -115,17 +126,23 @@ def plan(costs: dict[str, LayerCost], *, count: int | None = None, budget_gib: f
     assert budget_gib is not None and peak_gib is not None and held_gib is not None
     all_checkpointed = held_gib + (peak_gib - held_gib) * scale
     room = budget_gib - MARGIN_GIB - all_checkpointed
-    detail.update(budget_gib=budget_gib, margin_gib=MARGIN_GIB, first_step_peak_gib=round(peak_gib, 3),
-                  held_before_step_gib=round(held_gib, 3), all_checkpointed_peak_gib=round(all_checkpointed, 3),
-                  room_gib=round(room, 3))  # fmt: skip
+    detail.update(
+        budget_gib=budget_gib,
+        margin_gib=MARGIN_GIB,
+        first_step_peak_gib=round(peak_gib, 3),
+        held_before_step_gib=round(held_gib, 3),
+        all_checkpointed_peak_gib=round(all_checkpointed, 3),
+        room_gib=round(room, 3),
+    )
     for cost in order:
         per_layer = cost.saved_bytes * scale / GIB
         take = min(cost.layers, max(0, math.floor(room / per_layer))) if per_layer > 0 else 0
         if take:
             chosen[cost.kind] = take
             room -= take * per_layer
-    projected = projected_peak_gib(costs, chosen, peak_gib=peak_gib, held_gib=held_gib, seq_len=seq_len,
-                                   cutoff_len=cutoff_len)  # fmt: skip
+    projected = projected_peak_gib(
+        costs, chosen, peak_gib=peak_gib, held_gib=held_gib, seq_len=seq_len, cutoff_len=cutoff_len
+    )
     return Plan(chosen, projected, detail)
 
 
@@ -134,8 +151,15 @@ def length_scale(seq_len: int | None, cutoff_len: int | None) -> float:
     return (cutoff_len / seq_len) if seq_len and cutoff_len and cutoff_len > seq_len else 1.0
 
 
-def projected_peak_gib(costs: dict[str, LayerCost], chosen: dict[str, int], *, peak_gib: float, held_gib: float,
-                       seq_len: int | None, cutoff_len: int | None) -> float:  # fmt: skip
+def projected_peak_gib(
+    costs: dict[str, LayerCost],
+    chosen: dict[str, int],
+    *,
+    peak_gib: float,
+    held_gib: float,
+    seq_len: int | None,
+    cutoff_len: int | None,
+) -> float:
     """The peak projected at ``cutoff_len`` with ``chosen`` layers un-checkpointed: the all-checkpointed first step's
     peak above ``held_gib`` and each layer's cost, both scaled by length (``plan``'s projection)."""
     scale = length_scale(seq_len, cutoff_len)
@@ -143,8 +167,16 @@ def projected_peak_gib(costs: dict[str, LayerCost], chosen: dict[str, int], *, p
     return round(held_gib + (peak_gib - held_gib) * scale + layers, 3)
 
 
-def correction(costs: dict[str, LayerCost], chosen: dict[str, int], *, peak_gib: float, held_gib: float,
-               first_peak_gib: float, seq_len: int, first_seq_len: int) -> float:  # fmt: skip
+def correction(
+    costs: dict[str, LayerCost],
+    chosen: dict[str, int],
+    *,
+    peak_gib: float,
+    held_gib: float,
+    first_peak_gib: float,
+    seq_len: int,
+    first_seq_len: int,
+) -> float:
     """The factor (>= 1) by which the un-checkpointed layers of ``chosen`` took more than counted, from a
     step's ``peak_gib`` at ``seq_len`` against the all-checkpointed first step's (both scaled by length); 1 where
     they took less (a layer is never priced under its count)."""
@@ -154,8 +186,15 @@ def correction(costs: dict[str, LayerCost], chosen: dict[str, int], *, peak_gib:
     return max(1.0, (peak_gib - all_checkpointed) / counted) if counted > 0 else 1.0
 
 
-def revised(costs: dict[str, LayerCost], chosen: dict[str, int], factor: float, *, priced_at: float,
-            may_widen: bool, **budget: Any) -> dict[str, int]:  # fmt: skip
+def revised(
+    costs: dict[str, LayerCost],
+    chosen: dict[str, int],
+    factor: float,
+    *,
+    priced_at: float,
+    may_widen: bool,
+    **budget: Any,
+) -> dict[str, int]:
     """The layers to keep un-checkpointed after a step that ran ``chosen`` (priced at ``priced_at`` times the
     count) measured ``factor``: dearer, the plan at ``factor`` with no kind above ``chosen`` (never un-checkpoints
     a layer the plan that ran kept checkpointed); cheaper and ``may_widen``, the plan at ``factor`` whole, which

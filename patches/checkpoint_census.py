@@ -112,8 +112,10 @@ class StepObserver:
         for handle in self.handles:
             handle.remove()
         self.handles = []
-        layers = [{**entry, "observed": self.observed.get(entry["name"], "not_run"), "calls": self.calls[entry["name"]]}
-                  for entry in self.configured]  # fmt: skip
+        layers = [
+            {**entry, "observed": self.observed.get(entry["name"], "not_run"), "calls": self.calls[entry["name"]]}
+            for entry in self.configured
+        ]
         return {
             "layers": len(layers),
             "gradient_checkpointing_true": sum(entry["gradient_checkpointing"] for entry in layers),

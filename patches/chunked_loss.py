@@ -56,9 +56,19 @@ MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
 CLASS = "Qwen3_5ForConditionalGeneration"
 IGNORE_INDEX = -100  # transformers' ForCausalLMLoss default, LLaMA-Factory's IGNORE_INDEX
 EXPECTED_PARAMETERS = (
-    "input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "labels", "pixel_values",
-    "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_token_type_ids", "logits_to_keep",
-)  # fmt: skip
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "past_key_values",
+    "inputs_embeds",
+    "labels",
+    "pixel_values",
+    "pixel_values_videos",
+    "image_grid_thw",
+    "video_grid_thw",
+    "mm_token_type_ids",
+    "logits_to_keep",
+)
 
 
 class Options(BaseModel):
@@ -132,14 +142,25 @@ def _make_forward(original):
         loss, supervised, chunks = chunked_causal_lm_loss(outputs[0], labels, self.lm_head, _state["chunk_tokens"])
         if not _state.get("first_call_recorded"):
             _state["first_call_recorded"] = True
-            _state["proof"].update(first_call={
-                "tokens": int(labels.numel()), "supervised_tokens": supervised, "chunks": chunks,
-                "grad": bool(loss.requires_grad), "device": str(outputs[0].device), "recorded_at": utc_now(),
-            })  # fmt: skip
+            _state["proof"].update(
+                first_call={
+                    "tokens": int(labels.numel()),
+                    "supervised_tokens": supervised,
+                    "chunks": chunks,
+                    "grad": bool(loss.requires_grad),
+                    "device": str(outputs[0].device),
+                    "recorded_at": utc_now(),
+                }
+            )
         output_cls = sys.modules[MODULE].Qwen3_5CausalLMOutputWithPast
-        return output_cls(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                          hidden_states=outputs.hidden_states, attentions=outputs.attentions,
-                          rope_deltas=outputs.rope_deltas)  # fmt: skip
+        return output_cls(
+            loss=loss,
+            logits=None,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            rope_deltas=outputs.rope_deltas,
+        )
 
     return forward
 

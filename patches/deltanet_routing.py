@@ -145,8 +145,11 @@ def select_route(backend: str, kernel: str, fla: FlaFacts, chosen: dict[str, Any
             return Route(kernel="ascendc", recurrent="torch", conv="torch", reason=reason)
         if chosen.get("chosen") == "torch":
             return _torch_route(reason)
-        raise PatchError(NAME, f"preflight's kernel choice holds no usable chunk kernel: {chosen}",
-                         "run launcher preflight again (it chooses the kernels) and read its kernel row")  # fmt: skip
+        raise PatchError(
+            NAME,
+            f"preflight's kernel choice holds no usable chunk kernel: {chosen}",
+            "run launcher preflight again (it chooses the kernels) and read its kernel row",
+        )
     if kernel == "torch":
         note = f"; FLA would have refused: {fla.refusal}" if fla.refusal else ""
         return _torch_route(f"the config chose kernel: torch{note}")
@@ -249,8 +252,9 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
     record = facts.get("kernel_choice") if backend == "npu" and options["kernel"] == "auto" else None
     chosen = (record or {}).get("components", {}).get("chunk")
     # On CUDA transformers has imported FLA already (if installed); on NPU import it only to use it.
-    wants_fla = backend == "cuda" or (backend == "npu" and options["kernel"] != "torch" and
-                                      (chosen or {}).get("chosen", "fla") == "fla")  # fmt: skip
+    wants_fla = backend == "cuda" or (
+        backend == "npu" and options["kernel"] != "torch" and (chosen or {}).get("chosen", "fla") == "fla"
+    )
     fla = probe_fla(backend) if wants_fla else fla_presence()
     route = select_route(backend, options["kernel"], fla, chosen)
     kernels = load_fla_kernels() if route.kernel == "fla" else FlaKernels()

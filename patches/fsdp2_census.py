@@ -28,8 +28,10 @@ def shard_census(model) -> dict[str, Any]:
 
     sides: dict[str, dict[str, Any]] = {}
     for param in model.parameters():
-        side = sides.setdefault("trainable" if param.requires_grad else "frozen",
-                                {"dtypes": set(), "local_bytes": 0, "full_bytes": 0, "tensors": 0})  # fmt: skip
+        side = sides.setdefault(
+            "trainable" if param.requires_grad else "frozen",
+            {"dtypes": set(), "local_bytes": 0, "full_bytes": 0, "tensors": 0},
+        )
         side["dtypes"].add(str(param.dtype).replace("torch.", ""))
         side["local_bytes"] += _bytes(_local(param))
         side["full_bytes"] += param.numel() * param.element_size()
@@ -43,8 +45,11 @@ def shard_census(model) -> dict[str, Any]:
         params = [p for p in module.parameters() if id(p) not in owned]
         owned.update(id(p) for p in params)
         if params:
-            units[name or "<root>"] = {"local_bytes": sum(_bytes(_local(p)) for p in params),
-                                       "full_bytes": sum(_bytes(p) for p in params), "parameters": len(params),
-                                       "first_shape": list(params[0].shape),
-                                       "first_local_shape": list(_local(params[0]).shape)}  # fmt: skip
+            units[name or "<root>"] = {
+                "local_bytes": sum(_bytes(_local(p)) for p in params),
+                "full_bytes": sum(_bytes(p) for p in params),
+                "parameters": len(params),
+                "first_shape": list(params[0].shape),
+                "first_local_shape": list(_local(params[0]).shape),
+            }
     return {"frozen": sides.get("frozen"), "trainable": sides.get("trainable"), "units": units}

@@ -88,10 +88,13 @@ def trainable_units_mode(choice: str, torch_version: str) -> str:
     if choice == "auto":
         return "shared" if allowed else "own"
     if choice == "shared" and not allowed:
-        raise PatchError(NAME, f"trainable_units: shared needs torch >= 2.8; torch {torch_version} asserts \"FSDP "
-                         "expects uniform original parameter dtype\" for a unit that mixes the bf16 base and the "
-                         "float32 LoRA parameters", "set launcher.patches.fsdp2_frozen_dtype.trainable_units: auto "
-                         "(or own)")  # fmt: skip
+        raise PatchError(
+            NAME,
+            f'trainable_units: shared needs torch >= 2.8; torch {torch_version} asserts "FSDP '
+            'expects uniform original parameter dtype" for a unit that mixes the bf16 base and the '
+            "float32 LoRA parameters",
+            "set launcher.patches.fsdp2_frozen_dtype.trainable_units: auto (or own)",
+        )
     return choice
 
 
@@ -250,12 +253,20 @@ def _make_prepare(original):
             prepared = original(accelerator, model)
         finally:
             model.__dict__.pop("to", None)
-        _state["proof"].update(preparation={
-            "mixed_precision": accelerator.mixed_precision, "upcast_to_float32": len(upcast),
-            "upcast_examples": upcast[:4], "whole_model_upcast_skipped": seen["intercepted"],
-            "trainable_units": units, "trainable_units_mode": _state["trainable_units"], "embedding_units": embeddings,
-            "distributed_type": accelerator.distributed_type.value,
-            **shard_census(prepared), "recorded_at": utc_now()})  # fmt: skip
+        _state["proof"].update(
+            preparation={
+                "mixed_precision": accelerator.mixed_precision,
+                "upcast_to_float32": len(upcast),
+                "upcast_examples": upcast[:4],
+                "whole_model_upcast_skipped": seen["intercepted"],
+                "trainable_units": units,
+                "trainable_units_mode": _state["trainable_units"],
+                "embedding_units": embeddings,
+                "distributed_type": accelerator.distributed_type.value,
+                **shard_census(prepared),
+                "recorded_at": utc_now(),
+            }
+        )
         return prepared
 
     return fsdp2_prepare_model
@@ -297,8 +308,12 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
     _state.update(active=True, proof=proof, trainable_units=units, embedding_units=options["embedding_units"], cpu=cpu)
     if cpu:
         _lift_cpu_gate()
-    return {"replaced": [f"{MODULE}.{FUNCTION}", *([f"{STATE_MODULE}.AcceleratorState.__init__"] if cpu else [])],
-            "fsdp2_rank": fsdp2_rank(), "cpu_fsdp_lifted": cpu, "trainable_units": units}  # fmt: skip
+    return {
+        "replaced": [f"{MODULE}.{FUNCTION}", *([f"{STATE_MODULE}.AcceleratorState.__init__"] if cpu else [])],
+        "fsdp2_rank": fsdp2_rank(),
+        "cpu_fsdp_lifted": cpu,
+        "trainable_units": units,
+    }
 
 
 def observe(*, backend: str, proof: ProofFile) -> None:

@@ -56,8 +56,11 @@ from .versions import require_global_loads, require_symbols
 from .wrapping import MARKER, ORIGINAL, wrap_once
 
 NAME = "fsdp2_resume_adapter"
-SUPPORTED = {"accelerate": SpecifierSet(">=1.11.0,<1.15"), "transformers": SpecifierSet(">=5.6.0,<5.7"),
-             "torch": SpecifierSet(">=2.7")}  # fmt: skip
+SUPPORTED = {
+    "accelerate": SpecifierSet(">=1.11.0,<1.15"),
+    "transformers": SpecifierSet(">=5.6.0,<5.7"),
+    "torch": SpecifierSet(">=2.7"),
+}
 MODULE = "transformers.trainer"
 FUNCTION = "load_fsdp_model"
 CALLERS = ("_load_from_checkpoint", "_load_best_model")
@@ -80,8 +83,9 @@ def check_symbols() -> None:
     for caller in CALLERS:
         require_global_loads(NAME, getattr(trainer.Trainer, caller), (FUNCTION,), "transformers")
     require_symbols(NAME, "accelerate.utils", ("is_peft_model",), "accelerate")
-    require_symbols(NAME, "torch.distributed.checkpoint.state_dict", ("set_model_state_dict", "StateDictOptions"),
-                    "torch")  # fmt: skip
+    require_symbols(
+        NAME, "torch.distributed.checkpoint.state_dict", ("set_model_state_dict", "StateDictOptions"), "torch"
+    )
 
 
 def file_key(name: str, adapter: str) -> str | None:
@@ -160,8 +164,10 @@ def _read_on_rank0(checkpoint: str, trainable: dict[str, tuple[int, ...]], adapt
     """World rank 0's reading of the adapter file: the tensors to send, or the problem every rank raises."""
     path = os.path.join(checkpoint, ADAPTER_FILE)
     if not os.path.isfile(path):
-        return {"problem": f"{path} does not exist, so the LoRA shards of ranks other than 0 cannot be restored "
-                           "(accelerate's pytorch_model_fsdp.bin holds rank 0's slices only)"}  # fmt: skip
+        return {
+            "problem": f"{path} does not exist, so the LoRA shards of ranks other than 0 cannot be restored "
+            "(accelerate's pytorch_model_fsdp.bin holds rank 0's slices only)"
+        }
     import torch
     from safetensors.torch import load_file
 
@@ -172,8 +178,15 @@ def _read_on_rank0(checkpoint: str, trainable: dict[str, tuple[int, ...]], adapt
         return {"problem": f"{path} does not match the model's adapter {adapter!r}: {problem}"}
     tensors = {name: stored_tensors[key] for name, key in mapping.items()}
     sq_norm = sum(float(t.to(torch.float64).square().sum()) for t in tensors.values())
-    return {"problem": None, "tensors": tensors, "file": path, "file_tensors": len(stored), "file_sq_norm": sq_norm,
-            "extra_file_keys": extra[:8], "extra_file_key_count": len(extra)}  # fmt: skip
+    return {
+        "problem": None,
+        "tensors": tensors,
+        "file": path,
+        "file_tensors": len(stored),
+        "file_sq_norm": sq_norm,
+        "extra_file_keys": extra[:8],
+        "extra_file_key_count": len(extra),
+    }
 
 
 def restore_adapter(model, checkpoint: str) -> dict[str, Any]:
@@ -194,10 +207,13 @@ def restore_adapter(model, checkpoint: str) -> dict[str, Any]:
     verdict = [read.get("problem") if rank == 0 else None]
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
-        raise PatchError(NAME, f"resuming from {checkpoint} under FSDP2: {verdict[0]}",
-                         f"resume from a checkpoint the Trainer wrote with its PEFT adapter file (launcher resume "
-                         f"picks the last complete one), or turn the patch off ({TURN_OFF}) and accept that ranks "
-                         "other than 0 restart their LoRA slices from initial values")  # fmt: skip
+        raise PatchError(
+            NAME,
+            f"resuming from {checkpoint} under FSDP2: {verdict[0]}",
+            f"resume from a checkpoint the Trainer wrote with its PEFT adapter file (launcher resume "
+            f"picks the last complete one), or turn the patch off ({TURN_OFF}) and accept that ranks "
+            "other than 0 restart their LoRA slices from initial values",
+        )
     before_values = _local_copies(params)
     before = _local_census(params)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
@@ -207,12 +223,20 @@ def restore_adapter(model, checkpoint: str) -> dict[str, Any]:
     with torch.no_grad():
         for name, param in params.items():
             changed += int(not torch.equal(_local(param), before_values[name]))
-    record = {"checkpoint": checkpoint, "adapter": adapter, "tensors_set": len(params),
-              "changed_local_tensors": changed, "local_before": before, "local_after": after,
-              "seconds": round(time.monotonic() - started, 3), "recorded_at": utc_now()}  # fmt: skip
+    record = {
+        "checkpoint": checkpoint,
+        "adapter": adapter,
+        "tensors_set": len(params),
+        "changed_local_tensors": changed,
+        "local_before": before,
+        "local_after": after,
+        "seconds": round(time.monotonic() - started, 3),
+        "recorded_at": utc_now(),
+    }
     if rank == 0:
-        record.update({k: read[k] for k in ("file", "file_tensors", "file_sq_norm", "extra_file_keys",
-                                            "extra_file_key_count")})  # fmt: skip
+        record.update(
+            {k: read[k] for k in ("file", "file_tensors", "file_sq_norm", "extra_file_keys", "extra_file_key_count")}
+        )
     return record
 
 

@@ -45,10 +45,16 @@ OPS = ("conv", "rms_norm", "gated_norm", "swiglu")
 # Tuned at 512 tokens and run at 4,096 on one H100 it was as fast as FLA's own choice at 4,096 within the spread of
 # two readings, and a new length of a packed run cost 1.5 s instead of 16 to 37 (docs/lab/2026-12-07-tuned-by-width.md).
 ROW_BUCKET_KEY = "NB"
-FLA_ROW_BUCKETED = {"rms_norm": (("fla.modules.norm.layernorm", "layer_norm_fwd_kernel"),
-                                 ("fla.modules.norm.layernorm", "layer_norm_bwd_kernel")),
-                    "gated_norm": (("fla.modules.norm.fused_norm_gate", "layer_norm_gated_fwd_kernel"),
-                                   ("fla.modules.norm.fused_norm_gate", "layer_norm_gated_bwd_kernel"))}  # fmt: skip
+FLA_ROW_BUCKETED = {
+    "rms_norm": (
+        ("fla.modules.norm.layernorm", "layer_norm_fwd_kernel"),
+        ("fla.modules.norm.layernorm", "layer_norm_bwd_kernel"),
+    ),
+    "gated_norm": (
+        ("fla.modules.norm.fused_norm_gate", "layer_norm_gated_fwd_kernel"),
+        ("fla.modules.norm.fused_norm_gate", "layer_norm_gated_bwd_kernel"),
+    ),
+}
 FLA_IMPORTS = {
     "conv": ("fla.modules.causal_conv1d", "causal_conv1d"),
     "rms_norm": ("fla.modules.norm.layernorm", "rms_norm"),
@@ -65,8 +71,9 @@ class Choice:
     reason: str
 
 
-def select_kernels(backend: str, wanted: dict[str, bool], fla_usable: str | None,
-                   npu_rms_norm: bool) -> dict[str, Choice]:  # fmt: skip
+def select_kernels(
+    backend: str, wanted: dict[str, bool], fla_usable: str | None, npu_rms_norm: bool
+) -> dict[str, Choice]:
     """Decide per op (pure logic).
 
     Args:
@@ -118,8 +125,9 @@ class FlaConv:
         """Packed rows laid end to end, ``x`` ``[1, N, D]``: each sample convolved alone (``cu_seqlens``; None: the
         row as one sequence)."""
         self.calls += 1
-        out, _ = self.kernel(x, weight=weight, bias=bias, activation=activation, cu_seqlens=cu_seqlens,
-                             cu_seqlens_cpu=cu_seqlens_cpu)  # fmt: skip
+        out, _ = self.kernel(
+            x, weight=weight, bias=bias, activation=activation, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu
+        )
         return out
 
     # one adapter per process, shared by every layer; copying a model must not fork it

@@ -79,8 +79,9 @@ def check_symbols() -> None:
     for module_name, prefix in PREFIX.items():
         names = ["causal_conv1d_fn", f"{prefix}GatedDeltaNet", *(prefix + suffix for suffix, _ in WRAPPED.values())]
         module = require_symbols(NAME, module_name, names, "transformers")
-        require_global_loads(NAME, getattr(module, f"{prefix}GatedDeltaNet").__init__, ("causal_conv1d_fn",),
-                             "transformers")  # fmt: skip
+        require_global_loads(
+            NAME, getattr(module, f"{prefix}GatedDeltaNet").__init__, ("causal_conv1d_fn",), "transformers"
+        )
 
 
 def fla_usable(backend: str) -> str | None:
@@ -221,8 +222,9 @@ def _after_first_step(trainer, model) -> None:
     calls = {op: _state["calls"][op] - _state["calls_before"][op] for op in _state["calls"]}
     if _state["conv"] is not None:
         calls["conv"] = _state["conv"].calls - _state["conv_calls_before"]
-    _state["proof"].update(first_training_step={"modules": _state["modules"], "fused_calls": calls,
-                                                "recorded_at": utc_now()})  # fmt: skip
+    _state["proof"].update(
+        first_training_step={"modules": _state["modules"], "fused_calls": calls, "recorded_at": utc_now()}
+    )
 
 
 def observe(*, backend: str, proof: ProofFile) -> None:

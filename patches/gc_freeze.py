@@ -66,8 +66,12 @@ def _freeze(trainer, model) -> None:
     seconds = round(time.perf_counter() - started, 4)
     gc.freeze()
     _state["frozen"] = True
-    _state["proof"].update(frozen_objects=gc.get_freeze_count(), full_collection_s=seconds,
-                           before_training_step=_state["at_step"], frozen_at=utc_now())  # fmt: skip
+    _state["proof"].update(
+        frozen_objects=gc.get_freeze_count(),
+        full_collection_s=seconds,
+        before_training_step=_state["at_step"],
+        frozen_at=utc_now(),
+    )
 
 
 def _schedule(trainer, model) -> None:

@@ -139,8 +139,9 @@ class InForwardMeter:
                 if kind not in self.timed:
                     self.timed[kind] = name
                     self._handles.append(layer.register_forward_pre_hook(self._time_pre(kind), with_kwargs=True))
-                    self._handles.append(layer.register_forward_hook(self._time_post(kind), with_kwargs=True,
-                                                                     always_call=True))  # fmt: skip
+                    self._handles.append(
+                        layer.register_forward_hook(self._time_post(kind), with_kwargs=True, always_call=True)
+                    )
                 continue
             self.measured[kind] = name
             layer.gradient_checkpointing = False

@@ -54,9 +54,12 @@ def check_symbols() -> None:
     base = getattr(importlib.import_module(MODULE), CLASS)
     lora = require_symbols(NAME, "peft.tuners.lora.layer", ("Linear",), "peft")
     if not hasattr(base, "_cast_input_dtype") or "_cast_input_dtype" not in lora.Linear.forward.__code__.co_names:
-        raise PatchError(NAME, "peft's LoRA Linear.forward no longer casts its input through "
-                         "BaseTunerLayer._cast_input_dtype; the code this patch targets has changed",
-                         "install peft 0.18.x, or update patches/lora_input_cast.py")  # fmt: skip
+        raise PatchError(
+            NAME,
+            "peft's LoRA Linear.forward no longer casts its input through "
+            "BaseTunerLayer._cast_input_dtype; the code this patch targets has changed",
+            "install peft 0.18.x, or update patches/lora_input_cast.py",
+        )
 
 
 def skips(x, dtype) -> bool:

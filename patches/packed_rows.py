@@ -128,8 +128,18 @@ COLLATOR = ("llamafactory.data.collator", "SFTDataCollatorWith4DAttentionMask")
 TORCH_VARLEN = "torch.nn.attention.varlen.varlen_attn"
 ATEN_FLASH = "torch.ops.aten._flash_attention_forward"
 # the leading arguments ATEN_FLASH is called with (torch 2.7.1 through 2.14, in this order), and its keyword
-FLASH_ARGUMENTS = ("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal",
-                   "return_debug_mask")  # fmt: skip
+FLASH_ARGUMENTS = (
+    "query",
+    "key",
+    "value",
+    "cum_seq_q",
+    "cum_seq_k",
+    "max_q",
+    "max_k",
+    "dropout_p",
+    "is_causal",
+    "return_debug_mask",
+)
 NPU_VARLEN = "torch_npu.npu_fusion_attention"
 MASKED = "sdpa with the block mask"
 # A row of one sample, its padding after it, through SDPA causal over the whole row without the mask, as an unpacked
@@ -201,10 +211,14 @@ class Segments:
         if key not in self._on_device:
             import torch
 
-            found = [(row, start + offset, offset) for row, start, end, _ in self.spans
-                     for offset in range(min(taps - 1, end - start))]  # fmt: skip
-            self._on_device[key] = tuple(torch.tensor(list(column), dtype=torch.long, device=device)
-                                         for column in zip(*found, strict=True))  # fmt: skip
+            found = [
+                (row, start + offset, offset)
+                for row, start, end, _ in self.spans
+                for offset in range(min(taps - 1, end - start))
+            ]
+            self._on_device[key] = tuple(
+                torch.tensor(list(column), dtype=torch.long, device=device) for column in zip(*found, strict=True)
+            )
         return self._on_device[key]
 
     def cu_seqlens_tensors(self, device, dtype=None, piece: int = 0, joined: bool = False) -> tuple[Any, Any]:
@@ -217,8 +231,7 @@ class Segments:
 
             bounds = self.cu_seqlens(piece, joined)
             dtype = dtype or torch.long
-            self._on_device[key] = (torch.tensor(bounds, dtype=dtype, device=device),
-                                    torch.tensor(bounds, dtype=dtype))  # fmt: skip
+            self._on_device[key] = (torch.tensor(bounds, dtype=dtype, device=device), torch.tensor(bounds, dtype=dtype))
         return self._on_device[key]
 
     def state_bounds(self, device) -> tuple[Any, Any]:
@@ -400,9 +413,14 @@ def chunk_per_segment(kernel, query, key, value, g, beta, found: Segments | None
     import torch
 
     if not isinstance(kernel, KernelRecorder):
-        raise PatchError(NAME, (
-            f"a DeltaNet layer is bound to {type(kernel).__name__}, not to the routed kernel, so its packed rows "
-            "cannot be split by sample"), "keep launcher.patches.deltanet_routing enabled when packing")  # fmt: skip
+        raise PatchError(
+            NAME,
+            (
+                f"a DeltaNet layer is bound to {type(kernel).__name__}, not to the routed kernel, so its packed rows "
+                "cannot be split by sample"
+            ),
+            "keep launcher.patches.deltanet_routing enabled when packing",
+        )
     options = {"initial_state": None, "output_final_state": False, "use_qk_l2norm_in_kernel": True}
     if found is None:
         return kernel(query, key, value, g=g, beta=beta, **options)[0]
@@ -414,11 +432,23 @@ def chunk_per_segment(kernel, query, key, value, g, beta, found: Segments | None
         out, _ = kernel(*flat[:3], g=flat[3], beta=flat[4], **bounds, **options)
         return out.reshape(rows, length, *out.shape[2:])
     rows = [
-        torch.cat([kernel(query[r : r + 1, s:e], key[r : r + 1, s:e], value[r : r + 1, s:e],
-                          g=g[r : r + 1, s:e], beta=beta[r : r + 1, s:e], **options)[0]
-                   for r, s, e, _ in found.spans if r == row], dim=1)
+        torch.cat(
+            [
+                kernel(
+                    query[r : r + 1, s:e],
+                    key[r : r + 1, s:e],
+                    value[r : r + 1, s:e],
+                    g=g[r : r + 1, s:e],
+                    beta=beta[r : r + 1, s:e],
+                    **options,
+                )[0]
+                for r, s, e, _ in found.spans
+                if r == row
+            ],
+            dim=1,
+        )
         for row in range(found.rows)
-    ]  # fmt: skip
+    ]
     return torch.cat(rows, dim=0)
 
 
@@ -451,16 +481,31 @@ def packed_forward(layer, hidden_states, found: Segments | None):
     a = layer.in_proj_a(hidden_states)
     if found is None:
         x = projected.transpose(1, 2)
-        mixed = (F.silu(layer.conv1d(x)[:, :, :length]) if layer.causal_conv1d_fn is None else
-                 layer.causal_conv1d_fn(x=x, weight=layer.conv1d.weight.squeeze(1), bias=layer.conv1d.bias,
-                                        activation=layer.activation, seq_idx=None)).transpose(1, 2)  # fmt: skip
+        mixed = (
+            F.silu(layer.conv1d(x)[:, :, :length])
+            if layer.causal_conv1d_fn is None
+            else layer.causal_conv1d_fn(
+                x=x,
+                weight=layer.conv1d.weight.squeeze(1),
+                bias=layer.conv1d.bias,
+                activation=layer.activation,
+                seq_idx=None,
+            )
+        ).transpose(1, 2)
     elif (conv := fused_ops.conv_of(layer)) is not None:  # FLA's convolution takes the samples' boundaries itself
         cu, cu_cpu = found.state_bounds(hidden_states.device)
-        mixed = conv.varlen(projected.reshape(1, batch * length, -1), layer.conv1d.weight.squeeze(1),
-                            layer.conv1d.bias, layer.activation, cu, cu_cpu).reshape(batch, length, -1)  # fmt: skip
+        mixed = conv.varlen(
+            projected.reshape(1, batch * length, -1),
+            layer.conv1d.weight.squeeze(1),
+            layer.conv1d.bias,
+            layer.activation,
+            cu,
+            cu_cpu,
+        ).reshape(batch, length, -1)
     else:
-        mixed = segment_causal_conv(projected.transpose(1, 2), layer.conv1d.weight, layer.conv1d.bias,
-                                    found).transpose(1, 2)  # fmt: skip
+        mixed = segment_causal_conv(projected.transpose(1, 2), layer.conv1d.weight, layer.conv1d.bias, found).transpose(
+            1, 2
+        )
     query, key, value = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
     query = query.reshape(batch, length, -1, layer.head_k_dim)
     key = key.reshape(batch, length, -1, layer.head_k_dim)
@@ -537,8 +582,9 @@ def npu_causal_tile(device: str):
     return torch.ones(2048, 2048, dtype=torch.bool, device=device).triu(1)
 
 
-def varlen_attention(kernel: str, query, key, value, found: Segments, scaling: float | None,
-                     padding_piece: int | None = None):  # fmt: skip
+def varlen_attention(
+    kernel: str, query, key, value, found: Segments, scaling: float | None, padding_piece: int | None = None
+):
     """Causal attention inside every segment of packed rows: ``query`` ``[B, H, T, D]``, ``key``/``value``
     ``[B, Hkv, T, D]`` (the layout transformers' attention functions take) to ``[B, T, H, D]`` (the one they
     return), the rows laid end to end as the varlen kernels take them, the padding in pieces of ``padding_piece``
@@ -553,14 +599,26 @@ def varlen_attention(kernel: str, query, key, value, found: Segments, scaling: f
         import torch_npu
 
         ends = found.cu_seqlens(padding_piece)[1:]  # cumulative lengths without the leading 0
-        out = torch_npu.npu_fusion_attention(q, k, v, heads, "TND", atten_mask=npu_causal_tile(str(q.device)),
-                                             scale=scaling, sparse_mode=3, actual_seq_qlen=ends,
-                                             actual_seq_kvlen=ends)[0]  # fmt: skip
+        out = torch_npu.npu_fusion_attention(
+            q,
+            k,
+            v,
+            heads,
+            "TND",
+            atten_mask=npu_causal_tile(str(q.device)),
+            scale=scaling,
+            sparse_mode=3,
+            actual_seq_qlen=ends,
+            actual_seq_kvlen=ends,
+        )[0]
     else:  # FlashAttention 2 on CUDA: the operator itself, or varlen_attn, which wraps it
         cu, _ = found.cu_seqlens_tensors(q.device, torch.int32, padding_piece)
         longest = found.longest(padding_piece)
-        out = (aten_flash_op()(q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scaling)[0]
-               if kernel == ATEN_FLASH else torch_varlen(q, k, v, cu, longest, scaling))  # fmt: skip
+        out = (
+            aten_flash_op()(q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scaling)[0]
+            if kernel == ATEN_FLASH
+            else torch_varlen(q, k, v, cu, longest, scaling)
+        )
     return out.reshape(rows, length, heads, out.shape[-1])
 
 
@@ -630,15 +688,24 @@ def _check_attention(kernel, out, reference, found: Segments, record: dict[str, 
     """Compare the kernel's output with SDPA under the mask on the real tokens, recorded as ``key``; stop the run
     when they disagree."""
     difference = agreement(out.detach(), reference, found)
-    record.update(samples_per_row=found.samples_per_row(), checked_against=MASKED, limit=VARLEN_AGREEMENT,
-                  relative_l2_difference=round(difference, 6), recorded_at=utc_now())  # fmt: skip
+    record.update(
+        samples_per_row=found.samples_per_row(),
+        checked_against=MASKED,
+        limit=VARLEN_AGREEMENT,
+        relative_l2_difference=round(difference, 6),
+        recorded_at=utc_now(),
+    )
     if not difference <= VARLEN_AGREEMENT:
         _state["proof"].update(**{key: record, "status": "failed"})
-        raise PatchError(NAME, (
-            f"the attention route {kernel} disagrees with SDPA under the block mask on a packed row "
-            f"(relative difference {difference:.3g}, limit {VARLEN_AGREEMENT})"),
+        raise PatchError(
+            NAME,
+            (
+                f"the attention route {kernel} disagrees with SDPA under the block mask on a packed row "
+                f"(relative difference {difference:.3g}, limit {VARLEN_AGREEMENT})"
+            ),
             "set launcher.patches.packed_rows.varlen_attention: false to keep the block mask, and report the "
-            "torch/torch_npu versions")  # fmt: skip
+            "torch/torch_npu versions",
+        )
     _state["proof"].update(**{key: record})
 
 
@@ -663,9 +730,11 @@ def _make_attention(original):
             try:
                 out = (varlen_attention(kernel, query, key, value, found, scaling), None)
             except RuntimeError as error:
-                raise PatchError(NAME, f"the varlen attention kernel {kernel} failed on a packed row: {error}",
-                                 "set launcher.patches.packed_rows.varlen_attention: false to keep the block "
-                                 "mask") from error  # fmt: skip
+                raise PatchError(
+                    NAME,
+                    f"the varlen attention kernel {kernel} failed on a packed row: {error}",
+                    "set launcher.patches.packed_rows.varlen_attention: false to keep the block mask",
+                ) from error
         # checked against the mask: the first call, the first call of ONE_SAMPLE and, for a varlen kernel, the first
         # on a row holding several samples (only there would a kernel that ignores the sample boundaries show)
         several = False
@@ -681,8 +750,14 @@ def _make_attention(original):
                 return out  # every later call once the checks are done: nothing counted per call
         else:
             due = "first_packed_attention"
-        record = {"kernel": kernel or MASKED, "device": str(query.device), "dtype": str(query.dtype),
-                  "heads": query.shape[1], "key_heads": key.shape[1], "head_dim": query.shape[-1]}  # fmt: skip
+        record = {
+            "kernel": kernel or MASKED,
+            "device": str(query.device),
+            "dtype": str(query.dtype),
+            "heads": query.shape[1],
+            "key_heads": key.shape[1],
+            "head_dim": query.shape[-1],
+        }
         if kernel is None:
             _state["proof"].update(first_packed_attention={**record, "recorded_at": utc_now()})
         else:
@@ -710,40 +785,70 @@ def _make_forward(original):
                 return _unpacked(self, hidden_states, attention_mask, zero_padding)
             return original(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
         if cache_params is not None:
-            raise PatchError(NAME, "a packed row came with a cache (generation or use_cache); its DeltaNet "
-                             "state would not be filled per sample",
-                             "generate from unpacked prompts (packing: false)")  # fmt: skip
+            raise PatchError(
+                NAME,
+                "a packed row came with a cache (generation or use_cache); its DeltaNet "
+                "state would not be filled per sample",
+                "generate from unpacked prompts (packing: false)",
+            )
         if attention_mask.shape[-1] != hidden_states.shape[1]:
-            raise PatchError(NAME, (
-                f"a packed row's mask covers {attention_mask.shape[-1]} positions but the row has "
-                f"{hidden_states.shape[1]} tokens (LLaMA-Factory appended a dummy image to a packed batch), so "
-                "its samples cannot be told apart"), "keep launcher.patches.text_only_batches on with text-only data, "
-                "or turn packing off")  # fmt: skip
+            raise PatchError(
+                NAME,
+                (
+                    f"a packed row's mask covers {attention_mask.shape[-1]} positions but the row has "
+                    f"{hidden_states.shape[1]} tokens (LLaMA-Factory appended a dummy image to a packed batch), so "
+                    "its samples cannot be told apart"
+                ),
+                "keep launcher.patches.text_only_batches on with text-only data, or turn packing off",
+            )
         found = _segments_of(attention_mask)
         _state["calls"] += 1  # recomputes of checkpointed layers included
         if not _state.get("first_call"):
             wrong = block_causal_mismatch(attention_mask, found)
             if wrong:
-                raise PatchError(NAME, (
-                    f"a DeltaNet layer got a 4D mask that is not block-diagonal causal ({wrong} entries differ), "
-                    "so its samples cannot be told apart"), FIX)  # fmt: skip
+                raise PatchError(
+                    NAME,
+                    (
+                        f"a DeltaNet layer got a 4D mask that is not block-diagonal causal ({wrong} entries differ), "
+                        "so its samples cannot be told apart"
+                    ),
+                    FIX,
+                )
             kernel = self.chunk_gated_delta_rule
             label = getattr(kernel, "label", None)
             one = found.one_sequence()  # state_bounds gives FLA's kernels no cu_seqlens
             _state["first_call"] = True
-            _state["proof"].update(first_packed_call={
-                "rows": found.rows, "row_length": found.length, "samples_per_row": found.samples_per_row(),
-                "kernel": getattr(kernel, "kernel_name", type(kernel).__name__),
-                "kernel_label": label,
-                "cu_seqlens": (("none: one row of one sample, its padding joined to it" if one else
-                                f"one kernel call per batch, the padding joined to the sample before it: "
-                                f"{found.cu_seqlens(joined=True)}")
-                               if label == "fla" else "one kernel call per sample"),
-                "conv_reset": (("none needed: one row of one sample (FLA causal_conv1d)" if one else
-                                "cu_seqlens (FLA causal_conv1d)") if fused_ops.conv_of(self) is not None
-                               else "at every sample start"), "mask": "block-diagonal causal (checked)",
-                "device": str(hidden_states.device), "recorded_at": utc_now(),
-            })  # fmt: skip
+            _state["proof"].update(
+                first_packed_call={
+                    "rows": found.rows,
+                    "row_length": found.length,
+                    "samples_per_row": found.samples_per_row(),
+                    "kernel": getattr(kernel, "kernel_name", type(kernel).__name__),
+                    "kernel_label": label,
+                    "cu_seqlens": (
+                        (
+                            "none: one row of one sample, its padding joined to it"
+                            if one
+                            else f"one kernel call per batch, the padding joined to the sample before it: "
+                            f"{found.cu_seqlens(joined=True)}"
+                        )
+                        if label == "fla"
+                        else "one kernel call per sample"
+                    ),
+                    "conv_reset": (
+                        (
+                            "none needed: one row of one sample (FLA causal_conv1d)"
+                            if one
+                            else "cu_seqlens (FLA causal_conv1d)"
+                        )
+                        if fused_ops.conv_of(self) is not None
+                        else "at every sample start"
+                    ),
+                    "mask": "block-diagonal causal (checked)",
+                    "device": str(hidden_states.device),
+                    "recorded_at": utc_now(),
+                }
+            )
         return packed_forward(self, hidden_states, found)
 
     return forward
@@ -752,8 +857,7 @@ def _make_forward(original):
 def unrepeated(layer) -> bool:
     """Whether the layer's key heads serve several value heads and its chunk kernel (FLA's) takes them unrepeated."""
     kernel = layer.chunk_gated_delta_rule
-    return (layer.num_v_heads // layer.num_k_heads > 1 and isinstance(kernel, KernelRecorder)
-            and kernel.label == "fla")  # fmt: skip
+    return layer.num_v_heads // layer.num_k_heads > 1 and isinstance(kernel, KernelRecorder) and kernel.label == "fla"
 
 
 def _unpacked(layer, hidden_states, attention_mask, zero_padding):
@@ -764,13 +868,19 @@ def _unpacked(layer, hidden_states, attention_mask, zero_padding):
     if not _state.get("first_unpacked_call"):
         _state["first_unpacked_call"] = True
         rows, length = hidden_states.shape[:2]
-        _state["proof"].update(first_unpacked_call={
-            "rows": rows, "length": length, "key_heads": layer.num_k_heads,
-            "padding_zeroed": attention_mask is not None and rows > 1 and length > 1,  # as transformers decides
-            "value_heads": layer.num_v_heads, "key_heads_repeated": False,
-            "kernel_label": layer.chunk_gated_delta_rule.label, "device": str(hidden_states.device),
-            "recorded_at": utc_now(),
-        })  # fmt: skip
+        _state["proof"].update(
+            first_unpacked_call={
+                "rows": rows,
+                "length": length,
+                "key_heads": layer.num_k_heads,
+                "padding_zeroed": attention_mask is not None and rows > 1 and length > 1,  # as transformers decides
+                "value_heads": layer.num_v_heads,
+                "key_heads_repeated": False,
+                "kernel_label": layer.chunk_gated_delta_rule.label,
+                "device": str(hidden_states.device),
+                "recorded_at": utc_now(),
+            }
+        )
     _state["unpacked_calls"] += 1
     return packed_forward(layer, hidden_states, None)
 
@@ -811,21 +921,33 @@ def _make_collate(original):
         if not _state or not torch.is_tensor(mask) or mask.dim() != (2 if numbers else 4):
             return batch
         if mask.shape[-1] != batch["input_ids"].shape[-1]:
-            raise PatchError(NAME, (
-                f"a packed batch's mask covers {mask.shape[-1]} positions but its rows hold "
-                f"{batch['input_ids'].shape[-1]} tokens (LLaMA-Factory appended its dummy image to a packed batch)"),
-                "keep launcher.patches.text_only_batches on with text-only data, or turn packing off")  # fmt: skip
+            raise PatchError(
+                NAME,
+                (
+                    f"a packed batch's mask covers {mask.shape[-1]} positions but its rows hold "
+                    f"{batch['input_ids'].shape[-1]} tokens (LLaMA-Factory appended its dummy image to a packed batch)"
+                ),
+                "keep launcher.patches.text_only_batches on with text-only data, or turn packing off",
+            )
         found = numbered_segments(mask) if numbers else segments(mask)
         position = batch.get("position_ids")
         text = position[0] if position is not None and position.dim() == 3 else position
         if text is None:
-            raise PatchError(NAME, "a packed batch has no position_ids, so every sample would continue the "
-                             "positions of the one before it", FIX)  # fmt: skip
+            raise PatchError(
+                NAME,
+                "a packed batch has no position_ids, so every sample would continue the positions of the one before it",
+                FIX,
+            )
         bad = [(row, start) for row, start, end, real in found.spans if real and not restarts(text[row, start:end])]
         if bad:
-            raise PatchError(NAME, (
-                f"the position ids of {len(bad)} packed sample(s) do not restart at 0 at the sample start (row, "
-                f"position: {bad[:3]}), so rotary positions would run on across samples"), FIX)  # fmt: skip
+            raise PatchError(
+                NAME,
+                (
+                    f"the position ids of {len(bad)} packed sample(s) do not restart at 0 at the sample start (row, "
+                    f"position: {bad[:3]}), so rotary positions would run on across samples"
+                ),
+                FIX,
+            )
         return cut_padding(batch, found, _state["cut_padding"])  # counted where the model meets it: maybe a worker
 
     return __call__
@@ -857,8 +979,11 @@ def cut_padding(batch, found: Segments, multiple: int):
     keep = cut_length(found, multiple)
     if keep >= found.length:
         return batch
-    cut = {name: value for name, value in batch.items()
-           if torch.is_tensor(value) and value.dim() and value.shape[-1] == found.length}  # fmt: skip
+    cut = {
+        name: value
+        for name, value in batch.items()
+        if torch.is_tensor(value) and value.dim() and value.shape[-1] == found.length
+    }
     labels = cut.get("labels")
     if set(cut) - set(CUT) or (labels is not None and bool((labels[..., keep:] != IGNORE_INDEX).any())):
         return batch
@@ -880,10 +1005,15 @@ def _make_text_forward(original):
         elif mask is not None and mask.dim() == 4:
             found = _segments_of(mask)  # held for the DeltaNet layers, which get the same mask
         if self.training and _state.pop("awaiting_first_batch", False) and found is None:
-            error = PatchError(NAME, (
-                "the run packs samples, but its first training batch reached the model unpacked (no sample numbers "
-                "and no 4D block mask: none came from LLaMA-Factory's neat packing), so the samples could not be "
-                "told apart"), FIX)  # fmt: skip
+            error = PatchError(
+                NAME,
+                (
+                    "the run packs samples, but its first training batch reached the model unpacked (no sample numbers "
+                    "and no 4D block mask: none came from LLaMA-Factory's neat packing), so the samples could not be "
+                    "told apart"
+                ),
+                FIX,
+            )
             _state["proof"].update(status="failed", error=str(error))
             raise error
         if found is not None:
@@ -902,16 +1032,25 @@ def _record_batch(found: Segments, numbers: bool) -> None:
     _state["rows"] += found.rows
     if not _state.get("first_batch"):
         _state["first_batch"] = True
-        _state["proof"].update(first_packed_batch={
-            "rows": found.rows, "row_length": found.length, "samples_per_row": found.samples_per_row(),
-            "padding_tokens": sum(end - start for _, start, end, real in found.spans if not real),
-            "cut_padding": _state["cut_padding"] or "off (rows as long as LLaMA-Factory pads them)",
-            # True: padding that cut_padding would cut reached the model (another per-token tensor, a label after it)
-            "left_whole": cut_length(found, _state["cut_padding"]) < found.length,
-            "position_ids": "restart at 0 in every sample (checked by the collator on every batch)",
-            "mask": (f"sample numbers ({NUMBERS}); the 4D mask is built on the device" if numbers
-                     else "4D, built by LLaMA-Factory's collator"), "recorded_at": utc_now(),
-        })  # fmt: skip
+        _state["proof"].update(
+            first_packed_batch={
+                "rows": found.rows,
+                "row_length": found.length,
+                "samples_per_row": found.samples_per_row(),
+                "padding_tokens": sum(end - start for _, start, end, real in found.spans if not real),
+                "cut_padding": _state["cut_padding"] or "off (rows as long as LLaMA-Factory pads them)",
+                # True: padding that cut_padding would cut reached the model (another per-token tensor, a label
+                # after it)
+                "left_whole": cut_length(found, _state["cut_padding"]) < found.length,
+                "position_ids": "restart at 0 in every sample (checked by the collator on every batch)",
+                "mask": (
+                    f"sample numbers ({NUMBERS}); the 4D mask is built on the device"
+                    if numbers
+                    else "4D, built by LLaMA-Factory's collator"
+                ),
+                "recorded_at": utc_now(),
+            }
+        )
 
 
 def _numbers():
@@ -929,27 +1068,57 @@ def _embedding_dtype(model):
 def check_symbols() -> None:
     """The DeltaNet classes exist and their constructors still set what the packed forward reads; the 4D
     collator exists."""
-    needed = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm",
-              "out_proj", "key_dim", "value_dim", "head_k_dim", "head_v_dim", "num_k_heads", "num_v_heads",
-              "chunk_gated_delta_rule", "causal_conv1d_fn", "activation", "layer_idx")  # fmt: skip
+    needed = (
+        "in_proj_qkv",
+        "in_proj_z",
+        "in_proj_b",
+        "in_proj_a",
+        "conv1d",
+        "A_log",
+        "dt_bias",
+        "norm",
+        "out_proj",
+        "key_dim",
+        "value_dim",
+        "head_k_dim",
+        "head_v_dim",
+        "num_k_heads",
+        "num_v_heads",
+        "chunk_gated_delta_rule",
+        "causal_conv1d_fn",
+        "activation",
+        "layer_idx",
+    )
     for module_name, class_name in DELTANET:
         module = require_symbols(NAME, module_name, (class_name, "apply_mask_to_padding_states"), "transformers")
         missing = [name for name in needed if name not in getattr(module, class_name).__init__.__code__.co_names]
         if missing:
-            raise PatchError(NAME, f"{class_name}.__init__ no longer sets {', '.join(missing)}",
-                             "install transformers>=5.6.0,<5.7, or turn packing off")  # fmt: skip
+            raise PatchError(
+                NAME,
+                f"{class_name}.__init__ no longer sets {', '.join(missing)}",
+                "install transformers>=5.6.0,<5.7, or turn packing off",
+            )
     for module_name, class_name in ATTENTION + TEXT_MODEL:
         require_symbols(NAME, module_name, (class_name,), "transformers")
     utils = require_symbols(NAME, "transformers.modeling_utils", ("ALL_ATTENTION_FUNCTIONS",), "transformers")
     if "sdpa" not in utils.ALL_ATTENTION_FUNCTIONS:
-        raise PatchError(NAME, "transformers' attention functions have no 'sdpa' entry",
-                         "install transformers>=5.6.0,<5.7, or turn packing off")  # fmt: skip
+        raise PatchError(
+            NAME,
+            "transformers' attention functions have no 'sdpa' entry",
+            "install transformers>=5.6.0,<5.7, or turn packing off",
+        )
     collator = getattr(require_symbols(NAME, COLLATOR[0], (COLLATOR[1],), "llamafactory"), COLLATOR[1])
-    missing = [f for f in ("block_diag_attn", "attn_implementation", "compute_dtype")
-               if f not in getattr(collator, "__dataclass_fields__", {})]  # fmt: skip
+    missing = [
+        f
+        for f in ("block_diag_attn", "attn_implementation", "compute_dtype")
+        if f not in getattr(collator, "__dataclass_fields__", {})
+    ]
     if missing:
-        raise PatchError(NAME, f"{COLLATOR[1]} no longer has the field(s) {', '.join(missing)}",
-                         "install llamafactory>=0.9.5,<0.9.6, or turn packing off")  # fmt: skip
+        raise PatchError(
+            NAME,
+            f"{COLLATOR[1]} no longer has the field(s) {', '.join(missing)}",
+            "install llamafactory>=0.9.5,<0.9.6, or turn packing off",
+        )
 
 
 def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dict[str, Any]) -> dict[str, Any]:
@@ -963,12 +1132,20 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
     _install_attention()
     _state.clear()
     _cache.clear()
-    _state.update(proof=proof, packing=bool(facts.get("packing")), calls=0, unpacked_calls=0, batches=0, samples=0,
-                  rows=0,
-                  varlen_attention=varlen, device_mask=bool(options.get("device_mask", True)),
-                  unpacked_forward=bool(options.get("unpacked_forward", True)),
-                  cut_padding=int(options.get("cut_padding", Options().cut_padding)),
-                  attention=tuple(getattr(importlib.import_module(m), c) for m, c in ATTENTION))  # fmt: skip
+    _state.update(
+        proof=proof,
+        packing=bool(facts.get("packing")),
+        calls=0,
+        unpacked_calls=0,
+        batches=0,
+        samples=0,
+        rows=0,
+        varlen_attention=varlen,
+        device_mask=bool(options.get("device_mask", True)),
+        unpacked_forward=bool(options.get("unpacked_forward", True)),
+        cut_padding=int(options.get("cut_padding", Options().cut_padding)),
+        attention=tuple(getattr(importlib.import_module(m), c) for m, c in ATTENTION),
+    )
     trainer_hook.on_first_training_step(NAME, before=_before_first_step, after=_after_first_step)
     trainer_hook.on_training_step(NAME, 2, before=_before_second_step)
     return {
@@ -979,7 +1156,7 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
         "device_mask": _state["device_mask"],
         "unpacked_forward": _state["unpacked_forward"],
         "cut_padding": _state["cut_padding"],
-    }  # fmt: skip
+    }
 
 
 _installed: dict[str, Any] = {}  # "wrapper": the sdpa entry this patch put in place, "previous": what it wrapped
@@ -1029,20 +1206,28 @@ def _before_first_step(trainer, model) -> None:
 def _after_first_step(trainer, model) -> None:
     calls = _state["calls"] - _state.pop("calls_before_step", 0)
     _state["first_step_calls"] = calls
-    _state["proof"].update(first_training_step={
-        "packed_deltanet_calls": calls,  # checkpointed layers count again when the backward recomputes them
-        "unpacked_deltanet_calls": _state["unpacked_calls"] - _state.pop("unpacked_before_step", 0),
-        "packed_batches_so_far": _state["batches"],
-        "samples_per_row_mean": round(_state["samples"] / max(_state["rows"], 1), 2), "recorded_at": utc_now(),
-    })  # fmt: skip
+    _state["proof"].update(
+        first_training_step={
+            "packed_deltanet_calls": calls,  # checkpointed layers count again when the backward recomputes them
+            "unpacked_deltanet_calls": _state["unpacked_calls"] - _state.pop("unpacked_before_step", 0),
+            "packed_batches_so_far": _state["batches"],
+            "samples_per_row_mean": round(_state["samples"] / max(_state["rows"], 1), 2),
+            "recorded_at": utc_now(),
+        }
+    )
 
 
 def _before_second_step(trainer, model) -> None:
     """A run that packs must have met packed rows in the DeltaNet layers by now (the first step's record)."""
     if _state["packing"] and not _state.get("first_step_calls"):
-        error = PatchError(NAME, (
-            "the run packs samples, but no DeltaNet layer met a packed row in the first training step (the mask "
-            "reaching them was not 4D), so state would flow between samples"), FIX)  # fmt: skip
+        error = PatchError(
+            NAME,
+            (
+                "the run packs samples, but no DeltaNet layer met a packed row in the first training step (the mask "
+                "reaching them was not 4D), so state would flow between samples"
+            ),
+            FIX,
+        )
         _state["proof"].update(status="failed", error=str(error))
         raise error
 

@@ -52,8 +52,11 @@ def check_symbols() -> None:
     if "pad_to_multiple_of" not in getattr(getattr(module, CLASS), "__dataclass_fields__", {}):
         from .errors import PatchError
 
-        raise PatchError(NAME, f"{MODULE}.{CLASS} has no pad_to_multiple_of field",
-                         "install llamafactory>=0.9.5,<0.9.6, or turn the patch off")  # fmt: skip
+        raise PatchError(
+            NAME,
+            f"{MODULE}.{CLASS} has no pad_to_multiple_of field",
+            "install llamafactory>=0.9.5,<0.9.6, or turn the patch off",
+        )
 
 
 def _make_call(original):

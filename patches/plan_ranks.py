@@ -44,8 +44,9 @@ def _all_reduce(values: list[float], backend: str, op_name: str) -> list[float]:
     return tensor.cpu().tolist()
 
 
-def agree_costs(costs: dict[str, LayerCost], kinds: dict[str, int], seq_len: int | None,
-                backend: str) -> tuple[dict[str, LayerCost], int | None]:  # fmt: skip
+def agree_costs(
+    costs: dict[str, LayerCost], kinds: dict[str, int], seq_len: int | None, backend: str
+) -> tuple[dict[str, LayerCost], int | None]:
     """The costs every rank plans from, at this rank's ``seq_len`` (the longest any rank saw, if this one
     measured nothing), and that length. ``kinds``: every planned kind and its number of layers."""
     names = sorted(kinds)
@@ -56,8 +57,9 @@ def agree_costs(costs: dict[str, LayerCost], kinds: dict[str, int], seq_len: int
     agreed = {}
     for i, kind in enumerate(names):
         if reduced[i] > 0 and tokens:
-            agreed[kind] = LayerCost(kind, kinds[kind], round(reduced[i] * tokens),
-                                     round(reduced[len(names) + i] * tokens, 6), tokens)  # fmt: skip
+            agreed[kind] = LayerCost(
+                kind, kinds[kind], round(reduced[i] * tokens), round(reduced[len(names) + i] * tokens, 6), tokens
+            )
     return agreed, tokens
 
 

@@ -109,8 +109,9 @@ def _header(name: str, options: dict[str, Any], backend: str, rank: RankInfo) ->
     }
 
 
-def apply_enabled(settings: Mapping[str, Any], *, backend: str, proof_dir: Path,
-                  facts: Mapping[str, Any] | None = None) -> list[str]:  # fmt: skip
+def apply_enabled(
+    settings: Mapping[str, Any], *, backend: str, proof_dir: Path, facts: Mapping[str, Any] | None = None
+) -> list[str]:
     """Apply the enabled patches in registry order and write one proof record per patch on this rank.
 
     Args:

@@ -78,8 +78,10 @@ def media_verdict(facts: dict[str, Any]) -> tuple[bool, str]:
     """Whether the dummy can go: the run's data is known to be text-only and nothing of the vision tower
     trains (under DDP a trainable parameter without a gradient stops the next step), and why."""
     if facts.get("vision_trainable"):
-        return False, ("the vision tower or projector trains (freeze_vision_tower or freeze_multi_modal_projector "
-                       "is false): its parameters need the dummy image's gradient; dummy kept")  # fmt: skip
+        return False, (
+            "the vision tower or projector trains (freeze_vision_tower or freeze_multi_modal_projector "
+            "is false): its parameters need the dummy image's gradient; dummy kept"
+        )
     media = facts.get("dataset_media")
     if not isinstance(media, dict) or not media.get("counted"):
         why = (media or {}).get("why") if isinstance(media, dict) else None
@@ -122,11 +124,15 @@ def _make_call(original):
             self.template = shared
         if not _state.get("first_batch_recorded"):
             _state["first_batch_recorded"] = True
-            _state["proof"].update(first_batch={
-                "collator": type(self).__name__, "samples": len(features),
-                "seq_len": int(batch["input_ids"].shape[-1]), "pixel_values": "pixel_values" in batch,
-                "recorded_at": utc_now(),
-            })  # fmt: skip
+            _state["proof"].update(
+                first_batch={
+                    "collator": type(self).__name__,
+                    "samples": len(features),
+                    "seq_len": int(batch["input_ids"].shape[-1]),
+                    "pixel_values": "pixel_values" in batch,
+                    "recorded_at": utc_now(),
+                }
+            )
         return batch
 
     return __call__

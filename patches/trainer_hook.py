@@ -32,8 +32,9 @@ _callbacks: dict[tuple[int, str], tuple[StepCallback | None, StepCallback | None
 _state = {"steps": 0}
 
 
-def on_training_step(key: str, step: int, *, before: StepCallback | None = None,
-                     after: StepCallback | None = None) -> None:  # fmt: skip
+def on_training_step(
+    key: str, step: int, *, before: StepCallback | None = None, after: StepCallback | None = None
+) -> None:
     """Register (or replace) the callbacks of ``key`` around this process's ``step``-th training step
     (1-based); make sure the wrapper is installed."""
     install()

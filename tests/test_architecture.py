@@ -225,8 +225,9 @@ PATCHES_MAY_IMPORT = ("launcher.state.runs",)
 def test_patches_use_only_the_launchers_base():
     for module, targets in import_graph().items():
         if module.split(".")[0] == "patches":
-            wrong = [t for t in targets
-                     if t.split(".")[0] != "patches" and layer_of(t) > 0 and t not in PATCHES_MAY_IMPORT]  # fmt: skip
+            wrong = [
+                t for t in targets if t.split(".")[0] != "patches" and layer_of(t) > 0 and t not in PATCHES_MAY_IMPORT
+            ]
             assert not wrong, (module, wrong)
 
 
@@ -316,6 +317,9 @@ def test_the_engine_tests_live_where_the_engine_pass_collects_them():
     script = (REPO / "scripts" / "test.sh").read_text()
     (line,) = [line for line in script.splitlines() if line.startswith("engine_paths=(")]
     paths = line.removeprefix("engine_paths=(").removesuffix(")").split()
-    marked = {p.relative_to(REPO).as_posix() for p in (REPO / "tests").rglob("test_*.py")
-              if re.search(r"pytest\.mark\.(docker|docker_npu|slurm)\b", p.read_text())}  # fmt: skip
+    marked = {
+        p.relative_to(REPO).as_posix()
+        for p in (REPO / "tests").rglob("test_*.py")
+        if re.search(r"pytest\.mark\.(docker|docker_npu|slurm)\b", p.read_text())
+    }
     assert marked and all(any(m.startswith(p + "/") for p in paths) for m in marked), (paths, marked)

@@ -57,8 +57,11 @@ def test_an_interrupt_exits_128_plus_the_signal_that_made_it(monkeypatch, raised
     from launcher import cli
     from launcher.run.signals import SignalInterrupt
 
-    error = {"ctrl-c": KeyboardInterrupt(), "sigterm": SignalInterrupt(signal.SIGTERM),
-             "sighup": SignalInterrupt(signal.SIGHUP)}[raised]  # fmt: skip
+    error = {
+        "ctrl-c": KeyboardInterrupt(),
+        "sigterm": SignalInterrupt(signal.SIGTERM),
+        "sighup": SignalInterrupt(signal.SIGHUP),
+    }[raised]
 
     def interrupted(ns):
         raise error

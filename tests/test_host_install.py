@@ -20,8 +20,19 @@ from tests.support.common import REPO
 from tests.support.run_fixtures import real_demo_run
 
 # what a host copy of the project needs; the rest (venvs, wheelhouses, outputs, caches) stays behind
-_NOT_COPIED = shutil.ignore_patterns(".git", ".venv", "wheelhouse", "outputs", "build", "demo", "logs", "*.egg-info",
-                                     "__pycache__", ".pytest_cache", ".ruff_cache")  # fmt: skip
+_NOT_COPIED = shutil.ignore_patterns(
+    ".git",
+    ".venv",
+    "wheelhouse",
+    "outputs",
+    "build",
+    "demo",
+    "logs",
+    "*.egg-info",
+    "__pycache__",
+    ".pytest_cache",
+    ".ruff_cache",
+)
 INSTALL_TIMEOUT_S = 600
 
 
@@ -33,8 +44,12 @@ def host_venv(tmp_path_factory) -> Path:
     shutil.copytree(REPO, source, ignore=_NOT_COPIED)
     venv = base / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    out = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", str(source)],
-                         capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)  # fmt: skip
+    out = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", str(source)],
+        capture_output=True,
+        text=True,
+        timeout=INSTALL_TIMEOUT_S,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     # setuptools' deprecated `license = {text = ...}` table printed a page of warnings at every install
     assert "License" not in out.stderr and "license" not in out.stderr, out.stderr[-3000:]
@@ -42,8 +57,14 @@ def host_venv(tmp_path_factory) -> Path:
 
 
 def _host(venv: Path, cwd: Path, *args: object) -> subprocess.CompletedProcess:
-    return subprocess.run([str(venv / "bin" / "launcher"), *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=300, stdin=subprocess.DEVNULL)  # fmt: skip
+    return subprocess.run(
+        [str(venv / "bin" / "launcher"), *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 @pytest.mark.slow

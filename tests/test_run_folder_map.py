@@ -35,8 +35,13 @@ def map_names(source: str | None = None) -> dict[str, str]:
     """The map: constant -> name, every public upper-case string constant at the top of ``runs.py``."""
     names = {}
     for node in ast.parse(RUNS.read_text() if source is None else source).body:
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
-                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):  # fmt: skip
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
             constant = node.targets[0].id
             if constant.isupper() and not constant.startswith("_") and constant not in NOT_NAMES:
                 names[constant] = node.value.value
@@ -80,8 +85,20 @@ def check_readme(text: str, names: dict[str, str]) -> None:
 
 def test_the_map_names_the_run_folder():
     names = map_names()
-    expected = ("OUTPUT_SUBDIR", "STATUS_FILE", "EVENTS_FILE", "STOP_REQUEST", "SAVE_REQUEST", "SAVE_READY",
-                "SAVE_DONE", "SUPERVISOR_LOG", "JOB_LOG", "PREFLIGHT_FILE", "TRAINER_LOG", "ERRORS_DIR")  # fmt: skip
+    expected = (
+        "OUTPUT_SUBDIR",
+        "STATUS_FILE",
+        "EVENTS_FILE",
+        "STOP_REQUEST",
+        "SAVE_REQUEST",
+        "SAVE_READY",
+        "SAVE_DONE",
+        "SUPERVISOR_LOG",
+        "JOB_LOG",
+        "PREFLIGHT_FILE",
+        "TRAINER_LOG",
+        "ERRORS_DIR",
+    )
     assert not [c for c in expected if c not in names]
     import launcher.state.runs as runs
 

@@ -153,8 +153,9 @@ def relative(a, b, real) -> float:
     return round(float((a - b).norm() / b.norm().clamp_min(1e-12)), 6)
 
 
-def measure_route(torch, route: str, tokens: int, samples: list[int], repeats: int, piece: int,
-                  bucket: int = 256) -> dict[str, Any]:  # fmt: skip
+def measure_route(
+    torch, route: str, tokens: int, samples: list[int], repeats: int, piece: int, bucket: int = 256
+) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     from patches import packed_rows
@@ -229,9 +230,13 @@ def measure_mask(torch, tokens: int, samples: list[int], repeats: int) -> dict[s
     on_device = numbered.to("cuda")
     same = bool(torch.equal(block_causal_mask(on_device, torch.bfloat16).cpu(), mask))
     ms = cuda_median_ms(torch, lambda: block_causal_mask(on_device, torch.bfloat16), repeats)
-    return {"cpu_build_ms": round(statistics.median(cpu) * 1000, 3),
-            "copy_ms": round(statistics.median(copy) * 1000, 3), "device_build_ms": round(ms, 3),
-            "same_mask": same, "torch_threads": torch.get_num_threads()}  # fmt: skip
+    return {
+        "cpu_build_ms": round(statistics.median(cpu) * 1000, 3),
+        "copy_ms": round(statistics.median(copy) * 1000, 3),
+        "device_build_ms": round(ms, 3),
+        "same_mask": same,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def input_problem(args) -> str | None:
@@ -244,8 +249,10 @@ def input_problem(args) -> str | None:
     except ValueError:
         return f"--samples {args.samples!r}: write whole token counts separated by commas, such as 1200,1700,1100"
     if not samples or min(samples) < 1 or sum(samples) > args.tokens:
-        return (f"--samples {args.samples!r}: give at least one sample, each of 1 token or more, {args.tokens} "
-                "tokens in all at most (--tokens)")  # fmt: skip
+        return (
+            f"--samples {args.samples!r}: give at least one sample, each of 1 token or more, {args.tokens} "
+            "tokens in all at most (--tokens)"
+        )
     if args.padding_piece is not None and args.padding_piece < 0:
         return f"--padding-piece {args.padding_piece}: give 0 (padding as one segment) or a positive token count"
     if args.bucket < 1:
@@ -256,17 +263,30 @@ def input_problem(args) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = kernel_cli.parser(__doc__, "attention.json")
     parser.add_argument("--tokens", type=int, default=4096, help="row length (default 4096)")
-    parser.add_argument("--samples", default="1200,1700,1100",
-                        help="sample lengths of the packed row, comma separated; padding fills the rest")  # fmt: skip
+    parser.add_argument(
+        "--samples",
+        default="1200,1700,1100",
+        help="sample lengths of the packed row, comma separated; padding fills the rest",
+    )
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per route (default 20)")
     parser.add_argument("--routes", default=",".join(ROUTES), help=f"comma separated, of {', '.join(ROUTES)}")
-    parser.add_argument("--padding-piece", type=int, default=None, metavar="N",
-                        help="the varlen routes take the padding as segments of at most N tokens (default: the "
-                             "product's PADDING_PIECE; 0: one segment); for example --samples 2482 "
-                             "--padding-piece 0 against --padding-piece 128")  # fmt: skip
-    parser.add_argument("--bucket", type=int, default=256, metavar="N",
-                        help="the per-sample route's windows are the samples' lengths rounded up to N tokens "
-                             "(default 256; --bucket 4096 at --tokens 4096: every window the whole row)")  # fmt: skip
+    parser.add_argument(
+        "--padding-piece",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the varlen routes take the padding as segments of at most N tokens (default: the "
+        "product's PADDING_PIECE; 0: one segment); for example --samples 2482 "
+        "--padding-piece 0 against --padding-piece 128",
+    )
+    parser.add_argument(
+        "--bucket",
+        type=int,
+        default=256,
+        metavar="N",
+        help="the per-sample route's windows are the samples' lengths rounded up to N tokens "
+        "(default 256; --bucket 4096 at --tokens 4096: every window the whole row)",
+    )
     args = kernel_cli.parse("attention_bench", parser, argv, "attention.json", input_problem)
     if args is None:
         return 2
@@ -276,14 +296,24 @@ def main(argv: list[str] | None = None) -> int:
 
     samples = counts_of(args.samples)
     piece = PADDING_PIECE if args.padding_piece is None else args.padding_piece
-    results = Results("attention_bench", args.out, "attention.json", {
-        "torch": torch.__version__, "device": torch.cuda.get_device_name(), "cudnn": torch.backends.cudnn.version(),
-        "tokens": args.tokens, "shape": {"heads": HEADS, "key_heads": KEY_HEADS, "head_dim": HEAD_DIM},
-        "routes": {}})  # fmt: skip
+    results = Results(
+        "attention_bench",
+        args.out,
+        "attention.json",
+        {
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(),
+            "cudnn": torch.backends.cudnn.version(),
+            "tokens": args.tokens,
+            "shape": {"heads": HEADS, "key_heads": KEY_HEADS, "head_dim": HEAD_DIM},
+            "routes": {},
+        },
+    )
     for route in names_of(args.routes):
         try:
-            results.data["routes"][route] = measure_route(torch, route, args.tokens, samples, args.repeats, piece,
-                                                          args.bucket)  # fmt: skip
+            results.data["routes"][route] = measure_route(
+                torch, route, args.tokens, samples, args.repeats, piece, args.bucket
+            )
         except KeyboardInterrupt:
             return results.interrupted(route, f"the route {route}")
         except Exception as error:  # noqa: BLE001 - a failing route is a result too

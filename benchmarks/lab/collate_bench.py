@@ -54,21 +54,41 @@ def collator_of(model_dir: Path, data_dir: Path, dataset: str, cutoff: int, pack
     from llamafactory.hparams import get_train_args
     from llamafactory.model import load_model, load_tokenizer
 
-    model_args, data_args, training_args, finetuning_args, _ = get_train_args({
-        "model_name_or_path": str(model_dir), "dataset_dir": str(data_dir), "dataset": dataset,
-        "template": "qwen3_vl_nothink", "cutoff_len": cutoff, "packing": packing, "neat_packing": packing,
-        "stage": "sft", "do_train": True, "finetuning_type": "lora", "lora_target": "q_proj",
-        "output_dir": str(work), "overwrite_cache": True, "preprocessing_num_workers": 1, "report_to": "none",
-        "per_device_train_batch_size": 1})  # fmt: skip
+    model_args, data_args, training_args, finetuning_args, _ = get_train_args(
+        {
+            "model_name_or_path": str(model_dir),
+            "dataset_dir": str(data_dir),
+            "dataset": dataset,
+            "template": "qwen3_vl_nothink",
+            "cutoff_len": cutoff,
+            "packing": packing,
+            "neat_packing": packing,
+            "stage": "sft",
+            "do_train": True,
+            "finetuning_type": "lora",
+            "lora_target": "q_proj",
+            "output_dir": str(work),
+            "overwrite_cache": True,
+            "preprocessing_num_workers": 1,
+            "report_to": "none",
+            "per_device_train_batch_size": 1,
+        }
+    )
     tokenizer_module = load_tokenizer(model_args)
     template = get_template_and_fix_tokenizer(tokenizer_module["tokenizer"], data_args)
     rows = get_dataset(template, model_args, data_args, training_args, "sft", **tokenizer_module)["train_dataset"]
     model = load_model(tokenizer_module["tokenizer"], model_args, finetuning_args, is_trainable=False)
     collator = SFTDataCollatorWith4DAttentionMask(
-        template=template, model=model, pad_to_multiple_of=8, label_pad_token_id=IGNORE_INDEX,
-        block_diag_attn=model_args.block_diag_attn, neat_packing=data_args.neat_packing,
+        template=template,
+        model=model,
+        pad_to_multiple_of=8,
+        label_pad_token_id=IGNORE_INDEX,
+        block_diag_attn=model_args.block_diag_attn,
+        neat_packing=data_args.neat_packing,
         attn_implementation=getattr(model.config, "_attn_implementation", None),
-        compute_dtype=model_args.compute_dtype, **tokenizer_module)  # fmt: skip
+        compute_dtype=model_args.compute_dtype,
+        **tokenizer_module,
+    )
     return rows, collator
 
 
@@ -96,11 +116,15 @@ def time_case(collator, rows, count: int, repeats: int) -> dict[str, Any]:
             collator(batch)
             seconds.append(time.perf_counter() - started)
     seconds.sort()
-    return {"rows": len(features), "calls": len(seconds), "median_ms": round(statistics.median(seconds) * 1000, 3),
-            "p90_ms": round(seconds[int(0.9 * (len(seconds) - 1))] * 1000, 3),
-            "samples_per_row": {str(n): samples.count(n) for n in sorted(set(samples))},
-            "row_lengths": {str(n): lengths.count(n) for n in sorted(set(lengths))},
-            "mean_row_length": round(statistics.mean(lengths), 1)}  # fmt: skip
+    return {
+        "rows": len(features),
+        "calls": len(seconds),
+        "median_ms": round(statistics.median(seconds) * 1000, 3),
+        "p90_ms": round(seconds[int(0.9 * (len(seconds) - 1))] * 1000, 3),
+        "samples_per_row": {str(n): samples.count(n) for n in sorted(set(samples))},
+        "row_lengths": {str(n): lengths.count(n) for n in sorted(set(lengths))},
+        "mean_row_length": round(statistics.mean(lengths), 1),
+    }
 
 
 def measure(case: str, out: Path, cutoff: int, count: int, repeats: int) -> dict[str, Any]:
@@ -115,11 +139,16 @@ def measure(case: str, out: Path, cutoff: int, count: int, repeats: int) -> dict
     rows, collator = collator_of(out / "model", out / data, dataset, cutoff, packed, out / "lf")
     facts = {"packing": packed, "dataset_media": {"counted": True, "datasets": [dataset], "records": 0}}
     try:
-        text_only_batches.apply({}, backend="cpu", proof=ProofFile(out / "proof", text_only_batches.NAME, 0),
-                                facts=facts)  # fmt: skip
+        text_only_batches.apply(
+            {}, backend="cpu", proof=ProofFile(out / "proof", text_only_batches.NAME, 0), facts=facts
+        )
         if packed:
-            packed_rows.apply({"device_mask": case == "packed"}, backend="cpu",
-                              proof=ProofFile(out / "proof", packed_rows.NAME, 0), facts=facts)  # fmt: skip
+            packed_rows.apply(
+                {"device_mask": case == "packed"},
+                backend="cpu",
+                proof=ProofFile(out / "proof", packed_rows.NAME, 0),
+                facts=facts,
+            )
         return time_case(collator, rows, count, repeats)
     finally:
         packed_rows.restore()
@@ -146,11 +175,19 @@ def host() -> dict[str, Any]:
     import torch
 
     info = Path("/proc/cpuinfo")
-    names = [line.split(":", 1)[1].strip() for line in (info.read_text().splitlines() if info.exists() else [])
-             if line.startswith("model name")]  # fmt: skip
+    names = [
+        line.split(":", 1)[1].strip()
+        for line in (info.read_text().splitlines() if info.exists() else [])
+        if line.startswith("model name")
+    ]
     cpu = names[0] if names else platform.processor()
-    return {"cpu": cpu, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            **{name: importlib.metadata.version(name) for name in ("llamafactory", "transformers")}}  # fmt: skip
+    return {
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        **{name: importlib.metadata.version(name) for name in ("llamafactory", "transformers")},
+    }
 
 
 def input_problem(args) -> str | None:

@@ -106,9 +106,15 @@ def measure(torch, model, dev, prompt, new_tokens: int, repeats: int) -> dict[st
         dev.sync()
         started = time.perf_counter()
         with torch.no_grad():
-            model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
-                           min_new_tokens=n, do_sample=False, pad_token_id=0,
-                           logits_processor=LogitsProcessorList([clock]))  # fmt: skip
+            model.generate(
+                input_ids=prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+                logits_processor=LogitsProcessorList([clock]),
+            )
         dev.sync()
         return [t - started for t in readings] + [time.perf_counter() - started]
 
@@ -142,17 +148,31 @@ def compare_batched(torch, model, dev, rows: int, prompt_tokens: int, new_tokens
     common = {"max_new_tokens": new_tokens, "stop": stop, "pad_id": 0, "device": dev.name}
     batched = greedy_batched(torch, model, prompts, batch_size=rows, **common)
     single = greedy_batched(torch, model, prompts, batch_size=1, **common)
-    differ = [next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b),
-                   None if len(x) == len(y) else min(len(x), len(y)))
-              for x, y in zip(batched, single, strict=True)]  # fmt: skip
-    margins = [None if at is None or at >= min(len(b), len(o)) else
-               difference_margin(torch, model, dev, prompt + o[:at], b[at], o[at])
-               for prompt, b, o, at in zip(prompts, batched, single, differ, strict=True)]  # fmt: skip
-    return {"rows": rows, "new_tokens": new_tokens, "prompt_lengths": lengths, "stop": stop,
-            "exact_matches": sum(d is None for d in differ), "first_difference_at": differ,
-            "answer_lengths": [len(x) for x in batched], "first_difference_margins": margins,
-            "differences_at_a_near_tie": sum(bool(m and m["near_tie"]) for m in margins),
-            "near_tie_steps": NEAR_TIE_STEPS}  # fmt: skip
+    differ = [
+        next(
+            (i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b),
+            None if len(x) == len(y) else min(len(x), len(y)),
+        )
+        for x, y in zip(batched, single, strict=True)
+    ]
+    margins = [
+        None
+        if at is None or at >= min(len(b), len(o))
+        else difference_margin(torch, model, dev, prompt + o[:at], b[at], o[at])
+        for prompt, b, o, at in zip(prompts, batched, single, differ, strict=True)
+    ]
+    return {
+        "rows": rows,
+        "new_tokens": new_tokens,
+        "prompt_lengths": lengths,
+        "stop": stop,
+        "exact_matches": sum(d is None for d in differ),
+        "first_difference_at": differ,
+        "answer_lengths": [len(x) for x in batched],
+        "first_difference_margins": margins,
+        "differences_at_a_near_tie": sum(bool(m and m["near_tie"]) for m in margins),
+        "near_tie_steps": NEAR_TIE_STEPS,
+    }
 
 
 NEAR_TIE_STEPS = 4  # a first difference at a top-2 margin of at most this many bf16 steps of the top logit
@@ -175,25 +195,45 @@ def difference_margin(torch, model, dev, context: list[int], batched: int, singl
     first, second = (float(v) for v in top.values)
     margin = first - second
     step = bf16_step(first)
-    return {"at_context_tokens": len(context), "single_token": single, "batched_token": batched,
-            "top_tokens": [int(i) for i in top.indices], "top2_margin": round(margin, 6),
-            "bf16_step": step, "margin_in_bf16_steps": round(margin / step, 2),
-            "batched_token_rank": int((logits > logits[batched]).sum()) + 1,
-            "near_tie": margin <= NEAR_TIE_STEPS * step}  # fmt: skip
+    return {
+        "at_context_tokens": len(context),
+        "single_token": single,
+        "batched_token": batched,
+        "top_tokens": [int(i) for i in top.indices],
+        "top2_margin": round(margin, 6),
+        "bf16_step": step,
+        "margin_in_bf16_steps": round(margin / step, 2),
+        "batched_token_rank": int((logits > logits[batched]).sum()) + 1,
+        "near_tie": margin <= NEAR_TIE_STEPS * step,
+    }
 
 
-def run(out: Path, shape: str, backend: str, new_tokens: int, prompt_tokens: int, repeats: int,
-        batch_sizes: tuple[int, ...] = (1,), routes: tuple[str, ...] = ROUTES, compare: int = 0,
-        compare_tokens: int = 32) -> dict[str, Any]:  # fmt: skip
+def run(
+    out: Path,
+    shape: str,
+    backend: str,
+    new_tokens: int,
+    prompt_tokens: int,
+    repeats: int,
+    batch_sizes: tuple[int, ...] = (1,),
+    routes: tuple[str, ...] = ROUTES,
+    compare: int = 0,
+    compare_tokens: int = 32,
+) -> dict[str, Any]:
     import torch
 
     from benchmarks.bench_assets import write_model_dir
     from launcher.checks.kernels import Device, device_name, environment
 
     out.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"shape": shape, "backend": backend, "new_tokens": new_tokens,
-                              "prompt_tokens": prompt_tokens, "batch_sizes": list(batch_sizes),
-                              "routes": {}}  # fmt: skip
+    result: dict[str, Any] = {
+        "shape": shape,
+        "backend": backend,
+        "new_tokens": new_tokens,
+        "prompt_tokens": prompt_tokens,
+        "batch_sizes": list(batch_sizes),
+        "routes": {},
+    }
     if backend == "cuda":
         from benchmarks.fla_guard import lift_hopper_guard
 
@@ -222,8 +262,10 @@ def run(out: Path, shape: str, backend: str, new_tokens: int, prompt_tokens: int
             batches[str(size)] = measure(torch, model, dev, prompts[:size], new_tokens, repeats)
             if dev.module is not None:
                 batches[str(size)]["peak_allocated_gib"] = round(dev.module.max_memory_allocated() / 2**30, 2)
-            print(f"decode_bench: {route}: batch {size}: {batches[str(size)]['decode_tokens_per_s']} tokens/s "
-                  "decoding", flush=True)  # fmt: skip
+            print(
+                f"decode_bench: {route}: batch {size}: {batches[str(size)]['decode_tokens_per_s']} tokens/s decoding",
+                flush=True,
+            )
         found = {**batches[str(batch_sizes[0])], "batches": batches}  # the first size's figures at the top
         proof = json.loads((proof_root / route / "rank0" / "deltanet_routing.json").read_text())
         found["route"] = {k: routing["route"][k] for k in ("kernel", "recurrent", "conv", "reason")}
@@ -232,13 +274,23 @@ def run(out: Path, shape: str, backend: str, new_tokens: int, prompt_tokens: int
         found["first_decode_call"] = proof.get("first_decode_call")
         if compare and route == "routed":
             found["compare"] = compare_batched(torch, model, dev, compare, prompt_tokens, compare_tokens)
-            print(f"decode_bench: {route}: batch of {compare} against one at a time: "
-                  f"{found['compare']['exact_matches']} of {compare} answers the same", flush=True)  # fmt: skip
+            print(
+                f"decode_bench: {route}: batch of {compare} against one at a time: "
+                f"{found['compare']['exact_matches']} of {compare} answers the same",
+                flush=True,
+            )
         result["routes"][route] = found
-        print(f"decode_bench: {route}: {found['decode_tokens_per_s']} tokens/s decoding "
-              f"({found['recurrent_kernel']}), prefill {found['prefill_s']} s", flush=True)  # fmt: skip
-    peaks = [b["peak_allocated_gib"] for r in result["routes"].values() for b in r["batches"].values()
-             if "peak_allocated_gib" in b]  # fmt: skip
+        print(
+            f"decode_bench: {route}: {found['decode_tokens_per_s']} tokens/s decoding "
+            f"({found['recurrent_kernel']}), prefill {found['prefill_s']} s",
+            flush=True,
+        )
+    peaks = [
+        b["peak_allocated_gib"]
+        for r in result["routes"].values()
+        for b in r["batches"].values()
+        if "peak_allocated_gib" in b
+    ]
     if peaks:
         result["peak_allocated_gib"] = max(peaks)
     routed, fallback = (result["routes"].get(r, {}).get("decode_tokens_per_s") for r in ROUTES)
@@ -255,26 +307,48 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128, metavar="N")
     parser.add_argument("--prompt-tokens", type=int, default=512, metavar="P")
     parser.add_argument("--repeats", type=int, default=3, metavar="R")
-    parser.add_argument("--batch-sizes", default="1", metavar="LIST",
-                        help="comma-separated prompts per generate call, e.g. 1,8,32 (default 1)")  # fmt: skip
-    parser.add_argument("--routes", default=",".join(ROUTES), metavar="LIST",
-                        help=f"comma-separated, of {', '.join(ROUTES)} (default both)")  # fmt: skip
-    parser.add_argument("--compare", type=int, default=0, metavar="K",
-                        help="also answer K prompts of different lengths in one batch and one at a time (routed) "
-                             "and count the answers that are the same token for token; where one differs, the "
-                             "top-2 logit margin there in bf16 steps (default 0: off; e.g. --compare 8)")  # fmt: skip
-    parser.add_argument("--compare-tokens", type=int, default=32, metavar="N",
-                        help="new tokens per answer in the --compare check (default 32)")  # fmt: skip
+    parser.add_argument(
+        "--batch-sizes",
+        default="1",
+        metavar="LIST",
+        help="comma-separated prompts per generate call, e.g. 1,8,32 (default 1)",
+    )
+    parser.add_argument(
+        "--routes",
+        default=",".join(ROUTES),
+        metavar="LIST",
+        help=f"comma-separated, of {', '.join(ROUTES)} (default both)",
+    )
+    parser.add_argument(
+        "--compare",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also answer K prompts of different lengths in one batch and one at a time (routed) "
+        "and count the answers that are the same token for token; where one differs, the "
+        "top-2 logit margin there in bf16 steps (default 0: off; e.g. --compare 8)",
+    )
+    parser.add_argument(
+        "--compare-tokens",
+        type=int,
+        default=32,
+        metavar="N",
+        help="new tokens per answer in the --compare check (default 32)",
+    )
     ns = parser.parse_args(argv)
     routes = tuple(r.strip() for r in ns.routes.split(",") if r.strip())
     if not routes or set(routes) - set(ROUTES) or len(set(routes)) != len(routes):
         parser.error(f"--routes {ns.routes!r}: give {' or '.join(ROUTES)} or both, separated by a comma")
     if ns.compare and "routed" not in routes:
-        parser.error(f"--compare {ns.compare} answers on the routed model, but --routes is {ns.routes!r}: "
-                     "add routed to --routes, or leave --compare out")  # fmt: skip
+        parser.error(
+            f"--compare {ns.compare} answers on the routed model, but --routes is {ns.routes!r}: "
+            "add routed to --routes, or leave --compare out"
+        )
     if ns.compare < 0 or ns.compare_tokens < 1:
-        parser.error(f"--compare {ns.compare} / --compare-tokens {ns.compare_tokens}: use 0 or more prompts and at "
-                     "least 1 token, e.g. --compare 8 --compare-tokens 32")  # fmt: skip
+        parser.error(
+            f"--compare {ns.compare} / --compare-tokens {ns.compare_tokens}: use 0 or more prompts and at "
+            "least 1 token, e.g. --compare 8 --compare-tokens 32"
+        )
     if ns.new_tokens < 2 or ns.prompt_tokens < 1 or ns.repeats < 1:
         parser.error("--new-tokens must be at least 2, --prompt-tokens and --repeats at least 1")
     items = [s.strip() for s in ns.batch_sizes.split(",") if s.strip()]

@@ -68,9 +68,13 @@ def draw_inputs(torch, kernel: str, tokens: int) -> dict[str, Any]:
         found = {"x": draw(1, tokens, width), "weight": draw(width, CONV_WIDTH, scale=0.5)}
     else:
         gates = (1, tokens, VALUE_HEADS)  # one gate and one beta per value head and token
-        found = {"q": draw(1, tokens, KEY_HEADS, HEAD_DIM), "k": draw(1, tokens, KEY_HEADS, HEAD_DIM),
-                 "v": draw(*gates, HEAD_DIM), "g": -torch.rand(*gates, generator=gen, device="cuda"),
-                 "beta": torch.rand(*gates, generator=gen, device="cuda").to(torch.bfloat16)}  # fmt: skip
+        found = {
+            "q": draw(1, tokens, KEY_HEADS, HEAD_DIM),
+            "k": draw(1, tokens, KEY_HEADS, HEAD_DIM),
+            "v": draw(*gates, HEAD_DIM),
+            "g": -torch.rand(*gates, generator=gen, device="cuda"),
+            "beta": torch.rand(*gates, generator=gen, device="cuda").to(torch.bfloat16),
+        }
     return {name: t.requires_grad_() for name, t in found.items()}
 
 
@@ -81,10 +85,18 @@ def kernel_call(torch, kernel: str, bounds: list[int] | None):
 
         assert bounds is not None, "conv-per-sample runs on segments"
         sizes = [b - a for a, b in itertools.pairwise(bounds)]  # split, not slices: its backward is one join
-        return lambda t: torch.cat([causal_conv1d(part, weight=t["weight"], bias=None, activation="silu")[0]
-                                    for part in t["x"].split(sizes, dim=1)], dim=1)  # fmt: skip
-    extra = {} if bounds is None else {"cu_seqlens": torch.tensor(bounds, device="cuda"),
-                                       "cu_seqlens_cpu": torch.tensor(bounds)}  # fmt: skip
+        return lambda t: torch.cat(
+            [
+                causal_conv1d(part, weight=t["weight"], bias=None, activation="silu")[0]
+                for part in t["x"].split(sizes, dim=1)
+            ],
+            dim=1,
+        )
+    extra = (
+        {}
+        if bounds is None
+        else {"cu_seqlens": torch.tensor(bounds, device="cuda"), "cu_seqlens_cpu": torch.tensor(bounds)}
+    )
     if kernel == "conv":
         from fla.modules.causal_conv1d import causal_conv1d
 
@@ -95,8 +107,7 @@ def kernel_call(torch, kernel: str, bounds: list[int] | None):
         q, k = t["q"], t["k"]
         if kernel == "chunk-repeated":
             q, k = (x.repeat_interleave(VALUE_HEADS // KEY_HEADS, dim=2) for x in (q, k))
-        return chunk_gated_delta_rule(q, k, t["v"], g=t["g"], beta=t["beta"], use_qk_l2norm_in_kernel=True,
-                                      **extra)[0]  # fmt: skip
+        return chunk_gated_delta_rule(q, k, t["v"], g=t["g"], beta=t["beta"], use_qk_l2norm_in_kernel=True, **extra)[0]
 
     return run
 
@@ -138,8 +149,10 @@ def input_problem(args) -> str | None:
     except ValueError:
         return f"--samples {args.samples!r}: write whole token counts separated by commas, such as 2482,1614"
     if len(samples) < 2 or min(samples) < 1 or sum(samples) > args.tokens:
-        return (f"--samples {args.samples!r}: give two segments or more (one is the plain call), each of 1 token or "
-                f"more, {args.tokens} tokens in all at most (--tokens)")  # fmt: skip
+        return (
+            f"--samples {args.samples!r}: give two segments or more (one is the plain call), each of 1 token or "
+            f"more, {args.tokens} tokens in all at most (--tokens)"
+        )
     if args.repeats < 1:
         return f"--repeats {args.repeats}: give 1 or more timed calls"
     return None
@@ -148,9 +161,12 @@ def input_problem(args) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = kernel_cli.parser(__doc__, "deltanet.json")
     parser.add_argument("--tokens", type=int, default=4096, help="row length (default 4096)")
-    parser.add_argument("--samples", default="2482,1614",
-                        help="segment lengths of the varlen calls, comma separated, the last running to the end of "
-                             "the row (default 2482,1614: one sample and its padding)")  # fmt: skip
+    parser.add_argument(
+        "--samples",
+        default="2482,1614",
+        help="segment lengths of the varlen calls, comma separated, the last running to the end of "
+        "the row (default 2482,1614: one sample and its padding)",
+    )
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per measurement (default 10)")
     parser.add_argument("--kernels", default=",".join(KERNELS), help=f"comma separated, of {', '.join(KERNELS)}")
     args = kernel_cli.parse("deltanet_bench", parser, argv, "deltanet.json", input_problem)
@@ -162,17 +178,27 @@ def main(argv: list[str] | None = None) -> int:
 
     guard = lift_hopper_guard()
     bounds = bounds_of(counts_of(args.samples), args.tokens)
-    results = Results("deltanet_bench", args.out, "deltanet.json", {
-        "torch": torch.__version__, "device": torch.cuda.get_device_name(), "tokens": args.tokens,
-        "fla_guard": guard, "calls": []})  # fmt: skip
+    results = Results(
+        "deltanet_bench",
+        args.out,
+        "deltanet.json",
+        {
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(),
+            "tokens": args.tokens,
+            "fla_guard": guard,
+            "calls": [],
+        },
+    )
     for kernel in names_of(args.kernels):
         cuts = {"chunk-repeated": (None,), "conv-per-sample": (bounds,)}.get(kernel, (None, bounds))
         for cut in cuts:
             try:
                 found = measure(torch, kernel, cut, args.tokens, args.repeats)
             except KeyboardInterrupt:  # a time limit inside a cold compile: the calls done are kept
-                return results.interrupted({"kernel": kernel, "cu_seqlens": cut},
-                                           f"{kernel} ({'varlen' if cut else 'plain'})")  # fmt: skip
+                return results.interrupted(
+                    {"kernel": kernel, "cu_seqlens": cut}, f"{kernel} ({'varlen' if cut else 'plain'})"
+                )
             except Exception as error:  # noqa: BLE001 - a failing call is a result too
                 found = {"kernel": kernel, "cu_seqlens": cut, "error": f"{type(error).__name__}: {error}"[:600]}
             results.data["calls"].append(found)

@@ -62,9 +62,14 @@ def parser(doc: str, results: str, out_holds: str | None = None) -> argparse.Arg
     return made
 
 
-def parse(prog: str, parser: argparse.ArgumentParser, argv: list[str] | None, results: str,
-          problem: Callable[[argparse.Namespace], str | None],
-          needs_cuda: bool = True) -> argparse.Namespace | None:  # fmt: skip
+def parse(
+    prog: str,
+    parser: argparse.ArgumentParser,
+    argv: list[str] | None,
+    results: str,
+    problem: Callable[[argparse.Namespace], str | None],
+    needs_cuda: bool = True,
+) -> argparse.Namespace | None:
     """The arguments, or None once one line says what is wrong (the caller exits 2): the benchmark's own
     ``problem``, a results file already in ``--out`` (never overwritten), or, where it ``needs_cuda``, no CUDA
     device (torch is imported only after the arguments passed)."""

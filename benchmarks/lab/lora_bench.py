@@ -75,8 +75,17 @@ def set_way(way: str, proof_dir: Path, device: str) -> None:
         lora_input_cast.apply({}, backend=device, proof=ProofFile(proof_dir, lora_input_cast.NAME, 0), facts={})
 
 
-def measure(torch, name: str, tokens: int, rank: int, dropout: float, repeats: int, proof_dir: Path,
-            device: str = "cuda", timer=cuda_median_ms) -> dict[str, Any]:  # fmt: skip
+def measure(
+    torch,
+    name: str,
+    tokens: int,
+    rank: int,
+    dropout: float,
+    repeats: int,
+    proof_dir: Path,
+    device: str = "cuda",
+    timer=cuda_median_ms,
+) -> dict[str, Any]:
     """One projection both ways: the median ms of forward and of forward+backward, and (dropout 0) the gap."""
     from patches import lora_input_cast
     from patches.registry import restore_all
@@ -107,14 +116,18 @@ def measure(torch, name: str, tokens: int, rank: int, dropout: float, repeats: i
             torch.manual_seed(1)
             out = forward_backward()  # the first call, and the numbers compared below
             results[way] = [t.detach().float().clone() for t in (out, x.grad, *(p.grad for p in trained))]
-            found[way] = {"forward_ms": round(timer(torch, forward, repeats), 3),
-                          "forward_backward_ms": round(timer(torch, forward_backward, repeats), 3),
-                          "casts_skipped": lora_input_cast.skipped_casts()}  # fmt: skip
+            found[way] = {
+                "forward_ms": round(timer(torch, forward, repeats), 3),
+                "forward_backward_ms": round(timer(torch, forward_backward, repeats), 3),
+                "casts_skipped": lora_input_cast.skipped_casts(),
+            }
     finally:
         restore_all()  # PEFT as it ships, the Trainer unhooked, whatever happened
     if dropout == 0:
-        found["gap"] = max(float((a - b).norm() / b.norm().clamp_min(1e-30))
-                           for a, b in zip(results["skip"], results["cast"], strict=True))  # fmt: skip
+        found["gap"] = max(
+            float((a - b).norm() / b.norm().clamp_min(1e-30))
+            for a, b in zip(results["skip"], results["cast"], strict=True)
+        )
     return found
 
 
@@ -143,9 +156,20 @@ def main(argv: list[str] | None = None) -> int:
     import peft
     import torch
 
-    results = Results("lora_bench", args.out, "lora.json", {
-        "torch": torch.__version__, "peft": peft.__version__, "device": torch.cuda.get_device_name(),
-        "tokens": args.tokens, "rank": args.rank, "dropout": args.dropout, "readings": []})  # fmt: skip
+    results = Results(
+        "lora_bench",
+        args.out,
+        "lora.json",
+        {
+            "torch": torch.__version__,
+            "peft": peft.__version__,
+            "device": torch.cuda.get_device_name(),
+            "tokens": args.tokens,
+            "rank": args.rank,
+            "dropout": args.dropout,
+            "readings": [],
+        },
+    )
     with tempfile.TemporaryDirectory() as proof_dir:
         for name in PROJECTIONS:
             try:

@@ -27,8 +27,16 @@ from benchmarks.lab.kernel_cli import Results, counts_of, run
 HIDDEN, VOCAB = 5120, 248320  # Qwen3.5-27B (benchmarks.bench_assets.QWEN3_5_27B and its text extras)
 
 
-def measure(torch, head, tokens: int, supervised: int, chunk_tokens: int, repeats: int, device: str = "cuda",
-            timer=cuda_median_ms) -> dict[str, Any]:  # fmt: skip
+def measure(
+    torch,
+    head,
+    tokens: int,
+    supervised: int,
+    chunk_tokens: int,
+    repeats: int,
+    device: str = "cuda",
+    timer=cuda_median_ms,
+) -> dict[str, Any]:
     """One reading: ``supervised`` of the row's last positions labelled, the loss's forward+backward timed."""
     from patches.chunked_loss import chunked_causal_lm_loss
 
@@ -55,8 +63,10 @@ def input_problem(args) -> str | None:
     except ValueError:
         return f"--supervised {args.supervised!r}: write whole token counts separated by commas, such as 2048,2857"
     if not counts or min(counts) < 1 or max(counts) > args.tokens - 1:
-        return (f"--supervised {args.supervised!r}: give one count or more, each from 1 to {args.tokens - 1} "
-                "(--tokens less one: the last position has no next token)")  # fmt: skip
+        return (
+            f"--supervised {args.supervised!r}: give one count or more, each from 1 to {args.tokens - 1} "
+            "(--tokens less one: the last position has no next token)"
+        )
     if args.chunk_tokens < 1 or args.repeats < 1:
         return f"--chunk-tokens {args.chunk_tokens}, --repeats {args.repeats}: give 1 or more of each"
     return None
@@ -64,8 +74,11 @@ def input_problem(args) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = kernel_cli.parser(__doc__, "loss.json")
-    parser.add_argument("--supervised", default="2048,2457,2857",
-                        help="supervised tokens per reading, comma separated (default 2048,2457,2857)")  # fmt: skip
+    parser.add_argument(
+        "--supervised",
+        default="2048,2457,2857",
+        help="supervised tokens per reading, comma separated (default 2048,2457,2857)",
+    )
     parser.add_argument("--tokens", type=int, default=4096, help="row length (default 4096)")
     parser.add_argument("--chunk-tokens", type=int, default=512, help="chunked_loss's chunk_tokens (default 512)")
     parser.add_argument("--repeats", type=int, default=6, help="timed calls per reading (default 6)")
@@ -75,9 +88,18 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     head = torch.nn.Linear(HIDDEN, VOCAB, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
-    results = Results("loss_bench", args.out, "loss.json", {
-        "torch": torch.__version__, "device": torch.cuda.get_device_name(), "tokens": args.tokens,
-        "chunk_tokens": args.chunk_tokens, "readings": []})  # fmt: skip
+    results = Results(
+        "loss_bench",
+        args.out,
+        "loss.json",
+        {
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(),
+            "tokens": args.tokens,
+            "chunk_tokens": args.chunk_tokens,
+            "readings": [],
+        },
+    )
     for supervised in counts_of(args.supervised):
         try:
             found = measure(torch, head, args.tokens, supervised, args.chunk_tokens, args.repeats)

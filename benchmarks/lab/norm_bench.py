@@ -35,9 +35,12 @@ from benchmarks.lab.kernel_cli import Results, counts_of, names_of, run
 # 256, hidden 5120, 48 DeltaNet value heads of 128; fla-core 0.6.0 NB = cdiv(rows, 2048) in
 # fla/modules/norm/layernorm.py for widths <= 512 (wider ones: a row kernel, no bucket), cdiv(rows, 65536) in
 # fused_norm_gate.py
-NORMS = {"q": (SHAPE.num_attention_heads, SHAPE.head_dim, 2048), "k": (SHAPE.num_key_value_heads, SHAPE.head_dim, 2048),
-         "hidden": (1, SHAPE.hidden_size, None),
-         "gated": (SHAPE.linear_num_value_heads, SHAPE.linear_value_head_dim, 65536)}  # fmt: skip
+NORMS = {
+    "q": (SHAPE.num_attention_heads, SHAPE.head_dim, 2048),
+    "k": (SHAPE.num_key_value_heads, SHAPE.head_dim, 2048),
+    "hidden": (1, SHAPE.hidden_size, None),
+    "gated": (SHAPE.linear_num_value_heads, SHAPE.linear_value_head_dim, 65536),
+}
 KERNELS = ("fla", "fla-own", "torch")
 EPS = 1e-6
 
@@ -50,20 +53,25 @@ def kernel_of(name: str):
 
     if name == "torch":
         ops = glue_kernels.torch_ops()
-        return lambda x, weight, eps, gate: (ops["rms_norm"](x, weight, eps) if gate is None
-                                             else ops["gated_norm"](x, gate, weight, eps))  # fmt: skip
+        return lambda x, weight, eps, gate: (
+            ops["rms_norm"](x, weight, eps) if gate is None else ops["gated_norm"](x, gate, weight, eps)
+        )
     from patches import fused_kernels
 
     fla_norm, fla_gated = fused_kernels.load("rms_norm", "fla"), fused_kernels.load("gated_norm", "fla")
     fused_kernels.restore_tuning()
     if name == "fla":
         fused_kernels.tune_by_width()
-    return lambda x, weight, eps, gate: (fused_kernels.rms_norm("fla", fla_norm, x, weight, eps) if gate is None
-                                         else fused_kernels.gated_norm(fla_gated, x, gate, weight, eps))  # fmt: skip
+    return lambda x, weight, eps, gate: (
+        fused_kernels.rms_norm("fla", fla_norm, x, weight, eps)
+        if gate is None
+        else fused_kernels.gated_norm(fla_gated, x, gate, weight, eps)
+    )
 
 
-def measure(torch, kernel, norm: str, tokens: int, repeats: int, device: str = "cuda",
-            timer=cuda_median_ms) -> dict[str, Any]:  # fmt: skip
+def measure(
+    torch, kernel, norm: str, tokens: int, repeats: int, device: str = "cuda", timer=cuda_median_ms
+) -> dict[str, Any]:
     """One reading: the first call's seconds, then the median ms of ``repeats`` calls, forward and backward."""
     heads, width, per_bucket = NORMS[norm]
     shape = (1, tokens, width) if norm == "hidden" else (1, tokens, heads, width)
@@ -85,9 +93,15 @@ def measure(torch, kernel, norm: str, tokens: int, repeats: int, device: str = "
     sync()
     first = time.perf_counter() - start
     rows = tokens * heads
-    return {"norm": norm, "tokens": tokens, "rows": rows, "width": width,
-            "bucket": -(-rows // per_bucket) if per_bucket else None, "first_call_s": round(first, 3),
-            "forward_backward_ms": round(timer(torch, forward_backward, repeats), 3)}  # fmt: skip
+    return {
+        "norm": norm,
+        "tokens": tokens,
+        "rows": rows,
+        "width": width,
+        "bucket": -(-rows // per_bucket) if per_bucket else None,
+        "first_call_s": round(first, 3),
+        "forward_backward_ms": round(timer(torch, forward_backward, repeats), 3),
+    }
 
 
 def input_problem(args) -> str | None:
@@ -107,8 +121,11 @@ def input_problem(args) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = kernel_cli.parser(__doc__, "norm.json")
-    parser.add_argument("--lengths", default="3072,3328,3584,3072",
-                        help="lengths in the order met, comma separated (default 3072,3328,3584,3072)")  # fmt: skip
+    parser.add_argument(
+        "--lengths",
+        default="3072,3328,3584,3072",
+        help="lengths in the order met, comma separated (default 3072,3328,3584,3072)",
+    )
     parser.add_argument("--norms", default="q,k,hidden,gated", help="of q, k, hidden, gated (default all four)")
     parser.add_argument("--kernels", default="fla,fla-own,torch", help="of fla, fla-own, torch (default all three)")
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per reading (default 10)")
@@ -119,9 +136,17 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    results = Results("norm_bench", args.out, "norm.json", {
-        "torch": torch.__version__, "device": torch.cuda.get_device_name(),
-        "triton_cache_dir": "set" if os.environ.get("TRITON_CACHE_DIR") else "default", "readings": []})  # fmt: skip
+    results = Results(
+        "norm_bench",
+        args.out,
+        "norm.json",
+        {
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(),
+            "triton_cache_dir": "set" if os.environ.get("TRITON_CACHE_DIR") else "default",
+            "readings": [],
+        },
+    )
     for name in names_of(args.kernels):
         kernel = kernel_of(name)
         for norm in names_of(args.norms):

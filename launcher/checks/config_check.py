@@ -89,11 +89,19 @@ class Findings:
         """A path of the config that is not on this machine: an error saying ``what`` and the ``fix``, or, when
         the config is meant for another machine (``elsewhere``), a check not made here."""
         if elsewhere:
-            self.add(key, SKIPPED, f"{key}: not checked ({what}; {FOR_ANOTHER_MACHINE}: `launcher preflight` "
-                     "checks it where the run trains)")  # fmt: skip
+            self.add(
+                key,
+                SKIPPED,
+                f"{key}: not checked ({what}; {FOR_ANOTHER_MACHINE}: `launcher preflight` "
+                "checks it where the run trains)",
+            )
         else:
-            self.add(key, ERROR, f"{key}: {what}; {fix} (a config meant for another machine: `launcher check "
-                     f"CONFIG {FOR_ANOTHER_MACHINE}` counts such paths as not checked)")  # fmt: skip
+            self.add(
+                key,
+                ERROR,
+                f"{key}: {what}; {fix} (a config meant for another machine: `launcher check "
+                f"CONFIG {FOR_ANOTHER_MACHINE}` counts such paths as not checked)",
+            )
 
 
 # --- LLaMA-Factory's argument dataclasses ---------------------------------------------------------------
@@ -175,10 +183,14 @@ def check_keys_and_types(args: dict[str, Any], out: Findings) -> None:
 def check_stage(args: dict[str, Any], out: Findings) -> None:
     stage = args.get("stage", "sft")
     if stage in TRAINING_STAGES and args.get("do_train") is not True:
-        out.add("do_train", ERROR, (
-            f"do_train: not set; with stage {stage!r} LLaMA-Factory then only evaluates: it loads the model, runs "
-            "the evaluation and trains nothing. Add do_train: true"
-        ))  # fmt: skip
+        out.add(
+            "do_train",
+            ERROR,
+            (
+                f"do_train: not set; with stage {stage!r} LLaMA-Factory then only evaluates: it loads the model, runs "
+                "the evaluation and trains nothing. Add do_train: true"
+            ),
+        )
 
 
 def check_template(args: dict[str, Any], out: Findings) -> None:
@@ -201,10 +213,14 @@ def check_known_bad(args: dict[str, Any], out: Findings) -> None:
     transformers = Version(version("transformers"))
     low, high = BROKEN_FLASH_ATTENTION
     if args.get("flash_attn") == "fa2" and low <= transformers < high:
-        out.add("flash_attn", ERROR, (
-            f"flash_attn: fa2 fails with transformers {transformers} (its flash-attention path calls s_aux.to() on "
-            f"None; fixed in {high}); use flash_attn: sdpa"
-        ))  # fmt: skip
+        out.add(
+            "flash_attn",
+            ERROR,
+            (
+                f"flash_attn: fa2 fails with transformers {transformers} (its flash-attention path calls s_aux.to() on "
+                f"None; fixed in {high}); use flash_attn: sdpa"
+            ),
+        )
 
 
 # --- the model's modules ------------------------------------------------------------------------------
@@ -224,8 +240,12 @@ def check_lora_target(args: dict[str, Any], out: Findings, model: bool) -> None:
     try:
         layout = read_model_layout(json.loads(path.read_text()))
     except (OSError, json.JSONDecodeError) as err:
-        out.add("lora_target", ERROR, f"lora_target: not checked, {path} is unreadable ({err}); "
-                "model_name_or_path must be a model folder holding its config.json")  # fmt: skip
+        out.add(
+            "lora_target",
+            ERROR,
+            f"lora_target: not checked, {path} is unreadable ({err}); "
+            "model_name_or_path must be a model folder holding its config.json",
+        )
         return
     except UnsupportedModel as err:
         out.add("lora_target", SKIPPED, f"lora_target: not checked ({err})")
@@ -239,19 +259,30 @@ def check_lora_target(args: dict[str, Any], out: Findings, model: bool) -> None:
             out.add("lora_target", SKIPPED, f"lora_target: not checked ({err})")
             return
         if not matched:
-            names = (f"full attention {', '.join(ATTENTION_PROJECTIONS)}; DeltaNet {', '.join(DELTANET_PROJECTIONS)}; "
-                     f"MLP {', '.join(MLP_PROJECTIONS)}")  # fmt: skip
-            out.add("lora_target", ERROR, f"lora_target: {target!r} matches no module of this model ({names}); "
-                    "fix the name or remove it")  # fmt: skip
+            names = (
+                f"full attention {', '.join(ATTENTION_PROJECTIONS)}; DeltaNet {', '.join(DELTANET_PROJECTIONS)}; "
+                f"MLP {', '.join(MLP_PROJECTIONS)}"
+            )
+            out.add(
+                "lora_target",
+                ERROR,
+                f"lora_target: {target!r} matches no module of this model ({names}); fix the name or remove it",
+            )
             continue
         every.extend(matched)
-        out.add("lora_target", OK, f"lora_target: {target} matches {len(matched)} module(s): "
-                f"{describe_coverage(layout, matched)[0]}")  # fmt: skip
+        out.add(
+            "lora_target",
+            OK,
+            f"lora_target: {target} matches {len(matched)} module(s): {describe_coverage(layout, matched)[0]}",
+        )
     if every:
         verdict, detail = describe_coverage(layout, sorted(set(every)))
         level = WARN if verdict == "full-attention projections only" else OK
-        note = (" (the Gated DeltaNet layers, three in four, name their projections "
-                f"{', '.join(DELTANET_PROJECTIONS)})" if level == WARN else "")  # fmt: skip
+        note = (
+            f" (the Gated DeltaNet layers, three in four, name their projections {', '.join(DELTANET_PROJECTIONS)})"
+            if level == WARN
+            else ""
+        )
         out.add("lora_target", level, f"lora_target covers {verdict}: {detail}{note}")
 
 
@@ -265,16 +296,25 @@ def check_think_agreement(args: dict[str, Any], out: Findings) -> None:
         return
     for name, share in dataset_think_share(args).items():
         if template.endswith("_nothink") and share > 0:
-            out.add("template", ERROR, (
-                f"template: {template} trains without reasoning, but dataset {name} has <think> in {share:.0%} of its "
-                "replies (prepared with --reasoning keep?); prepare it with `launcher data prepare ... --reasoning "
-                f"drop`, or use template {template.removesuffix('_nothink')}"
-            ))  # fmt: skip
+            out.add(
+                "template",
+                ERROR,
+                (
+                    f"template: {template} trains without reasoning, but dataset {name} has <think> "
+                    f"in {share:.0%} of its "
+                    "replies (prepared with --reasoning keep?); prepare it with `launcher data prepare ... --reasoning "
+                    f"drop`, or use template {template.removesuffix('_nothink')}"
+                ),
+            )
         elif not template.endswith("_nothink") and share == 0 and f"{template}_nothink" in _templates():
-            out.add("template", WARN, (
-                f"template: {template} is a thinking template but dataset {name} has no <think> reasoning; use "
-                f"{template}_nothink for no-think data"
-            ))  # fmt: skip
+            out.add(
+                "template",
+                WARN,
+                (
+                    f"template: {template} is a thinking template but dataset {name} has no <think> reasoning; use "
+                    f"{template}_nothink for no-think data"
+                ),
+            )
 
 
 def _templates() -> set[str]:
@@ -289,8 +329,12 @@ def check_datasets(args: dict[str, Any], out: Findings, elsewhere: bool = False)
     if not named:  # wherever the data is, there is nothing to train on
         out.add("dataset", ERROR, no_dataset(args))
     if not dataset_dir.is_dir():
-        out.not_here("dataset_dir", f"{str(dataset_dir)!r} is not a folder on this machine",
-                     "point dataset_dir at the folder that holds dataset_info.json", elsewhere)  # fmt: skip
+        out.not_here(
+            "dataset_dir",
+            f"{str(dataset_dir)!r} is not a folder on this machine",
+            "point dataset_dir at the folder that holds dataset_info.json",
+            elsewhere,
+        )
     if not named or not dataset_dir.is_dir():
         return
     problems, seen = dataset_records(args)
@@ -321,8 +365,9 @@ def validate_llamafactory_args(args: dict[str, Any]) -> list[str]:
     return []
 
 
-def check_llamafactory(args: dict[str, Any], *, model: bool = True, data: bool = True,
-                       devices: bool = True, elsewhere: bool = False) -> Findings:  # fmt: skip
+def check_llamafactory(
+    args: dict[str, Any], *, model: bool = True, data: bool = True, devices: bool = True, elsewhere: bool = False
+) -> Findings:
     """Every check above over the LLaMA-Factory arguments ``args``.
 
     Args:

@@ -38,9 +38,17 @@ if TYPE_CHECKING:
 FORMAL_MIN_CUTOFF = 4096
 
 
-def check_run_config(config: RunConfig, *, problems: list[str] | None = None, model: bool = True,
-                     devices: bool = True, output: bool = True, elsewhere: bool = False,
-                     memory: bool = False, device_gib: float | None = None) -> Findings:  # fmt: skip
+def check_run_config(
+    config: RunConfig,
+    *,
+    problems: list[str] | None = None,
+    model: bool = True,
+    devices: bool = True,
+    output: bool = True,
+    elsewhere: bool = False,
+    memory: bool = False,
+    device_gib: float | None = None,
+) -> Findings:
     """Every check of a run config that needs no run: the launcher section (``problems`` from
     ``read_run_config``), the devices, the patch options, the LLaMA-Factory part (``checks.config_check``), the
     output root, and the memory forecast.
@@ -69,22 +77,31 @@ def check_run_config(config: RunConfig, *, problems: list[str] | None = None, mo
         if backend.name != "cpu":
             found = backends.device_count(backend.name)
             if found < launcher.nproc_per_node:
-                out.add("launcher.nproc_per_node", ERROR, (
-                    f"launcher.nproc_per_node: {launcher.nproc_per_node} processes but {found} {backend.name} "
-                    f"device(s) visible (check {backend.visible_devices_env}, or lower launcher.nproc_per_node)"
-                ))  # fmt: skip
+                out.add(
+                    "launcher.nproc_per_node",
+                    ERROR,
+                    (
+                        f"launcher.nproc_per_node: {launcher.nproc_per_node} processes but {found} {backend.name} "
+                        f"device(s) visible (check {backend.visible_devices_env}, or lower launcher.nproc_per_node)"
+                    ),
+                )
         name = backend.name
     else:
         name = launcher.backend if launcher.backend != "auto" else "cpu"
-        out.add("devices", SKIPPED, f"devices: not counted here; `launcher preflight` checks the {launcher.backend} "
-                f"backend's devices where the run will train")  # fmt: skip
+        out.add(
+            "devices",
+            SKIPPED,
+            f"devices: not counted here; `launcher preflight` checks the {launcher.backend} "
+            f"backend's devices where the run will train",
+        )
     placeholder = Path(launcher.output_root).resolve() / "validate" / OUTPUT_SUBDIR
     args = config.llamafactory_args(name, placeholder)
     torch_version = None if elsewhere else installed_version("torch")  # another machine's torch is not this one's
     # with launcher.patches unreadable (its problem is above) the settings are unknown: no rule on them
     if not any(problem.startswith("launcher.patches:") for problem in problems or []):
-        for key, problem in patch_problems(config.patches, args, backend=name, distribution=launcher.distribution,
-                                           torch_version=torch_version):  # fmt: skip
+        for key, problem in patch_problems(
+            config.patches, args, backend=name, distribution=launcher.distribution, torch_version=torch_version
+        ):
             out.add(key, ERROR, problem)
     out.items.extend(check_llamafactory(args, model=model, devices=devices, elsewhere=elsewhere).items)
     if output:
@@ -149,6 +166,8 @@ def file_problems(config: RunConfig, *, require_model: bool = True) -> list[str]
             "at a local model folder (for the demo: `launcher demo-assets` builds demo/model)"
         )
     if launcher.stall_action == "restart" and launcher.restart is None:
-        problems.append("launcher.stall_action: 'restart' needs automatic recovery; add launcher.restart: "
-                        "{max_restarts: 3, backoff_s: 60} or use stall_action: stop")  # fmt: skip
+        problems.append(
+            "launcher.stall_action: 'restart' needs automatic recovery; add launcher.restart: "
+            "{max_restarts: 3, backoff_s: 60} or use stall_action: stop"
+        )
     return problems

@@ -48,12 +48,21 @@ class Columns:
     def of(cls, entry: dict[str, Any]) -> Columns:
         columns, tags = entry.get("columns") or {}, entry.get("tags") or {}
         if entry.get("formatting", "alpaca") == "sharegpt":
-            return cls("sharegpt", (), (columns.get("system", "system"), columns.get("tools", "tools")),
-                       messages=columns.get("messages", "conversations"), role_tag=tags.get("role_tag", "from"),
-                       content_tag=tags.get("content_tag", "value"))  # fmt: skip
+            return cls(
+                "sharegpt",
+                (),
+                (columns.get("system", "system"), columns.get("tools", "tools")),
+                messages=columns.get("messages", "conversations"),
+                role_tag=tags.get("role_tag", "from"),
+                content_tag=tags.get("content_tag", "value"),
+            )
         prompt, response = columns.get("prompt", "instruction"), columns.get("response", "output")
-        return cls("alpaca", (prompt, response), (columns.get("query", "input"), columns.get("system", "system")),
-                   response=response)  # fmt: skip
+        return cls(
+            "alpaca",
+            (prompt, response),
+            (columns.get("query", "input"), columns.get("system", "system")),
+            response=response,
+        )
 
 
 def _record_problem(record: Any, cols: Columns) -> str | None:
@@ -73,8 +82,11 @@ def _record_problem(record: Any, cols: Columns) -> str | None:
         if not isinstance(turns, list) or not turns:
             return f"{cols.messages!r} is not a non-empty list of turns"
         for number, turn in enumerate(turns):
-            if not isinstance(turn, dict) or not isinstance(turn.get(cols.content_tag), str) or \
-                    not isinstance(turn.get(cols.role_tag), str):  # fmt: skip
+            if (
+                not isinstance(turn, dict)
+                or not isinstance(turn.get(cols.content_tag), str)
+                or not isinstance(turn.get(cols.role_tag), str)
+            ):
                 return f"{cols.messages}[{number}] lacks text {cols.role_tag!r}/{cols.content_tag!r}"
     if cols.response is not None and "history" in record:
         history = record["history"]
@@ -137,9 +149,14 @@ def _dataset_files(lf: dict[str, Any]) -> tuple[list[str], list[tuple[str, Path,
         entry = info.get(name)
         if not isinstance(entry, dict):
             close = difflib.get_close_matches(name, list(info), n=3)
-            problems.append(f"{name}: not registered in {info_path}"
-                            + (f" (close names: {', '.join(close)})" if close else f" (registered: "
-                               f"{', '.join(sorted(info)) or 'none'})"))  # fmt: skip
+            problems.append(
+                f"{name}: not registered in {info_path}"
+                + (
+                    f" (close names: {', '.join(close)})"
+                    if close
+                    else f" (registered: {', '.join(sorted(info)) or 'none'})"
+                )
+            )
             continue
         file_name = entry.get("file_name")
         if not file_name:
@@ -179,8 +196,10 @@ def dataset_records(lf: dict[str, Any], shown: int = 3) -> tuple[list[str], list
         bad = [(i, why) for i, r in enumerate(records) if (why := _record_problem(r, cols)) is not None]
         if bad:
             listed = "; ".join(f"record {i} {why}" for i, why in bad[:shown])
-            problems.append(f"{name}: {len(bad)} of {len(records)} records in {path} do not fit its {cols.formatting} "
-                            f"columns: {listed} (fix the file or 'columns' in dataset_info.json)")  # fmt: skip
+            problems.append(
+                f"{name}: {len(bad)} of {len(records)} records in {path} do not fit its {cols.formatting} "
+                f"columns: {listed} (fix the file or 'columns' in dataset_info.json)"
+            )
             continue
         if "nothink" in name and think_share(records, cols) > 0:
             problems.append(f"{name}: contains '<think>' although it is a no-think dataset")
@@ -237,8 +256,10 @@ def held_out_problems(lf: dict[str, Any]) -> list[str]:
         digest = sha256_file(path) if path.is_file() else None
         if digest in held:
             test_file, record_path = held[digest]
-            problems.append(f"{name}: {path} is the held-out test split {test_file} ({record_path.name}); it must "
-                            "not train or evaluate: name the train and validation datasets instead")  # fmt: skip
+            problems.append(
+                f"{name}: {path} is the held-out test split {test_file} ({record_path.name}); it must "
+                "not train or evaluate: name the train and validation datasets instead"
+            )
     return problems
 
 
@@ -260,8 +281,13 @@ def dataset_media(lf: dict[str, Any]) -> dict[str, Any]:
     if problems:
         return {"counted": False, "why": "; ".join(problems)}
     _, info = _registered(lf)
-    counts: dict[str, Any] = {"counted": True, "images": 0, "videos": 0, "records": 0,
-                              "datasets": [name for name, _, _ in found]}  # fmt: skip
+    counts: dict[str, Any] = {
+        "counted": True,
+        "images": 0,
+        "videos": 0,
+        "records": 0,
+        "datasets": [name for name, _, _ in found],
+    }
     for name, path, _cols in found:
         columns = (info.get(name) or {}).get("columns") or {}  # type: ignore[union-attr]
         mapped = {kind: columns[kind] for kind in MEDIA_COLUMNS if columns.get(kind)}
@@ -297,8 +323,14 @@ def check_output(output_root: Path, smoke: bool) -> Row:
         with tempfile.NamedTemporaryFile(dir=probe, prefix=".preflight-"):
             pass
     except OSError as err:
-        return "output", "fail", (f"{output_root} is not writable ({err}); mount the outputs volume read-write or "
-                                  "point launcher.output_root at a writable folder")  # fmt: skip
+        return (
+            "output",
+            "fail",
+            (
+                f"{output_root} is not writable ({err}); mount the outputs volume read-write or "
+                "point launcher.output_root at a writable folder"
+            ),
+        )
     free = shutil.disk_usage(probe).free / 2**30
     default = MIN_FREE_GIB["smoke" if smoke else "formal"]
     need = float(os.environ.get("LAUNCHER_MIN_FREE_GIB", default))

@@ -63,9 +63,16 @@ def starting_state(torch, case: Case, device: str):
     prompt = Case(case.name, case.batch, case.prefill, case.heads, case.dim, case.key_heads)
     x = {n: t.to(device=device, dtype=torch.float32) for n, t in make_inputs(torch, prompt, seed=1).items()}
     with torch.no_grad(), _FullPrecision(torch):
-        _, state = torch_chunk_gated_delta_rule(_interleave(case, x["q"]), _interleave(case, x["k"]), x["v"],
-                                                g=x["g"], beta=x["beta"], initial_state=None,
-                                                output_final_state=True, use_qk_l2norm_in_kernel=True)  # fmt: skip
+        _, state = torch_chunk_gated_delta_rule(
+            _interleave(case, x["q"]),
+            _interleave(case, x["k"]),
+            x["v"],
+            g=x["g"],
+            beta=x["beta"],
+            initial_state=None,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
     return state.float()
 
 
@@ -76,9 +83,16 @@ def run_decode(torch, kernel: Callable, inputs: dict[str, Any], state, case: Cas
         for t in range(case.seq_len):
             step = {n: x[:, t : t + 1] for n, x in inputs.items()}
             q, k = (_interleave(case, step[n].to(dtype)) for n in ("q", "k"))
-            out, state = kernel(q, k, step["v"].to(dtype), g=step["g"].float(), beta=step["beta"].to(dtype),
-                                initial_state=state, output_final_state=True,
-                                use_qk_l2norm_in_kernel=True)  # fmt: skip
+            out, state = kernel(
+                q,
+                k,
+                step["v"].to(dtype),
+                g=step["g"].float(),
+                beta=step["beta"].to(dtype),
+                initial_state=state,
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+            )
             outs.append(out)
     return torch.cat(outs, dim=1), state
 
@@ -96,8 +110,9 @@ def time_decode(torch, kernel: Callable, inputs, state, case: Case, dev: Device,
     return round(statistics.median(times), 4)
 
 
-def check_decode_case(torch, case: Case, kernel: Callable | None, dev: Device, threshold: float,
-                      fallback: Callable | None = None) -> CaseResult:  # fmt: skip
+def check_decode_case(
+    torch, case: Case, kernel: Callable | None, dev: Device, threshold: float, fallback: Callable | None = None
+) -> CaseResult:
     """Run one decode case; never raises (an exception is a failed case with the error as its note)."""
     started = time.monotonic()
     result = CaseResult(case.name, case.shape, case.key_heads, "fail")
@@ -110,8 +125,9 @@ def check_decode_case(torch, case: Case, kernel: Callable | None, dev: Device, t
         state = starting_state(torch, case, dev.name)
         got_out, got_state = run_decode(torch, kernel, inputs, state.clone(), case, dtype=torch.bfloat16)
         with _FullPrecision(torch):
-            ref_out, ref_state = run_decode(torch, torch_decode_reference(), inputs, state.clone(), case,
-                                            dtype=torch.float32)  # fmt: skip
+            ref_out, ref_state = run_decode(
+                torch, torch_decode_reference(), inputs, state.clone(), case, dtype=torch.float32
+            )
         result.errors = {"out": rel_error(torch, got_out, ref_out), "state": rel_error(torch, got_state, ref_state)}
         result.finite = bool(torch.isfinite(got_out).all()) and bool(torch.isfinite(got_state).all())
         if case.timing:

@@ -23,8 +23,9 @@ def _mib(value: float | None) -> str:
 def describe(device: Device, index: int) -> str:
     """One device as a phrase: job index, host index, identity, memory in use, its processes."""
     text = f"{index}: {device.identity} ({_mib(device.used_mib)} of {_mib(device.total_mib)} in use"
-    procs = ", ".join(f"pid {p.pid} {p.name} {_mib(p.used_mib)}" + (f" of {p.user}" if p.user else "")
-                      for p in device.processes)  # fmt: skip
+    procs = ", ".join(
+        f"pid {p.pid} {p.name} {_mib(p.used_mib)}" + (f" of {p.user}" if p.user else "") for p in device.processes
+    )
     return text + (f"; {procs})" if procs else "; no process)")
 
 
@@ -42,14 +43,22 @@ def check_devices(backend: str, launcher: Any, env: dict[str, str] | None = None
     if notes:
         return "warn", f"{detail}; {'; '.join(notes)}: memory in use and processes not known", None
     limit = launcher.busy_device_gib * MIB_PER_GIB
-    busy = [f"{i}: pid {p.pid} ({p.name}{', ' + p.user if p.user else ''}) holds {_mib(p.used_mib)}"
-            for i, d in enumerate(devices) for p in d.processes if (p.used_mib or 0) > limit]  # fmt: skip
+    busy = [
+        f"{i}: pid {p.pid} ({p.name}{', ' + p.user if p.user else ''}) holds {_mib(p.used_mib)}"
+        for i, d in enumerate(devices)
+        for p in d.processes
+        if (p.used_mib or 0) > limit
+    ]
     free = [d.total_mib - d.used_mib for d in devices if d.total_mib is not None and d.used_mib is not None]
     free_gib = min(free) / MIB_PER_GIB if free else None
     if busy and not launcher.allow_busy_devices:
-        return ("fail", f"another process holds more than launcher.busy_device_gib ({launcher.busy_device_gib:g} "
-                f"GiB) on the run's devices: {'; '.join(busy)}. Pick other devices, wait for it, or set "
-                f"launcher.allow_busy_devices: true to share them ({detail})", free_gib)  # fmt: skip
+        return (
+            "fail",
+            f"another process holds more than launcher.busy_device_gib ({launcher.busy_device_gib:g} "
+            f"GiB) on the run's devices: {'; '.join(busy)}. Pick other devices, wait for it, or set "
+            f"launcher.allow_busy_devices: true to share them ({detail})",
+            free_gib,
+        )
     if busy:
         return "warn", f"shared (launcher.allow_busy_devices): {'; '.join(busy)} ({detail})", free_gib
     return "ok", detail, free_gib

@@ -80,9 +80,12 @@ def select_glue_kernels(backend: str) -> tuple[dict[str, Callable], dict[str, st
     """The callables training binds for each op on ``backend`` (adapters included), and their descriptions."""
     from patches import fused_kernels, fused_ops
 
-    choices = fused_kernels.select_kernels(backend, dict.fromkeys(fused_kernels.OPS, True),
-                                           fused_ops.fla_usable(backend),
-                                           backend == "npu" and fused_ops.npu_rms_norm_available())  # fmt: skip
+    choices = fused_kernels.select_kernels(
+        backend,
+        dict.fromkeys(fused_kernels.OPS, True),
+        fused_ops.fla_usable(backend),
+        backend == "npu" and fused_ops.npu_rms_norm_available(),
+    )
     fused_kernels.tune_chosen_norms(backend, choices)  # as ``fused_ops`` tunes them for training
     chosen = {op: glue_kernel(op, choice.kernel) for op, choice in choices.items()}
     return chosen, {op: f"{c.kernel} ({c.reason})" for op, c in choices.items()}
@@ -104,8 +107,12 @@ def make_glue_inputs(torch, case: Case, seed: int = 0) -> dict[str, Any]:
         return {"x": draw(b, t, h, d), "weight": draw(d, scale=0.1), "grad_out": draw(b, t, h, d)}
     if case.op == "gated_norm":
         rows = b * t * h
-        return {"x": draw(rows, d), "gate": draw(rows, d), "weight": draw(d, scale=0.1, shift=1.0),
-                "grad_out": draw(rows, d)}  # fmt: skip
+        return {
+            "x": draw(rows, d),
+            "gate": draw(rows, d),
+            "weight": draw(d, scale=0.1, shift=1.0),
+            "grad_out": draw(rows, d),
+        }
     return {"gate": draw(b, t, h * d), "up": draw(b, t, h * d), "grad_out": draw(b, t, h * d)}
 
 
@@ -129,12 +136,22 @@ def packed_conv(torch, fn: Callable, x, weight, seq_lens: tuple[int, ...], *, re
     return packed_rows.segment_causal_conv(x.transpose(1, 2), weight.unsqueeze(1), None, found).transpose(1, 2)
 
 
-def run_glue(torch, op: str, fn: Callable, inputs: dict[str, Any], *, device: str, dtype,
-             seq_lens: tuple[int, ...] | None = None, reference: bool = False):  # fmt: skip
+def run_glue(
+    torch,
+    op: str,
+    fn: Callable,
+    inputs: dict[str, Any],
+    *,
+    device: str,
+    dtype,
+    seq_lens: tuple[int, ...] | None = None,
+    reference: bool = False,
+):
     """Forward and backward of one op as the model calls it; returns the output and every input's gradient.
     ``seq_lens``: the conv over samples packed in one row (``packed_conv``)."""
-    leaves = {n: x.to(device=device, dtype=dtype).detach().requires_grad_(True)
-              for n, x in inputs.items() if n != "grad_out"}  # fmt: skip
+    leaves = {
+        n: x.to(device=device, dtype=dtype).detach().requires_grad_(True) for n, x in inputs.items() if n != "grad_out"
+    }
     if op == "conv" and seq_lens:
         out = packed_conv(torch, fn, leaves["x"], leaves["weight"], seq_lens, reference=reference)
     elif op == "conv":  # the DeltaNet layer hands the conv the transpose of its [B, T, D] projection
@@ -171,8 +188,16 @@ def check_glue_case(torch, case: Case, fn: Callable, dev: Device, threshold: flo
         inputs = {n: x.to(dev.name) for n, x in make_glue_inputs(torch, case).items()}
         got = run_glue(torch, case.op, fn, inputs, device=dev.name, dtype=torch.bfloat16, seq_lens=case.seq_lens)
         with _FullPrecision(torch):
-            ref = run_glue(torch, case.op, reference, inputs, device=dev.name, dtype=torch.float32,
-                           seq_lens=case.seq_lens, reference=True)  # fmt: skip
+            ref = run_glue(
+                torch,
+                case.op,
+                reference,
+                inputs,
+                device=dev.name,
+                dtype=torch.float32,
+                seq_lens=case.seq_lens,
+                reference=True,
+            )
         result.errors = {"out": rel_error(torch, got[0], ref[0])}
         result.errors.update({f"d{n}": rel_error(torch, got[1][n], ref[1][n]) for n in ref[1]})
         result.finite = all(x is not None and bool(torch.isfinite(x).all()) for x in (got[0], *got[1].values()))

@@ -81,8 +81,9 @@ def _rel_err(torch, got, ref) -> float:
     return float(torch.linalg.vector_norm(got - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-12))
 
 
-def _quick_suite(backend: str, kernel_fn, name: str, glue_ops: tuple[str, ...] = (),
-                 glue_only: bool = False) -> dict[str, Any]:  # fmt: skip
+def _quick_suite(
+    backend: str, kernel_fn, name: str, glue_ops: tuple[str, ...] = (), glue_only: bool = False
+) -> dict[str, Any]:
     """``launcher validate-kernels --suite quick`` on the same kernel (``launcher.kernels``): bf16 against the
     fp32 torch reference with T != H, grouped heads and packed sequences (skipped for kernels without
     ``cu_seqlens``), and the glue cases of the ops in ``glue_ops`` (those the run's ``fused_ops`` binds: an op
@@ -94,9 +95,16 @@ def _quick_suite(backend: str, kernel_fn, name: str, glue_ops: tuple[str, ...] =
     cases = {c.name: c.status if c.max_error is None else f"{c.status} {c.max_error:.1e}" for c in report.cases}
     found: dict[str, Any] = {"validate_kernels": {"ok": report.ok, "cases": cases, "error": report.error}}
     if not report.ok:
-        failed = [f"{c.name}: {c.note}" + (f" (the run can do without this kernel: launcher.patches.fused_ops."
-                                           f"{ops[c.name]}: false)" if ops.get(c.name) else "")
-                  for c in report.cases if c.status == "fail"] or [str(report.error)]  # fmt: skip
+        failed = [
+            f"{c.name}: {c.note}"
+            + (
+                f" (the run can do without this kernel: launcher.patches.fused_ops.{ops[c.name]}: false)"
+                if ops.get(c.name)
+                else ""
+            )
+            for c in report.cases
+            if c.status == "fail"
+        ] or [str(report.error)]
         found.update(ok=False, error=f"launcher validate-kernels --suite quick failed: {'; '.join(failed)}")
     return found
 
@@ -142,9 +150,13 @@ def _choose_then_check(backend: str, glue_ops: tuple[str, ...], shapes: dict[str
     return found
 
 
-def check(backend: str, kernel: str = "auto", suite: bool = True,
-          glue_ops: tuple[str, ...] = ("conv", "rms_norm", "gated_norm", "swiglu"),
-          shapes: dict[str, int] | None = None) -> dict[str, Any]:  # fmt: skip
+def check(
+    backend: str,
+    kernel: str = "auto",
+    suite: bool = True,
+    glue_ops: tuple[str, ...] = ("conv", "rms_norm", "gated_norm", "swiglu"),
+    shapes: dict[str, int] | None = None,
+) -> dict[str, Any]:
     """Run the kernel once, then (``suite``) the quick validation suite; return a JSON-able result with
     ``ok`` and the measured errors. On NPU with ``kernel: auto``, first choose the kernels (``choose_kernels`` at
     ``shapes``, the 27B model's when not given)."""

@@ -71,8 +71,11 @@ class KernelChoice:
         return [name for name, c in self.components.items() if c.chosen is None]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"backend": self.backend, "shapes": self.shapes,
-                "components": {name: asdict(c) for name, c in self.components.items()}}  # fmt: skip
+        return {
+            "backend": self.backend,
+            "shapes": self.shapes,
+            "components": {name: asdict(c) for name, c in self.components.items()},
+        }
 
 
 def summary(record: dict[str, Any]) -> str:
@@ -93,9 +96,12 @@ def run_shapes(model_config: dict[str, Any] | None, seq_len: int) -> dict[str, i
     """The DeltaNet call's shapes for this run: ``Qwen3_5TextConfig``'s linear-attention fields (the 27B model's
     when the config cannot be read) and the run's sequence length."""
     text = (model_config or {}).get("text_config", model_config or {})
-    return {"seq_len": int(seq_len), "key_heads": int(text.get("linear_num_key_heads", 16)),
-            "value_heads": int(text.get("linear_num_value_heads", 48)),
-            "head_dim": int(text.get("linear_key_head_dim", 128))}  # fmt: skip
+    return {
+        "seq_len": int(seq_len),
+        "key_heads": int(text.get("linear_num_key_heads", 16)),
+        "value_heads": int(text.get("linear_num_value_heads", 48)),
+        "head_dim": int(text.get("linear_key_head_dim", 128)),
+    }
 
 
 def run_cases(shapes: dict[str, int]) -> dict[str, tuple[Case, ...]]:
@@ -109,27 +115,57 @@ def run_cases(shapes: dict[str, int]) -> dict[str, tuple[Case, ...]]:
     lens, quick = (t // 4, t // 2, t - t // 4 - t // 2), SUITES["quick"]
     small = (45, 85, 70)
     return {
-        "chunk": (Case("layout", 2, 150, hv, d, about="batch 2, T=150, not a multiple of the 64-token chunk"),
-                  Case("grouped", 1, 128, hv, d, key_heads=hk, about=f"q, k repeated from {hk} to {hv} heads"),
-                  Case("varlen", 1, sum(small), hv, d, key_heads=hk, seq_lens=small, about="3 samples packed"),
-                  Case("varlen_grouped", 1, sum(small), hv, d, key_heads=hk, seq_lens=small, unrepeated=True,
-                       about="3 samples packed, key heads unrepeated"),
-                  Case("run", 1, t, hv, d, key_heads=hk, about=f"the run's DeltaNet call, {t} tokens"),
-                  Case("run_varlen", 1, t, hv, d, key_heads=hk, seq_lens=lens, unrepeated=True,
-                       about="the run's shapes, 3 samples packed with cu_seqlens")),
-        "conv": (*(c for c in quick if c.op == "conv"),
-                 Case("conv_run", 1, t, 2 * hk + hv, d, op="conv", about="the run's short convolution")),
-        "gated_norm": (*(c for c in quick if c.op == "gated_norm"),
-                       Case("gated_norm_run", 1, t, hv, d, op="gated_norm", about="the run's DeltaNet output norm")),
-    }  # fmt: skip
+        "chunk": (
+            Case("layout", 2, 150, hv, d, about="batch 2, T=150, not a multiple of the 64-token chunk"),
+            Case("grouped", 1, 128, hv, d, key_heads=hk, about=f"q, k repeated from {hk} to {hv} heads"),
+            Case("varlen", 1, sum(small), hv, d, key_heads=hk, seq_lens=small, about="3 samples packed"),
+            Case(
+                "varlen_grouped",
+                1,
+                sum(small),
+                hv,
+                d,
+                key_heads=hk,
+                seq_lens=small,
+                unrepeated=True,
+                about="3 samples packed, key heads unrepeated",
+            ),
+            Case("run", 1, t, hv, d, key_heads=hk, about=f"the run's DeltaNet call, {t} tokens"),
+            Case(
+                "run_varlen",
+                1,
+                t,
+                hv,
+                d,
+                key_heads=hk,
+                seq_lens=lens,
+                unrepeated=True,
+                about="the run's shapes, 3 samples packed with cu_seqlens",
+            ),
+        ),
+        "conv": (
+            *(c for c in quick if c.op == "conv"),
+            Case("conv_run", 1, t, 2 * hk + hv, d, op="conv", about="the run's short convolution"),
+        ),
+        "gated_norm": (
+            *(c for c in quick if c.op == "gated_norm"),
+            Case("gated_norm_run", 1, t, hv, d, op="gated_norm", about="the run's DeltaNet output norm"),
+        ),
+    }
 
 
 Loader = Callable[[], tuple[Callable, str]]  # returns (kernel, description); raises when the candidate is unusable
 
 
-def choose(backend: str, candidates: dict[str, list[tuple[str, Loader]]], cases: dict[str, tuple[Case, ...]],
-           device: str, shapes: dict[str, Any], threshold: float = 0.05,
-           on_case: Callable[[str, Any], None] | None = None) -> KernelChoice:  # fmt: skip
+def choose(
+    backend: str,
+    candidates: dict[str, list[tuple[str, Loader]]],
+    cases: dict[str, tuple[Case, ...]],
+    device: str,
+    shapes: dict[str, Any],
+    threshold: float = 0.05,
+    on_case: Callable[[str, Any], None] | None = None,
+) -> KernelChoice:
     """Per component, the first candidate (in the given order) that loads and passes every case.
 
     Args:
@@ -208,5 +244,9 @@ def npu_candidates() -> dict[str, list[tuple[str, Loader]]]:
         return load
 
     loaders = {"chunk": {"fla": fla_chunk, "ascendc": ascendc_chunk, "torch": torch_chunk}}
-    return {component: [(name, loaders[component][name] if component == "chunk" else glue(component, name))
-                        for name in names] for component, names in ORDER["npu"].items()}  # fmt: skip
+    return {
+        component: [
+            (name, loaders[component][name] if component == "chunk" else glue(component, name)) for name in names
+        ]
+        for component, names in ORDER["npu"].items()
+    }

@@ -81,18 +81,37 @@ GRAD_NAMES = ("q", "k", "v", "g", "beta")
 TIMING_WARMUP, TIMING_REPEATS = 3, 10
 
 
-def _varlen(name: str, lens: tuple[int, ...], heads: int, dim: int, key_heads: int | None = None,
-            unrepeated: bool = False) -> Case:  # fmt: skip
+def _varlen(
+    name: str, lens: tuple[int, ...], heads: int, dim: int, key_heads: int | None = None, unrepeated: bool = False
+) -> Case:
     about = f"{len(lens)} sequences packed with cu_seqlens vs each alone"
     if unrepeated:
         about += f", {key_heads} key heads given unrepeated for {heads} value heads (as packed rows call FLA)"
     return Case(name, 1, sum(lens), heads, dim, key_heads, seq_lens=lens, about=about, unrepeated=unrepeated)
 
 
-MODEL_CASE = Case("qwen3_5_27b", 1, 4096, 48, 128, key_heads=16, timing=True, memory=True,
-                  about="the 27B model's DeltaNet call (16 key heads -> 48 value heads)")  # fmt: skip
-DECODE_CASE = Case("decode", 1, 64, 48, 128, key_heads=16, prefill=512, timing=True,
-                   about="the 27B model's decoding call: 64 one-token steps after a 512-token prompt")  # fmt: skip
+MODEL_CASE = Case(
+    "qwen3_5_27b",
+    1,
+    4096,
+    48,
+    128,
+    key_heads=16,
+    timing=True,
+    memory=True,
+    about="the 27B model's DeltaNet call (16 key heads -> 48 value heads)",
+)
+DECODE_CASE = Case(
+    "decode",
+    1,
+    64,
+    48,
+    128,
+    key_heads=16,
+    prefill=512,
+    timing=True,
+    about="the 27B model's decoding call: 64 one-token steps after a 512-token prompt",
+)
 
 
 def glue_cases(quick: bool) -> tuple[Case, ...]:
@@ -100,20 +119,39 @@ def glue_cases(quick: bool) -> tuple[Case, ...]:
     (conv over 2 x 16 x 128 + 48 x 128 channels, the hidden norm of 5120 and the 24-head q norm of 256, the
     gated norm of the 48 value heads of 128, SwiGLU over the MLP's 17408)."""
     if quick:
-        return (Case("conv", 2, 150, 3, 32, op="conv", about="batch 2, T=150 != D=96"),
-                Case("conv_varlen", 1, 200, 3, 32, seq_lens=(45, 85, 70), op="conv",
-                     about="3 samples packed in one row, each convolved alone"),
-                Case("rms_norm", 2, 40, 3, 32, op="rms_norm", about="zero-centred weight, over the last dim"),
-                Case("gated_norm", 1, 40, 4, 32, op="gated_norm", about="x_hat * w * silu(gate)"),
-                Case("swiglu", 2, 40, 1, 96, op="swiglu", about="silu(gate) * up"))  # fmt: skip
-    return (Case("conv_27b", 1, 4096, 80, 128, op="conv", timing=True, about="the DeltaNet short convolution"),
-            Case("conv_varlen_27b", 1, 4096, 80, 128, seq_lens=(700, 1100, 1300, 996), op="conv",
-                 about="4 samples packed in one row, each convolved alone (packed rows)"),
-            Case("rms_norm_27b", 1, 4096, 1, 5120, op="rms_norm", timing=True, about="the decoder layers' norm"),
-            Case("q_norm_27b", 1, 4096, 24, 256, op="rms_norm", about="the attention's q norm per head"),
-            Case("gated_norm_27b", 1, 4096, 48, 128, op="gated_norm", timing=True, about="the DeltaNet output norm"),
-            Case("swiglu_27b", 1, 4096, 1, 17408, op="swiglu", timing=True,
-                 about="the MLP's silu(gate) * up"))  # fmt: skip
+        return (
+            Case("conv", 2, 150, 3, 32, op="conv", about="batch 2, T=150 != D=96"),
+            Case(
+                "conv_varlen",
+                1,
+                200,
+                3,
+                32,
+                seq_lens=(45, 85, 70),
+                op="conv",
+                about="3 samples packed in one row, each convolved alone",
+            ),
+            Case("rms_norm", 2, 40, 3, 32, op="rms_norm", about="zero-centred weight, over the last dim"),
+            Case("gated_norm", 1, 40, 4, 32, op="gated_norm", about="x_hat * w * silu(gate)"),
+            Case("swiglu", 2, 40, 1, 96, op="swiglu", about="silu(gate) * up"),
+        )
+    return (
+        Case("conv_27b", 1, 4096, 80, 128, op="conv", timing=True, about="the DeltaNet short convolution"),
+        Case(
+            "conv_varlen_27b",
+            1,
+            4096,
+            80,
+            128,
+            seq_lens=(700, 1100, 1300, 996),
+            op="conv",
+            about="4 samples packed in one row, each convolved alone (packed rows)",
+        ),
+        Case("rms_norm_27b", 1, 4096, 1, 5120, op="rms_norm", timing=True, about="the decoder layers' norm"),
+        Case("q_norm_27b", 1, 4096, 24, 256, op="rms_norm", about="the attention's q norm per head"),
+        Case("gated_norm_27b", 1, 4096, 48, 128, op="gated_norm", timing=True, about="the DeltaNet output norm"),
+        Case("swiglu_27b", 1, 4096, 1, 17408, op="swiglu", timing=True, about="the MLP's silu(gate) * up"),
+    )
 
 
 SUITES: dict[str, tuple[Case, ...]] = {
@@ -164,8 +202,17 @@ class Report:
 # --- inputs, runs and errors ------------------------------------------------------------------------
 
 
-def run_kernel(torch, kernel: Callable, inputs: dict[str, Any], case: Case, *, device: str, dtype,
-               cu_seqlens: list[int] | None = None, repeat: bool = True) -> tuple[Any, dict[str, Any]]:  # fmt: skip
+def run_kernel(
+    torch,
+    kernel: Callable,
+    inputs: dict[str, Any],
+    case: Case,
+    *,
+    device: str,
+    dtype,
+    cu_seqlens: list[int] | None = None,
+    repeat: bool = True,
+) -> tuple[Any, dict[str, Any]]:
     """Forward and backward of ``kernel`` as the model calls it; returns the output and the input gradients.
 
     ``dtype`` applies to q, k, v, beta and the output gradient; g stays float32 (the model computes it so).
@@ -183,8 +230,17 @@ def run_kernel(torch, kernel: Callable, inputs: dict[str, Any], case: Case, *, d
     extra = {}
     if cu_seqlens is not None:
         extra["cu_seqlens"] = torch.tensor(cu_seqlens, dtype=torch.long, device=device)
-    out = kernel(q, k, leaves["v"], g=leaves["g"], beta=leaves["beta"], initial_state=None,
-                 output_final_state=False, use_qk_l2norm_in_kernel=True, **extra)  # fmt: skip
+    out = kernel(
+        q,
+        k,
+        leaves["v"],
+        g=leaves["g"],
+        beta=leaves["beta"],
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=True,
+        **extra,
+    )
     out = out[0] if isinstance(out, tuple) else out
     out.backward(inputs["grad_out"].to(device=device, dtype=out.dtype))
     return out.detach(), {name: leaves[name].grad for name in GRAD_NAMES}
@@ -232,8 +288,15 @@ def time_fwd_bwd(torch, kernel, inputs, case: Case, dev: Device, dtype) -> float
     return round(statistics.median(times), 3)
 
 
-def check_case(torch, case: Case, kernel: Callable, reference: Callable, dev: Device, threshold: float,
-               fallback: Callable | None = None) -> CaseResult:  # fmt: skip
+def check_case(
+    torch,
+    case: Case,
+    kernel: Callable,
+    reference: Callable,
+    dev: Device,
+    threshold: float,
+    fallback: Callable | None = None,
+) -> CaseResult:
     """Run one case; never raises (an exception is a failed case with the error as its note)."""
     started = time.monotonic()
     result = CaseResult(case.name, case.shape, case.key_heads, "fail", cu_seqlens=case.cu_seqlens)
@@ -362,11 +425,19 @@ def case_progress(total: int, file=None):
     return on_case
 
 
-def validate(backend: str, *, kernel: str = "auto", suite: str = "quick", threshold: float = DEFAULT_THRESHOLD,
-             cases: tuple[str, ...] | None = None, kernel_fn: Callable | None = None,
-             kernel_name: str | None = None, decode_fn: Callable | None = None,
-             glue_fns: dict[str, Callable] | None = None,
-             on_case: Callable[[str, CaseResult | None], None] | None = None) -> Report:  # fmt: skip
+def validate(
+    backend: str,
+    *,
+    kernel: str = "auto",
+    suite: str = "quick",
+    threshold: float = DEFAULT_THRESHOLD,
+    cases: tuple[str, ...] | None = None,
+    kernel_fn: Callable | None = None,
+    kernel_name: str | None = None,
+    decode_fn: Callable | None = None,
+    glue_fns: dict[str, Callable] | None = None,
+    on_case: Callable[[str, CaseResult | None], None] | None = None,
+) -> Report:
     """Run a suite against the kernels routed for ``backend`` (or ``kernel_fn``/``decode_fn``, for tests).
 
     The ``decode`` case checks the recurrent kernel generation routes to (``launcher.checks.decode_kernels``);

@@ -580,8 +580,9 @@ def forecast_run(config, lf: dict[str, Any], device_gib: float | None) -> Foreca
     return forecast(shape, run, lora_parameters(shape, raw, lf), device_gib)
 
 
-def check_memory(config, lf: dict[str, Any], backend: str, device_gib: float | None = None,
-                 free_gib: float | None = None) -> tuple[str, str]:  # fmt: skip
+def check_memory(
+    config, lf: dict[str, Any], backend: str, device_gib: float | None = None, free_gib: float | None = None
+) -> tuple[str, str]:
     """``(status, detail)`` of the ``memory`` row: ``fail`` for will not fit, ``warn`` for tight or when the
     forecast cannot be made, ``ok`` otherwise. ``device_gib`` (``--device-memory``) overrides what torch reads;
     ``free_gib``, the least free memory of the run's devices now (preflight's ``devices`` row), is held against
@@ -597,8 +598,10 @@ def check_memory(config, lf: dict[str, Any], backend: str, device_gib: float | N
     if free_gib is not None and status != "fail":
         if result.peak > free_gib:
             status = "fail"
-            line += (f"; but only {free_gib:.1f} GiB are free now on the fullest of the run's devices (other "
-                     "processes hold the rest, see the devices row): WILL NOT FIT beside them")  # fmt: skip
+            line += (
+                f"; but only {free_gib:.1f} GiB are free now on the fullest of the run's devices (other "
+                "processes hold the rest, see the devices row): WILL NOT FIT beside them"
+            )
         else:
             line += f"; {free_gib:.1f} GiB free now on the fullest of the run's devices"
     return status, line

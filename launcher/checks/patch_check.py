@@ -21,8 +21,14 @@ from typing import Any
 LOGIT_READERS = ("compute_accuracy", "use_dft_loss", "use_eaft_loss", "use_asft_loss", "label_smoothing_factor")
 
 
-def patch_problems(patches: dict[str, dict[str, Any]], lf: dict[str, Any], *, backend: str,
-                   distribution: str = "ddp", torch_version: str | None = None) -> list[tuple[str, str]]:  # fmt: skip
+def patch_problems(
+    patches: dict[str, dict[str, Any]],
+    lf: dict[str, Any],
+    *,
+    backend: str,
+    distribution: str = "ddp",
+    torch_version: str | None = None,
+) -> list[tuple[str, str]]:
     """``(key, message)`` for every combination that cannot work; each message says how to fix it."""
     problems = []
     fsdp = patches.get("fsdp2_frozen_dtype", {})
@@ -33,20 +39,36 @@ def patch_problems(patches: dict[str, dict[str, Any]], lf: dict[str, Any], *, ba
         try:
             trainable_units_mode(fsdp.get("trainable_units", "auto"), torch_version)
         except PatchError as err:
-            problems.append(("launcher.patches.fsdp2_frozen_dtype.trainable_units",
-                             f"launcher.patches.fsdp2_frozen_dtype.{err.problem}; {err.fix}"))  # fmt: skip
+            problems.append(
+                (
+                    "launcher.patches.fsdp2_frozen_dtype.trainable_units",
+                    f"launcher.patches.fsdp2_frozen_dtype.{err.problem}; {err.fix}",
+                )
+            )
     chunked = patches.get("chunked_loss", {})
     for key in LOGIT_READERS:
         if chunked.get("enabled") and lf.get(key):
             shown = "true" if lf[key] is True else lf[key]
-            problems.append((key, f"{key}: {shown} reads the training logits, which launcher.patches.chunked_loss "
-                             f"never builds; remove {key} or set launcher.patches.chunked_loss: false"))  # fmt: skip
+            problems.append(
+                (
+                    key,
+                    f"{key}: {shown} reads the training logits, which launcher.patches.chunked_loss "
+                    f"never builds; remove {key} or set launcher.patches.chunked_loss: false",
+                )
+            )
     ckpt = patches.get("checkpoint_all_layers", {})
     where = "launcher.patches.checkpoint_all_layers"
     if ckpt.get("enabled") and ckpt.get("memory_budget_gib") is not None and backend == "cpu":
-        problems.append((f"{where}.memory_budget_gib", (
-            f"{where}.memory_budget_gib needs a device that reports its peak memory (cuda, npu); the backend is cpu: "
-            "use uncheckpointed_layers: N instead")))  # fmt: skip
+        problems.append(
+            (
+                f"{where}.memory_budget_gib",
+                (
+                    f"{where}.memory_budget_gib needs a device that reports its peak memory (cuda, "
+                    "npu); the backend is cpu: "
+                    "use uncheckpointed_layers: N instead"
+                ),
+            )
+        )
     return problems + packing_problems(patches, lf)
 
 
@@ -60,28 +82,55 @@ def packing_problems(patches: dict[str, dict[str, Any]], lf: dict[str, Any]) -> 
     shown = f"{key}: true" if lf.get(key) else "packing (LLaMA-Factory's default for stage pt)"
     problems = []
     if stage != "sft":
-        problems.append((key, (
-            f"{shown} with stage {stage}: LLaMA-Factory packs stage {stage} rows as one token stream, so the "
-            "samples of a row would see each other and share DeltaNet state; samples are kept apart only for "
-            "stage sft. Set packing: false, or train with stage: sft")))  # fmt: skip
+        problems.append(
+            (
+                key,
+                (
+                    f"{shown} with stage {stage}: LLaMA-Factory packs stage {stage} rows as one token stream, so the "
+                    "samples of a row would see each other and share DeltaNet state; samples are kept apart only for "
+                    "stage sft. Set packing: false, or train with stage: sft"
+                ),
+            )
+        )
     if lf.get("flash_attn") == "fa2":
-        problems.append(("flash_attn", (
-            f"flash_attn: fa2 with {key}: LLaMA-Factory 0.9.5 then replaces the Qwen3.5 decoder and DeltaNet "
-            "forwards with direct FLA calls, bypassing launcher.patches.deltanet_routing and packed_rows and "
-            "their proof; use flash_attn: sdpa (or eager): it attends through the block-diagonal mask")))  # fmt: skip
+        problems.append(
+            (
+                "flash_attn",
+                (
+                    f"flash_attn: fa2 with {key}: LLaMA-Factory 0.9.5 then replaces the Qwen3.5 decoder and DeltaNet "
+                    "forwards with direct FLA calls, bypassing launcher.patches.deltanet_routing and packed_rows and "
+                    "their proof; use flash_attn: sdpa (or eager): it attends through the block-diagonal mask"
+                ),
+            )
+        )
     for name in ("deltanet_routing", "packed_rows"):
         if not patches.get(name, {}).get("enabled"):
-            problems.append((f"launcher.patches.{name}", (
-                f"{shown} needs launcher.patches.{name}: without it transformers' DeltaNet layers run a packed "
-                "row as one sequence (the convolution and the recurrent state flow from one sample into the "
-                f"next); enable {name}, or turn packing off")))  # fmt: skip
+            problems.append(
+                (
+                    f"launcher.patches.{name}",
+                    (
+                        f"{shown} needs launcher.patches.{name}: without it transformers' DeltaNet layers run a packed "
+                        "row as one sequence (the convolution and the recurrent state flow from one sample into the "
+                        f"next); enable {name}, or turn packing off"
+                    ),
+                )
+            )
     if lf.get("include_num_input_tokens_seen") == "non_padding":
-        problems.append(("include_num_input_tokens_seen", (
-            f"include_num_input_tokens_seen: non_padding with {shown}: the Trainer counts the tokens seen by summing "
-            "the attention mask, which on a packed row holds LLaMA-Factory's sample numbers (1, 2, 3 ... per "
-            "sample) or its 4D mask, not ones, so the total_tokens and throughput of trainer_log.jsonl would be "
-            "wrong; use include_num_input_tokens_seen: all (each packed row counts every token it is trained on, "
-            "padding included), or turn packing off")))  # fmt: skip
+        problems.append(
+            (
+                "include_num_input_tokens_seen",
+                (
+                    f"include_num_input_tokens_seen: non_padding with {shown}: the Trainer counts the "
+                    "tokens seen by summing "
+                    "the attention mask, which on a packed row holds LLaMA-Factory's sample numbers (1, 2, 3 ... per "
+                    "sample) or its 4D mask, not ones, so the total_tokens and throughput of "
+                    "trainer_log.jsonl would be "
+                    "wrong; use include_num_input_tokens_seen: all (each packed row counts every "
+                    "token it is trained on, "
+                    "padding included), or turn packing off"
+                ),
+            )
+        )
     if stage == "sft":
         problems += _dummy_image_problems(patches, lf, shown)
     return problems
@@ -100,7 +149,14 @@ def _dummy_image_problems(patches: dict[str, dict[str, Any]], lf: dict[str, Any]
         why = None if text_only else verdict
     if why is None:
         return []
-    return [("launcher.patches.text_only_batches", (
-        f"{shown} needs batches without LLaMA-Factory's dummy image (0.9.5 appends it to a packed batch's first "
-        f"row but not to its packed mask, and the first step fails), and here {why}; pack text-only data with "
-        "text_only_batches on and the vision tower frozen, or turn packing off"))]  # fmt: skip
+    return [
+        (
+            "launcher.patches.text_only_batches",
+            (
+                f"{shown} needs batches without LLaMA-Factory's dummy image (0.9.5 appends it to a "
+                "packed batch's first "
+                f"row but not to its packed mask, and the first step fails), and here {why}; pack text-only data with "
+                "text_only_batches on and the vision tower frozen, or turn packing off"
+            ),
+        )
+    ]

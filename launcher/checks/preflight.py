@@ -200,8 +200,9 @@ def run_preflight(
 def _devices_row(prepared: Prepared, out: dict[str, Any]) -> Row:
     """The ``devices`` row (checks/devices.py), reading the devices as the job will see them; the least free
     memory among them goes into ``out["free_gib"]`` for the memory row."""
-    status, detail, out["free_gib"] = check_devices(prepared.backend.name, prepared.config.launcher,
-                                                    backends.child_env(prepared.backend))  # fmt: skip
+    status, detail, out["free_gib"] = check_devices(
+        prepared.backend.name, prepared.config.launcher, backends.child_env(prepared.backend)
+    )
     return "devices", status, detail
 
 
@@ -250,8 +251,10 @@ def logging_warnings(lf: dict[str, Any], result: dict[str, Any], launcher: Any) 
     if steps is None or steps // every >= MIN_LOG_LINES or steps < MIN_LOG_LINES:
         return []
     wanted = max(1, steps // MIN_LOG_LINES)
-    return [f"logging_steps {every}: the trainer log (status, ETA, loss curves) gets only {steps // every} line(s) "
-            f"over the {steps} planned steps; set logging_steps: {wanted} or less"]  # fmt: skip
+    return [
+        f"logging_steps {every}: the trainer log (status, ETA, loss curves) gets only {steps // every} line(s) "
+        f"over the {steps} planned steps; set logging_steps: {wanted} or less"
+    ]
 
 
 def check_backend(prepared: Prepared) -> Row:
@@ -437,14 +440,19 @@ def _run_shapes(prepared: Prepared, model_dir: Path) -> dict[str, int]:
         return run_shapes(None, seq_len)
 
 
-def check_kernel(backend: str, kernel: str = "auto", timeout_s: float = KERNEL_TIMEOUT_S,
-                 glue: str = "conv,rms_norm,gated_norm,swiglu", shapes: dict[str, int] | None = None,
-                 allow: bool = False, out: dict[str, Any] | None = None) -> Row:  # fmt: skip
+def check_kernel(
+    backend: str,
+    kernel: str = "auto",
+    timeout_s: float = KERNEL_TIMEOUT_S,
+    glue: str = "conv,rms_norm,gated_norm,swiglu",
+    shapes: dict[str, int] | None = None,
+    allow: bool = False,
+    out: dict[str, Any] | None = None,
+) -> Row:
     """Run ``launcher.checks.kernel_check`` in a child process (see its docstring for why); ``out`` gets the kernel
     choice record when the child made one."""
     env = backends.child_env(backends.BACKENDS[backend])
-    cmd = [sys.executable, "-m", "launcher", "_kernel-check", "--backend", backend, "--kernel", kernel,
-           "--glue", glue]  # fmt: skip
+    cmd = [sys.executable, "-m", "launcher", "_kernel-check", "--backend", backend, "--kernel", kernel, "--glue", glue]
     if shapes is not None:
         cmd += ["--shapes", json.dumps(shapes)]
     try:
@@ -474,8 +482,10 @@ def kernel_row(backend: str, result: dict[str, Any], allow: bool = False) -> Row
         chosen = f"kernel choice: {summary(record)}; "
         fallbacks = [name for name, c in record["components"].items() if c.get("chosen") == "torch"]
         if fallbacks and result.get("ok") and backend == "npu":
-            text = (f"{chosen}{', '.join(fallbacks)} fell back to torch, every step slower as noted; "
-                    "launcher validate-kernels --device npu shows each failing case")  # fmt: skip
+            text = (
+                f"{chosen}{', '.join(fallbacks)} fell back to torch, every step slower as noted; "
+                "launcher validate-kernels --device npu shows each failing case"
+            )
             if allow:
                 return "kernel", "warn", f"{text} (allowed by {ALLOW_KEY}: true)"
             return "kernel", "fail", f"{text}; fix the kernels, or accept the slowdown with {ALLOW_KEY}: true"

@@ -23,8 +23,25 @@ from launcher.cli.registry import Verb
 from launcher.errors import LauncherError
 from launcher.run.signals import StopRequested, hold_stop_signals, release_stop_signals
 
-_ORDER = ("run", "start", "submit", "status", "logs", "stop", "list", "resume", "check", "preflight", "profile",
-          "verify", "report", "evaluate", "validate-kernels", "demo-assets", "data")  # fmt: skip
+_ORDER = (
+    "run",
+    "start",
+    "submit",
+    "status",
+    "logs",
+    "stop",
+    "list",
+    "resume",
+    "check",
+    "preflight",
+    "profile",
+    "verify",
+    "report",
+    "evaluate",
+    "validate-kernels",
+    "demo-assets",
+    "data",
+)
 _ALL = {v.name: v for v in (*run_verbs.VERBS, *view_verbs.VERBS, *tool_verbs.VERBS)}
 VERBS: tuple[Verb, ...] = tuple(_ALL[n] for n in _ORDER) + tuple(v for v in _ALL.values() if v.hidden)
 
@@ -72,8 +89,11 @@ def _take_overrides(argv: list[str], verb: str | None) -> tuple[list[str], list[
         return argv, []
     at = argv.index(verb) + 1
     rest = argv[at:]
-    picked = [i for i, a in enumerate(rest) if "=" in a and not a.startswith("-")
-              and not (i > 0 and rest[i - 1] in _OPTIONS_WITH_VALUES)]  # fmt: skip
+    picked = [
+        i
+        for i, a in enumerate(rest)
+        if "=" in a and not a.startswith("-") and not (i > 0 and rest[i - 1] in _OPTIONS_WITH_VALUES)
+    ]
     return argv[:at] + [a for i, a in enumerate(rest) if i not in picked], [rest[i] for i in picked]
 
 

@@ -34,10 +34,15 @@ class Verb:
 
 def add_root_arg(p: argparse.ArgumentParser) -> None:
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--root", type=Path, default=None,
-                       help=f"runs folder (default: ${ROOT_ENV}, else outputs/runs)")  # fmt: skip
-    where.add_argument("--config", dest="root_config", type=Path, default=None, metavar="CONFIG",
-                       help="find runs under this run config's launcher.output_root")  # fmt: skip
+    where.add_argument("--root", type=Path, default=None, help=f"runs folder (default: ${ROOT_ENV}, else outputs/runs)")
+    where.add_argument(
+        "--config",
+        dest="root_config",
+        type=Path,
+        default=None,
+        metavar="CONFIG",
+        help="find runs under this run config's launcher.output_root",
+    )
 
 
 def add_run_arg(p: argparse.ArgumentParser) -> None:
@@ -95,9 +100,13 @@ def run_dir(ns: argparse.Namespace) -> Path:
 
         owner = being_set_up(root)
         if owner is not None:
-            print(f"waiting for the run being set up under {root} (supervisor pid {owner.get('pid')} on "
-                  f"{owner.get('hostname')}, since {owner.get('since')}): its folder appears once its config is "
-                  f"checked", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"waiting for the run being set up under {root} (supervisor pid {owner.get('pid')} on "
+                f"{owner.get('hostname')}, since {owner.get('since')}): its folder appears once its config is "
+                f"checked",
+                file=sys.stderr,
+                flush=True,
+            )
             run_id = wait_for_run_id(root, SETUP_WAIT_S)
             if run_id is not None:
                 return run_dir_for(run_id, root)

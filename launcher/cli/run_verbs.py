@@ -55,8 +55,10 @@ def _env_overrides() -> dict[str, Any]:
     try:
         items = shlex.split(text)
     except ValueError as err:
-        raise LauncherError(f"{source}={text!r}: {err}; give KEY=VALUE items separated by spaces, e.g. "
-                            "TRAIN_OVERRIDES=\"max_steps=40 launcher.stop_grace_s=30\"") from None  # fmt: skip
+        raise LauncherError(
+            f"{source}={text!r}: {err}; give KEY=VALUE items separated by spaces, e.g. "
+            'TRAIN_OVERRIDES="max_steps=40 launcher.stop_grace_s=30"'
+        ) from None
     return parse_overrides(items, source) if items else {}
 
 
@@ -69,8 +71,10 @@ def _resume_instead(ns: argparse.Namespace) -> int:
 
     run, adapter_only = os.environ[RESUME_ENV].strip(), os.environ.get(ADAPTER_ONLY_ENV, "").strip()
     if adapter_only not in ("", "0", "1"):
-        raise LauncherError(f"{ADAPTER_ONLY_ENV}={adapter_only!r}: expected 1 (accept an adapter-only resume) or "
-                            "nothing; compose passes RESUME_ADAPTER_ONLY")  # fmt: skip
+        raise LauncherError(
+            f"{ADAPTER_ONLY_ENV}={adapter_only!r}: expected 1 (accept an adapter-only resume) or "
+            "nothing; compose passes RESUME_ADAPTER_ONLY"
+        )
     root = None if Path(run).is_dir() else load_run_config(ns.config, overrides_of(ns)).launcher.output_root
     print(f"{RESUME_ENV}={run}: resuming that run instead of starting a new one", flush=True)
     return resume_run(run_dir_for(run, root), adapter_only=adapter_only == "1", foreground=True)
@@ -129,20 +133,30 @@ def _cmd_supervise(ns: argparse.Namespace) -> int:
 
 def _args_check(p: argparse.ArgumentParser) -> None:
     add_config_arg(p)
-    p.add_argument("--no-model", action="store_true",
-                   help="do not read the model folder (the checks this skips are listed as not made); for a "
-                        "config whose data and output folders are elsewhere too: --for-another-machine")  # fmt: skip
-    p.add_argument("--for-another-machine", action="store_true",
-                   help="the config is meant for another machine (checking on a laptop for the server): a path it "
-                        "names that is not here (model, dataset_dir, output root) is counted as a check not made, "
-                        "instead of failing the check; what is here is checked as usual")  # fmt: skip
+    p.add_argument(
+        "--no-model",
+        action="store_true",
+        help="do not read the model folder (the checks this skips are listed as not made); for a "
+        "config whose data and output folders are elsewhere too: --for-another-machine",
+    )
+    p.add_argument(
+        "--for-another-machine",
+        action="store_true",
+        help="the config is meant for another machine (checking on a laptop for the server): a path it "
+        "names that is not here (model, dataset_dir, output root) is counted as a check not made, "
+        "instead of failing the check; what is here is checked as usual",
+    )
     _add_device_memory(p)
 
 
 def _add_device_memory(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device-memory", metavar="GIB", default=None,
-                   help="the memory of one device in GiB, for the memory forecast's verdict (default: read through "
-                        "torch where the run's devices are visible)")  # fmt: skip
+    p.add_argument(
+        "--device-memory",
+        metavar="GIB",
+        default=None,
+        help="the memory of one device in GiB, for the memory forecast's verdict (default: read through "
+        "torch where the run's devices are visible)",
+    )
 
 
 def _device_memory(ns: argparse.Namespace) -> float | None:
@@ -168,8 +182,15 @@ def _cmd_check(ns: argparse.Namespace) -> int:
     config, problems = read_run_config(ns.config, overrides_of(ns), require_model=not (ns.no_model or elsewhere))
     if config is None:
         raise ConfigError(str(ns.config), problems)
-    found = check_run_config(config, problems=problems, model=not ns.no_model, devices=False, elsewhere=elsewhere,
-                             memory=True, device_gib=device_gib)  # fmt: skip
+    found = check_run_config(
+        config,
+        problems=problems,
+        model=not ns.no_model,
+        devices=False,
+        elsewhere=elsewhere,
+        memory=True,
+        device_gib=device_gib,
+    )
     marks = {"error": "ERROR", "warn": "warn ", "ok": "ok   ", "skipped": "skip "}
     for finding in found.items:
         if finding.level != SKIPPED:
@@ -181,8 +202,10 @@ def _cmd_check(ns: argparse.Namespace) -> int:
     if errors:
         verdict = f"{ns.config}: {len(errors)} problem(s); fix them and run `launcher check {ns.config}` again"
     else:
-        verdict = (f"{ns.config}: OK ({launcher.backend} backend, {launcher.nproc_per_node} process(es) per node, "
-                   f"{launcher.distribution}{', smoke' if launcher.smoke else ''})")  # fmt: skip
+        verdict = (
+            f"{ns.config}: OK ({launcher.backend} backend, {launcher.nproc_per_node} process(es) per node, "
+            f"{launcher.distribution}{', smoke' if launcher.smoke else ''})"
+        )
     if skipped:
         verdict += f"; {len(skipped)} check{'s' if len(skipped) > 1 else ''} not made here:"
     print(verdict)
@@ -213,15 +236,27 @@ def _cmd_preflight(ns: argparse.Namespace) -> int:
 
 def _args_kernel_check(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("cpu", "cuda", "npu"), required=True)
-    p.add_argument("--kernel", choices=("auto", "fla", "torch"), default="auto",
-                   help="launcher.patches.deltanet_routing.kernel of the config (default auto)")  # fmt: skip
+    p.add_argument(
+        "--kernel",
+        choices=("auto", "fla", "torch"),
+        default="auto",
+        help="launcher.patches.deltanet_routing.kernel of the config (default auto)",
+    )
     p.add_argument("--no-suite", action="store_true", help="skip the quick validate-kernels suite")
-    p.add_argument("--glue", default="conv,rms_norm,gated_norm,swiglu", metavar="OPS",
-                   help="the fused glue ops the run binds (launcher.patches.fused_ops), checked in the quick suite; "
-                        "'none' for none")  # fmt: skip
-    p.add_argument("--shapes", default=None, metavar="JSON",
-                   help="the run's DeltaNet shapes (seq_len, key_heads, value_heads, head_dim) for the kernel choice "
-                        "on NPU; default the 27B model's at 4,096 tokens")  # fmt: skip
+    p.add_argument(
+        "--glue",
+        default="conv,rms_norm,gated_norm,swiglu",
+        metavar="OPS",
+        help="the fused glue ops the run binds (launcher.patches.fused_ops), checked in the quick suite; "
+        "'none' for none",
+    )
+    p.add_argument(
+        "--shapes",
+        default=None,
+        metavar="JSON",
+        help="the run's DeltaNet shapes (seq_len, key_heads, value_heads, head_dim) for the kernel choice "
+        "on NPU; default the 27B model's at 4,096 tokens",
+    )
 
 
 def _cmd_kernel_check(ns: argparse.Namespace) -> int:
@@ -237,11 +272,16 @@ def _cmd_kernel_check(ns: argparse.Namespace) -> int:
 
 def _args_stop(p: argparse.ArgumentParser) -> None:
     add_run_arg(p)
-    p.add_argument("--grace", type=float, default=None, metavar="SECONDS",
-                   help="seconds for the save on stop, or between SIGTERM and SIGKILL (default: the run's "
-                        "stop_grace_s)")  # fmt: skip
-    p.add_argument("--now", action="store_true",
-                   help="skip the save on stop: SIGTERM at once, SIGKILL after the grace period")  # fmt: skip
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds for the save on stop, or between SIGTERM and SIGKILL (default: the run's stop_grace_s)",
+    )
+    p.add_argument(
+        "--now", action="store_true", help="skip the save on stop: SIGTERM at once, SIGKILL after the grace period"
+    )
 
 
 def _cmd_stop(ns: argparse.Namespace) -> int:
@@ -252,8 +292,11 @@ def _cmd_stop(ns: argparse.Namespace) -> int:
 
 def _args_resume(p: argparse.ArgumentParser) -> None:
     add_run_arg(p)
-    p.add_argument("--adapter-only", action="store_true",
-                   help="accept a checkpoint without optimizer/scheduler state (save_only_model: true)")  # fmt: skip
+    p.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="accept a checkpoint without optimizer/scheduler state (save_only_model: true)",
+    )
     p.add_argument("--foreground", action="store_true", help="supervise in the foreground, like `run`")
 
 
@@ -267,15 +310,28 @@ def _args_submit(p: argparse.ArgumentParser) -> None:
     add_config_arg(p)
     p.add_argument("--nodes", type=int, required=True, metavar="N", help="nodes (one task, one launcher each)")
     p.add_argument("--partition", default=None, metavar="P", help="Slurm partition (sbatch --partition)")
-    p.add_argument("--time", default=None, metavar="T",
-                   help="Slurm time limit (sbatch --time, e.g. 1-00:00:00); the run is stopped with a checkpoint "
-                        "saved stop_grace_s + 60 s before it")  # fmt: skip
-    p.add_argument("--runtime", choices=("host", "apptainer", "docker"), default="host",
-                   help="what srun starts on each node: the installed launcher (host, the default: sites without a "
-                        "container runtime), or the project's image through apptainer or docker (--image)")  # fmt: skip
+    p.add_argument(
+        "--time",
+        default=None,
+        metavar="T",
+        help="Slurm time limit (sbatch --time, e.g. 1-00:00:00); the run is stopped with a checkpoint "
+        "saved stop_grace_s + 60 s before it",
+    )
+    p.add_argument(
+        "--runtime",
+        choices=("host", "apptainer", "docker"),
+        default="host",
+        help="what srun starts on each node: the installed launcher (host, the default: sites without a "
+        "container runtime), or the project's image through apptainer or docker (--image)",
+    )
     p.add_argument("--image", default=None, help="the project's image: an .sif file (apptainer) or an image name")
-    p.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
-                   help="one more #SBATCH line, e.g. --sbatch=--account=ml (repeatable)")  # fmt: skip
+    p.add_argument(
+        "--sbatch",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="one more #SBATCH line, e.g. --sbatch=--account=ml (repeatable)",
+    )
 
 
 def _cmd_submit(ns: argparse.Namespace) -> int:
@@ -283,8 +339,15 @@ def _cmd_submit(ns: argparse.Namespace) -> int:
     from launcher.run.slurm import submit
 
     config = load_run_config(ns.config, overrides_of(ns))
-    return submit(config, ns.nodes, partition=ns.partition, time_limit=ns.time, runtime=ns.runtime, image=ns.image,
-                  extra=tuple(ns.sbatch))  # fmt: skip
+    return submit(
+        config,
+        ns.nodes,
+        partition=ns.partition,
+        time_limit=ns.time,
+        runtime=ns.runtime,
+        image=ns.image,
+        extra=tuple(ns.sbatch),
+    )
 
 
 def _args_slurm_node(p: argparse.ArgumentParser) -> None:
@@ -298,53 +361,109 @@ def _cmd_slurm_node(ns: argparse.Namespace) -> int:
 
 
 VERBS: tuple[Verb, ...] = (
-    Verb("run", "train in the foreground: validate, create a run directory, supervise the job to its end",
-         "launcher run configs/demo_cpu.yaml\n  launcher run configs/qwen3_5_27b_lora_soulchat.yaml\n\n"
-         + EXIT_CODE_TABLE, _args_run, _cmd_run, supervises=True),
-    Verb("profile", "a short supervised run that profiles N steps after W warm-up steps on every rank: "
-         "profile.md says where a step's time goes",
-         "launcher profile configs/demo_cpu.yaml\n"
-         "  launcher profile configs/qwen3_5_27b_lora_soulchat.yaml --steps 3 --warmup 2\n"
-         "  (on the NPU server: docker compose run --rm train launcher profile configs/CONFIG.yaml)",
-         _args_profile, _cmd_profile, supervises=True),
-    Verb("start", "start a run in the background (survives the SSH session) and return at once",
-         "launcher start configs/qwen3_5_27b_lora_soulchat.yaml", add_config_arg, _cmd_start),
-    Verb("submit", "submit a run to Slurm: an sbatch script in a new run folder, one launcher per node by srun",
-         "launcher submit configs/demo_cpu.yaml --nodes 2\n"
-         "  launcher submit configs/qwen3_5_27b_lora_soulchat.yaml --nodes 2 --partition npu --time 1-00:00:00\n"
-         "  launcher submit CONFIG --nodes 2 --runtime apptainer --image deltanet-npu.sif\n"
-         "  launcher status RUN_DIR   (the run state and the Slurm job's state)\n"
-         "  launcher stop RUN_DIR     (a checkpoint on every node, then exit; scancel after the grace)",
-         _args_submit, _cmd_submit),
-    Verb("stop", "stop a run: a checkpoint at the next step, then exit; SIGTERM and SIGKILL after the grace period",
-         "launcher stop\n  launcher stop demo-cpu-20261130-101500 --grace 300\n  launcher stop --now\n"
-         "  launcher stop --root outputs/runs RUN   (on the host, for a run in a container: through the Docker "
-         "engine, as docker stop)",
-         _args_stop, _cmd_stop),
-    Verb("resume", "continue a stopped or failed run from its last complete checkpoint (a new attempt)",
-         "launcher resume demo-cpu-20261130-101500\n  launcher resume RUN --adapter-only\n"
-         "  launcher resume --root outputs/runs RUN   (on the host, for a run in a container: in a new container "
-         "made from the run's own)",
-         _args_resume, _cmd_resume, supervises=True),
-    Verb("check", "validate a run config (launcher section and LLaMA-Factory's own parser) without training",
-         "launcher check configs/qwen3_5_27b_lora_soulchat.yaml\n"
-         "  launcher check configs/qwen3_5_27b_lora_soulchat.yaml --for-another-machine   (on a laptop: the "
-         "model, data and\n    output folders named in the config are on the server; they are counted as not "
-         "checked)\n"
-         "  launcher check configs/qwen3_5_27b_lora_soulchat.yaml --no-model   (do not read the model folder)\n"
-         "  launcher check configs/qwen3_5_27b_lora_soulchat.yaml --device-memory 64   (the memory forecast's "
-         "verdict for a 64 GB 910B)",
-         _args_check, _cmd_check),
-    Verb("preflight",
-         "check backend, devices, driver, packages, DeltaNet kernel, model, data and output space; print a table",
-         "launcher preflight configs/qwen3_5_27b_lora_soulchat.yaml\n"
-         "  launcher preflight configs/demo_cpu.yaml --json preflight.json\n"
-         "  launcher preflight configs/qwen3_5_27b_lora_soulchat.yaml --device-memory 64",
-         _args_preflight, _cmd_preflight),
-    Verb("_supervise", "internal: the detached supervisor started by `launcher start`", "",
-         _args_supervise, _cmd_supervise, hidden=True, supervises=True),
-    Verb("_slurm-node", "internal: one node's launcher of a submitted run, started by srun", "",
-         _args_slurm_node, _cmd_slurm_node, hidden=True, supervises=True),
-    Verb("_kernel-check", "internal: preflight's DeltaNet kernel check, run in a child process", "",
-         _args_kernel_check, _cmd_kernel_check, hidden=True),
-)  # fmt: skip
+    Verb(
+        "run",
+        "train in the foreground: validate, create a run directory, supervise the job to its end",
+        "launcher run configs/demo_cpu.yaml\n  launcher run configs/qwen3_5_27b_lora_soulchat.yaml\n\n"
+        + EXIT_CODE_TABLE,
+        _args_run,
+        _cmd_run,
+        supervises=True,
+    ),
+    Verb(
+        "profile",
+        "a short supervised run that profiles N steps after W warm-up steps on every rank: "
+        "profile.md says where a step's time goes",
+        "launcher profile configs/demo_cpu.yaml\n"
+        "  launcher profile configs/qwen3_5_27b_lora_soulchat.yaml --steps 3 --warmup 2\n"
+        "  (on the NPU server: docker compose run --rm train launcher profile configs/CONFIG.yaml)",
+        _args_profile,
+        _cmd_profile,
+        supervises=True,
+    ),
+    Verb(
+        "start",
+        "start a run in the background (survives the SSH session) and return at once",
+        "launcher start configs/qwen3_5_27b_lora_soulchat.yaml",
+        add_config_arg,
+        _cmd_start,
+    ),
+    Verb(
+        "submit",
+        "submit a run to Slurm: an sbatch script in a new run folder, one launcher per node by srun",
+        "launcher submit configs/demo_cpu.yaml --nodes 2\n"
+        "  launcher submit configs/qwen3_5_27b_lora_soulchat.yaml --nodes 2 --partition npu --time 1-00:00:00\n"
+        "  launcher submit CONFIG --nodes 2 --runtime apptainer --image deltanet-npu.sif\n"
+        "  launcher status RUN_DIR   (the run state and the Slurm job's state)\n"
+        "  launcher stop RUN_DIR     (a checkpoint on every node, then exit; scancel after the grace)",
+        _args_submit,
+        _cmd_submit,
+    ),
+    Verb(
+        "stop",
+        "stop a run: a checkpoint at the next step, then exit; SIGTERM and SIGKILL after the grace period",
+        "launcher stop\n  launcher stop demo-cpu-20261130-101500 --grace 300\n  launcher stop --now\n"
+        "  launcher stop --root outputs/runs RUN   (on the host, for a run in a container: through the Docker "
+        "engine, as docker stop)",
+        _args_stop,
+        _cmd_stop,
+    ),
+    Verb(
+        "resume",
+        "continue a stopped or failed run from its last complete checkpoint (a new attempt)",
+        "launcher resume demo-cpu-20261130-101500\n  launcher resume RUN --adapter-only\n"
+        "  launcher resume --root outputs/runs RUN   (on the host, for a run in a container: in a new container "
+        "made from the run's own)",
+        _args_resume,
+        _cmd_resume,
+        supervises=True,
+    ),
+    Verb(
+        "check",
+        "validate a run config (launcher section and LLaMA-Factory's own parser) without training",
+        "launcher check configs/qwen3_5_27b_lora_soulchat.yaml\n"
+        "  launcher check configs/qwen3_5_27b_lora_soulchat.yaml --for-another-machine   (on a laptop: the "
+        "model, data and\n    output folders named in the config are on the server; they are counted as not "
+        "checked)\n"
+        "  launcher check configs/qwen3_5_27b_lora_soulchat.yaml --no-model   (do not read the model folder)\n"
+        "  launcher check configs/qwen3_5_27b_lora_soulchat.yaml --device-memory 64   (the memory forecast's "
+        "verdict for a 64 GB 910B)",
+        _args_check,
+        _cmd_check,
+    ),
+    Verb(
+        "preflight",
+        "check backend, devices, driver, packages, DeltaNet kernel, model, data and output space; print a table",
+        "launcher preflight configs/qwen3_5_27b_lora_soulchat.yaml\n"
+        "  launcher preflight configs/demo_cpu.yaml --json preflight.json\n"
+        "  launcher preflight configs/qwen3_5_27b_lora_soulchat.yaml --device-memory 64",
+        _args_preflight,
+        _cmd_preflight,
+    ),
+    Verb(
+        "_supervise",
+        "internal: the detached supervisor started by `launcher start`",
+        "",
+        _args_supervise,
+        _cmd_supervise,
+        hidden=True,
+        supervises=True,
+    ),
+    Verb(
+        "_slurm-node",
+        "internal: one node's launcher of a submitted run, started by srun",
+        "",
+        _args_slurm_node,
+        _cmd_slurm_node,
+        hidden=True,
+        supervises=True,
+    ),
+    Verb(
+        "_kernel-check",
+        "internal: preflight's DeltaNet kernel check, run in a child process",
+        "",
+        _args_kernel_check,
+        _cmd_kernel_check,
+        hidden=True,
+    ),
+)

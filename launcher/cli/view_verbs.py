@@ -22,8 +22,15 @@ def _seconds_or_run(text: str) -> float | str:
 def _args_status(p: argparse.ArgumentParser) -> None:
     add_run_arg(p)
     p.add_argument("--json", action="store_true", help="print the status as JSON")
-    p.add_argument("--watch", nargs="?", type=_seconds_or_run, const=5.0, default=None, metavar="SECONDS",
-                   help="refresh every SECONDS (default 5) until the run ends")  # fmt: skip
+    p.add_argument(
+        "--watch",
+        nargs="?",
+        type=_seconds_or_run,
+        const=5.0,
+        default=None,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 5) until the run ends",
+    )
 
 
 def _cmd_status(ns: argparse.Namespace) -> int:
@@ -50,9 +57,12 @@ def _cmd_logs(ns: argparse.Namespace) -> int:
 
 def _args_list(p: argparse.ArgumentParser) -> None:
     add_root_arg(p)
-    p.add_argument("--devices", action="store_true",
-                   help="the device leases of this host instead: device, holding run, runs folder, user, since "
-                        "(every runs folder, user and container of the host; $LAUNCHER_LEASE_DIR)")  # fmt: skip
+    p.add_argument(
+        "--devices",
+        action="store_true",
+        help="the device leases of this host instead: device, holding run, runs folder, user, since "
+        "(every runs folder, user and container of the host; $LAUNCHER_LEASE_DIR)",
+    )
 
 
 def _cmd_list(ns: argparse.Namespace) -> int:
@@ -71,9 +81,13 @@ def _readable_record(folder: Path):
 
 
 def _add_model_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, metavar="DIR",
-                   help="base model folder (config.json), when the recorded model path is not valid here (a run "
-                        "that ran in a container: the host's copy of the model)")  # fmt: skip
+    p.add_argument(
+        "--model",
+        type=Path,
+        metavar="DIR",
+        help="base model folder (config.json), when the recorded model path is not valid here (a run "
+        "that ran in a container: the host's copy of the model)",
+    )
 
 
 def _args_verify(p: argparse.ArgumentParser) -> None:
@@ -112,9 +126,13 @@ def _args_report(p: argparse.ArgumentParser) -> None:
     from launcher.results.curves import DEFAULT_OVERFIT_PATIENCE
 
     add_run_arg(p)
-    p.add_argument("--patience", type=int, metavar="N",
-                   help="evaluations after the best that count as overfitting (default: the run's early-stopping "
-                        f"patience, else {DEFAULT_OVERFIT_PATIENCE})")  # fmt: skip
+    p.add_argument(
+        "--patience",
+        type=int,
+        metavar="N",
+        help="evaluations after the best that count as overfitting (default: the run's early-stopping "
+        f"patience, else {DEFAULT_OVERFIT_PATIENCE})",
+    )
     p.add_argument("--no-plot", action="store_true", help="do not draw loss.png")
     p.add_argument("--json", action="store_true", help="print report.json instead of the summary")
 
@@ -148,29 +166,51 @@ def _args_evaluate(p: argparse.ArgumentParser) -> None:
     )
 
     add_run_arg(p)
-    p.add_argument("--checkpoints", default=DEFAULT_CHECKPOINTS, metavar="LIST",
-                   help="comma-separated: best (lowest validation loss), last, final (output/), or step numbers "
-                        f"(default {DEFAULT_CHECKPOINTS})")  # fmt: skip
+    p.add_argument(
+        "--checkpoints",
+        default=DEFAULT_CHECKPOINTS,
+        metavar="LIST",
+        help="comma-separated: best (lowest validation loss), last, final (output/), or step numbers "
+        f"(default {DEFAULT_CHECKPOINTS})",
+    )
     p.add_argument(
         "--prompts",
         type=Path,
         metavar="FILE",
         help='extra prompts: a JSON list of strings or {"prompt", "reference", "crisis"} objects',
     )
-    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
-                   help=f"greedy answer length limit (default {DEFAULT_MAX_NEW_TOKENS})")  # fmt: skip
-    p.add_argument("--max-prompts", type=int, default=DEFAULT_MAX_PROMPTS, metavar="N",
-                   help=f"test conversations to answer (default {DEFAULT_MAX_PROMPTS}; 0: all); the test loss always "
-                        "uses the whole split")  # fmt: skip
-    p.add_argument("--batch-size", default=DEFAULT_BATCH_SIZE, metavar="N|auto",
-                   help=f"prompts answered together by greedy decoding, the same answers as one at a time (default "
-                        f"{DEFAULT_BATCH_SIZE}: as many as the device's free memory holds beside the model, at most "
-                        f"{AUTO_MAX_ROWS}; give a number if the device runs out of memory)")  # fmt: skip
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=DEFAULT_MAX_NEW_TOKENS,
+        metavar="N",
+        help=f"greedy answer length limit (default {DEFAULT_MAX_NEW_TOKENS})",
+    )
+    p.add_argument(
+        "--max-prompts",
+        type=int,
+        default=DEFAULT_MAX_PROMPTS,
+        metavar="N",
+        help=f"test conversations to answer (default {DEFAULT_MAX_PROMPTS}; 0: all); the test loss always "
+        "uses the whole split",
+    )
+    p.add_argument(
+        "--batch-size",
+        default=DEFAULT_BATCH_SIZE,
+        metavar="N|auto",
+        help=f"prompts answered together by greedy decoding, the same answers as one at a time (default "
+        f"{DEFAULT_BATCH_SIZE}: as many as the device's free memory holds beside the model, at most "
+        f"{AUTO_MAX_ROWS}; give a number if the device runs out of memory)",
+    )
     p.add_argument("--show", action="store_true", help="also print the answers (they are counselling text)")
     _add_model_arg(p)
-    p.add_argument("--data-dir", type=Path, metavar="DIR",
-                   help="the run's data folder (dataset_info.json and the test split), when the recorded one is not "
-                        "valid here; a container run's paths are otherwise mapped through its mounts")  # fmt: skip
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        metavar="DIR",
+        help="the run's data folder (dataset_info.json and the test split), when the recorded one is not "
+        "valid here; a container run's paths are otherwise mapped through its mounts",
+    )
 
 
 def _in_image_options(ns: argparse.Namespace) -> list[str]:
@@ -199,12 +239,23 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
     from launcher.state.runs import EVALUATE_JSON, EVALUATE_MD
 
     folder = run_dir(ns)
-    request = build_request(folder, checkpoints=ns.checkpoints, prompts_file=ns.prompts,
-                            max_new_tokens=ns.max_new_tokens, max_prompts=ns.max_prompts, batch_size=ns.batch_size,
-                            model_dir=ns.model, data_dir=ns.data_dir, options=_in_image_options(ns))  # fmt: skip
+    request = build_request(
+        folder,
+        checkpoints=ns.checkpoints,
+        prompts_file=ns.prompts,
+        max_new_tokens=ns.max_new_tokens,
+        max_prompts=ns.max_prompts,
+        batch_size=ns.batch_size,
+        model_dir=ns.model,
+        data_dir=ns.data_dir,
+        options=_in_image_options(ns),
+    )
     names = ", ".join(c["name"] for c in request["checkpoints"])
-    print(f"evaluate {request['run_id']}: {names} on {request['backend']}; test split "
-          f"{request['test_split']['file']} ({request['test_split']['samples']} samples)", flush=True)  # fmt: skip
+    print(
+        f"evaluate {request['run_id']}: {names} on {request['backend']}; test split "
+        f"{request['test_split']['file']} ({request['test_split']['samples']} samples)",
+        flush=True,
+    )
     doc = evaluate_run(folder, request, show=ns.show)
     for label, cells in signal_rows(doc):
         print(f"  {label:34} " + "  ".join(f"{c:>16}" for c in cells))
@@ -214,29 +265,53 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
 
 
 VERBS: tuple[Verb, ...] = (
-    Verb("status", "show a run's state, progress, losses, ETA and last checkpoint (no lock, no torch needed)",
-         "launcher status\n  launcher status demo-cpu-20261130-101500 --json\n  launcher status --watch 10",
-         _args_status, _cmd_status),
-    Verb("logs", "print the end of a run's job log; -f follows it",
-         "launcher logs\n  launcher logs demo-cpu-20261130-101500 -f", _args_logs, _cmd_logs),
-    Verb("list", "list runs with their end states and exit codes; --devices: who holds which device on this host",
-         "launcher list\n  launcher list --root /outputs/runs\n  launcher list --devices", _args_list, _cmd_list),
-    Verb("verify",
-         "acceptance checklist of a run: steps, exit code, final adapter loads, finite tensors, LoRA count and "
-         "non-zero B, metrics files; PASS/FAIL with evidence, writes verify.json (no torch needed)",
-         "launcher verify demo-cpu-20261130-101500\n  launcher verify outputs/runs/demo-cpu-20261130-101500 "
-         "--model demo/model", _args_verify, _cmd_verify),
-    Verb("report",
-         "model selection: loss curves (loss.png), best checkpoint by eval loss, overfitting verdict, checkpoint "
-         "table and the recommended checkpoint; writes report.md (no torch needed)",
-         "launcher report demo-cpu-20261130-101500\n  launcher report RUN --patience 5 --no-plot",
-         _args_report, _cmd_report),
-    Verb("evaluate",
-         "per checkpoint (adapter on the read-only base): test-split loss, greedy answers to the test split's first "
-         "client turns and shipped crisis prompts, screening signals; writes evaluate.json and evaluate.md",
-         "launcher evaluate demo-cpu-20261130-101500\n  launcher evaluate RUN --checkpoints best,last,500 "
-         "--max-new-tokens 256\n  launcher evaluate RUN --prompts my_prompts.json --max-prompts 0\n"
-         "  launcher evaluate RUN --batch-size 8   # 8 prompts a batch instead of as many as the free memory holds\n"
-         "  launcher evaluate --root outputs/runs --model demo/model --data-dir demo/data   # a container run's inputs",
-         _args_evaluate, _cmd_evaluate),
-)  # fmt: skip
+    Verb(
+        "status",
+        "show a run's state, progress, losses, ETA and last checkpoint (no lock, no torch needed)",
+        "launcher status\n  launcher status demo-cpu-20261130-101500 --json\n  launcher status --watch 10",
+        _args_status,
+        _cmd_status,
+    ),
+    Verb(
+        "logs",
+        "print the end of a run's job log; -f follows it",
+        "launcher logs\n  launcher logs demo-cpu-20261130-101500 -f",
+        _args_logs,
+        _cmd_logs,
+    ),
+    Verb(
+        "list",
+        "list runs with their end states and exit codes; --devices: who holds which device on this host",
+        "launcher list\n  launcher list --root /outputs/runs\n  launcher list --devices",
+        _args_list,
+        _cmd_list,
+    ),
+    Verb(
+        "verify",
+        "acceptance checklist of a run: steps, exit code, final adapter loads, finite tensors, LoRA count and "
+        "non-zero B, metrics files; PASS/FAIL with evidence, writes verify.json (no torch needed)",
+        "launcher verify demo-cpu-20261130-101500\n  launcher verify outputs/runs/demo-cpu-20261130-101500 "
+        "--model demo/model",
+        _args_verify,
+        _cmd_verify,
+    ),
+    Verb(
+        "report",
+        "model selection: loss curves (loss.png), best checkpoint by eval loss, overfitting verdict, checkpoint "
+        "table and the recommended checkpoint; writes report.md (no torch needed)",
+        "launcher report demo-cpu-20261130-101500\n  launcher report RUN --patience 5 --no-plot",
+        _args_report,
+        _cmd_report,
+    ),
+    Verb(
+        "evaluate",
+        "per checkpoint (adapter on the read-only base): test-split loss, greedy answers to the test split's first "
+        "client turns and shipped crisis prompts, screening signals; writes evaluate.json and evaluate.md",
+        "launcher evaluate demo-cpu-20261130-101500\n  launcher evaluate RUN --checkpoints best,last,500 "
+        "--max-new-tokens 256\n  launcher evaluate RUN --prompts my_prompts.json --max-prompts 0\n"
+        "  launcher evaluate RUN --batch-size 8   # 8 prompts a batch instead of as many as the free memory holds\n"
+        "  launcher evaluate --root outputs/runs --model demo/model --data-dir demo/data   # a container run's inputs",
+        _args_evaluate,
+        _cmd_evaluate,
+    ),
+)

@@ -180,8 +180,10 @@ def load_splits(lfd: LFData) -> dict[str, list[dict[str, Any]]]:
         # the same call as llamafactory.data.data_utils.split_dataset, on row numbers instead of rows
         size = int(data_args.val_size) if data_args.val_size > 1 else data_args.val_size
         parts = Dataset.from_dict({"row": list(range(len(train)))}).train_test_split(test_size=size, seed=lfd.seed)
-        splits = {"train": [train[i] for i in parts["train"]["row"]],
-                  "validation": [train[i] for i in parts["test"]["row"]]}  # fmt: skip
+        splits = {
+            "train": [train[i] for i in parts["train"]["row"]],
+            "validation": [train[i] for i in parts["test"]["row"]],
+        }
     return splits
 
 

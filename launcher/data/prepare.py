@@ -168,9 +168,18 @@ def _check_size(flag: str, size: float) -> None:
         raise PrepareError(f"{flag} {size:g} is neither a share in (0, 1) nor a whole count (e.g. 0.05 or 300)")
 
 
-def prepare(src: Path, out: Path, options: Options, *, val_file: Path | None = None, val_size: float = 0.05,
-            seed: int = 42, name: str | None = None, force: bool = False,
-            test_size: float = 0) -> PrepareResult:  # fmt: skip
+def prepare(
+    src: Path,
+    out: Path,
+    options: Options,
+    *,
+    val_file: Path | None = None,
+    val_size: float = 0.05,
+    seed: int = 42,
+    name: str | None = None,
+    force: bool = False,
+    test_size: float = 0,
+) -> PrepareResult:
     """Convert ``src`` (and ``val_file``) and write the LLaMA-Factory files into ``out``.
 
     ``test_size`` (a share or a count; 0: none) holds whole conversations of ``src`` out first, into
@@ -269,7 +278,7 @@ def prepare(src: Path, out: Path, options: Options, *, val_file: Path | None = N
             {"path": str(p.source), "sha256": sha256_file(p.source), "records": p.records}
             for p in (train_part, val_part)
             if p is not None
-        ],  # fmt: skip
+        ],
         "options": {
             "reasoning": options.reasoning,
             "system": _system_origin(train_part.kind, options),
@@ -286,8 +295,17 @@ def prepare(src: Path, out: Path, options: Options, *, val_file: Path | None = N
     write_text_atomic(out / INFO_FILE, json.dumps(info, indent=2, ensure_ascii=False) + "\n")
     files["info"] = out / INFO_FILE
     sources = ", ".join(p.source.name for p in (train_part, val_part) if p is not None)
-    return PrepareResult(name=name, kind=train_part.kind, out=out, files=files, counts=counts, train=train, val=val,
-                         sources=sources, reasoning=options.reasoning)  # fmt: skip
+    return PrepareResult(
+        name=name,
+        kind=train_part.kind,
+        out=out,
+        files=files,
+        counts=counts,
+        train=train,
+        val=val,
+        sources=sources,
+        reasoning=options.reasoning,
+    )
 
 
 def _system_origin(kind: Kind, options: Options) -> str:
@@ -321,5 +339,12 @@ def summary_lines(result: PrepareResult, rejects_shown: int = 5) -> list[str]:
     return lines
 
 
-__all__ = ["PrepareError", "PrepareResult", "convert_file", "prepare", "read_records", "split_by_conversation",
-           "summary_lines"]  # fmt: skip
+__all__ = [
+    "PrepareError",
+    "PrepareResult",
+    "convert_file",
+    "prepare",
+    "read_records",
+    "split_by_conversation",
+    "summary_lines",
+]

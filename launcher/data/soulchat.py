@@ -230,8 +230,13 @@ def conversation_key(kind: Kind, record: dict[str, Any], sample: dict[str, Any])
 def dataset_info_entry(kind: Kind, file_name: str) -> dict[str, Any]:
     """The ``dataset_info.json`` entry LLaMA-Factory needs for a converted file."""
     if kind == "mdpcot":
-        columns = {"prompt": "instruction", "query": "input", "response": "output", "system": "system",
-                   "history": "history"}  # fmt: skip
+        columns = {
+            "prompt": "instruction",
+            "query": "input",
+            "response": "output",
+            "system": "system",
+            "history": "history",
+        }
         return {"file_name": file_name, "formatting": "alpaca", "columns": columns}
     return {
         "file_name": file_name,

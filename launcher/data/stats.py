@@ -113,9 +113,14 @@ class _Measurer:
     @staticmethod
     def _encode(processor: Any, s: dict[str, Any]) -> tuple[list[int], list[int]]:
         return processor._encode_data_example(
-            prompt=s["_prompt"], response=s["_response"], system=s["_system"], tools=s["_tools"],
-            images=s["_images"] or [], videos=s["_videos"] or [], audios=s["_audios"] or [],
-        )  # fmt: skip
+            prompt=s["_prompt"],
+            response=s["_response"],
+            system=s["_system"],
+            tools=s["_tools"],
+            images=s["_images"] or [],
+            videos=s["_videos"] or [],
+            audios=s["_audios"] or [],
+        )
 
     def measure(self, samples: list[dict[str, Any]], keep_ids: bool = False) -> tuple[np.ndarray, list]:
         from llamafactory.extras.constants import IGNORE_INDEX
@@ -284,8 +289,14 @@ def default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def compute_stats(config: Any, *, sample: int | None = None, workers: int | None = None,
-                  warn_share: float | None = None, lfd: LFData | None = None) -> dict[str, Any]:  # fmt: skip
+def compute_stats(
+    config: Any,
+    *,
+    sample: int | None = None,
+    workers: int | None = None,
+    warn_share: float | None = None,
+    lfd: LFData | None = None,
+) -> dict[str, Any]:
     """Token statistics of every split of a run config (``compute_stats_with_lengths`` without the lengths).
 
     Args:
@@ -306,9 +317,14 @@ def compute_stats(config: Any, *, sample: int | None = None, workers: int | None
     return compute_stats_with_lengths(config, sample=sample, workers=workers, warn_share=warn_share, lfd=lfd)[0]
 
 
-def compute_stats_with_lengths(config: Any, *, sample: int | None = None, workers: int | None = None,
-                               warn_share: float | None = None, lfd: LFData | None = None
-                               ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:  # fmt: skip
+def compute_stats_with_lengths(
+    config: Any,
+    *,
+    sample: int | None = None,
+    workers: int | None = None,
+    warn_share: float | None = None,
+    lfd: LFData | None = None,
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """``compute_stats`` plus each split's untruncated sample lengths (for the histogram)."""
     started = time.perf_counter()
     lf = config.llamafactory
@@ -341,8 +357,9 @@ def compute_stats_with_lengths(config: Any, *, sample: int | None = None, worker
     result["warn_share"] = warn_share
     result["problems"] = problems_for(result, warn_share)
     result["warnings"] = warnings_for(result, warn_share)
-    result["notes"] = lfd.notes + (["packing: samples longer than cutoff_len are dropped, not truncated"]
-                                   if lfd.data_args.packing else [])  # fmt: skip
+    result["notes"] = lfd.notes + (
+        ["packing: samples longer than cutoff_len are dropped, not truncated"] if lfd.data_args.packing else []
+    )
     result["seconds"] = round(time.perf_counter() - started, 2)
     return result, lengths
 

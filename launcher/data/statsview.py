@@ -27,13 +27,17 @@ def table_rows(result: dict[str, Any]) -> list[tuple[str, list[str]]]:
     for key in ("p50", "p90", "p95", "p99", "max"):
         rows.append((f"length {key}", [_fmt(s["length"][key]) for s in splits]))
     rows += [
-        (f"over cutoff_len {result['cutoff_len']}",
-         [f"{_fmt(s['truncated']['count'])} ({s['truncated']['share']:.2%})" for s in splits]),
+        (
+            f"over cutoff_len {result['cutoff_len']}",
+            [f"{_fmt(s['truncated']['count'])} ({s['truncated']['share']:.2%})" for s in splits],
+        ),
         ("supervised tokens before", [_fmt(s["supervised_tokens"]["before"]) for s in splits]),
-        ("supervised tokens after",
-         [f"{_fmt(s['supervised_tokens']['after'])} (-{s['supervised_tokens']['lost_share']:.2%})" for s in splits]),
+        (
+            "supervised tokens after",
+            [f"{_fmt(s['supervised_tokens']['after'])} (-{s['supervised_tokens']['lost_share']:.2%})" for s in splits],
+        ),
         ("no supervised token left", [_fmt(s["no_supervised"]["after"]) for s in splits]),
-    ]  # fmt: skip
+    ]
     return rows
 
 
@@ -84,8 +88,10 @@ def write_histogram(result: dict[str, Any], lengths: dict[str, Any], out: Path) 
         split = result["splits"][name]
         share, lost = split["truncated"]["share"], split["supervised_tokens"]["lost_share"]
         none_left = split["no_supervised"]["after"]
-        ax.set_title(f"{name}: {len(values)} samples, {share:.1%} over cutoff_len; supervised tokens lost "
-                     f"{lost:.1%}" + (f", {none_left} sample(s) with none left" if none_left else ""))  # fmt: skip
+        ax.set_title(
+            f"{name}: {len(values)} samples, {share:.1%} over cutoff_len; supervised tokens lost "
+            f"{lost:.1%}" + (f", {none_left} sample(s) with none left" if none_left else "")
+        )
         ax.set_xlabel("tokens after template (untruncated)")
         ax.set_ylabel("samples")
         ax.legend()

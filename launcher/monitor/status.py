@@ -90,8 +90,9 @@ def collect(run_dir: Path) -> dict[str, Any]:
     last_loss = next((r for r in reversed(tail) if "loss" in r), {})
     last_eval = next((r for r in reversed(tail) if "eval_loss" in r), {})
     for line in tail:  # the tail may hold an eval newer than the supervisor's summary
-        if "eval_loss" in line and (summary.get("best_eval_loss") is None
-                                    or line["eval_loss"] < summary["best_eval_loss"]):  # fmt: skip
+        if "eval_loss" in line and (
+            summary.get("best_eval_loss") is None or line["eval_loss"] < summary["best_eval_loss"]
+        ):
             summary["best_eval_loss"], summary["best_eval_step"] = line["eval_loss"], line["current_steps"]
     step, total = progress.get("current_steps"), progress.get("total_steps")
     trained = next((r for r in reversed(tail) if "loss" in r and "current_steps" in r), {})
@@ -126,8 +127,9 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "elapsed_s": elapsed,
         "eta_s": _eta(progress, pace) if not seen.state.terminal else None,
         "pace": pace,
-        "last_checkpoint": None if checkpoint is None else {
-            "step": checkpoint.step, "path": str(checkpoint.path), "optimizer_state": checkpoint.optimizer_state},
+        "last_checkpoint": None
+        if checkpoint is None
+        else {"step": checkpoint.step, "path": str(checkpoint.path), "optimizer_state": checkpoint.optimizer_state},
         "exit_code": record.exit_code,
         "signal": record.signal,
         "run_exit_code": record.run_exit_code,
@@ -149,7 +151,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "slurm_state": None if seen.slurm_view is None else seen.slurm_view.state,
         "slurm_status": None if seen.slurm_view is None else seen.slurm_view.describe(),
         "kernel_choice": kernel_choice(run_dir),
-    }  # fmt: skip
+    }
 
 
 def kernel_choice(run_dir: Path) -> dict[str, Any] | None:
@@ -168,8 +170,10 @@ def _container_now(record: RunRecord, seen: Reconciled) -> dict[str, Any]:
     if view is None and not same_namespace(record):
         view = inspect_container(record.container)
     view = view or ContainerView()
-    return {"container_name": view.name or record.container.get("name") or record.container.get("id"),
-            "container_status": view.describe()}  # fmt: skip
+    return {
+        "container_name": view.name or record.container.get("name") or record.container.get("id"),
+        "container_status": view.describe(),
+    }
 
 
 _CHECKPOINT_STEP = re.compile(CHECKPOINT_FOLDER.format(step=r"(\d+)") + "/*$")
@@ -206,8 +210,13 @@ def _pace(line: dict[str, Any], record: RunRecord, run_dir: Path) -> dict[str, A
     since, tokens_then = point
     if step <= since or (since and (first is None or first <= since)):  # a line of an earlier attempt
         return None
-    pace: dict[str, Any] = {"since_step": since, "steps": step - since, "elapsed_s": elapsed,
-                            "s_per_step": elapsed / (step - since), "tokens_per_s": None}  # fmt: skip
+    pace: dict[str, Any] = {
+        "since_step": since,
+        "steps": step - since,
+        "elapsed_s": elapsed,
+        "s_per_step": elapsed / (step - since),
+        "tokens_per_s": None,
+    }
     tokens = line.get("total_tokens")
     if isinstance(tokens, (int, float)) and tokens_then is not None and tokens >= tokens_then:
         pace["tokens_per_s"] = (tokens - tokens_then) / elapsed
@@ -346,9 +355,11 @@ def show_leases() -> int:
         return ExitCode.OK
     print(f"{'device':<10}{'identity':<46}{'run':<36}{'user':<12}{'since':<27}runs folder")
     for lease in held:
-        row = (f"{lease.get('host_index', '?')!s:<10}{lease.get('device', '?')!s:<46}"
-               f"{lease.get('run_id') or 'being set up'!s:<36}{lease.get('user', '?')!s:<12}"
-               f"{lease.get('since', '?')!s:<27}{lease.get('runs_root', '?')}")  # fmt: skip
+        row = (
+            f"{lease.get('host_index', '?')!s:<10}{lease.get('device', '?')!s:<46}"
+            f"{lease.get('run_id') or 'being set up'!s:<36}{lease.get('user', '?')!s:<12}"
+            f"{lease.get('since', '?')!s:<27}{lease.get('runs_root', '?')}"
+        )
         print(shown(row + (f"  ({lease['note']})" if lease.get("note") else "")))
     return ExitCode.OK
 

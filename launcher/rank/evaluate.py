@@ -53,7 +53,7 @@ def _lf_args(request: dict[str, Any], work: Path) -> dict[str, Any]:
         "tokenized_path",
         "eval_on_each_dataset",
     ):
-        args.pop(key, None)  # fmt: skip
+        args.pop(key, None)
     args.update(
         dataset=None,
         eval_dataset=TEST_DATASET,
@@ -72,7 +72,7 @@ def _lf_args(request: dict[str, Any], work: Path) -> dict[str, Any]:
         streaming=False,
         preprocessing_num_workers=None,
         ddp_timeout=None,
-    )  # fmt: skip  (never packed)
+    )  # (never packed)
     return {k: v for k, v in args.items() if v is not None}
 
 
@@ -91,8 +91,15 @@ def _first_turns(aligned, limit: int) -> list[dict[str, Any]]:
             continue
         seen.add(turns[0]["content"])
         reference = turns[1]["content"] if len(turns) > 1 else (response[0]["content"] if response else None)
-        prompts.append({"id": f"test-{len(prompts) + 1}", "kind": "test", "prompt": turns[0]["content"],
-                        "reference": reference, "system": row.get("_system") or None})  # fmt: skip
+        prompts.append(
+            {
+                "id": f"test-{len(prompts) + 1}",
+                "kind": "test",
+                "prompt": turns[0]["content"],
+                "reference": reference,
+                "system": row.get("_system") or None,
+            }
+        )
         if limit and len(prompts) >= limit:
             break
     return prompts
@@ -132,8 +139,11 @@ def test_loss(torch, model, dataset, collator, batch_size: int, device) -> dict[
             losses.append(float(model(**batch).loss))
             samples += int(batch["input_ids"].shape[0])
             tokens += int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-    return {"test_loss": round(sum(losses) / len(losses), 6) if losses else None, "test_samples": samples,
-            "test_tokens": tokens}  # fmt: skip
+    return {
+        "test_loss": round(sum(losses) / len(losses), 6) if losses else None,
+        "test_samples": samples,
+        "test_tokens": tokens,
+    }
 
 
 def encode_prompts(template, tokenizer, prompts, cutoff: int) -> tuple[list[list[int]], int]:
@@ -149,8 +159,9 @@ def encode_prompts(template, tokenizer, prompts, cutoff: int) -> tuple[list[list
     return encoded, cut
 
 
-def batch_rows(torch, model, encoded: list[list[int]], setting: int | str, max_new_tokens: int,
-               device) -> tuple[int, dict[str, Any]]:  # fmt: skip
+def batch_rows(
+    torch, model, encoded: list[list[int]], setting: int | str, max_new_tokens: int, device
+) -> tuple[int, dict[str, Any]]:
     """Rows per greedy batch for ``setting`` (a number, or ``auto``: ``evaluate_decode.auto_rows`` on the model's
     forecast row, ``launcher.checks.memory.decode_row_bytes``), and what the choice rests on."""
     from launcher.checks.memory import decode_row_bytes, read_shape
@@ -172,8 +183,17 @@ def batch_rows(torch, model, encoded: list[list[int]], setting: int | str, max_n
     return rows, {"setting": AUTO, **basis}
 
 
-def generate(torch, model, tokenizer, encoded: list[list[int]], stop: list[int], max_new_tokens: int, device,
-             batch_size: int, name: str = "") -> tuple[list[str], dict[str, Any]]:  # fmt: skip
+def generate(
+    torch,
+    model,
+    tokenizer,
+    encoded: list[list[int]],
+    stop: list[int],
+    max_new_tokens: int,
+    device,
+    batch_size: int,
+    name: str = "",
+) -> tuple[list[str], dict[str, Any]]:
     """Greedy answers to ``encoded``, ``batch_size`` prompts at a time (``launcher.rank.evaluate_decode``: the same
     tokens as one at a time), and the decoding's token count and seconds."""
     from launcher.rank.evaluate_decode import greedy_batched
@@ -183,17 +203,31 @@ def generate(torch, model, tokenizer, encoded: list[list[int]], stop: list[int],
 
     def progress(p) -> None:
         last[:] = [p]
-        _say(f"{name}: {p.done}/{p.total} answers, {p.tokens} tokens in {p.seconds:.1f} s "
-             f"({p.tokens_per_s:.1f} tokens/s)")  # fmt: skip
+        _say(
+            f"{name}: {p.done}/{p.total} answers, {p.tokens} tokens in {p.seconds:.1f} s "
+            f"({p.tokens_per_s:.1f} tokens/s)"
+        )
 
-    tokens = greedy_batched(torch, model, encoded, max_new_tokens=max_new_tokens, stop=stop, pad_id=pad,
-                            batch_size=batch_size, device=device, progress=progress)  # fmt: skip
+    tokens = greedy_batched(
+        torch,
+        model,
+        encoded,
+        max_new_tokens=max_new_tokens,
+        stop=stop,
+        pad_id=pad,
+        batch_size=batch_size,
+        device=device,
+        progress=progress,
+    )
     answers = [tokenizer.decode(t, skip_special_tokens=True).strip() for t in tokens]
     done = last[0] if last else None
-    decoding = {"batch_size": batch_size, "generated_tokens": sum(len(t) for t in tokens),
-                "answers_at_limit": sum(len(t) == max_new_tokens and t[-1] not in stop for t in tokens),
-                "decode_seconds": round(done.seconds, 2) if done else 0.0,
-                "tokens_per_s": round(done.tokens_per_s, 2) if done else None}  # fmt: skip
+    decoding = {
+        "batch_size": batch_size,
+        "generated_tokens": sum(len(t) for t in tokens),
+        "answers_at_limit": sum(len(t) == max_new_tokens and t[-1] not in stop for t in tokens),
+        "decode_seconds": round(done.seconds, 2) if done else 0.0,
+        "tokens_per_s": round(done.tokens_per_s, 2) if done else None,
+    }
     return answers, decoding
 
 
@@ -236,25 +270,35 @@ def evaluate(request: dict[str, Any]) -> dict[str, Any]:
     base.to(device)
     bindings = routed_bindings(base)
     collator = SFTDataCollatorWith4DAttentionMask(
-        template=template, model=base, pad_to_multiple_of=None, label_pad_token_id=IGNORE_INDEX,
-        block_diag_attn=model_args.block_diag_attn, neat_packing=data_args.neat_packing,
+        template=template,
+        model=base,
+        pad_to_multiple_of=None,
+        label_pad_token_id=IGNORE_INDEX,
+        block_diag_attn=model_args.block_diag_attn,
+        neat_packing=data_args.neat_packing,
         attn_implementation=getattr(base.config, "_attn_implementation", None),
-        compute_dtype=model_args.compute_dtype, **tokenizer_module)  # fmt: skip
+        compute_dtype=model_args.compute_dtype,
+        **tokenizer_module,
+    )
     encoded, cut = encode_prompts(template, tokenizer, prompts, data_args.cutoff_len)
     stop = template.get_stop_token_ids(tokenizer)
     rows, basis = batch_rows(torch, base, encoded, request["batch_size"], request["max_new_tokens"], device)
     line = f"greedy batches of {rows} prompt(s)"
     if "row_mib" in basis:
-        line += (f" (auto: {basis['free_gib']} GiB free, {basis['row_mib']} MiB a row, "
-                 f"{basis['kept_free_gib']} GiB kept free)")  # fmt: skip
+        line += (
+            f" (auto: {basis['free_gib']} GiB free, {basis['row_mib']} MiB a row, "
+            f"{basis['kept_free_gib']} GiB kept free)"
+        )
         if not basis["rows_that_fit"]:
             line += "; by the forecast not even one row fits: free the device, or expect it to run out of memory"
     elif "forecast" in basis:
         line += f" (auto: forecast {basis['forecast']})"
     _say(line)
     if cut:
-        _say(f"{cut} prompt(s) longer than cutoff_len {data_args.cutoff_len} keep their last {data_args.cutoff_len} "
-             "tokens")  # fmt: skip
+        _say(
+            f"{cut} prompt(s) longer than cutoff_len {data_args.cutoff_len} keep their last {data_args.cutoff_len} "
+            "tokens"
+        )
     model = None
     results: list[dict[str, Any]] = []
     for index, ckpt in enumerate(request["checkpoints"]):
@@ -271,22 +315,39 @@ def evaluate(request: dict[str, Any]) -> dict[str, Any]:
         found = test_loss(torch, model, test_set, collator, training_args.per_device_eval_batch_size, device)
         found["test_loss_seconds"] = round(time.monotonic() - loss_started, 1)  # ``seconds``: the whole checkpoint
         _say(f"{ckpt['name']}: test loss {found['test_loss']}; {len(prompts)} greedy answers")
-        answers, decoding = generate(torch, model, tokenizer, encoded, stop, request["max_new_tokens"], device, rows,
-                                     ckpt["name"])  # fmt: skip
+        answers, decoding = generate(
+            torch, model, tokenizer, encoded, stop, request["max_new_tokens"], device, rows, ckpt["name"]
+        )
         seconds = round(time.monotonic() - started, 1)
-        results.append({"name": ckpt["name"], "step": ckpt["step"], "path": ckpt["path"], **found,
-                        "answers": answers, "prompts_cut": cut, "seconds": seconds,
-                        "decoding": {**decoding, "batch_size_basis": basis}})  # fmt: skip
-    rows = [{**{k: v for k, v in p.items() if k != "system"},
-             "answers": {r["name"]: r["answers"][i] for r in results}} for i, p in enumerate(prompts)]  # fmt: skip
+        results.append(
+            {
+                "name": ckpt["name"],
+                "step": ckpt["step"],
+                "path": ckpt["path"],
+                **found,
+                "answers": answers,
+                "prompts_cut": cut,
+                "seconds": seconds,
+                "decoding": {**decoding, "batch_size_basis": basis},
+            }
+        )
+    rows = [
+        {**{k: v for k, v in p.items() if k != "system"}, "answers": {r["name"]: r["answers"][i] for r in results}}
+        for i, p in enumerate(prompts)
+    ]
     for r in results:
         r.pop("answers")
     rank = RankInfo.from_env().rank
     proof = read_proof(work / PROOF_DIR, "deltanet_routing", rank)
     glue = read_proof(work / PROOF_DIR, "fused_ops", rank)  # the convolution, norms and SwiGLU the answers ran on
-    kernels = {**{k: proof.get(k) for k in ("status", "route", "first_call", "first_decode_call")}, **bindings,
-               "fused_ops": {"status": glue.get("status"),
-                             **{op: c.get("callable") for op, c in (glue.get("ops") or {}).items()}}}  # fmt: skip
+    kernels = {
+        **{k: proof.get(k) for k in ("status", "route", "first_call", "first_decode_call")},
+        **bindings,
+        "fused_ops": {
+            "status": glue.get("status"),
+            **{op: c.get("callable") for op, c in (glue.get("ops") or {}).items()},
+        },
+    }
     return {"checkpoints": results, "prompts": rows, "kernels": kernels}
 
 

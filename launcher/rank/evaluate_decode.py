@@ -74,9 +74,13 @@ def auto_rows(prompts: int, row_bytes: int, free_bytes: int, total_bytes: int) -
     kept = int((SLACK_GIB * GIB) + SLACK_SHARE * total_bytes)
     fits = max(0, (free_bytes - kept) // row_bytes)
     rows = max(1, min(fits, AUTO_MAX_ROWS, prompts))
-    return rows, {"free_gib": round(free_bytes / GIB, 2), "row_mib": round(row_bytes / 2**20, 2),
-                  "kept_free_gib": round(kept / GIB, 2), "rows_that_fit": int(fits),
-                  "most_rows": AUTO_MAX_ROWS}  # fmt: skip
+    return rows, {
+        "free_gib": round(free_bytes / GIB, 2),
+        "row_mib": round(row_bytes / 2**20, 2),
+        "kept_free_gib": round(kept / GIB, 2),
+        "rows_that_fit": int(fits),
+        "most_rows": AUTO_MAX_ROWS,
+    }
 
 
 def free_memory(torch, device) -> tuple[int, int]:
@@ -115,9 +119,18 @@ def _filled(rows: list[int], batch_size: int, n_batches: int) -> list[int]:
     return rows + [rows[-1]] * (batch_size - len(rows))
 
 
-def greedy_batched(torch, model, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, stop: Sequence[int],
-                   pad_id: int, batch_size: int, device,
-                   progress: Callable[[Progress], None] | None = None) -> list[list[int]]:  # fmt: skip
+def greedy_batched(
+    torch,
+    model,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    stop: Sequence[int],
+    pad_id: int,
+    batch_size: int,
+    device,
+    progress: Callable[[Progress], None] | None = None,
+) -> list[list[int]]:
     """Greedy answers (token ids, each ending at its first stop token or at ``max_new_tokens``) to
     ``prompt_ids``, in their order, ``batch_size`` prompts per ``generate`` call (a short last batch filled up:
     ``_filled``)."""
@@ -136,9 +149,14 @@ def greedy_batched(torch, model, prompt_ids: Sequence[Sequence[int]], *, max_new
             ids[r, width - n :] = torch.tensor(list(prompt_ids[i]), dtype=torch.long)
             mask[r, width - n :] = 1
         with torch.no_grad():
-            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                 max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(stop),
-                                 pad_token_id=pad_id)  # fmt: skip
+            out = model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=list(stop),
+                pad_token_id=pad_id,
+            )
         for r, i in enumerate(real):  # the filled rows come after the real ones and are not read
             answers[i] = cut_at_stop(out[r, width:].tolist(), stop)
             tokens += len(answers[i])

@@ -46,9 +46,20 @@ from typing import Any
 from launcher.files import write_json_or_warn
 from launcher.state.runs import PROFILE_ASCEND, PROFILE_DIR, PROFILE_RECORD, PROFILE_TRACE
 
-DELTANET_KERNELS = ("chunk_gated_delta", "gated_delta", "chunk_fwd", "chunk_bwd", "chunk_scaled_dot_kkt",
-                    "recompute_w_u", "solve_tril", "chunk_local_cumsum", "fused_recurrent", "merge_16x16",
-                    "chunk_dplr", "l2norm")  # fmt: skip
+DELTANET_KERNELS = (
+    "chunk_gated_delta",
+    "gated_delta",
+    "chunk_fwd",
+    "chunk_bwd",
+    "chunk_scaled_dot_kkt",
+    "recompute_w_u",
+    "solve_tril",
+    "chunk_local_cumsum",
+    "fused_recurrent",
+    "merge_16x16",
+    "chunk_dplr",
+    "l2norm",
+)
 # the layer glue that fused_ops serves: FLA's conv, norm and SwiGLU kernels, torch's depthwise conv, Ascend's norm
 GLUE = ("causal_conv1d", "conv_depthwise", "layer_norm", "rms_norm", "rmsnorm", "swiglu")
 ATTENTION = ("flash", "fmha", "attention", "sdpa", "softmax")
@@ -67,10 +78,21 @@ MATMUL = (
     "nvjet",
     "xmma",
     "gemv",
-)  # fmt: skip  (nvjet: cuBLASLt on Hopper)
+)  # (nvjet: cuBLASLt on Hopper)
 RANGES = ("ProfilerStep", "enumerate(DataLoader)", "launcher::", "deltanet::", "Optimizer.", "## ")
-COMMUNICATION = ("nccl", "hccl", "gloo", "allreduce", "all_reduce", "allgather", "all_gather", "reduce_scatter",
-                 "reducescatter", "broadcast", "c10d::")  # fmt: skip
+COMMUNICATION = (
+    "nccl",
+    "hccl",
+    "gloo",
+    "allreduce",
+    "all_reduce",
+    "allgather",
+    "all_gather",
+    "reduce_scatter",
+    "reducescatter",
+    "broadcast",
+    "c10d::",
+)
 OPTIMIZER_KERNELS = ("multi_tensor_apply", "foreach", "adam", "sgd")
 DEVICE_PARTS = ("deltanet", "glue", "attention", "matmul", "communication", "optimizer", "other_compute")
 # device runtime calls (cudaStreamIsCapturing, cudaLaunchKernel, ...): torch can attach an operator's kernels to
@@ -83,8 +105,14 @@ IDLE_PARTS = ("data_loading", "optimizer_host", "compile_autotune", "host_gaps")
 def kernel_part(name: str) -> str:
     """The part a device kernel (or, on CPU, an operator) belongs to, from its name."""
     low = name.lower()
-    for part, needles in (("communication", COMMUNICATION), ("deltanet", DELTANET_KERNELS), ("glue", GLUE),
-                          ("attention", ATTENTION), ("optimizer", OPTIMIZER_KERNELS), ("matmul", MATMUL)):  # fmt: skip
+    for part, needles in (
+        ("communication", COMMUNICATION),
+        ("deltanet", DELTANET_KERNELS),
+        ("glue", GLUE),
+        ("attention", ATTENTION),
+        ("optimizer", OPTIMIZER_KERNELS),
+        ("matmul", MATMUL),
+    ):
         if any(n in low for n in needles):
             return part
     return "other_compute"
@@ -132,8 +160,9 @@ def _subtract(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> lis
     return out
 
 
-def split_step(window: tuple[float, float], work: list[tuple[str, float, float]],
-               host: dict[str, list[tuple[float, float]]]) -> dict[str, float]:  # fmt: skip
+def split_step(
+    window: tuple[float, float], work: list[tuple[str, float, float]], host: dict[str, list[tuple[float, float]]]
+) -> dict[str, float]:
     """Seconds of each part in one profiled step.
 
     Args:
@@ -190,8 +219,9 @@ class ProfileCallback:
             def on_train_begin(self, args, state, control, model=None, **kwargs):
                 self.folder.mkdir(exist_ok=True)
                 self.summary: dict[str, Any] = {"profiled_steps": []}
-                self.profiler = _start_profiler(self.backend, self.warmup, self.steps, self.folder, self.rank,
-                                                self._summarize)  # fmt: skip
+                self.profiler = _start_profiler(
+                    self.backend, self.warmup, self.steps, self.folder, self.rank, self._summarize
+                )
                 time_triton()
                 if model is not None:
                     model.register_forward_pre_hook(self._length, with_kwargs=True)
@@ -212,8 +242,14 @@ class ProfileCallback:
                 now = time.perf_counter()
                 profiled = self.warmup < state.global_step <= self.warmup + self.steps
                 clock = TRITON_CLOCK.read()
-                self.periods.append({"step": state.global_step, "seconds": now - self.last_end, "profiled": profiled,
-                                     **{k: round(clock[k] - self.clock_at[k], 6) for k in clock}})  # fmt: skip
+                self.periods.append(
+                    {
+                        "step": state.global_step,
+                        "seconds": now - self.last_end,
+                        "profiled": profiled,
+                        **{k: round(clock[k] - self.clock_at[k], 6) for k in clock},
+                    }
+                )
                 self.last_end, self.clock_at = now, clock
                 if self.profiler is not None:
                     self.profiler.step()
@@ -224,8 +260,14 @@ class ProfileCallback:
                     return control
                 self.profiler.stop()
                 record = dict(self.summary)
-                record.update(rank=self.rank, backend=self.backend, warmup=self.warmup, steps=self.steps,
-                              periods=self.periods, seq_lens=sorted(set(self.lengths)))  # fmt: skip
+                record.update(
+                    rank=self.rank,
+                    backend=self.backend,
+                    warmup=self.warmup,
+                    steps=self.steps,
+                    periods=self.periods,
+                    seq_lens=sorted(set(self.lengths)),
+                )
                 write_json_or_warn(self.folder / PROFILE_RECORD.format(rank=self.rank), record, "the profile")
                 self.profiler = None
                 return control
@@ -346,8 +388,11 @@ def summarize_profiler(profiler, backend: str, warmup: int, steps: int) -> dict[
     DeltaNet whatever their names."""
     events = list(profiler.events())
     on_device = backend != "cpu"
-    windows = sorted((e.time_range.start / 1e6, e.time_range.end / 1e6, e.name) for e in events
-                     if e.name.startswith("ProfilerStep") and not _is_device_event(e))  # fmt: skip
+    windows = sorted(
+        (e.time_range.start / 1e6, e.time_range.end / 1e6, e.name)
+        for e in events
+        if e.name.startswith("ProfilerStep") and not _is_device_event(e)
+    )
     host: dict[str, list[tuple[float, float]]] = {"data_loading": [], "optimizer_host": [], "compile_autotune": []}
     kernels: list[tuple[str, float, float]] = []
     deltanet: list[tuple[float, float]] = []
@@ -395,10 +440,22 @@ def _top_other(events, windows, deltanet: list[tuple[float, float]], top: int = 
             total[e.name] = total.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
     ranked = sorted(total.items(), key=lambda kv: -kv[1])[:top]
     callers = _launchers(events, {name for name, _ in ranked}, spans)
-    return [{"kernel": name[:160], "ms_per_step": round(ms / len(windows), 3),
-             **({"launched_by": [{"ops": chain, "ms_per_step": round(us / 1e3 / len(windows), 3)}
-                                 for chain, us in callers[name]]} if callers.get(name) else {})}
-            for name, ms in ranked]  # fmt: skip
+    return [
+        {
+            "kernel": name[:160],
+            "ms_per_step": round(ms / len(windows), 3),
+            **(
+                {
+                    "launched_by": [
+                        {"ops": chain, "ms_per_step": round(us / 1e3 / len(windows), 3)} for chain, us in callers[name]
+                    ]
+                }
+                if callers.get(name)
+                else {}
+            ),
+        }
+        for name, ms in ranked
+    ]
 
 
 def _launchers(

@@ -54,9 +54,12 @@ def keep_best_adapter(output: Path) -> dict[str, Any] | None:
     folder = output / Path(str(best)).name  # the Trainer records an absolute path; the run folder may have moved
     for name in ADAPTER_FILES:
         write_bytes_atomic(output / name, (folder / name).read_bytes())
-    record = {"checkpoint": folder.name, "metric": state.get("best_metric"), "files": list(ADAPTER_FILES),
-              "last_step": state.get("global_step"),
-              "note": "the adapter in output/ is this checkpoint's; eval_results.json describes the last step",
-              }  # fmt: skip
+    record = {
+        "checkpoint": folder.name,
+        "metric": state.get("best_metric"),
+        "files": list(ADAPTER_FILES),
+        "last_step": state.get("global_step"),
+        "note": "the adapter in output/ is this checkpoint's; eval_results.json describes the last step",
+    }
     write_json_atomic(output / BEST_ADAPTER_RECORD, record)
     return record

@@ -66,20 +66,27 @@ def read_prompts_file(path: Path) -> list[dict[str, Any]]:
         entry = {"prompt": item} if isinstance(item, str) else item
         text = entry.get("prompt") if isinstance(entry, dict) else None
         if not isinstance(text, str) or not text.strip():
-            raise LauncherError(f"--prompts {path}: entry {i} has no non-empty \"prompt\" string; {fix}",
-                                ExitCode.USAGE)  # fmt: skip
+            raise LauncherError(f'--prompts {path}: entry {i} has no non-empty "prompt" string; {fix}', ExitCode.USAGE)
         unknown = sorted(set(entry) - {"prompt", "reference", "crisis", "id"})
         reference, crisis = entry.get("reference"), entry.get("crisis", False)
-        problem = (f"unknown key(s) {', '.join(unknown)}" if unknown
-                   else "\"reference\" is not a string" if reference is not None and not isinstance(reference, str)
-                   else "\"crisis\" is not true or false" if not isinstance(crisis, bool) else None)  # fmt: skip
+        problem = (
+            f"unknown key(s) {', '.join(unknown)}"
+            if unknown
+            else '"reference" is not a string'
+            if reference is not None and not isinstance(reference, str)
+            else '"crisis" is not true or false'
+            if not isinstance(crisis, bool)
+            else None
+        )
         if problem:
             raise LauncherError(f"--prompts {path}: entry {i}: {problem}; {fix}", ExitCode.USAGE)
         pid = str(entry.get("id") or f"file-{i + 1}")
         if pid in seen or pid.startswith(("test-", "crisis-")):
-            raise LauncherError(f"--prompts {path}: entry {i}: id {pid!r} is used twice or clashes with the test "
-                                "and crisis prompts' ids (test-N, crisis-*); give it another id",
-                                ExitCode.USAGE)  # fmt: skip
+            raise LauncherError(
+                f"--prompts {path}: entry {i}: id {pid!r} is used twice or clashes with the test "
+                "and crisis prompts' ids (test-N, crisis-*); give it another id",
+                ExitCode.USAGE,
+            )
         seen.add(pid)
         prompts.append({"id": pid, "kind": "crisis" if crisis else "file", "prompt": text, "reference": reference})
     return prompts
@@ -111,13 +118,16 @@ def build_document(request: dict[str, Any], raw: dict[str, Any]) -> dict[str, An
     checkpoints = []
     for ckpt in raw["checkpoints"]:
         answers = [p["answers"][ckpt["name"]] for p in prompts]
-        found = checkpoint_signals(answers, [p.get("reference") for p in prompts],
-                                   [p["kind"] == "crisis" for p in prompts])  # fmt: skip
+        found = checkpoint_signals(
+            answers, [p.get("reference") for p in prompts], [p["kind"] == "crisis" for p in prompts]
+        )
         checkpoints.append({**ckpt, "signals": found})
     rows = []
     for p in prompts:
-        answers = {name: {"text": text, **answer_signals(text, p.get("reference"), p["kind"] == "crisis")}
-                   for name, text in p["answers"].items()}  # fmt: skip
+        answers = {
+            name: {"text": text, **answer_signals(text, p.get("reference"), p["kind"] == "crisis")}
+            for name, text in p["answers"].items()
+        }
         rows.append({**p, "answers": answers})
     return {
         "schema": 1,
@@ -126,14 +136,17 @@ def build_document(request: dict[str, Any], raw: dict[str, Any]) -> dict[str, An
         "note": f"{SCREENING_NOTE} {DEMO_MODEL_NOTE}" if request.get("demo_model") else SCREENING_NOTE,
         "backend": request["backend"],
         "test_split": request["test_split"],
-        "generation": {"greedy": True, "max_new_tokens": request["max_new_tokens"],
-                       "batch_size": request.get("batch_size", 1),
-                       "prompts": {k: sum(1 for p in prompts if p["kind"] == k) for k in ("test", "file", "crisis")}},
+        "generation": {
+            "greedy": True,
+            "max_new_tokens": request["max_new_tokens"],
+            "batch_size": request.get("batch_size", 1),
+            "prompts": {k: sum(1 for p in prompts if p["kind"] == k) for k in ("test", "file", "crisis")},
+        },
         "kernels": raw.get("kernels", {}),
         "checkpoints": checkpoints,
         "preferred": preferences(checkpoints),
         "prompts": rows,
-    }  # fmt: skip
+    }
 
 
 class Opening(TypedDict):
@@ -204,11 +217,11 @@ def signal_rows(doc: dict[str, Any]) -> list[tuple[str, list[str]]]:
         (
             "answer length (units, mean)",
             ["-" if c["signals"]["length"] is None else f"{c['signals']['length']:.1f}" for c in cks],
-        ),  # fmt: skip
+        ),
         (
             "distinct-1 / distinct-2",
             [f"{_fmt(c['signals']['distinct_1'])} / {_fmt(c['signals']['distinct_2'])}" for c in cks],
-        ),  # fmt: skip
+        ),
         ("repeated 4-grams (mean share)", [_fmt(c["signals"]["repetition"]) for c in cks]),
         ("repetitive answers", [f"{c['signals']['repetitive_answers']} of {c['signals']['answers']}" for c in cks]),
         ("same opening (share)", [f"{_fmt(c['signals']['stock_opening']['share'])}" for c in cks]),
@@ -235,19 +248,28 @@ def render_markdown(doc: dict[str, Any]) -> str:
     names = [c["name"] for c in doc["checkpoints"]]
     split = doc["test_split"]
     lines = [f"# Evaluation: {doc['run_id']}", "", f"> {doc['note']}", ""]
-    lines.append(f"- Test split: `{split['file']}` ({split['samples']} samples, sha256 {split['sha256'][:12]}…), "
-                 "held out by `launcher data prepare --test-size`, never used for training or selection")  # fmt: skip
+    lines.append(
+        f"- Test split: `{split['file']}` ({split['samples']} samples, sha256 {split['sha256'][:12]}…), "
+        "held out by `launcher data prepare --test-size`, never used for training or selection"
+    )
     gen = doc["generation"]
     counts = ", ".join(f"{n} {k}" for k, n in gen["prompts"].items() if n)
     lines.append(f"- Greedy decoding, at most {gen['max_new_tokens']} new tokens; prompts: {counts}")
     kernels = doc.get("kernels", {})
     decode = kernels.get("first_decode_call") or {}
     if decode:
-        lines.append(f"- Backend {doc['backend']}; decoding kernel: `{decode.get('kernel')}` on {decode.get('device')} "
-                     f"(routed in {kernels.get('routed_decode_layers')} of {kernels.get('deltanet_layers')} DeltaNet "
-                     "layers; the routing patch's record is in evaluate.json)")  # fmt: skip
-    lines += ["", "## Signals per checkpoint", "", "| signal | " + " | ".join(names) + " |",
-              "|---|" + "---:|" * len(names)]  # fmt: skip
+        lines.append(
+            f"- Backend {doc['backend']}; decoding kernel: `{decode.get('kernel')}` on {decode.get('device')} "
+            f"(routed in {kernels.get('routed_decode_layers')} of {kernels.get('deltanet_layers')} DeltaNet "
+            "layers; the routing patch's record is in evaluate.json)"
+        )
+    lines += [
+        "",
+        "## Signals per checkpoint",
+        "",
+        "| signal | " + " | ".join(names) + " |",
+        "|---|" + "---:|" * len(names),
+    ]
     lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in signal_rows(doc)]
     lines.append("")
     diff = disagreement(doc)
@@ -276,8 +298,10 @@ def report_summary(doc: dict[str, Any], eval_best: str | None, metric: str | Non
     """What ``report.json`` carries of an evaluation: test loss and signals per checkpoint, and the preferences
     of every criterion, the validation loss (``eval_best``) among them."""
     eval_best = Path(eval_best).name if eval_best else None  # output/checkpoint-500 -> checkpoint-500
-    preferred = {**({f"validation {metric or 'eval_loss'}": eval_best} if eval_best else {}),
-                 **{CRITERIA[k][2]: v for k, v in doc.get("preferred", {}).items() if k in CRITERIA}}  # fmt: skip
+    preferred = {
+        **({f"validation {metric or 'eval_loss'}": eval_best} if eval_best else {}),
+        **{CRITERIA[k][2]: v for k, v in doc.get("preferred", {}).items() if k in CRITERIA},
+    }
     return {
         "created": doc.get("created"),
         "note": doc.get("note", SCREENING_NOTE),
@@ -285,7 +309,7 @@ def report_summary(doc: dict[str, Any], eval_best: str | None, metric: str | Non
         "checkpoints": {
             c["name"]: {"step": c["step"], "test_loss": c.get("test_loss"), "signals": c["signals"]}
             for c in doc["checkpoints"]
-        },  # fmt: skip
+        },
         "preferred": preferred,
         "criteria_disagree": len({v for v in preferred.values() if v}) > 1,
     }
@@ -295,10 +319,17 @@ def report_markdown(doc: dict[str, Any], eval_best: str | None, metric: str | No
     """The ``report.md`` section of an evaluation: the signal table and, when they disagree, each criterion's
     preferred checkpoint."""
     names = [c["name"] for c in doc["checkpoints"]]
-    lines = ["## Evaluation (`launcher evaluate`)", "", f"> {doc.get('note', SCREENING_NOTE)}", "",
-             f"Test split `{(doc.get('test_split') or {}).get('file')}` (held out: never trained on, never used to "
-             f"select); answers side by side in `{EVALUATE_MD}`.", "",
-             "| signal | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]  # fmt: skip
+    lines = [
+        "## Evaluation (`launcher evaluate`)",
+        "",
+        f"> {doc.get('note', SCREENING_NOTE)}",
+        "",
+        f"Test split `{(doc.get('test_split') or {}).get('file')}` (held out: never trained on, never used to "
+        f"select); answers side by side in `{EVALUATE_MD}`.",
+        "",
+        "| signal | " + " | ".join(names) + " |",
+        "|---|" + "---:|" * len(names),
+    ]
     lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in signal_rows(doc)]
     lines.append("")
     summary = report_summary(doc, eval_best, metric)

@@ -182,8 +182,11 @@ def describe_coverage(layout: ModelLayout, modules: list[str]) -> tuple[str, str
     ]
     if other:
         detail.append(f"other: {len(other)} module(s) such as {other[0]}")
-    covered = [label for label, key in (("full-attention", "self_attn"), ("DeltaNet", "linear_attn"),
-                                        ("MLP", "mlp")) if groups[key]]  # fmt: skip
+    covered = [
+        label
+        for label, key in (("full-attention", "self_attn"), ("DeltaNet", "linear_attn"), ("MLP", "mlp"))
+        if groups[key]
+    ]
     if not covered and not other:
         verdict = "nothing"
     elif covered == ["full-attention"] and not other:

@@ -18,15 +18,32 @@ from typing import Any
 from launcher.files import read_json_bounded, write_json_atomic, write_text_atomic
 from launcher.state.runs import PROFILE_ASCEND, PROFILE_DIR, PROFILE_JSON, PROFILE_MD, PROFILE_RECORD, PROFILE_TRACE
 
-PARTS = ("deltanet", "glue", "attention", "matmul", "other_compute", "communication", "optimizer",
-         "data_loading", "optimizer_host", "compile_autotune", "host_gaps")  # fmt: skip
+PARTS = (
+    "deltanet",
+    "glue",
+    "attention",
+    "matmul",
+    "other_compute",
+    "communication",
+    "optimizer",
+    "data_loading",
+    "optimizer_host",
+    "compile_autotune",
+    "host_gaps",
+)
 LABELS = {
-    "deltanet": "DeltaNet kernels", "glue": "conv, norms, SwiGLU kernels", "attention": "attention", "matmul": "matmul",
+    "deltanet": "DeltaNet kernels",
+    "glue": "conv, norms, SwiGLU kernels",
+    "attention": "attention",
+    "matmul": "matmul",
     "other_compute": "other compute",
-    "communication": "communication", "optimizer": "optimizer (device)", "data_loading": "data loading (device idle)",
-    "optimizer_host": "optimizer (host, device idle)", "compile_autotune": "kernel compile / autotune",
+    "communication": "communication",
+    "optimizer": "optimizer (device)",
+    "data_loading": "data loading (device idle)",
+    "optimizer_host": "optimizer (host, device idle)",
+    "compile_autotune": "kernel compile / autotune",
     "host_gaps": "other host-side gaps (device idle)",
-}  # fmt: skip
+}
 TOLERANCE = 0.10
 
 
@@ -88,14 +105,20 @@ def first_step_summary(periods: list[dict[str, Any]]) -> dict[str, Any] | None:
         "compile_autotune_s": compile_s,
         "compiles": first.get("compiles"),
         "autotunes": first.get("autotunes"),
-        "warmup_after": {"steps": len(warmup), "median_s": _median(warmup, "seconds"),
-                         "compile_autotune_median_s": _median(warmup, "compile_autotune_s")},
-        "profiled_steps": {"steps": len(profiled), "median_s": later_s,
-                           "compile_autotune_median_s": _median(profiled, "compile_autotune_s")},
+        "warmup_after": {
+            "steps": len(warmup),
+            "median_s": _median(warmup, "seconds"),
+            "compile_autotune_median_s": _median(warmup, "compile_autotune_s"),
+        },
+        "profiled_steps": {
+            "steps": len(profiled),
+            "median_s": later_s,
+            "compile_autotune_median_s": _median(profiled, "compile_autotune_s"),
+        },
         "excess_over_profiled_s": excess,
         # how much of the first step's extra time Triton's compile and autotune calls explain
         "compile_share_of_excess": round(compile_s / excess, 4) if compile_s is not None and excess else None,
-    }  # fmt: skip
+    }
 
 
 def build_report(run_dir: Path) -> dict[str, Any]:
@@ -118,12 +141,21 @@ def build_report(run_dir: Path) -> dict[str, Any]:
     times = [r["work_s"] for r in ranks if r["work_s"] is not None]
     spread = None
     if len(times) > 1:  # collectives make every rank's step as long as the slowest's: compare the work
-        spread = {"fastest_s": min(times), "slowest_s": max(times), "spread_s": round(max(times) - min(times), 6),
-                  "spread_share": round((max(times) - min(times)) / max(times), 4)}  # fmt: skip
+        spread = {
+            "fastest_s": min(times),
+            "slowest_s": max(times),
+            "spread_s": round(max(times) - min(times), 6),
+            "spread_share": round((max(times) - min(times)) / max(times), 4),
+        }
     traces = sorted(str(p.relative_to(run_dir)) for p in (run_dir / PROFILE_DIR).glob(PROFILE_TRACE.format(rank="*")))
     traces += sorted(str(p.relative_to(run_dir)) for p in (run_dir / PROFILE_DIR).glob(PROFILE_ASCEND.format(rank="*")))
-    return {"run_dir": str(run_dir), "ranks": ranks, "spread_across_ranks": spread, "traces": traces,
-            "tolerance": TOLERANCE}  # fmt: skip
+    return {
+        "run_dir": str(run_dir),
+        "ranks": ranks,
+        "spread_across_ranks": spread,
+        "traces": traces,
+        "tolerance": TOLERANCE,
+    }
 
 
 def render(report: dict[str, Any]) -> str:
@@ -132,10 +164,16 @@ def render(report: dict[str, Any]) -> str:
     if not ranks:
         return "# Profile\n\nNo rank wrote a profile (did the run reach the profiled steps?).\n"
     head = "| part | " + " | ".join(f"rank {r['rank']}" for r in ranks) + " |"
-    lines = ["# Profile", "", f"Mean seconds per profiled step ({ranks[0]['profiled_steps']} steps after the "
-             "warm-up), per rank. Device parts are the device's own kernels (on CPU: operators); the idle "
-             "parts are when no device work ran, by what the host was doing.", "", head,
-             "|---|" + "---|" * len(ranks)]  # fmt: skip
+    lines = [
+        "# Profile",
+        "",
+        f"Mean seconds per profiled step ({ranks[0]['profiled_steps']} steps after the "
+        "warm-up), per rank. Device parts are the device's own kernels (on CPU: operators); the idle "
+        "parts are when no device work ran, by what the host was doing.",
+        "",
+        head,
+        "|---|" + "---|" * len(ranks),
+    ]
     for part in PARTS:
         cells = [f"{r['parts_s'].get(part, 0.0):.4f}" for r in ranks]
         lines.append(f"| {LABELS[part]} | " + " | ".join(cells) + " |")
@@ -144,10 +182,14 @@ def render(report: dict[str, Any]) -> str:
     lines.append("")
     for r in ranks:
         share = r["accounted_share"]
-        verdict = (f"the parts add up to {share:.1%} of the measured step (within {TOLERANCE:.0%})" if r["adds_up"]
-                   else f"the parts add up to {share:.1%} of the measured step: {abs(1 - share):.1%} is "
-                        f"{'unaccounted' if share < 1 else 'counted twice (overlapping work)'}"
-                   if share is not None else "no measured step")  # fmt: skip
+        verdict = (
+            f"the parts add up to {share:.1%} of the measured step (within {TOLERANCE:.0%})"
+            if r["adds_up"]
+            else f"the parts add up to {share:.1%} of the measured step: {abs(1 - share):.1%} is "
+            f"{'unaccounted' if share < 1 else 'counted twice (overlapping work)'}"
+            if share is not None
+            else "no measured step"
+        )
         lengths = ", ".join(map(str, r["seq_lens"])) or "-"
         lines.append(f"- rank {r['rank']}: {verdict}; sequence lengths seen: {lengths}.")
     spread = report.get("spread_across_ranks")
@@ -166,8 +208,10 @@ def render(report: dict[str, Any]) -> str:
             lines += [f"  - {c['ms_per_step']:.1f} ms launched by `{c['ops']}`" for c in t.get("launched_by", ())]
         lines.append("")
     if report.get("traces"):
-        lines.append(f"- traces: {', '.join(report['traces'])} (Chrome trace: chrome://tracing or ui.perfetto.dev; "
-                     "an `.ascend` folder: MindStudio Insight).")  # fmt: skip
+        lines.append(
+            f"- traces: {', '.join(report['traces'])} (Chrome trace: chrome://tracing or ui.perfetto.dev; "
+            "an `.ascend` folder: MindStudio Insight)."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -184,25 +228,38 @@ def _render_first_step(ranks: list[dict[str, Any]]) -> list[str]:
         return f"| {label} | " + " | ".join(cell(f) if f else "-" for f in firsts) + " |"
 
     steps = {f["profiled_steps"]["steps"] for f in firsts if f}
-    return ["", "## The first step against the later ones", "",
-            "Seconds on each rank's clock (device synchronised). Kernel compile / autotune is the host's time "
-            "inside Triton's compile and autotuner calls, timed in every step (profiled or not); the profiled "
-            f"steps ({', '.join(map(str, sorted(steps)))} per rank) carry the profiler's own overhead, the "
-            "warm-up steps do not.", "",
-            "| | " + " | ".join(f"rank {r['rank']}" for r in ranks) + " |", "|---|" + "---|" * len(ranks),
-            row("first step" + (" (profiled)" if any(f.get("profiled") for f in firsts) else ""),
-                lambda f: seconds(f["seconds"])),
-            row("kernel compile / autotune in the first step", lambda f: seconds(f["compile_autotune_s"])),
-            row("Triton compiles / autotuner runs in it",
-                lambda f: f"{f['compiles']} / {f['autotunes']}" if f["compiles"] is not None else "-"),
-            row("warm-up steps after it, median", lambda f: seconds(f["warmup_after"]["median_s"])),
-            row("profiled steps, median", lambda f: seconds(f["profiled_steps"]["median_s"])),
-            row("kernel compile / autotune in a profiled step, median",
-                lambda f: seconds(f["profiled_steps"]["compile_autotune_median_s"])),
-            row("**first step minus the profiled median**", lambda f: seconds(f["excess_over_profiled_s"])),
-            row("share of that explained by compile / autotune",
-                lambda f: "-" if f["compile_share_of_excess"] is None else f"{f['compile_share_of_excess']:.0%}"),
-            ]  # fmt: skip
+    return [
+        "",
+        "## The first step against the later ones",
+        "",
+        "Seconds on each rank's clock (device synchronised). Kernel compile / autotune is the host's time "
+        "inside Triton's compile and autotuner calls, timed in every step (profiled or not); the profiled "
+        f"steps ({', '.join(map(str, sorted(steps)))} per rank) carry the profiler's own overhead, the "
+        "warm-up steps do not.",
+        "",
+        "| | " + " | ".join(f"rank {r['rank']}" for r in ranks) + " |",
+        "|---|" + "---|" * len(ranks),
+        row(
+            "first step" + (" (profiled)" if any(f.get("profiled") for f in firsts) else ""),
+            lambda f: seconds(f["seconds"]),
+        ),
+        row("kernel compile / autotune in the first step", lambda f: seconds(f["compile_autotune_s"])),
+        row(
+            "Triton compiles / autotuner runs in it",
+            lambda f: f"{f['compiles']} / {f['autotunes']}" if f["compiles"] is not None else "-",
+        ),
+        row("warm-up steps after it, median", lambda f: seconds(f["warmup_after"]["median_s"])),
+        row("profiled steps, median", lambda f: seconds(f["profiled_steps"]["median_s"])),
+        row(
+            "kernel compile / autotune in a profiled step, median",
+            lambda f: seconds(f["profiled_steps"]["compile_autotune_median_s"]),
+        ),
+        row("**first step minus the profiled median**", lambda f: seconds(f["excess_over_profiled_s"])),
+        row(
+            "share of that explained by compile / autotune",
+            lambda f: "-" if f["compile_share_of_excess"] is None else f"{f['compile_share_of_excess']:.0%}",
+        ),
+    ]
 
 
 def write_report(run_dir: Path) -> dict[str, Any]:

@@ -109,13 +109,14 @@ class RunReport:
                     "eval": {m: self.value_at(m, c.step) for m in [self.selection_metric, *self.test_metrics] if m},
                 }
                 for c in self.checkpoints
-            ],  # fmt: skip
+            ],
             "test": {m: {"best": _point(best_point(self.curves.evals.get(m, [])))} for m in self.test_metrics},
             "ignored": self.ignored,
             "notes": self.notes,
-            "evaluation": None if self.evaluation is None else report_summary(
-                self.evaluation, self.best_checkpoint, self.selection_metric),
-        }  # fmt: skip
+            "evaluation": None
+            if self.evaluation is None
+            else report_summary(self.evaluation, self.best_checkpoint, self.selection_metric),
+        }
 
 
 def _choose_selection_metric(lf_args: dict[str, Any], curves: Curves) -> tuple[str | None, list[str]]:
@@ -343,19 +344,37 @@ def plot_curves(report: RunReport, path: Path) -> Path:
         ax.plot([p.step for p in evals], [p.value for p in evals], "o-", color="tab:orange", lw=1.8, label=label)
     for i, test in enumerate(report.test_metrics):
         points = report.curves.evals[test]
-        ax.plot([p.step for p in points], [p.value for p in points], "s--", color=f"C{i + 2}", lw=1.2,
-                label=f"test {test} (not used for selection)")  # fmt: skip
+        ax.plot(
+            [p.step for p in points],
+            [p.value for p in points],
+            "s--",
+            color=f"C{i + 2}",
+            lw=1.2,
+            label=f"test {test} (not used for selection)",
+        )
     tested = [c for c in (report.evaluation or {}).get("checkpoints", []) if c.get("test_loss") is not None]
     if tested:  # `launcher evaluate`: the held-out test loss of each evaluated checkpoint, next to the curve
-        ax.plot([c["step"] for c in tested], [c["test_loss"] for c in tested], "D", color="tab:red", ms=7,
-                label="test loss (launcher evaluate, held out)")  # fmt: skip
+        ax.plot(
+            [c["step"] for c in tested],
+            [c["test_loss"] for c in tested],
+            "D",
+            color="tab:red",
+            ms=7,
+            label="test loss (launcher evaluate, held out)",
+        )
     if report.best is not None:
         ax.axvline(report.best.step, color="tab:orange", ls=":", lw=1)
         last_step = max(p.step for points in (train, evals) for p in points)
         right = report.best.step > 0.7 * last_step  # keep the label inside the axes
-        ax.annotate(f"best: step {report.best.step}\n{report.best.value:.4f}", (report.best.step, report.best.value),
-                    textcoords="offset points", xytext=(-6 if right else 6, 10), ha="right" if right else "left",
-                    fontsize=8, color="tab:orange")  # fmt: skip
+        ax.annotate(
+            f"best: step {report.best.step}\n{report.best.value:.4f}",
+            (report.best.step, report.best.value),
+            textcoords="offset points",
+            xytext=(-6 if right else 6, 10),
+            ha="right" if right else "left",
+            fontsize=8,
+            color="tab:orange",
+        )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
     ax.set_title(f"{report.run_id}: {report.verdict.label}", fontsize=10)
@@ -378,8 +397,10 @@ def print_summary(report: RunReport) -> None:
     metric = report.selection_metric or "eval loss"
     console.print(f"report {escape(report.run_id)}  ({escape(str(report.run_dir))})")
     if report.best is not None:
-        console.print(f"best:        step {report.best.step}, {metric} {report.best.value:.4f} "
-                      f"({escape(report.best_checkpoint or 'no checkpoint saved at that step')})")  # fmt: skip
+        console.print(
+            f"best:        step {report.best.step}, {metric} {report.best.value:.4f} "
+            f"({escape(report.best_checkpoint or 'no checkpoint saved at that step')})"
+        )
     else:
         console.print("best:        none (no evaluation logged)")
     colour = "bold red" if report.verdict.overfitting else "default"
@@ -388,10 +409,17 @@ def print_summary(report: RunReport) -> None:
     table = Table("checkpoint", "step", metric, *report.test_metrics, "adapter size", "")
     for c in report.checkpoints:
         marks = ("best " if report.best is not None and c.step == report.best.step else "") + (
-            "recommended" if c.name == report.recommended else "")  # fmt: skip
+            "recommended" if c.name == report.recommended else ""
+        )
         tests = [_fmt(report.value_at(m, c.step)) for m in report.test_metrics]
-        table.add_row(c.name, str(c.step), _fmt(report.value_at(report.selection_metric, c.step)), *tests,
-                      human_size(c.adapter_bytes), marks.strip())  # fmt: skip
+        table.add_row(
+            c.name,
+            str(c.step),
+            _fmt(report.value_at(report.selection_metric, c.step)),
+            *tests,
+            human_size(c.adapter_bytes),
+            marks.strip(),
+        )
     if report.checkpoints:
         console.print(table)
     if report.evaluation is not None:

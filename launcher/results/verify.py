@@ -193,16 +193,23 @@ def _check_steps(ctx: _Context) -> CheckResult:
         if (last := last_complete_checkpoint(ctx.output))
         else "no checkpoint was saved, so start it again"
     )
-    return CheckResult("steps", title, FAIL, f"{done} of {total} planned steps ({evidence})",
-                       f"the job ended early: `launcher logs {ctx.run_dir.name}` says why; {resume}")  # fmt: skip
+    return CheckResult(
+        "steps",
+        title,
+        FAIL,
+        f"{done} of {total} planned steps ({evidence})",
+        f"the job ended early: `launcher logs {ctx.run_dir.name}` says why; {resume}",
+    )
 
 
 def never_trained(lf_args: dict[str, Any]) -> str | None:
     """Why a run that logged no training step never trained, when its arguments say (else None)."""
     stage = lf_args.get("stage", "sft")
     if stage in ("pt", "sft", "rm", "ppo", "dpo", "kto") and lf_args.get("do_train") is not True:
-        return (f"the run never trained: do_train is not set, so LLaMA-Factory (stage {stage}) only evaluated; add "
-                "do_train: true to the config and start a new run (there is no checkpoint to resume)")  # fmt: skip
+        return (
+            f"the run never trained: do_train is not set, so LLaMA-Factory (stage {stage}) only evaluated; add "
+            "do_train: true to the config and start a new run (there is no checkpoint to resume)"
+        )
     return None
 
 
@@ -246,8 +253,13 @@ def _check_exit(ctx: _Context) -> CheckResult:
         return CheckResult("exit_code", title, PASS if ok else FAIL, f"exit code {ctx.exit_code} (from the supervisor)")
     status = ctx.files.status
     if status is None:
-        return CheckResult("exit_code", title, FAIL, f"no launcher record: {ctx.run_dir / STATUS_FILE} is missing or "
-                           "unreadable", "run the job through `launcher run` or `launcher start`")  # fmt: skip
+        return CheckResult(
+            "exit_code",
+            title,
+            FAIL,
+            f"no launcher record: {ctx.run_dir / STATUS_FILE} is missing or unreadable",
+            "run the job through `launcher run` or `launcher start`",
+        )
     code, sig, state = status.exit_code, status.signal, status.state.value
     evidence = f"status.json: state {state}, exit_code {code}, signal {sig}"
     if code == 0 and sig is None:
@@ -338,10 +350,16 @@ def _check_finite(ctx: _Context) -> CheckResult:
     n = len(ad.header.tensors)
     if ad.nonfinite:
         bad = [f"{_short(k)} ({nan} NaN, {inf} inf)" for k, (nan, inf) in sorted(ad.nonfinite.items())]
-        return CheckResult("finite", title, FAIL, f"{len(bad)} of {n} tensors hold non-finite values: "
-                           + ", ".join(bad[:4]) + (" ..." if len(bad) > 4 else ""),
-                           "training diverged or the file is damaged; use an earlier checkpoint that passes "
-                           "(launcher report RUN lists them) and lower the learning rate")  # fmt: skip
+        return CheckResult(
+            "finite",
+            title,
+            FAIL,
+            f"{len(bad)} of {n} tensors hold non-finite values: "
+            + ", ".join(bad[:4])
+            + (" ..." if len(bad) > 4 else ""),
+            "training diverged or the file is damaged; use an earlier checkpoint that passes "
+            "(launcher report RUN lists them) and lower the learning rate",
+        )
     return CheckResult("finite", title, PASS, f"{n} tensors, {ad.values:,} values, all finite")
 
 
@@ -362,8 +380,13 @@ def _check_count(ctx: _Context, expected: list[str] | None, why: str) -> CheckRe
     n_tensors = sum(len(ab) for ab in ctx.adapter.modules.values())
     target = ctx.files.lf_args.get("lora_target", "all")
     if expected is None:
-        return CheckResult("lora_count", title, FAIL, f"found {n_tensors} LoRA tensors; the expected count cannot be "
-                           f"derived: {why}", "pass --model DIR with the base model's config.json")  # fmt: skip
+        return CheckResult(
+            "lora_count",
+            title,
+            FAIL,
+            f"found {n_tensors} LoRA tensors; the expected count cannot be derived: {why}",
+            "pass --model DIR with the base model's config.json",
+        )
     basis = f"lora_target {target!r} on {ctx.model_source}"
     missing = [m for m in expected if m not in found]
     extra = sorted(found - set(expected))
@@ -375,8 +398,13 @@ def _check_count(ctx: _Context, expected: list[str] | None, why: str) -> CheckRe
         details.append(f"missing {len(missing)}: {_listing(missing)}")
     if extra:
         details.append(f"unexpected {len(extra)}: {_listing(extra)}")
-    return CheckResult("lora_count", title, FAIL, f"{evidence}; " + "; ".join(details),
-                       "the adapter was not trained with this run's config, or the save was incomplete")  # fmt: skip
+    return CheckResult(
+        "lora_count",
+        title,
+        FAIL,
+        f"{evidence}; " + "; ".join(details),
+        "the adapter was not trained with this run's config, or the save was incomplete",
+    )
 
 
 def _check_b_nonzero(ctx: _Context, expected: list[str] | None) -> CheckResult:
@@ -401,12 +429,20 @@ def _check_b_nonzero(ctx: _Context, expected: list[str] | None) -> CheckResult:
         parts = [f"{len(zero)} of {len(modules)} LoRA B matrices are all zero: {_listing(zero)}"] if zero else []
         if absent:
             parts.append(f"{len(absent)} targeted modules have no B: {_listing(absent)}")
-        return CheckResult("lora_b_nonzero", title, FAIL, "; ".join(parts),
-                           "an all-zero B is an untrained (initial) adapter: check that training steps ran, the "
-                           "learning rate is non-zero, and that the module receives gradients")  # fmt: skip
-    return CheckResult("lora_b_nonzero", title, PASS,
-                       f"{len(modules)} of {len(modules)} targeted modules have a non-zero B "
-                       f"(smallest max|B| {smallest:.3g})")  # fmt: skip
+        return CheckResult(
+            "lora_b_nonzero",
+            title,
+            FAIL,
+            "; ".join(parts),
+            "an all-zero B is an untrained (initial) adapter: check that training steps ran, the "
+            "learning rate is non-zero, and that the module receives gradients",
+        )
+    return CheckResult(
+        "lora_b_nonzero",
+        title,
+        PASS,
+        f"{len(modules)} of {len(modules)} targeted modules have a non-zero B (smallest max|B| {smallest:.3g})",
+    )
 
 
 def _coverage(ctx: _Context) -> tuple[CheckResult, dict[str, Any]]:
@@ -417,10 +453,15 @@ def _coverage(ctx: _Context) -> tuple[CheckResult, dict[str, Any]]:
     if ctx.layout is None:
         names = sorted({m.rsplit(".", 1)[-1] for m in modules})
         return CheckResult("coverage", title, INFO, f"{len(modules)} modules named {', '.join(names)}"), {
-            "modules": len(modules), "names": names}  # fmt: skip
+            "modules": len(modules),
+            "names": names,
+        }
     verdict, detail = describe_coverage(ctx.layout, modules)
     return CheckResult("coverage", title, INFO, f"{verdict}: {detail}"), {
-        "verdict": verdict, "detail": detail, "modules": len(modules)}  # fmt: skip
+        "verdict": verdict,
+        "detail": detail,
+        "modules": len(modules),
+    }
 
 
 def _check_metrics(ctx: _Context) -> CheckResult:
@@ -463,8 +504,9 @@ def _guarded(name: str, title: str, fn, *args) -> CheckResult:
         return CheckResult(name, title, FAIL, f"check crashed: {type(err).__name__}: {err}")
 
 
-def verify_run(run_dir: Path, *, exit_code: int | None = None, model_dir: Path | None = None,
-               write: bool = True) -> VerifyReport:  # fmt: skip
+def verify_run(
+    run_dir: Path, *, exit_code: int | None = None, model_dir: Path | None = None, write: bool = True
+) -> VerifyReport:
     """Run the acceptance checklist on a run directory and (by default) write ``verify.json`` there.
 
     Args:
@@ -517,9 +559,11 @@ def _write(report: VerifyReport, run_dir: Path) -> None:
     earlier, _ = read_verdict(run_dir)  # an unreadable one is replaced
     if not report.passed and earlier is not None and earlier.passed is True:
         report.written = run_dir / RECHECK_FILE
-        report.kept = (f"{VERIFY_FILE} keeps the PASS of {earlier.created}: the run was accepted then, "
-                       "so what fails now changed since (damaged or edited files); this check is in "
-                       f"{RECHECK_FILE}")  # fmt: skip
+        report.kept = (
+            f"{VERIFY_FILE} keeps the PASS of {earlier.created}: the run was accepted then, "
+            "so what fails now changed since (damaged or edited files); this check is in "
+            f"{RECHECK_FILE}"
+        )
     else:
         report.written = run_dir / VERIFY_FILE
     write_json_atomic(report.written, report.to_dict())

@@ -52,8 +52,9 @@ class ConfigError(LauncherError):
 
     def naming(self, keys: list[str], where: str) -> ConfigError:
         """The same problems, each about one of ``keys`` saying it was set ``where`` (not in the file)."""
-        return ConfigError(self.source, [p + (f" (set {where})" if p.split(":", 1)[0].strip() in keys else "")
-                                         for p in self.problems])  # fmt: skip
+        return ConfigError(
+            self.source, [p + (f" (set {where})" if p.split(":", 1)[0].strip() in keys else "") for p in self.problems]
+        )
 
 
 class FsdpSettings(BaseModel):
@@ -221,8 +222,11 @@ def _pydantic_problems(err: ValidationError, prefix: str) -> list[str]:
     return problems
 
 
-_SECTION_MODELS: dict[str, type[BaseModel]] = {"fsdp": FsdpSettings, "early_stopping": EarlyStopping,
-                                               "restart": RestartPolicy}  # fmt: skip
+_SECTION_MODELS: dict[str, type[BaseModel]] = {
+    "fsdp": FsdpSettings,
+    "early_stopping": EarlyStopping,
+    "restart": RestartPolicy,
+}
 
 
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
@@ -239,8 +243,7 @@ def parse_overrides(items: list[str], source: str = "command line") -> dict[str,
     values: dict[str, Any] = {}
     bad = [item for item in items if "=" not in item or not item.split("=", 1)[0].strip()]
     if bad:
-        raise ConfigError(source, [f"{item!r}: an override is KEY=VALUE (e.g. learning_rate=1.0e-4)"
-                                   for item in bad])  # fmt: skip
+        raise ConfigError(source, [f"{item!r}: an override is KEY=VALUE (e.g. learning_rate=1.0e-4)" for item in bad])
     for item in items:
         key, text = (part.strip() for part in item.split("=", 1))
         try:
@@ -265,8 +268,9 @@ def _apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> None:
         node[leaf] = value
 
 
-def read_run_config(path: Path, overrides: dict[str, Any] | None = None,
-                    require_model: bool = True) -> tuple[RunConfig | None, list[str]]:  # fmt: skip
+def read_run_config(
+    path: Path, overrides: dict[str, Any] | None = None, require_model: bool = True
+) -> tuple[RunConfig | None, list[str]]:
     """Read a run config and collect every problem of its launcher section and of the rules a config must pass
     to load (``launcher.checks.config_rules.file_problems``).
 
@@ -323,8 +327,14 @@ def read_run_config(path: Path, overrides: dict[str, Any] | None = None,
                 f"{key}: {data.pop(key)!r} is ignored; the launcher writes into the run directory "
                 "under launcher.output_root"
             )
-    config = RunConfig(source=path, launcher=launcher, patches=patch_settings, llamafactory=data, notes=notes,
-                       overrides=overrides or {})  # fmt: skip
+    config = RunConfig(
+        source=path,
+        launcher=launcher,
+        patches=patch_settings,
+        llamafactory=data,
+        notes=notes,
+        overrides=overrides or {},
+    )
     return config, problems + file_problems(config, require_model=require_model)
 
 

@@ -67,8 +67,9 @@ def in_container_command(record: RunRecord, verb: str, *args: str) -> str:
 # --- stop -------------------------------------------------------------------------------------------------
 
 
-def stop_container_run(run_dir: Path, store: RunStore, seen: Reconciled, grace_s: float | None, now: bool,
-                       by: str, default_grace_s: float) -> int:  # fmt: skip
+def stop_container_run(
+    run_dir: Path, store: RunStore, seen: Reconciled, grace_s: float | None, now: bool, by: str, default_grace_s: float
+) -> int:
     """Stop a run that lives in a container through the Docker engine (``docker stop``), as compose does."""
     record = store.record
     name = _label(record)
@@ -95,13 +96,19 @@ def stop_container_run(run_dir: Path, store: RunStore, seen: Reconciled, grace_s
         request_stop(run_dir, grace_s, by=by, now=now)
         asked = True
     except OSError as err:  # e.g. a run folder a container wrote as root: the engine still stops the run
-        print(f"warning: cannot write the stop request in {run_dir} ({err}); stopping the container anyway, as "
-              "`docker stop` would: the job saves on the engine's SIGTERM (--now cannot be passed on), and the "
-              "record names that SIGTERM's sender", file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: cannot write the stop request in {run_dir} ({err}); stopping the container anyway, as "
+            "`docker stop` would: the job saves on the engine's SIGTERM (--now cannot be passed on), and the "
+            "record names that SIGTERM's sender",
+            file=sys.stderr,
+        )
         asked = False
     what = "SIGTERM, no save" if now else "a checkpoint at the next step, then exit"
-    print(f"stopping run {record.run_id}: docker stop of container {container.name} ({what}; the engine sends "
-          f"SIGKILL after {timeout} s)", flush=True)  # fmt: skip
+    print(
+        f"stopping run {record.run_id}: docker stop of container {container.name} ({what}; the engine sends "
+        f"SIGKILL after {timeout} s)",
+        flush=True,
+    )
     from docker.errors import DockerException
 
     try:
@@ -132,10 +139,15 @@ def _report_stop(run_dir: Path, store: RunStore, record: RunRecord, name: str, b
         print(stopped_line(ended))
         return ExitCode.OK
     seen = reconcile(read_record(run_dir), run_dir)
-    store.record_end(seen.state if seen.state.terminal else RunState.NODE_LOST, processes=[],
-                     reason=f"container {name} was stopped by {by}; its supervisor recorded no end")  # fmt: skip
-    print(f"run {record.run_id}: container {name} stopped, but its supervisor recorded no end; recorded "
-          f"{store.state.value}")  # fmt: skip
+    store.record_end(
+        seen.state if seen.state.terminal else RunState.NODE_LOST,
+        processes=[],
+        reason=f"container {name} was stopped by {by}; its supervisor recorded no end",
+    )
+    print(
+        f"run {record.run_id}: container {name} stopped, but its supervisor recorded no end; recorded "
+        f"{store.state.value}"
+    )
     return ExitCode.FAILED
 
 
@@ -144,8 +156,13 @@ def _report_stop(run_dir: Path, store: RunStore, record: RunRecord, name: str, b
 
 def resume_command(record: RunRecord, adapter_only: bool) -> list[str]:
     """``launcher resume RUN_DIR --foreground`` with the run directory as the container sees it."""
-    return ["launcher", "resume", record.run_dir or record.run_id, "--foreground",
-            *(["--adapter-only"] if adapter_only else [])]  # fmt: skip
+    return [
+        "launcher",
+        "resume",
+        record.run_dir or record.run_id,
+        "--foreground",
+        *(["--adapter-only"] if adapter_only else []),
+    ]
 
 
 def _compose_service(record: RunRecord) -> tuple[list[str], str]:
@@ -167,8 +184,20 @@ def compose_run_command(record: RunRecord, verb: str, *args: str) -> str:
     """``docker compose run --rm SERVICE launcher VERB RUN_DIR ...``: the verb in a new container of the run's
     service (its image and mounts), on the run directory as the container sees it."""
     profile, service = _compose_service(record)
-    return shlex.join(["docker", "compose", *profile, "run", "--rm", service, "launcher", verb,
-                       record.run_dir or record.run_id, *args])  # fmt: skip
+    return shlex.join(
+        [
+            "docker",
+            "compose",
+            *profile,
+            "run",
+            "--rm",
+            service,
+            "launcher",
+            verb,
+            record.run_dir or record.run_id,
+            *args,
+        ]
+    )
 
 
 def container_mounts(record: RunRecord) -> tuple[list[tuple[str, str]], str | None]:
@@ -180,8 +209,11 @@ def container_mounts(record: RunRecord) -> tuple[list[tuple[str, str]], str | No
         return [], f"no Docker engine answers here to tell its mounts ({err})"
     if container is None:
         return [], f"the engine no longer has container {_label(record)} to tell its mounts"
-    mounts = [(str(m.get("Destination")), str(m.get("Source"))) for m in container.attrs.get("Mounts") or []
-              if m.get("Destination") and m.get("Source")]  # fmt: skip
+    mounts = [
+        (str(m.get("Destination")), str(m.get("Source")))
+        for m in container.attrs.get("Mounts") or []
+        if m.get("Destination") and m.get("Source")
+    ]
     return mounts, None
 
 
@@ -222,8 +254,11 @@ def _remove_exited(client: Any, name: str) -> None:
     except NotFound:
         return
     if earlier.status in CONTAINER_ALIVE:
-        raise LauncherError(f"container {name} is {earlier.status}: another resume of this run may be starting; "
-                            f"see `docker logs {name}`", ExitCode.FAILED)  # fmt: skip
+        raise LauncherError(
+            f"container {name} is {earlier.status}: another resume of this run may be starting; "
+            f"see `docker logs {name}`",
+            ExitCode.FAILED,
+        )
     earlier.remove()
 
 
@@ -238,11 +273,18 @@ def _clone(client: Any, old: Any, name: str, command: list[str]) -> Any:
     # emptied, not left out: a container takes its image's labels, and compose's build labels the image too
     labels = {k: "" if k.startswith(COMPOSE_LABELS) else v for k, v in (config.get("Labels") or {}).items()}
     created = client.api.create_container(
-        old.attrs["Image"], command=command, name=name, entrypoint=config.get("Entrypoint"),
-        environment=[*env, f"LAUNCHER_CONTAINER={name}"], user=config.get("User") or None,
-        working_dir=config.get("WorkingDir") or None, labels=labels, host_config=host,
-        stop_signal=config.get("StopSignal"), stop_timeout=config.get("StopTimeout"),
-    )  # fmt: skip
+        old.attrs["Image"],
+        command=command,
+        name=name,
+        entrypoint=config.get("Entrypoint"),
+        environment=[*env, f"LAUNCHER_CONTAINER={name}"],
+        user=config.get("User") or None,
+        working_dir=config.get("WorkingDir") or None,
+        labels=labels,
+        host_config=host,
+        stop_signal=config.get("StopSignal"),
+        stop_timeout=config.get("StopTimeout"),
+    )
     client.api.start(created["Id"])
     return client.containers.get(created["Id"])
 
@@ -263,5 +305,8 @@ def _wait_for_attempt(run_dir: Path, record: RunRecord, container: Any) -> None:
             tail = container.logs(tail=20).decode(errors="replace").strip()
             raise LauncherError(f"container {container.name} ended before the resume began:\n{tail}", ExitCode.FAILED)
         time.sleep(0.5)
-    raise LauncherError(f"container {container.name} has not begun the resume after {HANDSHAKE_TIMEOUT_S:.0f} s; "
-                        f"see `docker logs {container.name}`", ExitCode.FAILED)  # fmt: skip
+    raise LauncherError(
+        f"container {container.name} has not begun the resume after {HANDSHAKE_TIMEOUT_S:.0f} s; "
+        f"see `docker logs {container.name}`",
+        ExitCode.FAILED,
+    )

@@ -70,9 +70,15 @@ def start_detached(config: RunConfig, resume: ResumePlan | None = None) -> int:
     early_log = _early_log_path(config.launcher.output_root)
     with open(early_log, "ab") as log:
         proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-            pass_fds=(write_fd,), env=env, close_fds=True,
-        )  # fmt: skip
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            pass_fds=(write_fd,),
+            env=env,
+            close_fds=True,
+        )
     os.close(write_fd)
     with os.fdopen(read_fd) as handshake:
         line = _read_line(handshake, proc, HANDSHAKE_TIMEOUT_S)
@@ -149,8 +155,10 @@ def stop_run(run_dir: Path, grace_s: float | None, wait_s: float | None = None, 
         if ended is not None:
             print(f"run {record.run_id} ended {ended.value}")
             return ExitCode.OK
-        print(f"run {record.run_id}: the supervisor (pid {supervisor.pid}) ended before recording the end; "
-              "cleaning up after it")  # fmt: skip
+        print(
+            f"run {record.run_id}: the supervisor (pid {supervisor.pid}) ended before recording the end; "
+            "cleaning up after it"
+        )
         store = RunStore.open(run_dir)  # what it wrote before it died
         record = store.record
         seen = reconcile(record, run_dir)
@@ -160,16 +168,16 @@ def stop_run(run_dir: Path, grace_s: float | None, wait_s: float | None = None, 
     return _clean_up(run_dir, store, seen, by, now, grace, kill_grace=grace_s if grace_s is not None else 30.0)
 
 
-def _stop_through_supervisor(run_dir: Path, supervisor, grace_s: float | None, grace: float, wait_s: float | None,
-                             by: str, now: bool) -> RunState | None:  # fmt: skip
+def _stop_through_supervisor(
+    run_dir: Path, supervisor, grace_s: float | None, grace: float, wait_s: float | None, by: str, now: bool
+) -> RunState | None:
     """Ask the live supervisor to stop the run and wait for the recorded end: the terminal state, or None when
     the supervisor died first (checked at every poll: pid and start time)."""
     identity = {"pid": supervisor.pid, "create_time": supervisor.create_time()}
     try:
         request_stop(run_dir, grace_s, by=by, now=now)
     except OSError as err:  # e.g. a full disk: the supervisor still stops the run, as for `docker stop`
-        print(f"warning: cannot write the stop request in {run_dir} ({err}); sending SIGTERM anyway",
-              file=sys.stderr)  # fmt: skip
+        print(f"warning: cannot write the stop request in {run_dir} ({err}); sending SIGTERM anyway", file=sys.stderr)
     supervisor.terminate()
     # the save's grace, then SIGTERM and SIGKILL after SAVE_KILL_GRACE_S, and time to record the end
     limit = grace + SAVE_KILL_GRACE_S + 60 if wait_s is None else wait_s
@@ -187,8 +195,9 @@ def _stop_through_supervisor(run_dir: Path, supervisor, grace_s: float | None, g
         if gone:
             return None
         time.sleep(0.5)
-    raise LauncherError(f"run {run_id} has not ended after {limit:.0f} s; check `launcher status {run_id}`",
-                        ExitCode.FAILED)  # fmt: skip
+    raise LauncherError(
+        f"run {run_id} has not ended after {limit:.0f} s; check `launcher status {run_id}`", ExitCode.FAILED
+    )
 
 
 def _clean_up(run_dir: Path, store: RunStore, seen, by: str, now: bool, grace: float, kill_grace: float) -> int:
@@ -211,11 +220,15 @@ def _clean_up(run_dir: Path, store: RunStore, seen, by: str, now: bool, grace: f
     if saving:
         saved = saved_checkpoint(run_dir, read_saved(run_dir))
         fields = {"saved_checkpoint": saved, "stopped_by": by}
-        reason += (f"; checkpoint {saved['path']} saved at step {saved['step']} on the stop" if saved
-                   else "; no checkpoint saved on the stop")  # fmt: skip
+        reason += (
+            f"; checkpoint {saved['path']} saved at step {saved['step']} on the stop"
+            if saved
+            else "; no checkpoint saved on the stop"
+        )
     if not record.terminal:
-        store.record_end(seen.state if seen.state.terminal else RunState.SUPERVISOR_LOST, reason=reason,
-                         processes=[], **fields)  # fmt: skip
+        store.record_end(
+            seen.state if seen.state.terminal else RunState.SUPERVISOR_LOST, reason=reason, processes=[], **fields
+        )
     store.event("cleanup", state=store.state.value, reason=reason)
     print(f"run {record.run_id}: {reason}; recorded {store.state.value}")
     return ExitCode.OK
@@ -227,10 +240,18 @@ def _save_before_cleanup(run_dir: Path, store: RunStore, procs: list, grace: flo
     the supervisor's own is waited for); wait for its processes to end, up to ``grace`` seconds."""
     if ask:
         ask_to_save(run_dir, f"{by}; the supervisor is gone", anew=True)
-        store.event("stopping", signal=None, grace_s=grace, why="launcher stop: the supervisor is gone", save=True,
-                    requested_by=by)  # fmt: skip
-    print(f"run {store.record.run_id}: the supervisor is gone; the job saves a checkpoint at the next step and "
-          f"exits (up to {grace:g} s)")  # fmt: skip
+        store.event(
+            "stopping",
+            signal=None,
+            grace_s=grace,
+            why="launcher stop: the supervisor is gone",
+            save=True,
+            requested_by=by,
+        )
+    print(
+        f"run {store.record.run_id}: the supervisor is gone; the job saves a checkpoint at the next step and "
+        f"exits (up to {grace:g} s)"
+    )
     _, left = psutil.wait_procs(procs, timeout=grace)
     if left:
         store.event("save_timeout", pids=[p.pid for p in left])

@@ -81,9 +81,11 @@ def batch_size_setting(text: str) -> int | str:
     except ValueError:
         value = 0
     if value < 1:
-        raise _usage(f"--batch-size {text}: not a number of prompts per batch; give a positive integer, e.g. "
-                     f"--batch-size 16, 1 for one prompt at a time, or {DEFAULT_BATCH_SIZE} (the default: as many as "
-                     "the device's free memory holds)")  # fmt: skip
+        raise _usage(
+            f"--batch-size {text}: not a number of prompts per batch; give a positive integer, e.g. "
+            f"--batch-size 16, 1 for one prompt at a time, or {DEFAULT_BATCH_SIZE} (the default: as many as "
+            "the device's free memory holds)"
+        )
     return value
 
 
@@ -106,8 +108,9 @@ def choose_checkpoints(run_dir: Path, spec: str) -> list[dict[str, Any]]:
         if item == "final":
             if not (files.output / ADAPTER_FILE).is_file():
                 raise _usage(f"--checkpoints final: {files.output} holds no final adapter yet; {fix}")
-            chosen.setdefault("final", {"name": "final", "step": _final_step(files.output, found),
-                                        "path": str(files.output)})  # fmt: skip
+            chosen.setdefault(
+                "final", {"name": "final", "step": _final_step(files.output, found), "path": str(files.output)}
+            )
             continue
         if item in ("best", "last"):
             if not found:
@@ -164,13 +167,22 @@ def find_test_split(lf: dict[str, Any], manifest: Manifest | None, dataset_dir: 
                 "again with the same --seed and --test-size (and --force), or restore the file"
             )
         if sha256_file(path) != test.get("sha256"):
-            raise _usage(f"the test split {path} changed since `launcher data prepare` wrote it (sha256 differs from "
-                         f"{name}.prepare.json); restore it or prepare the data again")  # fmt: skip
+            raise _usage(
+                f"the test split {path} changed since `launcher data prepare` wrote it (sha256 differs from "
+                f"{name}.prepare.json); restore it or prepare the data again"
+            )
         _require_trained_on(name, dataset_dir / str(info[name].get("file_name")), manifest, path)
         evals = set(eval_dataset_names(lf))
         entry = {k: v for k, v in info[name].items() if k != "file_name"}  # the test file is read as its train set
-        return {"dataset": name, "path": str(path), "file": path.name, "sha256": test["sha256"],
-                "samples": test.get("samples"), "dataset_info": entry, "eval_datasets": sorted(evals)}  # fmt: skip
+        return {
+            "dataset": name,
+            "path": str(path),
+            "file": path.name,
+            "sha256": test["sha256"],
+            "samples": test.get("samples"),
+            "dataset_info": entry,
+            "eval_datasets": sorted(evals),
+        }
     raise _usage(
         f"no held-out test split for this run: its training dataset(s) {', '.join(names) or '(none)'} in "
         f"{dataset_dir} have no test split recorded in NAME.prepare.json; prepare the data with a test split "
@@ -184,16 +196,20 @@ def _require_trained_on(name: str, train_file: Path, manifest: Manifest | None, 
     the run (its sha256 in the run's manifest), so the prepare that wrote both is the run's."""
     trained = manifest.data.get("files", {}).get(name, {}) if manifest else {}
     if not trained.get("sha256"):
-        raise _usage(f"the run's manifest.json records no sha256 of its training file for {name}, so {test} "
-                     "cannot be shown to be held out of what it trained on; evaluate a run this launcher "
-                     "started")  # fmt: skip
+        raise _usage(
+            f"the run's manifest.json records no sha256 of its training file for {name}, so {test} "
+            "cannot be shown to be held out of what it trained on; evaluate a run this launcher "
+            "started"
+        )
     now = sha256_file(train_file) if train_file.is_file() else None
     if now != trained["sha256"]:
         state = "is missing" if now is None else "changed since the run (the data was prepared again)"
-        raise _usage(f"{train_file} {state}, so the test split {test} beside it is not the one held out of this "
-                     "run's training data and may overlap it; prepare the data again with the run's --seed and "
-                     "--test-size (the run's config and the prepare record name them), or evaluate a run trained "
-                     "on the current data")  # fmt: skip
+        raise _usage(
+            f"{train_file} {state}, so the test split {test} beside it is not the one held out of this "
+            "run's training data and may overlap it; prepare the data again with the run's --seed and "
+            "--test-size (the run's config and the prepare record name them), or evaluate a run trained "
+            "on the current data"
+        )
 
 
 def _given_folder(option: str, path: Path, marker: str, what: str) -> Path:
@@ -213,8 +229,9 @@ def _through_mounts(recorded: str, mounts: list[tuple[str, str]]) -> Path | None
     return found if found.exists() else None
 
 
-def host_inputs(files: RunFiles, *, model_dir: Path | None, data_dir: Path | None,
-                options: list[str]) -> tuple[str | None, Path | None]:  # fmt: skip
+def host_inputs(
+    files: RunFiles, *, model_dir: Path | None, data_dir: Path | None, options: list[str]
+) -> tuple[str | None, Path | None]:
     """The base model and the data folder the evaluation reads here: ``--model`` and ``--data-dir`` when given;
     else, for a run that ran in a container, the paths it recorded there (manifest.json) mapped through the
     container's mounts, as the engine reports them (else as they are, where they exist here). ``None``: the run's
@@ -230,24 +247,36 @@ def host_inputs(files: RunFiles, *, model_dir: Path | None, data_dir: Path | Non
     record, manifest = files.status, files.manifest
     if record is None or not record.container or container_identity() is not None or (model and data):
         return (str(model) if model else None), data
-    wanted = {"model": (model, "--model", (manifest.model.get("path") if manifest else None)
-                        or files.lf_args.get("model_name_or_path")),
-              "data": (data, "--data-dir", (manifest.data.get("dataset_dir") if manifest else None)
-                       or files.lf_args.get("dataset_dir"))}  # fmt: skip
+    wanted = {
+        "model": (
+            model,
+            "--model",
+            (manifest.model.get("path") if manifest else None) or files.lf_args.get("model_name_or_path"),
+        ),
+        "data": (
+            data,
+            "--data-dir",
+            (manifest.data.get("dataset_dir") if manifest else None) or files.lf_args.get("dataset_dir"),
+        ),
+    }
     todo = {what: (option, str(path)) for what, (given, option, path) in wanted.items() if not given and path}
     mounts, why = container_mounts(record) if todo else ([], None)
     # the mount first: a path of the container that also exists here may be another folder
-    found = {what: _through_mounts(path, mounts) or (Path(path) if Path(path).exists() else None)
-             for what, (_option, path) in todo.items()}  # fmt: skip
+    found = {
+        what: _through_mounts(path, mounts) or (Path(path) if Path(path).exists() else None)
+        for what, (_option, path) in todo.items()
+    }
     unmapped = {what: todo[what] for what, here in found.items() if here is None}
     if unmapped:
         paths = " and ".join(f"{what} {path}" for what, (_option, path) in unmapped.items())
         give = " ".join(f"{option} DIR" for option, _path in unmapped.values())
-        raise _usage(f"{files.run_id} ran in container {record.container.get('name') or record.container.get('id')}: "
-                     f"its {paths} {'is' if len(unmapped) == 1 else 'are'} not on this machine and "
-                     f"{why or 'no mount of the container holds ' + ('it' if len(unmapped) == 1 else 'them')}; give "
-                     f"the host's copy with {give}, or evaluate it in its image, from the compose folder with the "
-                     f"run's OUTPUTS_DIR: {compose_run_command(record, 'evaluate', *options)}")  # fmt: skip
+        raise _usage(
+            f"{files.run_id} ran in container {record.container.get('name') or record.container.get('id')}: "
+            f"its {paths} {'is' if len(unmapped) == 1 else 'are'} not on this machine and "
+            f"{why or 'no mount of the container holds ' + ('it' if len(unmapped) == 1 else 'them')}; give "
+            f"the host's copy with {give}, or evaluate it in its image, from the compose folder with the "
+            f"run's OUTPUTS_DIR: {compose_run_command(record, 'evaluate', *options)}"
+        )
     model = model or found.get("model")
     data = data or found.get("data")
     return (str(model) if model else None), data
@@ -262,9 +291,11 @@ def require_ended(run_dir: Path) -> None:
     except RecordUnreadable as exc:
         raise _usage(f"{run_dir.name}: its status cannot be read ({exc}); evaluate a run that has ended") from exc
     if not record.terminal:
-        raise _usage(f"{run_dir.name} is {record.state.value}: evaluating it would load a second model beside the "
-                     "training one and read checkpoints that still change; wait until it ends (launcher status), "
-                     f"or stop it first (launcher stop {run_dir.name})")  # fmt: skip
+        raise _usage(
+            f"{run_dir.name} is {record.state.value}: evaluating it would load a second model beside the "
+            "training one and read checkpoints that still change; wait until it ends (launcher status), "
+            f"or stop it first (launcher stop {run_dir.name})"
+        )
 
 
 def run_levers(manifest: Manifest | None) -> dict[str, str]:
@@ -274,9 +305,18 @@ def run_levers(manifest: Manifest | None) -> dict[str, str]:
     return {name: lever["value"] for name, lever in levers.items() if isinstance(lever.get("value"), str)}
 
 
-def build_request(run_dir: Path, *, checkpoints: str, prompts_file: Path | None, max_new_tokens: int,
-                  max_prompts: int, batch_size: int | str = DEFAULT_BATCH_SIZE, model_dir: Path | None = None,
-                  data_dir: Path | None = None, options: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+def build_request(
+    run_dir: Path,
+    *,
+    checkpoints: str,
+    prompts_file: Path | None,
+    max_new_tokens: int,
+    max_prompts: int,
+    batch_size: int | str = DEFAULT_BATCH_SIZE,
+    model_dir: Path | None = None,
+    data_dir: Path | None = None,
+    options: list[str] | None = None,
+) -> dict[str, Any]:
     """Everything the child needs, checked (see the module docstring for what is refused). ``model_dir`` and
     ``data_dir``: the base model and data folders here (``host_inputs``); ``options``: the command line's own, for
     the command that evaluates a container run in its image."""
@@ -347,8 +387,9 @@ def _run_child(cmd: list[str], backend, log: Path, scratch_log: Path, environmen
         env = child_env(backend)
         for name, value in (environment or {}).items():
             env.setdefault(name, value)
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                errors="replace")  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+        )
         assert proc.stdout is not None
         try:
             with _stop_signals_as(interrupt_on_signal):
@@ -380,13 +421,17 @@ def evaluate_run(run_dir: Path, request: dict[str, Any], *, show: bool = False, 
         request = {**request, "work_dir": str(work), "result_file": str(work / EVALUATE_RESULT)}
         write_json_atomic(work / EVALUATE_REQUEST, request)
         cmd = [sys.executable, "-m", child, str(work / EVALUATE_REQUEST)]
-        code = _run_child(cmd, BACKENDS[request["backend"]], run_dir / EVALUATE_LOG, work / EVALUATE_LOG,
-                          request.get("environment"))  # fmt: skip
+        code = _run_child(
+            cmd, BACKENDS[request["backend"]], run_dir / EVALUATE_LOG, work / EVALUATE_LOG, request.get("environment")
+        )
         result = work / EVALUATE_RESULT
         if code != 0 or not result.is_file():
-            raise LauncherError(f"evaluation of {run_dir.name} failed (the evaluation process exited with {code}; "
-                                f"its output: {run_dir / EVALUATE_LOG}); {EVALUATE_JSON} and {EVALUATE_MD} were left "
-                                "as they were", ExitCode.FAILED)  # fmt: skip
+            raise LauncherError(
+                f"evaluation of {run_dir.name} failed (the evaluation process exited with {code}; "
+                f"its output: {run_dir / EVALUATE_LOG}); {EVALUATE_JSON} and {EVALUATE_MD} were left "
+                "as they were",
+                ExitCode.FAILED,
+            )
         doc = build_document(request, json.loads(result.read_text(encoding="utf-8")))
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -81,28 +81,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def job_command(distribution: str, nproc_per_node: int, run_dir: Path, node: NodeSpec = NodeSpec(),
-                entry: str = "launcher.entry") -> list[str]:  # fmt: skip
+def job_command(
+    distribution: str, nproc_per_node: int, run_dir: Path, node: NodeSpec = NodeSpec(), entry: str = "launcher.entry"
+) -> list[str]:
     """The command line that starts every rank of this node's part of the job."""
     rank_cmd = ["-m", entry, str(run_dir)]
     port = node.master_port or free_port()
     if distribution == "fsdp2":
         return [
-            sys.executable, "-m", "accelerate.commands.launch",
-            "--config_file", str(run_dir / ACCELERATE_YAML),
-            "--num_machines", str(node.nnodes), "--machine_rank", str(node.node_rank),
-            "--main_process_ip", node.master_addr, "--main_process_port", str(port),
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(run_dir / ACCELERATE_YAML),
+            "--num_machines",
+            str(node.nnodes),
+            "--machine_rank",
+            str(node.node_rank),
+            "--main_process_ip",
+            node.master_addr,
+            "--main_process_port",
+            str(port),
             *rank_cmd,
-        ]  # fmt: skip
+        ]
     if node.nnodes == 1:
         rendezvous = ["--standalone", "--nnodes", "1"]
     else:
         rendezvous = [
-            "--nnodes", str(node.nnodes), "--node-rank", str(node.node_rank),
-            "--master-addr", node.master_addr, "--master-port", str(port),
-        ]  # fmt: skip
-    return [sys.executable, "-m", "torch.distributed.run", *rendezvous,
-            "--nproc-per-node", str(nproc_per_node), *rank_cmd]  # fmt: skip
+            "--nnodes",
+            str(node.nnodes),
+            "--node-rank",
+            str(node.node_rank),
+            "--master-addr",
+            node.master_addr,
+            "--master-port",
+            str(port),
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *rendezvous,
+        "--nproc-per-node",
+        str(nproc_per_node),
+        *rank_cmd,
+    ]
 
 
 def _echo(log_path: Path, offset: int, out: IO[bytes], done: threading.Event, poll_s: float = 0.2) -> None:
@@ -134,16 +157,26 @@ class Job:
     file as stdout, an orphaned job keeps training and ``launcher stop`` can still end it cleanly.
     """
 
-    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path, echo: bool,
-                 spawning: AbstractContextManager | None = None):  # fmt: skip
+    def __init__(
+        self,
+        cmd: list[str],
+        env: dict[str, str],
+        log_path: Path,
+        echo: bool,
+        spawning: AbstractContextManager | None = None,
+    ):
         """``spawning``: the context the root process is spawned in (the supervisor's ``StopSignals.unblocked``:
         the job must not inherit the stop signals the supervisor blocks)."""
         with open(log_path, "ab") as log, spawning or nullcontext():
             offset = log.tell()
             self.proc = subprocess.Popen(
-                cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
-            )  # fmt: skip
+            )
         self._done = threading.Event()
         self._echo = None
         if echo:

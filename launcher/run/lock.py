@@ -45,11 +45,15 @@ class LockBusy(LauncherError):
         self.lock_path = lock_path
         self.owner = owner
         if owner.get("run_id"):
-            who = (f"run {owner.get('run_id')} (supervisor pid {owner.get('pid')} on {owner.get('hostname')}, "
-                   f"since {owner.get('since')}, run dir {owner.get('run_dir')})")  # fmt: skip
+            who = (
+                f"run {owner.get('run_id')} (supervisor pid {owner.get('pid')} on {owner.get('hostname')}, "
+                f"since {owner.get('since')}, run dir {owner.get('run_dir')})"
+            )
         elif owner:  # the holder is still validating its config; its run folder does not exist yet
-            who = (f"a run being set up (supervisor pid {owner.get('pid')} on {owner.get('hostname')}, "
-                   f"since {owner.get('since')})")  # fmt: skip
+            who = (
+                f"a run being set up (supervisor pid {owner.get('pid')} on {owner.get('hostname')}, "
+                f"since {owner.get('since')})"
+            )
         else:
             who = "a process that has not written its identity yet"
         who = shown(who)  # the owner file is outside text: one line, no escape sequences

@@ -22,10 +22,18 @@ from launcher.state.runs import PROFILE_MD, list_runs
 
 def profile_overrides(name: str, steps: int, warmup: int) -> dict[str, Any]:
     """The keys a profile run sets over the user's config."""
-    return {"launcher.profile.steps": steps, "launcher.profile.warmup": warmup, "launcher.run_name": f"{name}-profile",
-            "launcher.early_stopping": None, "launcher.restart": None,  # no evaluation to stop on; no retries
-            "max_steps": warmup + steps, "eval_strategy": "no", "do_eval": False, "save_strategy": "no",
-            "load_best_model_at_end": False}  # fmt: skip
+    return {
+        "launcher.profile.steps": steps,
+        "launcher.profile.warmup": warmup,
+        "launcher.run_name": f"{name}-profile",
+        "launcher.early_stopping": None,
+        "launcher.restart": None,  # no evaluation to stop on; no retries
+        "max_steps": warmup + steps,
+        "eval_strategy": "no",
+        "do_eval": False,
+        "save_strategy": "no",
+        "load_best_model_at_end": False,
+    }
 
 
 def profile_run(config_path: Path, overrides: dict[str, Any], *, steps: int, warmup: int, echo: bool = True) -> int:
@@ -35,9 +43,12 @@ def profile_run(config_path: Path, overrides: dict[str, Any], *, steps: int, war
         LauncherError: bad ``steps``/``warmup``, or the config is refused (as ``launcher run`` would).
     """
     if steps < 1 or warmup < 0 or warmup + steps < 2:
-        raise LauncherError(f"--steps {steps} --warmup {warmup}: profile at least 1 step, with warm-up and profiled "
-                            "steps together at least 2 (the first optimizer step has a zero learning rate under "
-                            "warm-up); for example --steps 3 --warmup 2", ExitCode.USAGE)  # fmt: skip
+        raise LauncherError(
+            f"--steps {steps} --warmup {warmup}: profile at least 1 step, with warm-up and profiled "
+            "steps together at least 2 (the first optimizer step has a zero learning rate under "
+            "warm-up); for example --steps 3 --warmup 2",
+            ExitCode.USAGE,
+        )
     config = load_run_config(config_path, overrides)
     name = config.run_name
     config = load_run_config(config_path, {**overrides, **profile_overrides(name, steps, warmup)})

@@ -33,8 +33,15 @@ _COLLECTIVE = re.compile(
 )
 
 
-def retry_cause(state: RunState, *, signal: int | None, failed_rank: dict[str, Any] | None,
-                reason: str | None, stopped: bool, stalled: bool = False) -> str | None:  # fmt: skip
+def retry_cause(
+    state: RunState,
+    *,
+    signal: int | None,
+    failed_rank: dict[str, Any] | None,
+    reason: str | None,
+    stopped: bool,
+    stalled: bool = False,
+) -> str | None:
     """Why this attempt's failure is worth a new attempt, or None when it is not."""
     if state is not RunState.FAILED or stopped:
         return None

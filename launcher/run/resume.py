@@ -36,14 +36,26 @@ class ResumePlan:
     skipped: tuple[str, ...] = ()  # newer checkpoints passed over, each "checkpoint-N (why)"; never deleted
 
     def to_json(self) -> str:
-        return json.dumps({"run_dir": str(self.run_dir), "checkpoint": str(self.checkpoint), "mode": self.mode,
-                           "step": self.step, "skipped": list(self.skipped)})  # fmt: skip
+        return json.dumps(
+            {
+                "run_dir": str(self.run_dir),
+                "checkpoint": str(self.checkpoint),
+                "mode": self.mode,
+                "step": self.step,
+                "skipped": list(self.skipped),
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str) -> ResumePlan:
         data = json.loads(text)
-        return cls(Path(data["run_dir"]), Path(data["checkpoint"]), data["mode"], int(data["step"]),
-                   tuple(data.get("skipped", ())))  # fmt: skip
+        return cls(
+            Path(data["run_dir"]),
+            Path(data["checkpoint"]),
+            data["mode"],
+            int(data["step"]),
+            tuple(data.get("skipped", ())),
+        )
 
 
 def plan_resume(run_dir: Path, adapter_only: bool) -> ResumePlan:
@@ -56,11 +68,15 @@ def plan_resume(run_dir: Path, adapter_only: bool) -> ResumePlan:
     seen = reconcile(record, run_dir)
     run_id = record.run_id
     if seen.live or not seen.state.terminal:
-        raise LauncherError(f"run {run_id} is {seen.state.value} with live processes {seen.live_pids}; "
-                            f"stop it first: `launcher stop {run_id}`")  # fmt: skip
+        raise LauncherError(
+            f"run {run_id} is {seen.state.value} with live processes {seen.live_pids}; "
+            f"stop it first: `launcher stop {run_id}`"
+        )
     if seen.state not in RESUMABLE:
-        raise LauncherError(f"run {run_id} ended {seen.state.value}; only stopped or failed runs are resumed "
-                            f"({', '.join(sorted(s.value for s in RESUMABLE))})")  # fmt: skip
+        raise LauncherError(
+            f"run {run_id} ended {seen.state.value}; only stopped or failed runs are resumed "
+            f"({', '.join(sorted(s.value for s in RESUMABLE))})"
+        )
     output = run_dir / OUTPUT_SUBDIR
     skipped: list[str] = []
     checkpoint = last_complete_checkpoint(output, need_optimizer=not adapter_only, skipped=skipped)
@@ -73,7 +89,9 @@ def plan_resume(run_dir: Path, adapter_only: bool) -> ResumePlan:
                 "scratch. Pass --adapter-only to accept that."
             )
         passed = f" (passed over, kept on disk: {'; '.join(skipped)})" if skipped else ""
-        raise LauncherError(f"run {run_id} has no complete checkpoint in {output}{passed}; start it "
-                            f"again with `launcher start {run_dir / CONFIG_COPY}`")  # fmt: skip
+        raise LauncherError(
+            f"run {run_id} has no complete checkpoint in {output}{passed}; start it "
+            f"again with `launcher start {run_dir / CONFIG_COPY}`"
+        )
     mode = "exact" if checkpoint.optimizer_state else "adapter-only"
     return ResumePlan(run_dir, checkpoint.path, mode, checkpoint.step, tuple(skipped))

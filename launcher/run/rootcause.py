@@ -101,8 +101,12 @@ def root_cause(run_dir: RunDir, max_lines: int = 30, since: float = 0.0, log_sta
     if first is not None:
         lines = first.traceback.rstrip().splitlines()
         disk = first.disk
-        head = (f"the disk refused a write: {disk.get('errno')} ({disk.get('message')}) writing {disk.get('path')}, "
-                f"{disk.get('free_bytes')} bytes free\n" if disk else "")  # fmt: skip
+        head = (
+            f"the disk refused a write: {disk.get('errno')} ({disk.get('message')}) writing {disk.get('path')}, "
+            f"{disk.get('free_bytes')} bytes free\n"
+            if disk
+            else ""
+        )
         if first.out_of_memory is not None:
             head = summary(first.out_of_memory) + "\n" + head
         return f"rank {first.rank}: {head}" + "\n".join(lines[-max_lines:])

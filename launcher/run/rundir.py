@@ -120,8 +120,9 @@ def accelerate_config(config: RunConfig, backend: Backend) -> dict[str, Any]:
     }
 
 
-def write_run_files(config: RunConfig, backend: Backend, run_dir: RunDir, lf_args: dict[str, Any],
-                    attempt: int = 1) -> None:  # fmt: skip
+def write_run_files(
+    config: RunConfig, backend: Backend, run_dir: RunDir, lf_args: dict[str, Any], attempt: int = 1
+) -> None:
     """Write the config copy, the exact job inputs and the manifest into the run folder.
 
     A resumed attempt writes its own ``*.attemptN.*`` files next to the first attempt's.
@@ -138,10 +139,16 @@ def write_run_files(config: RunConfig, backend: Backend, run_dir: RunDir, lf_arg
     write_text_atomic(path / lf_yaml, dump_yaml(lf_args))
     if config.launcher.distribution == "fsdp2":
         write_text_atomic(path / ACCELERATE_YAML, dump_yaml(accelerate_config(config, backend)))
-    launch = {"patches": config.patches, "backend": backend.name, "llamafactory_yaml": lf_yaml, "attempt": attempt,
-              "log_examples": config.launcher.log_examples, "facts": run_facts(lf_args),
-              "profile": config.launcher.profile.model_dump() if config.launcher.profile else None,
-              "memory_history_steps": config.launcher.memory_history_steps}  # fmt: skip
+    launch = {
+        "patches": config.patches,
+        "backend": backend.name,
+        "llamafactory_yaml": lf_yaml,
+        "attempt": attempt,
+        "log_examples": config.launcher.log_examples,
+        "facts": run_facts(lf_args),
+        "profile": config.launcher.profile.model_dump() if config.launcher.profile else None,
+        "memory_history_steps": config.launcher.memory_history_steps,
+    }
     write_text_atomic(path / LAUNCH_FILE, json.dumps(launch, indent=2) + "\n")
     info = manifest(config, backend, run_dir)
     write_text_atomic(path / attempt_name(MANIFEST_FILE, attempt), json.dumps(info, indent=2) + "\n")
@@ -151,12 +158,14 @@ def run_facts(lf_args: dict[str, Any]) -> dict[str, Any]:
     """What the patches may rely on, known before the run and the same on every rank (``launch.json``)."""
     from launcher.checks.data_check import dataset_media
 
-    return {"cutoff_len": int(lf_args.get("cutoff_len") or 2048),  # LLaMA-Factory's DataArguments default
-            "dataset_media": dataset_media(lf_args),
-            # LLaMA-Factory's FinetuningArguments freeze both by default; trained, they need the dummy image
-            "vision_trainable": not lf_args.get("freeze_vision_tower", True)
-            or not lf_args.get("freeze_multi_modal_projector", True),
-            "packing": bool(lf_args.get("neat_packing"))}  # fmt: skip
+    return {
+        "cutoff_len": int(lf_args.get("cutoff_len") or 2048),  # LLaMA-Factory's DataArguments default
+        "dataset_media": dataset_media(lf_args),
+        # LLaMA-Factory's FinetuningArguments freeze both by default; trained, they need the dummy image
+        "vision_trainable": not lf_args.get("freeze_vision_tower", True)
+        or not lf_args.get("freeze_multi_modal_projector", True),
+        "packing": bool(lf_args.get("neat_packing")),
+    }
 
 
 def tuning_record(config: RunConfig, backend: Backend) -> dict[str, dict[str, str]]:

@@ -137,8 +137,10 @@ class Received:
         if self.code is None:  # the plain handler's: the kernel did not say
             return f"{self.name} from a sender the launcher could not see (docker stop, docker compose stop, kill)"
         if self.pid == 0:
-            return (f"{self.name} from outside this pid namespace (si_pid 0: the container engine, e.g. docker stop "
-                    f"or docker compose stop, or a process on the host; uid {self.uid})")  # fmt: skip
+            return (
+                f"{self.name} from outside this pid namespace (si_pid 0: the container engine, e.g. docker stop "
+                f"or docker compose stop, or a process on the host; uid {self.uid})"
+            )
         what = self.cmdline if self.cmdline else "ended before it could be named"
         return f"{self.name} from pid {self.pid} ({what}, uid {self.uid})"
 
@@ -171,8 +173,11 @@ def take(signals: tuple[int, ...], timeout: float) -> Received | None:
     info = signal.sigtimedwait(signals, max(0.0, timeout))
     if info is not None and info.si_signo not in signals:
         wanted = ", ".join(str(int(s)) for s in signals)
-        print(f"launcher: sigtimedwait gave si_signo {info.si_signo}, not a stop signal ({wanted}); ignored",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"launcher: sigtimedwait gave si_signo {info.si_signo}, not a stop signal ({wanted}); ignored",
+            file=sys.stderr,
+            flush=True,
+        )
         return None
     return None if info is None else from_siginfo(info)
 

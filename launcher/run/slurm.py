@@ -74,25 +74,65 @@ def task_command(runtime: str, image: str | None, run_dir: Path) -> list[str]:
     if runtime == "host":
         return [sys.executable, "-m", "launcher", *node_cmd]
     if not image:
-        raise LauncherError(f"--runtime {runtime} needs --image (the project's image: an .sif file for apptainer, "
-                            "an image name for docker)", ExitCode.USAGE)  # fmt: skip
+        raise LauncherError(
+            f"--runtime {runtime} needs --image (the project's image: an .sif file for apptainer, "
+            "an image name for docker)",
+            ExitCode.USAGE,
+        )
     root = str(run_dir.parent)
     if runtime == "apptainer":
         return ["apptainer", "exec", "--bind", f"{root}:{root}", image, "launcher", *node_cmd]
     # docker: host networking for the rendezvous, an init that forwards signals, Slurm's variables passed on,
     # devices left to the container runtime (compose's settings do the same for one node)
-    env = ["SLURM_JOB_ID", "SLURM_NODEID", "SLURM_JOB_NUM_NODES", "SLURM_JOB_NODELIST", "SLURM_RESTART_COUNT",
-           "MASTER_ADDR", "MASTER_PORT"]  # fmt: skip
-    return ["docker", "run", "--rm", "--init", "--network", "host", "--ipc", "host", "--volume", f"{root}:{root}",
-            *(x for name in env for x in ("--env", name)), image, "launcher", *node_cmd]  # fmt: skip
+    env = [
+        "SLURM_JOB_ID",
+        "SLURM_NODEID",
+        "SLURM_JOB_NUM_NODES",
+        "SLURM_JOB_NODELIST",
+        "SLURM_RESTART_COUNT",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ]
+    return [
+        "docker",
+        "run",
+        "--rm",
+        "--init",
+        "--network",
+        "host",
+        "--ipc",
+        "host",
+        "--volume",
+        f"{root}:{root}",
+        *(x for name in env for x in ("--env", name)),
+        image,
+        "launcher",
+        *node_cmd,
+    ]
 
 
-def batch_script(run_id: str, run_dir: Path, nodes: int, task: list[str], *, partition: str | None = None,
-                 time_limit: str | None = None, requeue: bool = False, grace_s: float = 120.0,
-                 extra: tuple[str, ...] = ()) -> str:  # fmt: skip
+def batch_script(
+    run_id: str,
+    run_dir: Path,
+    nodes: int,
+    task: list[str],
+    *,
+    partition: str | None = None,
+    time_limit: str | None = None,
+    requeue: bool = False,
+    grace_s: float = 120.0,
+    extra: tuple[str, ...] = (),
+) -> str:
     """The sbatch script: one task per node, the rendezvous address from Slurm, the stop on a time limit."""
-    sb = [f"--job-name={run_id}", f"--nodes={nodes}", "--ntasks-per-node=1", f"--output={run_dir / SLURM_OUT}",
-          "--open-mode=append", f"--chdir={os.getcwd()}", "--requeue" if requeue else "--no-requeue"]  # fmt: skip
+    sb = [
+        f"--job-name={run_id}",
+        f"--nodes={nodes}",
+        "--ntasks-per-node=1",
+        f"--output={run_dir / SLURM_OUT}",
+        "--open-mode=append",
+        f"--chdir={os.getcwd()}",
+        "--requeue" if requeue else "--no-requeue",
+    ]
     if partition:
         sb.append(f"--partition={partition}")
     if time_limit:
@@ -130,8 +170,15 @@ def batch_script(run_id: str, run_dir: Path, nodes: int, task: list[str], *, par
 # --- submit -----------------------------------------------------------------------------------------------
 
 
-def submit(config: RunConfig, nodes: int, partition: str | None = None, time_limit: str | None = None,
-           runtime: str = "host", image: str | None = None, extra: tuple[str, ...] = ()) -> int:  # fmt: skip
+def submit(
+    config: RunConfig,
+    nodes: int,
+    partition: str | None = None,
+    time_limit: str | None = None,
+    runtime: str = "host",
+    image: str | None = None,
+    extra: tuple[str, ...] = (),
+) -> int:
     """``launcher submit``: the run folder, its PENDING record with the Slurm job, the batch script, sbatch."""
     if nodes < 1:
         raise LauncherError(f"--nodes {nodes}: a run needs at least 1 node (e.g. --nodes 2)", ExitCode.USAGE)
@@ -140,8 +187,10 @@ def submit(config: RunConfig, nodes: int, partition: str | None = None, time_lim
     task_command(runtime, image, config.launcher.output_root)  # its refusals before any folder exists
     sbatch = shutil.which("sbatch")
     if sbatch is None:
-        raise LauncherError("no sbatch on this machine: `launcher submit` runs where Slurm's client commands do "
-                            "(a login node)", ExitCode.USAGE)  # fmt: skip
+        raise LauncherError(
+            "no sbatch on this machine: `launcher submit` runs where Slurm's client commands do (a login node)",
+            ExitCode.USAGE,
+        )
     root = config.launcher.output_root
     check_free(root)  # node 0's launcher takes this lock: a live run here would refuse it
     run_dir = make_run_dir(root, config.run_name)
@@ -151,16 +200,39 @@ def submit(config: RunConfig, nodes: int, partition: str | None = None, time_lim
         (path / OVERRIDES_FILE).write_text(dump_yaml(config.overrides))
     task = task_command(runtime, image, path)
     launcher = config.launcher
-    script = batch_script(run_dir.run_id, path, nodes, task, partition=partition, time_limit=time_limit,
-                          requeue=launcher.restart is not None, grace_s=launcher.stop_grace_s, extra=extra)  # fmt: skip
+    script = batch_script(
+        run_dir.run_id,
+        path,
+        nodes,
+        task,
+        partition=partition,
+        time_limit=time_limit,
+        requeue=launcher.restart is not None,
+        grace_s=launcher.stop_grace_s,
+        extra=extra,
+    )
     (path / SBATCH_SCRIPT).write_text(script)
-    slurm: dict[str, Any] = {"nodes": nodes, "partition": partition, "time": time_limit, "runtime": runtime,
-                             "image": image, "script": SBATCH_SCRIPT, "job_id": None}  # fmt: skip
+    slurm: dict[str, Any] = {
+        "nodes": nodes,
+        "partition": partition,
+        "time": time_limit,
+        "runtime": runtime,
+        "image": image,
+        "script": SBATCH_SCRIPT,
+        "job_id": None,
+    }
     store = RunStore.create(path, run_dir.run_id)
-    store.transition(RunState.PENDING, event=None, run_dir=str(path), stop_grace_s=launcher.stop_grace_s,
-                     slurm=slurm, node={"nnodes": nodes})  # fmt: skip
-    done = subprocess.run([sbatch, "--parsable", str(path / SBATCH_SCRIPT)], capture_output=True, text=True,
-                          check=False)  # fmt: skip
+    store.transition(
+        RunState.PENDING,
+        event=None,
+        run_dir=str(path),
+        stop_grace_s=launcher.stop_grace_s,
+        slurm=slurm,
+        node={"nnodes": nodes},
+    )
+    done = subprocess.run(
+        [sbatch, "--parsable", str(path / SBATCH_SCRIPT)], capture_output=True, text=True, check=False
+    )
     if done.returncode != 0:
         why = (done.stderr or done.stdout).strip()
         store.record_end(RunState.FAILED_SETUP, reason=f"sbatch refused the job: {why}", processes=[])
@@ -168,10 +240,12 @@ def submit(config: RunConfig, nodes: int, partition: str | None = None, time_lim
     job_id = done.stdout.strip().split(";")[0]
     store.save(slurm={**slurm, "job_id": job_id})
     store.event("submitted", job_id=job_id, nodes=nodes, partition=partition, runtime=runtime)
-    print(f"submitted run {run_dir.run_id} as Slurm job {job_id} ({nodes} node(s), runtime {runtime})\n"
-          f"  run dir:     {path}\n  batch:       {path / SBATCH_SCRIPT}\n  slurm out:   {path / SLURM_OUT}\n"
-          f"follow it with:\n  launcher status {path} --watch\n  launcher logs {path} -f\n"
-          f"stop it with:\n  launcher stop {path}")  # fmt: skip
+    print(
+        f"submitted run {run_dir.run_id} as Slurm job {job_id} ({nodes} node(s), runtime {runtime})\n"
+        f"  run dir:     {path}\n  batch:       {path / SBATCH_SCRIPT}\n  slurm out:   {path / SLURM_OUT}\n"
+        f"follow it with:\n  launcher status {path} --watch\n  launcher logs {path} -f\n"
+        f"stop it with:\n  launcher stop {path}"
+    )
     return ExitCode.OK
 
 
@@ -204,8 +278,12 @@ def run_node(run_dir: Path) -> int:
     node = NodeSpec.from_slurm(os.environ)
     if node.node_rank == 0:  # its run folder exists (submit made it): a stop from here is the supervisor's to record
         end_hold_guard()
-    os.environ.update(NNODES=str(node.nnodes), NODE_RANK=str(node.node_rank), MASTER_ADDR=node.master_addr,
-                      MASTER_PORT=str(node.master_port))  # fmt: skip
+    os.environ.update(
+        NNODES=str(node.nnodes),
+        NODE_RANK=str(node.node_rank),
+        MASTER_ADDR=node.master_addr,
+        MASTER_PORT=str(node.master_port),
+    )
     overrides = _overrides(run_dir)
     record = read_record(run_dir)
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
@@ -292,8 +370,9 @@ def _overrides(run_dir: Path) -> dict[str, Any]:
 # --- stop -------------------------------------------------------------------------------------------------
 
 
-def stop_slurm_run(run_dir: Path, store: RunStore, grace_s: float | None, now: bool, by: str,
-                   default_grace_s: float) -> int:  # fmt: skip
+def stop_slurm_run(
+    run_dir: Path, store: RunStore, grace_s: float | None, now: bool, by: str, default_grace_s: float
+) -> int:
     """Stop a submitted run: cancel a queued job; else the stop request on every node, then wait for node 0's
     record, and ``scancel`` only after the grace."""
     record = store.record
@@ -301,19 +380,28 @@ def stop_slurm_run(run_dir: Path, store: RunStore, grace_s: float | None, now: b
     view = query_job(job_id)
     scancel = shutil.which("scancel")
     if view.live is None or scancel is None:
-        raise LauncherError(f"run {record.run_id} is Slurm job {job_id}, and Slurm does not answer here "
-                            f"({view.describe()}); nothing was stopped", ExitCode.FAILED)  # fmt: skip
+        raise LauncherError(
+            f"run {record.run_id} is Slurm job {job_id}, and Slurm does not answer here "
+            f"({view.describe()}); nothing was stopped",
+            ExitCode.FAILED,
+        )
     if not view.live:
         if not record.terminal:
-            store.record_end(RunState.NODE_LOST if view.state == "NODE_FAIL" else RunState.SUPERVISOR_LOST,
-                             reason=f"Slurm {view.describe()}, and the run recorded no end; recorded by {by}",
-                             processes=[])  # fmt: skip
+            store.record_end(
+                RunState.NODE_LOST if view.state == "NODE_FAIL" else RunState.SUPERVISOR_LOST,
+                reason=f"Slurm {view.describe()}, and the run recorded no end; recorded by {by}",
+                processes=[],
+            )
         print(f"run {record.run_id}: Slurm {view.describe()}; nothing to stop; recorded {store.state.value}")
         return ExitCode.OK
     if record.state is RunState.PENDING and record.supervisor is None:  # still in the queue: nothing started
         subprocess.run([scancel, job_id], check=False)
-        store.record_end(RunState.CANCELLED, stopped_by=by, processes=[],
-                         reason=f"cancelled by {by} while Slurm {view.describe()} (scancel {job_id})")  # fmt: skip
+        store.record_end(
+            RunState.CANCELLED,
+            stopped_by=by,
+            processes=[],
+            reason=f"cancelled by {by} while Slurm {view.describe()} (scancel {job_id})",
+        )
         print(f"run {record.run_id}: Slurm job {job_id} cancelled in the queue; recorded CANCELLED")
         return ExitCode.OK
     grace = grace_s if grace_s is not None else (record.stop_grace_s or default_grace_s)
@@ -322,8 +410,11 @@ def stop_slurm_run(run_dir: Path, store: RunStore, grace_s: float | None, now: b
         request_stop(folder, grace_s, by=by, now=now)
     what = stop_promise(run_dir, record, now)
     limit = grace + END_MARGIN_S
-    print(f"stopping run {record.run_id} (Slurm job {job_id}): stop requested on every node ({what}); "
-          f"scancel after {limit:.0f} s", flush=True)  # fmt: skip
+    print(
+        f"stopping run {record.run_id} (Slurm job {job_id}): stop requested on every node ({what}); "
+        f"scancel after {limit:.0f} s",
+        flush=True,
+    )
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         ended = _ended(run_dir)
@@ -335,10 +426,17 @@ def stop_slurm_run(run_dir: Path, store: RunStore, grace_s: float | None, now: b
     saved = saved_checkpoint(run_dir, read_saved(run_dir))
     if not (now_record := read_record(run_dir)).terminal:
         store = RunStore.open(run_dir)
-        store.record_end(RunState.CANCELLED, stopped_by=by, saved_checkpoint=saved, processes=[],
-                         reason=f"not ended {limit:.0f} s after the stop request: scancel {job_id}")  # fmt: skip
-    print(f"run {now_record.run_id}: not ended after {limit:.0f} s; scancel {job_id}; recorded "
-          f"{read_record(run_dir).state.value}")  # fmt: skip
+        store.record_end(
+            RunState.CANCELLED,
+            stopped_by=by,
+            saved_checkpoint=saved,
+            processes=[],
+            reason=f"not ended {limit:.0f} s after the stop request: scancel {job_id}",
+        )
+    print(
+        f"run {now_record.run_id}: not ended after {limit:.0f} s; scancel {job_id}; recorded "
+        f"{read_record(run_dir).state.value}"
+    )
     return ExitCode.FAILED
 
 

@@ -166,19 +166,21 @@ class Supervisor:
                         continue
                     return self._record_stop_while_pending("while waiting to restart")
                 if cause and policy is not None:
-                    fields["reason"] += (f"\nnot restarted: {self._restarts} restart(s) done, "
-                                         f"launcher.restart.max_restarts is {policy.max_restarts}")  # fmt: skip
+                    fields["reason"] += (
+                        f"\nnot restarted: {self._restarts} restart(s) done, "
+                        f"launcher.restart.max_restarts is {policy.max_restarts}"
+                    )
                 elif policy is not None and state is not RunState.SUCCEEDED:
                     stopped = ending.stopped_by is not None
-                    self.store.event("not_restarted", attempt=self.attempt, state=state.value,
-                                     why=not_retried_why(state, stopped))  # fmt: skip
+                    self.store.event(
+                        "not_restarted", attempt=self.attempt, state=state.value, why=not_retried_why(state, stopped)
+                    )
                 return self._record_end(state, fields)
 
     def _run_attempt(self) -> Ending:
         launcher = self._launcher
         node = NodeSpec.from_env(launcher.nnodes, launcher.node_rank, launcher.master_addr, launcher.master_port)
-        cmd = job_command(launcher.distribution, launcher.nproc_per_node, self.run_dir.path, node,
-                          entry=launcher.entry)  # fmt: skip
+        cmd = job_command(launcher.distribution, launcher.nproc_per_node, self.run_dir.path, node, entry=launcher.entry)
         self.node_rank = node.node_rank
         clear_save_files(self.run_dir.path)  # left by an earlier attempt
         self._known = {}
@@ -186,14 +188,18 @@ class Supervisor:
         self._log_start = self.run_dir.log.stat().st_size if self.run_dir.log.exists() else 0
         env = child_env(self.prepared.backend)
         env.update(tuning_env(launcher.tuning, self.prepared.backend.name, launcher.output_root, os.environ)[0])
-        job = Job(cmd, env, self.run_dir.log, echo=self.echo,
-                  spawning=self._signals.unblocked())  # fmt: skip
+        job = Job(cmd, env, self.run_dir.log, echo=self.echo, spawning=self._signals.unblocked())
         self._remember(job.pid)
-        self.store.transition(RunState.RUNNING, event=None, job_pid=job.pid, command=cmd, started=now_iso(),
-                              stop_grace_s=launcher.stop_grace_s,
-                              node={"nnodes": node.nnodes, "node_rank": node.node_rank,
-                                    "master_addr": node.master_addr},
-                              processes=list(self._known.values()))  # fmt: skip
+        self.store.transition(
+            RunState.RUNNING,
+            event=None,
+            job_pid=job.pid,
+            command=cmd,
+            started=now_iso(),
+            stop_grace_s=launcher.stop_grace_s,
+            node={"nnodes": node.nnodes, "node_rank": node.node_rank, "master_addr": node.master_addr},
+            processes=list(self._known.values()),
+        )
         self.store.event("started", pid=job.pid, command=cmd, attempt=self.attempt)
         ending = self._watch(job)
         job.finish()
@@ -228,8 +234,12 @@ class Supervisor:
                 self._follow_folder(home)
                 self._kill_job(job, launcher.stop_grace_s)  # its output folder is gone: a save has nowhere to go
                 continue
-            if self.watch_stop_request and not asked_self and self._stop_signal is None \
-                    and read_stop_request(self.run_dir.path) is not None:  # fmt: skip
+            if (
+                self.watch_stop_request
+                and not asked_self
+                and self._stop_signal is None
+                and read_stop_request(self.run_dir.path) is not None
+            ):
                 asked_self = True  # taken as a SIGTERM with the request's sender, as `launcher stop` sends it
                 os.kill(os.getpid(), signal.SIGTERM)
                 self._signals.wait(0.1)
@@ -260,16 +270,29 @@ class Supervisor:
                 new_state = RunState.STALLED
             elif state is RunState.STALLED:
                 new_state = RunState.RUNNING
-            if new_state is RunState.STALLED and state is not RunState.STALLED and launcher.stall_action != "warn" \
-                    and stopped_by is None and why is None:  # fmt: skip
+            if (
+                new_state is RunState.STALLED
+                and state is not RunState.STALLED
+                and launcher.stall_action != "warn"
+                and stopped_by is None
+                and why is None
+            ):
                 why = "stall"
-                self.store.event("stall_action", action=launcher.stall_action, minutes=launcher.stall_minutes,
-                                 step=follower.summary.get("step"))  # fmt: skip
+                self.store.event(
+                    "stall_action",
+                    action=launcher.stall_action,
+                    minutes=launcher.stall_minutes,
+                    step=follower.summary.get("step"),
+                )
                 save_deadline = self._begin_stop(job, f"no progress for {launcher.stall_minutes:g} min")
             if changed or new_state is not state or time.monotonic() - last_beat > 10:
                 share_readable(self.run_dir.output)  # checkpoints a host user can read (see files.share_readable)
-                self.store.transition(new_state, heartbeat=now_iso(), progress=dict(follower.summary),
-                                      processes=list(self._known.values()))  # fmt: skip
+                self.store.transition(
+                    new_state,
+                    heartbeat=now_iso(),
+                    progress=dict(follower.summary),
+                    processes=list(self._known.values()),
+                )
                 last_beat = time.monotonic()
             self._signals.wait(self.poll_s)
         if why is None and (moved := home.moved()) is not None:  # moved as the job ended
@@ -302,9 +325,11 @@ class Supervisor:
             self._skipped_lines += 1
             if self._skipped_lines > MAX_SKIP_NOTES:
                 continue
-            _say(f"warning: {self.run_dir.trainer_log} {why}; line skipped, the run goes on"
-                 + (" (further skipped lines are counted, not shown)" if self._skipped_lines == MAX_SKIP_NOTES
-                    else ""), err=True)  # fmt: skip
+            _say(
+                f"warning: {self.run_dir.trainer_log} {why}; line skipped, the run goes on"
+                + (" (further skipped lines are counted, not shown)" if self._skipped_lines == MAX_SKIP_NOTES else ""),
+                err=True,
+            )
             self.store.event("trainer_log_line_skipped", file=TRAINER_LOG, why=why)
         if self._skipped_lines > MAX_SKIP_NOTES and self.store.record.progress is not None:
             self.store.record.progress["lines_skipped"] = self._skipped_lines
@@ -333,8 +358,14 @@ class Supervisor:
             except OSError as err:
                 _say(f"warning: cannot ask the job to save ({err}); stopping it without a save", err=True)
                 save = False
-        self.store.event("stopping", signal=self._stop_signal, grace_s=grace, why=what, save=save,
-                         requested_by=request.by if request else None)  # fmt: skip
+        self.store.event(
+            "stopping",
+            signal=self._stop_signal,
+            grace_s=grace,
+            why=what,
+            save=save,
+            requested_by=request.by if request else None,
+        )
         if save:
             _say(f"stopping: the job saves a checkpoint at the next step and exits (up to {grace:g} s)", err=True)
             return time.monotonic() + grace
@@ -369,9 +400,15 @@ class Supervisor:
         if leftovers:
             terminate(leftovers, grace_s=10)
         exit_code, sig = (None, -code) if code < 0 else (code, None)
-        fields: dict[str, Any] = {"exit_code": exit_code, "signal": sig, "attempt": self.attempt,
-                                  "leftover_pids_stopped": leftover_pids, "stopped_by": None, "stop_sender": None,
-                                  "saved_checkpoint": None}  # fmt: skip
+        fields: dict[str, Any] = {
+            "exit_code": exit_code,
+            "signal": sig,
+            "attempt": self.attempt,
+            "leftover_pids_stopped": leftover_pids,
+            "stopped_by": None,
+            "stop_sender": None,
+            "saved_checkpoint": None,
+        }
         request = read_stop_request(self.run_dir.path) if stopped_by is not None else None
         accepted: bool | None = None
         cause = None
@@ -387,8 +424,11 @@ class Supervisor:
                 if request
                 else f"received {signal.Signals(stopped_by).name} ({fields['stopped_by']}); the job was stopped"
             )
-            fields["reason"] += (f"; checkpoint {saved['path']} saved at step {saved['step']}" if saved
-                                 else "; no checkpoint saved on the stop")  # fmt: skip
+            fields["reason"] += (
+                f"; checkpoint {saved['path']} saved at step {saved['step']}"
+                if saved
+                else "; no checkpoint saved on the stop"
+            )
         elif code == 0 and self.node_rank > 0:  # node 0 saves the adapter and runs the acceptance checks
             fields["acceptance"] = {"checked": False, "reason": f"node {self.node_rank}: acceptance runs on node 0"}
         elif code == 0 and ending.why is None:
@@ -409,16 +449,20 @@ class Supervisor:
             if (disk := disk_state(self.run_dir.path)) is not None:
                 what = f"{disk}; {what}"
             if ending.why == "stall":
-                what = (f"hang watchdog: no progress for {self._launcher.stall_minutes:g} min with live processes "
-                        f"(stall_action: {self._launcher.stall_action}); the job was stopped: {what}")  # fmt: skip
+                what = (
+                    f"hang watchdog: no progress for {self._launcher.stall_minutes:g} min with live processes "
+                    f"(stall_action: {self._launcher.stall_action}); the job was stopped: {what}"
+                )
                 what += f"; checkpoint {saved['path']} saved at step {saved['step']}" if saved else ""
             elif ending.why == "moved":
                 what = f"{self._moved}; the job was stopped (no save: its output folder is gone): {what}"
             elif ending.why == "record":
                 failing = self.store.failing or {}
-                what = (f"the run record could not be written for {self._launcher.record_write_stop_s:g} s "
-                        f"({failing.get('error')}); the job was stopped (free space under {self.run_dir.path} "
-                        f"and `launcher resume {self.run_dir.run_id}`): {what}")  # fmt: skip
+                what = (
+                    f"the run record could not be written for {self._launcher.record_write_stop_s:g} s "
+                    f"({failing.get('error')}); the job was stopped (free space under {self.run_dir.path} "
+                    f"and `launcher resume {self.run_dir.run_id}`): {what}"
+                )
             if (oom := out_of_memory(self.run_dir, since=self._job_since)) is not None:
                 fields["out_of_memory"] = oom  # the phase, step, layer and fix: `launcher status` shows them
             if cause and failed and failed.get("signal") and not cause.startswith(f"rank {failed.get('rank')}:"):
@@ -428,13 +472,23 @@ class Supervisor:
             else:
                 fields["reason"] = f"{what}\n{cause}" if cause else what
         stop = None if stopped_by is None else ("user" if request else "external")
-        state = end_state(exit_code=exit_code, signal=sig, stop=stop, accepted=accepted,
-                          out_of_memory=looks_like_oom(cause) or "out_of_memory" in fields)  # fmt: skip
+        state = end_state(
+            exit_code=exit_code,
+            signal=sig,
+            stop=stop,
+            accepted=accepted,
+            out_of_memory=looks_like_oom(cause) or "out_of_memory" in fields,
+        )
         if ending.why is not None and state is RunState.SUCCEEDED:  # stopped by the watchdog, yet exited 0
             state = RunState.FAILED
-        retry = retry_cause(state, signal=sig, failed_rank=fields.get("failed_rank"), reason=fields.get("reason"),
-                            stopped=stopped_by is not None or ending.why in ("record", "moved"),
-                            stalled=ending.why == "stall" and self._launcher.stall_action == "restart")  # fmt: skip
+        retry = retry_cause(
+            state,
+            signal=sig,
+            failed_rank=fields.get("failed_rank"),
+            reason=fields.get("reason"),
+            stopped=stopped_by is not None or ending.why in ("record", "moved"),
+            stalled=ending.why == "stall" and self._launcher.stall_action == "restart",
+        )
         fields["run_exit_code"] = run_exit_code(state, exit_code=exit_code, signal=sig, stop_signal=stopped_by)
         return state, fields, retry
 
@@ -442,8 +496,11 @@ class Supervisor:
         """Node 0 of a Slurm run whose job did not succeed and was not stopped by ``launcher stop``: when Slurm
         says the job lost a node (``NODE_FAIL``, a node down or not responding; asked for up to
         ``NODE_LOST_WAIT_S``), the end is ``NODE_LOST`` with the node named, what node 0 saw kept after it."""
-        if self.slurm_job is None or self.node_rank != 0 or state in (
-                RunState.SUCCEEDED, RunState.CANCELLED, RunState.FAILED_ACCEPTANCE):  # fmt: skip
+        if (
+            self.slurm_job is None
+            or self.node_rank != 0
+            or state in (RunState.SUCCEEDED, RunState.CANCELLED, RunState.FAILED_ACCEPTANCE)
+        ):
             return False
         said = lost_node(self.slurm_job, os.environ.get("SLURM_JOB_NODELIST"))
         if said is None:
@@ -460,28 +517,58 @@ class Supervisor:
         checkpoint = last_complete_checkpoint(self.run_dir.output)
         resumed_step = checkpoint.step if checkpoint else 0
         lost = max(0, (self._last_step or 0) - resumed_step)
-        entry = {"attempt": self.attempt, "state": state.value, "cause": cause, "exit_code": fields["exit_code"],
-                 "signal": fields["signal"], "failed_rank": fields.get("failed_rank"), "ended": now_iso(),
-                 "last_step": self._last_step, "resumed_step": resumed_step, "steps_lost": lost,
-                 "reason": fields.get("reason")}  # fmt: skip
+        entry = {
+            "attempt": self.attempt,
+            "state": state.value,
+            "cause": cause,
+            "exit_code": fields["exit_code"],
+            "signal": fields["signal"],
+            "failed_rank": fields.get("failed_rank"),
+            "ended": now_iso(),
+            "last_step": self._last_step,
+            "resumed_step": resumed_step,
+            "steps_lost": lost,
+            "reason": fields.get("reason"),
+        }
         self._restarts += 1
         self.attempt += 1
         lf_args = config.llamafactory_args(backend.name, self.run_dir.output)
         if checkpoint is not None:
             lf_args["resume_from_checkpoint"] = str(checkpoint.path)
         self.store.transition(
-            RunState.PENDING, event=None, attempt=self.attempt, attempts=[*self.store.record.attempts, entry],
-            exit_code=None, signal=None, stop_signal=None, reason=None, failed_rank=None, out_of_memory=None,
-            processes=[], job_pid=None, leftover_pids_stopped=[], saved_checkpoint=None, stopped_by=None,
-            stop_sender=None, run_exit_code=None,
+            RunState.PENDING,
+            event=None,
+            attempt=self.attempt,
+            attempts=[*self.store.record.attempts, entry],
+            exit_code=None,
+            signal=None,
+            stop_signal=None,
+            reason=None,
+            failed_rank=None,
+            out_of_memory=None,
+            processes=[],
+            job_pid=None,
+            leftover_pids_stopped=[],
+            saved_checkpoint=None,
+            stopped_by=None,
+            stop_sender=None,
+            run_exit_code=None,
             resumed_from=checkpoint.relative_to(self.run_dir.path) if checkpoint else None,
             resume_mode=None if checkpoint is None else ("exact" if checkpoint.optimizer_state else "adapter-only"),
-        )  # fmt: skip
-        self.store.event("restarting", **entry, next_attempt=self.attempt, backoff_s=backoff_s,
-                         checkpoint=checkpoint.relative_to(self.run_dir.path) if checkpoint else None)  # fmt: skip
-        _say(f"attempt {self.attempt - 1} failed ({cause}); restarting as attempt {self.attempt} from "
-             f"{'step ' + str(resumed_step) if checkpoint else 'the start'} in {backoff_s:g} s "
-             f"({lost} step(s) lost)", err=True)  # fmt: skip
+        )
+        self.store.event(
+            "restarting",
+            **entry,
+            next_attempt=self.attempt,
+            backoff_s=backoff_s,
+            checkpoint=checkpoint.relative_to(self.run_dir.path) if checkpoint else None,
+        )
+        _say(
+            f"attempt {self.attempt - 1} failed ({cause}); restarting as attempt {self.attempt} from "
+            f"{'step ' + str(resumed_step) if checkpoint else 'the start'} in {backoff_s:g} s "
+            f"({lost} step(s) lost)",
+            err=True,
+        )
         write_run_files(config, backend, self.run_dir, lf_args, attempt=self.attempt)
         deadline = time.monotonic() + backoff_s
         while time.monotonic() < deadline and self._stop_signal is None:
@@ -495,9 +582,14 @@ class Supervisor:
         state = RunState.CANCELLED if request else RunState.TERMINATED
         received = self._signals.first or Received(sig)
         by = _sender(received, request)
-        fields = {"stop_signal": sig, "stopped_by": by, "stop_sender": received.to_dict(), "attempt": self.attempt,
-                  "reason": f"stopped by {by} {when}; no job was running",
-                  "run_exit_code": run_exit_code(state, stop_signal=sig)}  # fmt: skip
+        fields = {
+            "stop_signal": sig,
+            "stopped_by": by,
+            "stop_sender": received.to_dict(),
+            "attempt": self.attempt,
+            "reason": f"stopped by {by} {when}; no job was running",
+            "run_exit_code": run_exit_code(state, stop_signal=sig),
+        }
         return self._record_end(state, fields)
 
     def _record_end(self, state: RunState, fields: dict[str, Any]) -> int:
@@ -509,10 +601,15 @@ class Supervisor:
             )
             self.store.land()
         exit_code, sig = fields.get("exit_code"), fields.get("signal")
-        job = "no job" if exit_code is None and sig is None else (
-            f"job exit code {exit_code}" if sig is None else f"job killed by signal {sig}")  # fmt: skip
-        _say(f"run {self.run_dir.run_id} ended {state.value} ({job}; `launcher run` exits {fields['run_exit_code']})\n"
-             f"  adapter:     {self.run_dir.output}\n  trainer log: {self.run_dir.trainer_log}")  # fmt: skip
+        job = (
+            "no job"
+            if exit_code is None and sig is None
+            else (f"job exit code {exit_code}" if sig is None else f"job killed by signal {sig}")
+        )
+        _say(
+            f"run {self.run_dir.run_id} ended {state.value} ({job}; `launcher run` exits {fields['run_exit_code']})\n"
+            f"  adapter:     {self.run_dir.output}\n  trainer log: {self.run_dir.trainer_log}"
+        )
         return int(fields["run_exit_code"])
 
     def _accept(self) -> tuple[bool, dict[str, Any]]:
@@ -613,8 +710,9 @@ def _adopt(prepared: Prepared, path: Path) -> tuple[RunDir, RunStore, dict[str, 
     return run_dir, store, lf_args, checkpoint
 
 
-def _open_run(prepared: Prepared, lock: RunLock, resume: ResumePlan | None,
-              adopt: Path | None = None) -> tuple[RunDir, RunStore, int]:  # fmt: skip
+def _open_run(
+    prepared: Prepared, lock: RunLock, resume: ResumePlan | None, adopt: Path | None = None
+) -> tuple[RunDir, RunStore, int]:
     config, backend = prepared.config, prepared.backend
     resumed_from, resume_mode = None, None
     if resume is not None:
@@ -642,15 +740,38 @@ def _open_run(prepared: Prepared, lock: RunLock, resume: ResumePlan | None,
         attempt = store.record.attempt + 1 if resume is not None else 1
     lock.describe(run_dir.run_id, run_dir.path)
     store.transition(
-        RunState.PENDING, event=None, smoke=config.launcher.smoke, backend=backend.name, attempt=attempt,
-        supervisor=self_identity(), boot_id=boot_id(), container=container_identity(), run_dir=str(run_dir.path),
-        exit_code=None, signal=None, stop_signal=None, reason=None, ended=None, failed_rank=None,
-        acceptance=None, leftover_pids_stopped=[], stopped_by=None, stop_sender=None, run_exit_code=None,
-        saved_checkpoint=None, resumed_from=resumed_from, resume_mode=resume_mode, hostname=socket.gethostname(),
-    )  # fmt: skip
-    store.event("created" if resume is None and attempt == 1 else "resumed", config=str(config.source),
-                attempt=attempt, checkpoint=resumed_from,
-                **({"skipped": list(resume.skipped)} if resume is not None and resume.skipped else {}))  # fmt: skip
+        RunState.PENDING,
+        event=None,
+        smoke=config.launcher.smoke,
+        backend=backend.name,
+        attempt=attempt,
+        supervisor=self_identity(),
+        boot_id=boot_id(),
+        container=container_identity(),
+        run_dir=str(run_dir.path),
+        exit_code=None,
+        signal=None,
+        stop_signal=None,
+        reason=None,
+        ended=None,
+        failed_rank=None,
+        acceptance=None,
+        leftover_pids_stopped=[],
+        stopped_by=None,
+        stop_sender=None,
+        run_exit_code=None,
+        saved_checkpoint=None,
+        resumed_from=resumed_from,
+        resume_mode=resume_mode,
+        hostname=socket.gethostname(),
+    )
+    store.event(
+        "created" if resume is None and attempt == 1 else "resumed",
+        config=str(config.source),
+        attempt=attempt,
+        checkpoint=resumed_from,
+        **({"skipped": list(resume.skipped)} if resume is not None and resume.skipped else {}),
+    )
     write_run_files(config, backend, run_dir, lf_args, attempt=attempt)
     store.reserve()  # room for the end record should the disk fill up during the run
     return run_dir, store, attempt
@@ -695,9 +816,16 @@ class Handshake:
         self.send(ok=False, code=err.exit_code, error=str(err))
 
 
-def supervise(config: RunConfig, *, echo: bool = True, handshake: Handshake | None = None,
-              resume: ResumePlan | None = None, adopt: Path | None = None,
-              watch_stop_request: bool = False, slurm_job: str | None = None) -> int:  # fmt: skip
+def supervise(
+    config: RunConfig,
+    *,
+    echo: bool = True,
+    handshake: Handshake | None = None,
+    resume: ResumePlan | None = None,
+    adopt: Path | None = None,
+    watch_stop_request: bool = False,
+    slurm_job: str | None = None,
+) -> int:
     """Run one supervised run to its end and return its exit code.
 
     ``handshake`` gets its line once the run directory exists (``launcher start`` waits for it); a refusal is
@@ -729,11 +857,21 @@ def supervise(config: RunConfig, *, echo: bool = True, handshake: Handshake | No
         lock.release()  # the caller that holds the handshake sends the refusal (`_supervise`)
         raise
     try:
-        handshake.send(ok=True, run_id=run_dir.run_id, run_dir=str(run_dir.path), trainer_log=str(run_dir.trainer_log),
-               log=str(run_dir.log), pid=os.getpid(), warnings=warnings)  # fmt: skip
+        handshake.send(
+            ok=True,
+            run_id=run_dir.run_id,
+            run_dir=str(run_dir.path),
+            trainer_log=str(run_dir.trainer_log),
+            log=str(run_dir.log),
+            pid=os.getpid(),
+            warnings=warnings,
+        )
         if echo:
-            print(f"run {run_dir.run_id}\n  run dir:     {run_dir.path}\n  trainer log: {run_dir.trainer_log}"
-                  f"\n  job log:     {run_dir.log}", flush=True)  # fmt: skip
+            print(
+                f"run {run_dir.run_id}\n  run dir:     {run_dir.path}\n  trainer log: {run_dir.trainer_log}"
+                f"\n  job log:     {run_dir.log}",
+                flush=True,
+            )
         return Supervisor(
             prepared,
             run_dir,

@@ -47,9 +47,11 @@ class Tuning(BaseModel):
         """The variables this config asks for on ``backend``."""
         found: dict[str, str] = {}
         if backend == "npu":
-            for name, value in (("TASK_QUEUE_ENABLE", self.task_queue_enable),
-                                ("CPU_AFFINITY_CONF", self.cpu_affinity_conf),
-                                ("PYTORCH_NPU_ALLOC_CONF", self.npu_alloc_conf)):  # fmt: skip
+            for name, value in (
+                ("TASK_QUEUE_ENABLE", self.task_queue_enable),
+                ("CPU_AFFINITY_CONF", self.cpu_affinity_conf),
+                ("PYTORCH_NPU_ALLOC_CONF", self.npu_alloc_conf),
+            ):
                 if value is not None:
                     found[name] = str(value)
         if self.triton_cache:
@@ -58,8 +60,9 @@ class Tuning(BaseModel):
         return found
 
 
-def tuning_env(tuning: Tuning, backend: str, output_root: Path,
-               environ: Mapping[str, str]) -> tuple[dict[str, str], dict[str, dict[str, str]]]:  # fmt: skip
+def tuning_env(
+    tuning: Tuning, backend: str, output_root: Path, environ: Mapping[str, str]
+) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
     """The variables to add to the job's environment, and the record of every lever (value and source).
 
     Returns:

@@ -116,8 +116,9 @@ def damage(checkpoint: Checkpoint) -> str | None:
     return None
 
 
-def last_complete_checkpoint(output: Path, need_optimizer: bool = False,
-                             skipped: list[str] | None = None) -> Checkpoint | None:  # fmt: skip
+def last_complete_checkpoint(
+    output: Path, need_optimizer: bool = False, skipped: list[str] | None = None
+) -> Checkpoint | None:
     """The newest complete checkpoint that is not damaged (``damage``), or None.
 
     Args:

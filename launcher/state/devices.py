@@ -62,9 +62,16 @@ class Device:
     note: str | None = None  # why the identity is weaker than it should be
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "host_index": self.host_index, "identity": self.identity, "bus_id": self.bus_id,
-                "used_mib": self.used_mib, "total_mib": self.total_mib, "note": self.note,
-                "processes": [p.to_dict() for p in self.processes]}  # fmt: skip
+        return {
+            "kind": self.kind,
+            "host_index": self.host_index,
+            "identity": self.identity,
+            "bus_id": self.bus_id,
+            "used_mib": self.used_mib,
+            "total_mib": self.total_mib,
+            "note": self.note,
+            "processes": [p.to_dict() for p in self.processes],
+        }
 
 
 class DeviceError(ValueError):
@@ -145,8 +152,9 @@ def owner(pid: int) -> str | None:
 
 def _run(argv: list[str], env: dict[str, str] | None) -> str | None:
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=TOOL_TIMEOUT_S, stdin=subprocess.DEVNULL,
-                              env=env)  # fmt: skip
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=TOOL_TIMEOUT_S, stdin=subprocess.DEVNULL, env=env
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout if done.returncode == 0 else None
@@ -202,11 +210,15 @@ def run_devices(kind: str, nproc: int, env: dict[str, str] | None = None) -> lis
         if entry.isdigit():  # an index counts the devices this process sees, in the order the tool lists them
             device = found[int(entry)] if int(entry) < len(found) else None
         else:  # a UUID (CUDA accepts "GPU-<uuid>" and its prefixes) or a bus id
-            device = next((d for d in found if d.identity.split(":", 1)[1].startswith(entry.lower() if kind == "npu"
-                                                                                       else entry)), None)  # fmt: skip
+            device = next(
+                (d for d in found if d.identity.split(":", 1)[1].startswith(entry.lower() if kind == "npu" else entry)),
+                None,
+            )
         if device is None:
             listed = ", ".join(f"{i} ({d.identity})" for i, d in enumerate(found)) or "none"
-            raise DeviceError(f"{variable}={env.get(variable)} names device {entry!r}, which is not among the "
-                              f"{len(found)} device(s) seen here: {listed}; pick from them")  # fmt: skip
+            raise DeviceError(
+                f"{variable}={env.get(variable)} names device {entry!r}, which is not among the "
+                f"{len(found)} device(s) seen here: {listed}; pick from them"
+            )
         chosen.append(device)
     return chosen

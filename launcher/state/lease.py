@@ -64,20 +64,27 @@ class LeaseBusy(LauncherError):
         if owner.get("run_id") or owner.get("pid"):
             run = owner.get("run_id") or "a run being set up"
             root = owner.get("runs_root") or "?"
-            who = (f"run {run} of user {owner.get('user', '?')} (runs folder {root}, devices "
-                   f"{', '.join(owner.get('host_indices') or []) or '?'}, supervisor pid {owner.get('pid')} on "
-                   f"{owner.get('hostname', '?')}, since {owner.get('since', '?')})")  # fmt: skip
-            how = (f"follow it with `launcher status {owner.get('run_id')} --root {root}`, stop it with "
-                   f"`launcher stop {owner.get('run_id')} --root {root}`" if owner.get("run_id")
-                   else "`launcher list --devices` shows it once its run folder exists")  # fmt: skip
+            who = (
+                f"run {run} of user {owner.get('user', '?')} (runs folder {root}, devices "
+                f"{', '.join(owner.get('host_indices') or []) or '?'}, supervisor pid {owner.get('pid')} on "
+                f"{owner.get('hostname', '?')}, since {owner.get('since', '?')})"
+            )
+            how = (
+                f"follow it with `launcher status {owner.get('run_id')} --root {root}`, stop it with "
+                f"`launcher stop {owner.get('run_id')} --root {root}`"
+                if owner.get("run_id")
+                else "`launcher list --devices` shows it once its run folder exists"
+            )
         else:
             who, how = "a process that has not written who it is", "`launcher list --devices` shows the leases"
         super().__init__(
-            shown(f"device {device.host_index} ({device.identity}) is leased by {who}; {how}. Pick other devices "
-                  f"({'CUDA_VISIBLE_DEVICES' if device.kind == 'cuda' else 'ASCEND_RT_VISIBLE_DEVICES'}) or wait "
-                  f"(leases: {folder})"),
+            shown(
+                f"device {device.host_index} ({device.identity}) is leased by {who}; {how}. Pick other devices "
+                f"({'CUDA_VISIBLE_DEVICES' if device.kind == 'cuda' else 'ASCEND_RT_VISIBLE_DEVICES'}) or wait "
+                f"(leases: {folder})"
+            ),
             ExitCode.REFUSED,
-        )  # fmt: skip
+        )
 
 
 def _folder(path: Path) -> Path:
@@ -145,15 +152,25 @@ class DeviceLease:
 
     def describe(self, run_id: str | None, run_dir: Path | None, runs_root: Path) -> None:
         """Write who holds the leases (after acquiring; a hint for messages). A refused write is no failure."""
-        me = {**self_identity(), "run_id": run_id, "run_dir": str(run_dir) if run_dir else None,
-              "runs_root": str(Path(runs_root).resolve()), "user": _user(), "uid": os.getuid(),
-              "hostname": socket.gethostname(), "container": (container_identity() or {}).get("name"),
-              "since": now_iso(), "devices": [d.identity for d in self.devices],
-              "host_indices": [d.host_index for d in self.devices]}  # fmt: skip
+        me = {
+            **self_identity(),
+            "run_id": run_id,
+            "run_dir": str(run_dir) if run_dir else None,
+            "runs_root": str(Path(runs_root).resolve()),
+            "user": _user(),
+            "uid": os.getuid(),
+            "hostname": socket.gethostname(),
+            "container": (container_identity() or {}).get("name"),
+            "since": now_iso(),
+            "devices": [d.identity for d in self.devices],
+            "host_indices": [d.host_index for d in self.devices],
+        }
         for device, _ in self._locks:
             try:
-                write_json_atomic(self.folder / f"{_slug(device.identity)}.owner-{os.getuid()}.json",
-                                  {**me, "device": device.identity, "host_index": device.host_index})  # fmt: skip
+                write_json_atomic(
+                    self.folder / f"{_slug(device.identity)}.owner-{os.getuid()}.json",
+                    {**me, "device": device.identity, "host_index": device.host_index},
+                )
             except OSError:
                 pass
 
@@ -181,8 +198,11 @@ def _check_lock_file(path: Path) -> None:
             ExitCode.USAGE,
         )
     if not stat.S_ISREG(st.st_mode):
-        raise LauncherError(f"the device lease file {shown(path)} is not a regular file; nothing was started. "
-                            "Remove what is there and run again", ExitCode.USAGE)  # fmt: skip
+        raise LauncherError(
+            f"the device lease file {shown(path)} is not a regular file; nothing was started. "
+            "Remove what is there and run again",
+            ExitCode.USAGE,
+        )
 
 
 def _bad_file(path: Path, err: OSError) -> LauncherError:

@@ -100,8 +100,12 @@ def inspect_container(container: dict[str, Any] | None) -> ContainerView:
         return ContainerView("gone")
     state = (getattr(found, "attrs", None) or {}).get("State") or {}
     code = state.get("ExitCode")
-    view = ContainerView(str(found.status), _epoch(state.get("StartedAt")), name=getattr(found, "name", None),
-                         exit_code=code if found.status == "exited" and isinstance(code, int) else None)  # fmt: skip
+    view = ContainerView(
+        str(found.status),
+        _epoch(state.get("StartedAt")),
+        name=getattr(found, "name", None),
+        exit_code=code if found.status == "exited" and isinstance(code, int) else None,
+    )
     if view.state == "running":
         try:
             top = found.top()

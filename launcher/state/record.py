@@ -422,8 +422,10 @@ class RunStore:
         last_report = time.monotonic()
         while not self.flush():
             if time.monotonic() - last_report > report_every_s:
-                _report(f"warning: still cannot write {self.path} ({self._failing['error']}); the run's end "
-                        f"is kept in memory and retried every {every_s:.0f} s: free space on that disk")  # fmt: skip
+                _report(
+                    f"warning: still cannot write {self.path} ({self._failing['error']}); the run's end "
+                    f"is kept in memory and retried every {every_s:.0f} s: free space on that disk"
+                )
                 last_report = time.monotonic()
             time.sleep(every_s)
 
@@ -433,8 +435,10 @@ class RunStore:
             self._failing = {"since": now_iso(), "until": None, "failed_writes": 0, "error": what}
             self.record.record_write_failures = [*self.record.record_write_failures, self._failing]
             self._dirty = True  # the outage itself goes into the next record that lands
-            _report(f"warning: cannot write the run record in {self.run_dir} ({what}); keeping the last good "
-                    f"{STATUS_FILE} and retrying. Free space (or remount read-write) there.")  # fmt: skip
+            _report(
+                f"warning: cannot write the run record in {self.run_dir} ({what}); keeping the last good "
+                f"{STATUS_FILE} and retrying. Free space (or remount read-write) there."
+            )
         self._failing["failed_writes"] += 1
         self._failing["error"] = what
 
@@ -442,8 +446,10 @@ class RunStore:
         failing, self._failing = self._failing, None
         assert failing is not None
         failing["until"] = now_iso()
-        _report(f"note: the run record in {self.run_dir} is written again ({failing['failed_writes']} write(s) "
-                f"failed since {failing['since']}: {failing['error']})")  # fmt: skip
+        _report(
+            f"note: the run record in {self.run_dir} is written again ({failing['failed_writes']} write(s) "
+            f"failed since {failing['since']}: {failing['error']})"
+        )
         # its event goes before a pending `ended`, which stays the last event of the run
         at = next((i for i, e in enumerate(self._pending) if e["event"] == "ended"), len(self._pending))
         self._pending.insert(at, {"time": now_iso(), "event": "record_write_failed", **failing})

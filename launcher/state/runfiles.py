@@ -99,8 +99,9 @@ def load_run_files(run_dir: Path) -> RunFiles:
         files.status = read_record(run_dir)
     except RecordUnreadable as err:
         files.problems.append(str(err))
-    files.manifest, problem = read_optional(run_dir / MANIFEST_FILE, Manifest, SIDE_RECORD_MAX_BYTES,
-                                            SIDE_RECORD_MAX_DEPTH)  # fmt: skip
+    files.manifest, problem = read_optional(
+        run_dir / MANIFEST_FILE, Manifest, SIDE_RECORD_MAX_BYTES, SIDE_RECORD_MAX_DEPTH
+    )
     if problem or files.manifest is None:
         files.problems.append(problem or f"{run_dir / MANIFEST_FILE} is missing")
     return files

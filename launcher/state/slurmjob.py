@@ -18,8 +18,22 @@ import time
 from dataclasses import dataclass
 
 # Slurm's job states in which the job's processes may be alive, or will be (queued, requeued)
-SLURM_LIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING",
-                        "SIGNALING", "STAGE_OUT", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD"})  # fmt: skip
+SLURM_LIVE = frozenset(
+    {
+        "PENDING",
+        "CONFIGURING",
+        "RUNNING",
+        "COMPLETING",
+        "SUSPENDED",
+        "REQUEUED",
+        "RESIZING",
+        "SIGNALING",
+        "STAGE_OUT",
+        "REQUEUE_HOLD",
+        "REQUEUE_FED",
+        "RESV_DEL_HOLD",
+    }
+)
 GONE = "gone"  # Slurm no longer knows the job (ended more than MinJobAge ago)
 # How long node 0's supervisor of a Slurm run, about to record a failed end, waits for Slurm to call a node of
 # the job lost (``lost_node``). slurmctld marks a node that stopped answering NOT_RESPONDING, then DOWN (the
@@ -69,8 +83,13 @@ class SlurmJobView:
 def parse_show_job(job_id: str, text: str) -> SlurmJobView:
     """``scontrol show job -o``'s one line (``Key=Value`` pairs) as a view."""
     fields = dict(_FIELD.findall(text))
-    return SlurmJobView(job_id, state=fields.get("JobState"), reason=fields.get("Reason"),
-                        nodes=fields.get("NodeList"), exit_code=fields.get("ExitCode"))  # fmt: skip
+    return SlurmJobView(
+        job_id,
+        state=fields.get("JobState"),
+        reason=fields.get("Reason"),
+        nodes=fields.get("NodeList"),
+        exit_code=fields.get("ExitCode"),
+    )
 
 
 def query_job(job_id: str | int, timeout_s: float = 10.0) -> SlurmJobView:
@@ -119,12 +138,16 @@ def node_states(nodes: str, timeout_s: float = 10.0) -> dict[str, str]:
 
 def lost_nodes(states: dict[str, str]) -> dict[str, str]:
     """The nodes among ``states`` that Slurm calls lost (down, not responding, failing)."""
-    return {name: state for name, state in states.items()
-            if LOST_NODE_FLAGS & set(state.replace("*", "+NOT_RESPONDING").split("+"))}  # fmt: skip
+    return {
+        name: state
+        for name, state in states.items()
+        if LOST_NODE_FLAGS & set(state.replace("*", "+NOT_RESPONDING").split("+"))
+    }
 
 
-def lost_node(job_id: str | int, nodes: str | None = None, wait_s: float = NODE_LOST_WAIT_S,
-              poll_s: float = 1.0) -> str | None:  # fmt: skip
+def lost_node(
+    job_id: str | int, nodes: str | None = None, wait_s: float = NODE_LOST_WAIT_S, poll_s: float = 1.0
+) -> str | None:
     """Why Slurm says job ``job_id`` lost a node (its state ``NODE_FAIL``, its reason ``NodeDown``, or a node
     of ``nodes``, the job's allocation, down or not responding), asking until it does or ``wait_s`` has
     passed: ``Slurm job 42 COMPLETING (NodeDown); node n2 DOWN+NOT_RESPONDING``; None when Slurm says no such
@@ -139,8 +162,9 @@ def lost_node(job_id: str | int, nodes: str | None = None, wait_s: float = NODE_
         where = nodes or (view.nodes if view.nodes != "(null)" else None)
         lost = lost_nodes(node_states(where)) if where else {}
         if view.state == "NODE_FAIL" or view.reason == "NodeDown" or lost:
-            said = f"Slurm job {job_id} {view.state}" + (f" ({view.reason})" if view.reason not in (None, "None")
-                                                         else "")  # fmt: skip
+            said = f"Slurm job {job_id} {view.state}" + (
+                f" ({view.reason})" if view.reason not in (None, "None") else ""
+            )
             if lost:
                 said += "; " + ", ".join(f"node {name} {state}" for name, state in sorted(lost.items()))
             return said

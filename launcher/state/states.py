@@ -93,8 +93,14 @@ def check_transition(current: RunState, new: RunState) -> None:
 StopCause = Literal["user", "external"]
 
 
-def end_state(*, exit_code: int | None, signal: int | None, stop: StopCause | None = None,
-              accepted: bool | None = None, out_of_memory: bool = False) -> RunState:  # fmt: skip
+def end_state(
+    *,
+    exit_code: int | None,
+    signal: int | None,
+    stop: StopCause | None = None,
+    accepted: bool | None = None,
+    out_of_memory: bool = False,
+) -> RunState:
     """The terminal state of a job that ended: a pure function of how it ended.
 
     Args:
@@ -144,8 +150,9 @@ exit codes of `launcher run` (and `launcher resume --foreground`):
              `docker stop`, 130: Ctrl-C, 129: the terminal closed)"""
 
 
-def run_exit_code(state: RunState, *, exit_code: int | None = None, signal: int | None = None,
-                  stop_signal: int | None = None) -> int:  # fmt: skip
+def run_exit_code(
+    state: RunState, *, exit_code: int | None = None, signal: int | None = None, stop_signal: int | None = None
+) -> int:
     """The exit code for a run that ended in ``state`` (``EXIT_CODES``; never 0 unless SUCCEEDED)."""
     if state not in TERMINAL:
         raise ValueError(f"{state.value} is not a terminal state")

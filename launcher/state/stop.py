@@ -117,8 +117,9 @@ def clear_save_files(run_dir: Path) -> None:
 def announce_save(run_dir: Path, step: int) -> None:
     """In local rank 0 once training began: this job honours a save request (its pid is how ``job_can_save``
     knows the announcing rank is still alive). A write the disk refuses is a warning, never the rank's end."""
-    write_json_or_warn(run_dir / SAVE_READY, {"pid": os.getpid(), "time": time.time(), "step": step},
-                       "the save-on-stop announcement")  # fmt: skip
+    write_json_or_warn(
+        run_dir / SAVE_READY, {"pid": os.getpid(), "time": time.time(), "step": step}, "the save-on-stop announcement"
+    )
 
 
 def job_can_save(run_dir: Path, state: RunState, live_pids: Iterable[int]) -> bool:
@@ -160,8 +161,12 @@ def save_asked(run_dir: Path) -> bool:
 def record_saved(run_dir: Path, step: int, signalled: bool) -> None:
     """In local rank 0 once the requested ``checkpoint-<step>`` is complete: the step, its folder (relative to
     the run directory) and whether a SIGTERM (rather than the request file) asked for it."""
-    done = {"step": step, "path": str(Path(OUTPUT_SUBDIR) / CHECKPOINT_FOLDER.format(step=step)), "time": time.time(),
-            "signalled": signalled}  # fmt: skip
+    done = {
+        "step": step,
+        "path": str(Path(OUTPUT_SUBDIR) / CHECKPOINT_FOLDER.format(step=step)),
+        "time": time.time(),
+        "signalled": signalled,
+    }
     write_json_or_warn(run_dir / SAVE_DONE, done, "the saved checkpoint's record")
 
 

@@ -57,8 +57,11 @@ def line_problem(line: bytes) -> tuple[dict[str, Any] | None, str | None]:
         if key in record and (not isinstance(record[key], int) or isinstance(record[key], bool) or record[key] < 0):
             return None, f"{key!r} is {kind_of(record[key])}, not a step"
     for key in _NUMBER_KEYS:
-        if key in record and record[key] is not None and (not isinstance(record[key], int | float)
-                                                          or isinstance(record[key], bool)):  # fmt: skip
+        if (
+            key in record
+            and record[key] is not None
+            and (not isinstance(record[key], int | float) or isinstance(record[key], bool))
+        ):
             return None, f"{key!r} is {kind_of(record[key])}, not a number"
     for key in _TIME_KEYS:  # str(timedelta): "H:MM:SS", past a day "2 days, H:MM:SS"
         if key in record and not (isinstance(record[key], str) and _DURATION.fullmatch(record[key])):

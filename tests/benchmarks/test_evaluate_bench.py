@@ -70,8 +70,27 @@ def test_one_checkpoint_is_trained_then_evaluated_with_the_default_prompt_set(tm
 
     monkeypatch.setattr(evaluate_bench, "evaluate_checkpoint", noting)
     # 10 test conversations: more than the demo's 8 client lines, so each must open differently to be a prompt
-    assert evaluate_bench.main(["--out", str(out), "--shape", "tiny", "--test", "10", "--max-prompts", "10",
-                                "--max-new-tokens", "6", "--batch-size", "8", "--repeats", "2"]) == 0  # fmt: skip
+    assert (
+        evaluate_bench.main(
+            [
+                "--out",
+                str(out),
+                "--shape",
+                "tiny",
+                "--test",
+                "10",
+                "--max-prompts",
+                "10",
+                "--max-new-tokens",
+                "6",
+                "--batch-size",
+                "8",
+                "--repeats",
+                "2",
+            ]
+        )
+        == 0
+    )
     written = Results.read(out / "results.json")  # the results schema, validated
     assert written.bench == "benchmarks.evaluate_bench" and written.commit and written.converted is None
     assert written.figures["evaluation-2.wall_s"] == written.variants["evaluation-2"]["wall_s"]
@@ -100,8 +119,24 @@ def test_one_checkpoint_is_trained_then_evaluated_with_the_default_prompt_set(tm
     assert not any("target" in e for e in results["evaluations"])  # the 3-minute target is the 27B shape's
     # a later invocation evaluates the same run again without training, adding to the same results.json
     trained = results["training"]
-    assert evaluate_bench.main(["--out", str(out), "--shape", "tiny", "--max-prompts", "10", "--max-new-tokens", "6",
-                                "--batch-size", "8", "--reuse"]) == 0  # fmt: skip
+    assert (
+        evaluate_bench.main(
+            [
+                "--out",
+                str(out),
+                "--shape",
+                "tiny",
+                "--max-prompts",
+                "10",
+                "--max-new-tokens",
+                "6",
+                "--batch-size",
+                "8",
+                "--reuse",
+            ]
+        )
+        == 0
+    )
     again = evaluate_bench.read_results(out / "results.json")
     assert again["training"] == trained and again["evaluations"][:2] == results["evaluations"]
     assert len(again["evaluations"]) == 3 and again["evaluations"][2]["ok"]

@@ -19,8 +19,9 @@ from launcher.run.config import load_run_config  # noqa: E402
 from patches import fsdp2_frozen_dtype  # noqa: E402
 
 
-@pytest.mark.parametrize(("devices", "single", "distribution"), [(1, "fsdp2", "fsdp2"), (1, "ddp", "ddp"),
-                                                                 (2, "ddp", "fsdp2")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("devices", "single", "distribution"), [(1, "fsdp2", "fsdp2"), (1, "ddp", "ddp"), (2, "ddp", "fsdp2")]
+)
 def test_configs_are_the_on_variant_on_n_devices(tmp_path, devices, single, distribution):
     bench_assets.write_model_dir(tmp_path / "model", "tiny")
     config = fsdp_bench.bench_config(tmp_path, "27b", "cuda", 6, devices, "full-loss", single)
@@ -42,8 +43,11 @@ def test_memory_bound_and_scaling_show_their_arithmetic():
         "tokens_per_s_total": 1000.0,
         "ranks": [{"model_build": {"bytes_materialized": 40 * 2**30}}],
     }  # fp32 shards: 40 GiB held
-    multi = {"peak_allocated_gib_max": 31.9, "tokens_per_s_total": 1890.0,
-             "ranks": [{"model_build": {"bytes_materialized": 20 * 2**30}}] * 2}  # fmt: skip
+    multi = {
+        "peak_allocated_gib_max": 31.9,
+        "tokens_per_s_total": 1890.0,
+        "ranks": [{"model_build": {"bytes_materialized": 20 * 2**30}}] * 2,
+    }
     bound = fsdp_bench.memory_bound(counts, units, single, multi, 2, param_bytes=2)
     assert (bound["weights_gib"], bound["one_device_activation_gib"], bound["bound_gib"]) == (20.0, 20.0, 32.0)
     assert bound["arithmetic"] == "20.00 / 2 + (60.00 - 40.00) + 2 x 1.000 = 32.00 GiB" and bound["met"]
@@ -71,18 +75,23 @@ def test_devices_and_options_are_checked(tmp_path):
 
 
 def test_one_device_targets_compare_fsdp2_with_the_single_device_path(tmp_path):
-    runs = {"single": {"state": "SUCCEEDED", "tokens_per_s_total": 2851.0, "peak_allocated_gib_max": 55.14},
-            "fsdp2": {"state": "SUCCEEDED", "tokens_per_s_total": 2709.0, "peak_allocated_gib_max": 57.9}}  # fmt: skip
+    runs = {
+        "single": {"state": "SUCCEEDED", "tokens_per_s_total": 2851.0, "peak_allocated_gib_max": 55.14},
+        "fsdp2": {"state": "SUCCEEDED", "tokens_per_s_total": 2709.0, "peak_allocated_gib_max": 57.9},
+    }
     met = fsdp_bench.one_device_targets(runs)
     assert (met["speed_ratio"], met["speed_met"], met["peak_met"]) == (0.95, True, True)
-    slow = fsdp_bench.one_device_targets({**runs, "fsdp2": {**runs["fsdp2"], "tokens_per_s_total": 2700.0,
-                                                            "peak_allocated_gib_max": 111.85}})  # fmt: skip
+    slow = fsdp_bench.one_device_targets(
+        {**runs, "fsdp2": {**runs["fsdp2"], "tokens_per_s_total": 2700.0, "peak_allocated_gib_max": 111.85}}
+    )
     assert (slow["speed_met"], slow["peak_met"]) == (False, False)
     config = fsdp_bench.bench_config(tmp_path, "tiny", "cuda", 6, 1, "on", variant="fsdp2-budget120")
     assert config["launcher"]["distribution"] == "fsdp2"
     assert config["launcher"]["patches"]["checkpoint_all_layers"] == {"memory_budget_gib": 120}
-    assert fsdp_bench.bench_config(tmp_path, "tiny", "cuda", 6, 1, "on", variant="single")["launcher"][
-        "distribution"] == "ddp"  # fmt: skip
+    assert (
+        fsdp_bench.bench_config(tmp_path, "tiny", "cuda", 6, 1, "on", variant="single")["launcher"]["distribution"]
+        == "ddp"
+    )
     both = {"single-budget120": "ddp", "fsdp2-budget120-profile": "fsdp2"}  # one budget, both paths, one invocation
     for variant, distribution in both.items():
         launcher = fsdp_bench.bench_config(tmp_path, "tiny", "cuda", 6, 1, "on", variant=variant)["launcher"]
@@ -93,8 +102,9 @@ def test_one_device_targets_compare_fsdp2_with_the_single_device_path(tmp_path):
     assert paired["single_budget120_tokens_per_s"] == 4830.0
     bench_assets.write_model_dir(tmp_path / "model", "tiny")
     rooted = tmp_path / "rooted.yaml"  # the option the patch validates, against its default in one invocation
-    rooted.write_text(yaml.safe_dump(fsdp_bench.bench_config(tmp_path, "tiny", "cuda", 6, 1, "on",
-                                                             variant="fsdp2-root-embeddings")))  # fmt: skip
+    rooted.write_text(
+        yaml.safe_dump(fsdp_bench.bench_config(tmp_path, "tiny", "cuda", 6, 1, "on", variant="fsdp2-root-embeddings"))
+    )
     loaded = load_run_config(rooted)
     assert loaded.launcher.distribution == "fsdp2"
     assert loaded.patches["fsdp2_frozen_dtype"]["embedding_units"] is False
@@ -103,8 +113,24 @@ def test_one_device_targets_compare_fsdp2_with_the_single_device_path(tmp_path):
 @pytest.mark.slow
 def test_tiny_benchmark_shards_over_two_gloo_processes(tmp_path):
     out = tmp_path / "bench"
-    fsdp_bench.main(["--out", str(out), "--shape", "tiny", "--backend", "cpu", "--steps", "3", "--warmup", "1",
-                     "--samples", "3", "--timeout", "500"])  # fmt: skip
+    fsdp_bench.main(
+        [
+            "--out",
+            str(out),
+            "--shape",
+            "tiny",
+            "--backend",
+            "cpu",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--samples",
+            "3",
+            "--timeout",
+            "500",
+        ]
+    )
     written = Results.read(out / "results.json")  # the results schema, validated
     assert written.bench == "benchmarks.fsdp_bench" and written.commit and written.converted is None
     results = written.raw("runs")
@@ -131,7 +157,7 @@ def test_tiny_benchmark_shards_over_two_gloo_processes(tmp_path):
     assert (
         sum(r["model_build"]["bytes_materialized"] for r in two["ranks"])
         >= one["ranks"][0]["model_build"]["bytes_materialized"]
-    )  # fmt: skip  (the two shards together hold the whole model)
+    )  # (the two shards together hold the whole model)
     target = results["targets"]["on:2dev"]
     assert target["scaling"]["minimum"] == 1.9 and target["scaling"]["ratio"] > 0
     assert target["memory"]["met"] is None and target["memory"]["weights_gib"] > 0  # no peak counter on the CPU

@@ -37,7 +37,11 @@ def test_27b_folder_has_the_design_shape_and_no_weights(model_27b):
     assert (text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"]) == (24, 4, 256)
     assert (text["linear_num_key_heads"], text["linear_num_value_heads"]) == (16, 48)
     assert (vision["depth"], vision["hidden_size"], vision["intermediate_size"], vision["out_hidden_size"]) == (
-        27, 1152, 4304, 5120)  # fmt: skip
+        27,
+        1152,
+        4304,
+        5120,
+    )
     assert max(config[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id")) < 248320
     assert config["dtype"] == "bfloat16"
     assert (model_27b / bench_assets.MARKER).is_file() and not list(model_27b.glob("*.safetensors"))
@@ -76,8 +80,9 @@ def test_a_reply_share_keeps_the_cutoff_and_gives_the_response_its_share_after_l
     tokenizer = AutoTokenizer.from_pretrained(model)
     kept = {}
     for share in (0.5, bench_assets.SPREAD_REPLY_SHARE):
-        data = bench_assets.write_dataset(tmp_path / f"data-{share}", model, cutoff_len=300, samples=2,
-                                          reply_share=share)  # fmt: skip
+        data = bench_assets.write_dataset(
+            tmp_path / f"data-{share}", model, cutoff_len=300, samples=2, reply_share=share
+        )
         records = json.loads((data / "bench_long.json").read_text())
         for record in records:
             source = len(tokenizer(record["system"] + record["instruction"])["input_ids"])
@@ -93,10 +98,20 @@ def test_a_reply_share_keeps_the_cutoff_and_gives_the_response_its_share_after_l
     assert not (tmp_path / "bad").exists()
 
 
-DEFAULT_ON = {"deltanet_routing": True, "checkpoint_all_layers": True, "chunked_loss": True, "text_only_batches": True,
-              "final_eval_once": True, "pad_lengths": False, "packed_rows": True, "fused_ops": True,
-              "lora_input_cast": True, "fsdp2_frozen_dtype": True, "fsdp2_resume_adapter": True,
-              "gc_freeze": True}  # fmt: skip
+DEFAULT_ON = {
+    "deltanet_routing": True,
+    "checkpoint_all_layers": True,
+    "chunked_loss": True,
+    "text_only_batches": True,
+    "final_eval_once": True,
+    "pad_lengths": False,
+    "packed_rows": True,
+    "fused_ops": True,
+    "lora_input_cast": True,
+    "fsdp2_frozen_dtype": True,
+    "fsdp2_resume_adapter": True,
+    "gc_freeze": True,
+}
 
 
 @pytest.mark.parametrize(
@@ -203,8 +218,10 @@ def test_lengths_summary_counts_new_lengths_and_the_time_they_lost():
 
 def test_the_steady_state_takes_triton_compile_time_out_of_the_steps():
     steps = [{"seq_len": 1000, "seconds": 30.0, "supervised_tokens": 500, "compiles": 40, "compile_autotune_s": 28.0}]
-    steps += [{"seq_len": n, "seconds": n / 1000, "supervised_tokens": n // 2, "compiles": 0,
-               "compile_autotune_s": 0.0} for n in (1000, 2000, 1500)]  # fmt: skip
+    steps += [
+        {"seq_len": n, "seconds": n / 1000, "supervised_tokens": n // 2, "compiles": 0, "compile_autotune_s": 0.0}
+        for n in (1000, 2000, 1500)
+    ]
     steps += [{"seq_len": 1500, "seconds": 1.51, "supervised_tokens": 750, "compiles": 2, "compile_autotune_s": 0.01}]
     steps += [{"seq_len": 3000, "seconds": 12.0, "supervised_tokens": 1500, "compiles": 3, "compile_autotune_s": 9.0}]
     summary = patch_bench.lengths_summary(steps, warmup=1)
@@ -265,11 +282,25 @@ def test_the_summary_splits_the_measured_steps_by_their_samples_and_sums_the_col
     from launcher.files import write_json_atomic
 
     def step(seconds, samples, period, gc_s, full):
-        return {"seconds": seconds, "samples": samples, "period_s": period, "period_gc_s": gc_s,
-                "period_full_gcs": full, "tokens": 4000, "seq_len": 4096, "peak_allocated_gib": 55.0}  # fmt: skip
+        return {
+            "seconds": seconds,
+            "samples": samples,
+            "period_s": period,
+            "period_gc_s": gc_s,
+            "period_full_gcs": full,
+            "tokens": 4000,
+            "seq_len": 4096,
+            "peak_allocated_gib": 55.0,
+        }
 
-    steps = [step(9.0, 2, 9.5, 0.5, 1), step(1.10, 1, 1.15, 0.001, 0), step(1.20, 2, 1.25, 0.0, 0),
-             step(1.12, 1, 1.60, 0.4, 1), step(1.22, 2, 1.27, 0.002, 0), step(1.14, 1, None, None, None)]  # fmt: skip
+    steps = [
+        step(9.0, 2, 9.5, 0.5, 1),
+        step(1.10, 1, 1.15, 0.001, 0),
+        step(1.20, 2, 1.25, 0.0, 0),
+        step(1.12, 1, 1.60, 0.4, 1),
+        step(1.22, 2, 1.27, 0.002, 0),
+        step(1.14, 1, None, None, None),
+    ]
     run_dir = tmp_path / "run"
     (run_dir / "bench").mkdir(parents=True)
     write_json_atomic(run_dir / "bench" / "rank0.json", {"steps": steps})
@@ -318,10 +349,14 @@ def test_fla_guard_is_lifted_only_where_it_would_fire(monkeypatch):
 def test_targets_compare_with_the_documented_ones():
     ok = {"state": "SUCCEEDED"}
     profile = {"report": {"ranks": [{"parts_s": {"other_compute": 0.31}}]}}
-    found = patch_bench.targets({"on": {**ok, "peak_allocated_gib": 55.1, "tokens_per_s": 3419.0},
-                                 "budget120": {**ok, "peak_allocated_gib": 121.0, "tokens_per_s": 4500.0},
-                                 "ctx64k": {"state": "FAILED", "peak_allocated_gib": 90.0},
-                                 "profile": {**ok, "profile": profile}})  # fmt: skip
+    found = patch_bench.targets(
+        {
+            "on": {**ok, "peak_allocated_gib": 55.1, "tokens_per_s": 3419.0},
+            "budget120": {**ok, "peak_allocated_gib": 121.0, "tokens_per_s": 4500.0},
+            "ctx64k": {"state": "FAILED", "peak_allocated_gib": 90.0},
+            "profile": {**ok, "profile": profile},
+        }
+    )
     assert found["on"]["peak_allocated_gib"]["met"] and found["on"]["tokens_per_s"]["met"]
     assert not found["budget120"]["peak_allocated_gib"]["met"] and not found["budget120"]["tokens_per_s"]["met"]
     assert found["budget120"]["tokens_per_s"]["shortfall"] == pytest.approx(1 - 4500 / 4600, abs=1e-4)
@@ -365,8 +400,10 @@ def test_the_packed_row_target_pools_the_rounds_after_the_warm_up_and_says_wheth
     assert patch_bench.targets(variants)["spread-packed-row"]["period"] == row["period"]  # "on"'s, unchanged
     # the rounds replay the same rows in the same order: three rounds of the same steps are one observation of
     # each row, so they leave the interval as one round gives it (resampling steps would narrow it threefold)
-    one = {"on": run([1.20, 1.18, 1.21, 1.19, 1.22], [1.25, 1.22, 1.26, 1.24, 1.23]),
-           "spread-packed": run([1.15, 1.30, 1.17, 1.24, 1.19], [1.19, 1.33, 1.21, 1.28, 1.22])}  # fmt: skip
+    one = {
+        "on": run([1.20, 1.18, 1.21, 1.19, 1.22], [1.25, 1.22, 1.26, 1.24, 1.23]),
+        "spread-packed": run([1.15, 1.30, 1.17, 1.24, 1.19], [1.19, 1.33, 1.21, 1.28, 1.22]),
+    }
     three = {**one, **{f"{name}#{r}": one[name] for name in one for r in (2, 3)}}
     once, thrice = (patch_bench.targets(v)["spread-packed-row"]["period"] for v in (one, three))
     assert thrice["steps"] == [15, 15] and once["steps"] == [5, 5] and thrice["positions"] == [5, 5]
@@ -381,16 +418,26 @@ def test_results_files_of_several_calls_pool_their_rounds(tmp_path):
     def run(seconds):
         return {"state": "SUCCEEDED", "warmup_steps": 0, "step_seconds": seconds, "step_periods": seconds}
 
-    first = {"spread-packed": run([1.20, 1.30]), "on": run([1.25, 1.25]),
-             "spread-packed#2": run([1.21, 1.31]), "on#2": run([1.26, 1.24])}  # fmt: skip
-    second = {"spread-packed": run([1.19, 1.29]), "on": run([1.25, 1.27]),
-              "spread-packed#2": run([1.22, 1.32]), "on#2": run([1.23, 1.25])}  # fmt: skip
+    first = {
+        "spread-packed": run([1.20, 1.30]),
+        "on": run([1.25, 1.25]),
+        "spread-packed#2": run([1.21, 1.31]),
+        "on#2": run([1.26, 1.24]),
+    }
+    second = {
+        "spread-packed": run([1.19, 1.29]),
+        "on": run([1.25, 1.27]),
+        "spread-packed#2": run([1.22, 1.32]),
+        "on#2": run([1.23, 1.25]),
+    }
     paths = []
     for name, variants in (("a", first), ("b", second)):
         paths.append(tmp_path / f"{name}.json")
         paths[-1].write_text(json.dumps({"variants": variants}))
-    one_file = {**first, **{f"{key.split('#')[0]}#{int((key.split('#') + ['1'])[1]) + 2}": run_
-                            for key, run_ in second.items()}}  # fmt: skip
+    one_file = {
+        **first,
+        **{f"{key.split('#')[0]}#{int((key.split('#') + ['1'])[1]) + 2}": run_ for key, run_ in second.items()},
+    }
     assert sorted(one_file) == sorted([*first, "spread-packed#3", "spread-packed#4", "on#3", "on#4"])
     pooled = patch_bench.pooled_targets(*paths)["spread-packed-row"]
     assert pooled == patch_bench.targets(one_file)["spread-packed-row"]
@@ -404,14 +451,21 @@ def test_the_packed_rows_are_also_read_at_the_unpacked_steps_supervised_tokens()
     row that compiled for two minutes does not move it; None for results without the steps' supervised tokens."""
 
     def run(seconds, supervised, state="SUCCEEDED"):
-        return {"state": state, "warmup_steps": 1, "step_seconds": [9.0, *seconds], "step_periods": [9.5, *seconds],
-                "step_supervised": [100, *supervised]}  # fmt: skip
+        return {
+            "state": state,
+            "warmup_steps": 1,
+            "step_seconds": [9.0, *seconds],
+            "step_periods": [9.5, *seconds],
+            "step_supervised": [100, *supervised],
+        }
 
     # packed: 1.0 s + 100 µs a supervised token, exactly; unpacked: 2,000 supervised tokens in 1.25 s
-    variants = {"on": run([1.25, 1.26, 1.24], [2000, 2000, 2000]),
-                "spread-packed": run([1.25, 1.3, 1.2], [2500, 3000, 2000]),
-                "spread-packed#2": run([1.28, 121.0], [2800, 2600]),
-                "spread-packed#3": run([5.0], [2000], state="TERMINATED")}  # fmt: skip
+    variants = {
+        "on": run([1.25, 1.26, 1.24], [2000, 2000, 2000]),
+        "spread-packed": run([1.25, 1.3, 1.2], [2500, 3000, 2000]),
+        "spread-packed#2": run([1.28, 121.0], [2800, 2600]),
+        "spread-packed#3": run([5.0], [2000], state="TERMINATED"),
+    }
     row = patch_bench.targets(variants)["spread-packed-row"]
     equal = row["at_equal_supervised"]
     assert equal["slope_us_per_token"] == pytest.approx(100.0) and equal["packed_at_it_s"] == pytest.approx(1.2)
@@ -450,8 +504,10 @@ def test_a_run_stopped_inside_the_kernel_check_says_which_case_and_ends_with_its
 
     run_dir = tmp_path / "run"
     (run_dir / "bench").mkdir(parents=True)
-    progress = {"done": [{"case": "varlen_grouped", "status": "pass", "seconds": 41.2}],
-                "running": {"case": "qwen3_5_27b", "since": "2026-12-04T16:40:00.000Z"}}  # fmt: skip
+    progress = {
+        "done": [{"case": "varlen_grouped", "status": "pass", "seconds": 41.2}],
+        "running": {"case": "qwen3_5_27b", "since": "2026-12-04T16:40:00.000Z"},
+    }
     write_json_atomic(run_dir / "bench" / "rank0.json", {"steps": [], "kernel_check_progress": progress})
     write_json_atomic(run_dir / "status.json", {"state": "TERMINATED", "reason": "received SIGTERM"})
     lines = [f"line {i}" for i in range(patch_bench.LOG_TAIL_LINES + 5)]
@@ -475,8 +531,14 @@ def test_the_job_log_tail_folds_tritons_reproducer_dumps(tmp_path):
     whole = patch_bench.readable_tail(log, 100)
     folded = "[a Triton reproducer dump of {} lines, folded; its first line: {}]"
     progress = "validate-kernels: [3/8] conv_27b ..."
-    assert whole == ["step 0 begins", "", folded.format(2002, "`ptxas` failed with error code 255"), progress,
-                     folded.format(51, "`ptxas` failed again"), "last line"]  # fmt: skip
+    assert whole == [
+        "step 0 begins",
+        "",
+        folded.format(2002, "`ptxas` failed with error code 255"),
+        progress,
+        folded.format(51, "`ptxas` failed again"),
+        "last line",
+    ]
     cut = patch_bench.readable_tail(log, 5)  # reads the last 1,000 lines: from inside the first dump
     assert cut[0].startswith("[a Triton reproducer dump of") and "ld.global" in cut[0] and cut[1:] == whole[3:]
 
@@ -527,8 +589,9 @@ def test_tiny_benchmark_runs_both_variants_through_launcher_run(tmp_path):
 def test_the_rank_freezes_the_collectors_objects_unless_gc_freeze_is_off(tmp_path):
     """``on`` (the product's default) froze the collector's objects before its second step (one micro-batch a step:
     the first after the first optimizer step), and the summary carries the proof's figures; ``gc-off`` froze none."""
-    results = run_tiny_bench(tmp_path / "bench", "--variants", "on,gc-off", "--steps", "2", "--warmup", "1",
-                             "--kernel-check", "none")  # fmt: skip
+    results = run_tiny_bench(
+        tmp_path / "bench", "--variants", "on,gc-off", "--steps", "2", "--warmup", "1", "--kernel-check", "none"
+    )
     on, off = results["variants"]["on"], results["variants"]["gc-off"]
     assert on["state"] == off["state"] == "SUCCEEDED"
     frozen = on["proof"]["gc_freeze"]
@@ -553,16 +616,24 @@ def test_rounds_run_the_variant_list_again_under_their_own_keys_with_the_kernel_
 
 def test_profile_variant_runs_launcher_profile_on_the_on_config(tmp_path, capsys):
     bench_assets.write_model_dir(tmp_path / "model", "tiny")
-    config, on = (patch_bench.run_config(tmp_path, v, "27b", "cuda", patch_bench.steps_of(v, 6))
-                  for v in ("profile", "on"))  # fmt: skip
+    config, on = (
+        patch_bench.run_config(tmp_path, v, "27b", "cuda", patch_bench.steps_of(v, 6)) for v in ("profile", "on")
+    )
     same = {k: v for k, v in on.items() if k not in ("launcher", "max_steps")}
     assert {k: v for k, v in config.items() if k not in ("launcher", "max_steps")} == same
     assert config["launcher"] == {**on["launcher"], "run_name": "bench-27b"}  # `launcher profile` adds -profile
     assert (config["max_steps"], on["max_steps"]) == (5, 6)  # the variant's own, whatever --steps says
     assert patch_bench.steps_of("profile", 6, every=9) == patch_bench.steps_of("on", 6, every=9) == 9  # --all-steps
     path = tmp_path / "profile.yaml"
-    assert patch_bench.launcher_args("profile", path, 5, 2) == ["profile", str(path), "--steps", "3", "--warmup", "2",
-                                                                "--quiet"]  # fmt: skip
+    assert patch_bench.launcher_args("profile", path, 5, 2) == [
+        "profile",
+        str(path),
+        "--steps",
+        "3",
+        "--warmup",
+        "2",
+        "--quiet",
+    ]
     assert patch_bench.launcher_args("on", path, 6, 2) == ["run", str(path), "--quiet"]
     # no step left to profile; a bad N; no variant at all; no round
     for args in (["--warmup", "5"], ["--all-steps", "2"], ["--all-steps", "0"], ["--variants", ","], ["--rounds", "0"]):
@@ -631,15 +702,36 @@ def test_an_interrupted_benchmark_ends_its_run_before_it_exits(tmp_path, signall
     from tests.support.fake_runs import read_status, wait_for, wait_for_run_dir
 
     out = tmp_path / "bench"
-    cmd = [sys.executable, "-m", "benchmarks.patch_bench", "--out", str(out), "--shape", "tiny", "--samples", "3",
-           "--variants", "on", "--steps", "100000", "--kernel-check", "none", "--timeout", "900"]  # fmt: skip
-    bench = subprocess.Popen(cmd, cwd=patch_bench.REPO, start_new_session=True, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.patch_bench",
+        "--out",
+        str(out),
+        "--shape",
+        "tiny",
+        "--samples",
+        "3",
+        "--variants",
+        "on",
+        "--steps",
+        "100000",
+        "--kernel-check",
+        "none",
+        "--timeout",
+        "900",
+    ]
+    bench = subprocess.Popen(
+        cmd, cwd=patch_bench.REPO, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     job: list[psutil.Process] = []
     try:
         run_dir = wait_for_run_dir(out / "runs", timeout=300)
-        wait_for("the run to train", lambda: read_status(run_dir).get("state") == RunState.RUNNING
-                 and read_status(run_dir).get("processes"), timeout=300)  # fmt: skip
+        wait_for(
+            "the run to train",
+            lambda: read_status(run_dir).get("state") == RunState.RUNNING and read_status(run_dir).get("processes"),
+            timeout=300,
+        )
         job = [psutil.Process(p["pid"]) for p in read_status(run_dir)["processes"]]
         if signalled == "group":
             os.killpg(bench.pid, signal.SIGINT)

@@ -85,9 +85,18 @@ def test_the_seeds_settings_as_published_give_one_message_naming_do_train(tmp_pa
 
 
 def test_every_problem_is_reported_in_one_pass_each_naming_key_value_and_fix(tmp_path, demo_assets):
-    path = seed_config(tmp_path, demo_assets, do_train=True, learning_rate="fast", num_train_epochs="3",
-                       save_step=100, template="qwen35_nothink", lora_target="q_proj,no_such_proj",
-                       flash_attn="fa2", dataset="demo_counsel_trian")  # fmt: skip
+    path = seed_config(
+        tmp_path,
+        demo_assets,
+        do_train=True,
+        learning_rate="fast",
+        num_train_epochs="3",
+        save_step=100,
+        template="qwen35_nothink",
+        lora_target="q_proj,no_such_proj",
+        flash_attn="fa2",
+        dataset="demo_counsel_trian",
+    )
     errors = errors_of(path)
     expected = {
         "learning_rate: 'fast' is not a number; write a number such as 5.0e-5": "learning_rate",
@@ -106,8 +115,13 @@ def test_every_problem_is_reported_in_one_pass_each_naming_key_value_and_fix(tmp
 
 
 def test_a_bool_written_as_text_and_a_number_in_e_notation_are_named(tmp_path, demo_assets):
-    args = {"model_name_or_path": str(demo_assets["model"]), "do_train": "true", "learning_rate": "1e-4",
-            "stage": "sft", "output_dir": str(tmp_path / "o")}  # fmt: skip
+    args = {
+        "model_name_or_path": str(demo_assets["model"]),
+        "do_train": "true",
+        "learning_rate": "1e-4",
+        "stage": "sft",
+        "output_dir": str(tmp_path / "o"),
+    }
     errors = [f.message for f in check_llamafactory(args, model=False, data=False).errors]
     assert "do_train: 'true' is text; write true or false without quotes" in errors
     assert any(e.startswith("learning_rate: '1e-4' is text, not a number") and "1.0e-4" in e for e in errors)
@@ -159,8 +173,12 @@ def test_check_runs_off_the_server_for_another_machine_and_counts_what_it_skippe
     assert lines[verdict].endswith("; 4 checks not made here:"), lines[verdict]
     skipped = lines[verdict + 1 :]
     assert len(skipped) == 4 and all(line.startswith("skip") for line in skipped), skipped
-    for key, value in (("devices", "npu"), ("lora_target", "/models/Qwen3.5-27B"), ("dataset_dir", "/data"),
-                       ("launcher.output_root", "/outputs/runs")):  # fmt: skip
+    for key, value in (
+        ("devices", "npu"),
+        ("lora_target", "/models/Qwen3.5-27B"),
+        ("dataset_dir", "/data"),
+        ("launcher.output_root", "/outputs/runs"),
+    ):
         assert any(line.split()[1] == f"{key}:" and value in line for line in skipped), (key, skipped)
 
 
@@ -203,23 +221,58 @@ def test_the_unwritable_folder_of_these_tests_cannot_be_written():
 @pytest.mark.parametrize(
     ("case", "launcher", "lf", "key", "error", "for_another_machine"),
     [
-        ("no dataset key, no data folder", {}, {"dataset": None, "eval_dataset": None, "dataset_dir": "MISSING"},
-         "dataset", "dataset: no dataset named; set dataset: to the name of a dataset registered in", "error"),
-        ("data folder missing", {}, {"dataset_dir": "MISSING"}, "dataset_dir",
-         "dataset_dir: 'MISSING' is not a folder on this machine; point dataset_dir at the folder that holds "
-         "dataset_info.json", "skipped"),
-        ("output root not writable", {"output_root": str(UNWRITABLE)}, {}, "launcher.output_root",
-         f"launcher.output_root: {UNWRITABLE} is not writable", "error"),
-        ("output root missing, cannot be made", {"output_root": str(UNWRITABLE / "launcher-absent" / "runs")}, {},
-         "launcher.output_root", f"launcher.output_root: {UNWRITABLE / 'launcher-absent' / 'runs'} is not writable",
-         "skipped"),
+        (
+            "no dataset key, no data folder",
+            {},
+            {"dataset": None, "eval_dataset": None, "dataset_dir": "MISSING"},
+            "dataset",
+            "dataset: no dataset named; set dataset: to the name of a dataset registered in",
+            "error",
+        ),
+        (
+            "data folder missing",
+            {},
+            {"dataset_dir": "MISSING"},
+            "dataset_dir",
+            "dataset_dir: 'MISSING' is not a folder on this machine; point dataset_dir at the folder that holds "
+            "dataset_info.json",
+            "skipped",
+        ),
+        (
+            "output root not writable",
+            {"output_root": str(UNWRITABLE)},
+            {},
+            "launcher.output_root",
+            f"launcher.output_root: {UNWRITABLE} is not writable",
+            "error",
+        ),
+        (
+            "output root missing, cannot be made",
+            {"output_root": str(UNWRITABLE / "launcher-absent" / "runs")},
+            {},
+            "launcher.output_root",
+            f"launcher.output_root: {UNWRITABLE / 'launcher-absent' / 'runs'} is not writable",
+            "skipped",
+        ),
         ("model missing", {}, {"model_name_or_path": "MISSING"}, "lora_target", None, "skipped"),
-        ("model folder here, no config.json", {}, {"model_name_or_path": "EMPTY"}, "lora_target",
-         "lora_target: not checked, EMPTY/config.json is unreadable", "error"),
+        (
+            "model folder here, no config.json",
+            {},
+            {"model_name_or_path": "EMPTY"},
+            "lora_target",
+            "lora_target: not checked, EMPTY/config.json is unreadable",
+            "error",
+        ),
     ],
-    ids=["no-dataset", "no-dataset-dir", "unwritable-output", "output-not-makeable", "no-model-folder",
-         "no-model-config"],
-)  # fmt: skip
+    ids=[
+        "no-dataset",
+        "no-dataset-dir",
+        "unwritable-output",
+        "output-not-makeable",
+        "no-model-folder",
+        "no-model-config",
+    ],
+)
 def test_a_path_missing_here_fails_unless_the_config_is_for_another_machine(
     tmp_path, demo_assets, case, launcher, lf, key, error, for_another_machine
 ):
@@ -242,10 +295,18 @@ def test_a_path_missing_here_fails_unless_the_config_is_for_another_machine(
 
 def test_check_names_each_unusable_path_and_never_says_ok(tmp_path, demo_assets):
     """No dataset key, a data folder that is not here, an output root that exists but cannot be written."""
-    path = make_config(tmp_path, demo_assets, launcher={"output_root": str(UNWRITABLE)}, dataset=None,
-                       eval_dataset=None, dataset_dir=str(tmp_path / "absent"))  # fmt: skip
-    runs = [((), ("dataset", "dataset_dir", "launcher.output_root")),
-            (("--for-another-machine",), ("dataset", "launcher.output_root"))]  # fmt: skip
+    path = make_config(
+        tmp_path,
+        demo_assets,
+        launcher={"output_root": str(UNWRITABLE)},
+        dataset=None,
+        eval_dataset=None,
+        dataset_dir=str(tmp_path / "absent"),
+    )
+    runs = [
+        ((), ("dataset", "dataset_dir", "launcher.output_root")),
+        (("--for-another-machine",), ("dataset", "launcher.output_root")),
+    ]
     for flag, failed in runs:
         proc = launcher_cmd("check", path, *flag)
         assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -256,8 +317,12 @@ def test_check_names_each_unusable_path_and_never_says_ok(tmp_path, demo_assets)
 
 
 def test_check_for_another_machine_counts_missing_paths_and_exits_0(tmp_path, demo_assets):
-    path = make_config(tmp_path, demo_assets, launcher={"output_root": str(UNWRITABLE / "launcher-absent" / "runs")},
-                       dataset_dir=str(tmp_path / "absent"))  # fmt: skip
+    path = make_config(
+        tmp_path,
+        demo_assets,
+        launcher={"output_root": str(UNWRITABLE / "launcher-absent" / "runs")},
+        dataset_dir=str(tmp_path / "absent"),
+    )
     proc = launcher_cmd("check", path, "--for-another-machine")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "run.yaml: OK (cpu backend, 1 process(es) per node, ddp, smoke); 3 checks not made here:" in proc.stdout
@@ -293,7 +358,11 @@ def test_an_output_root_that_is_a_file_is_one_clear_message(tmp_path, demo_asset
 
 def test_overrides_are_read_as_llamafactory_cli_reads_them():
     assert parse_overrides(["learning_rate=1e-4", "max_steps=3", "launcher.smoke=true", "template=qwen3_5"]) == {
-        "learning_rate": 1e-4, "max_steps": 3, "launcher.smoke": True, "template": "qwen3_5"}  # fmt: skip
+        "learning_rate": 1e-4,
+        "max_steps": 3,
+        "launcher.smoke": True,
+        "template": "qwen3_5",
+    }
     with pytest.raises(Exception, match="'learning_rate': an override is KEY=VALUE"):
         parse_overrides(["learning_rate"])
 
@@ -308,7 +377,9 @@ def test_overrides_apply_to_check_and_are_recorded_in_the_run(tmp_path, demo_ass
     (run_dir,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
     assert run_dir.name.startswith("overridden-")
     assert yaml.safe_load((run_dir / "overrides.yaml").read_text()) == {
-        "learning_rate": 2.0e-3, "launcher.run_name": "overridden"}  # fmt: skip
+        "learning_rate": 2.0e-3,
+        "launcher.run_name": "overridden",
+    }
     assert yaml.safe_load((run_dir / "llamafactory.yaml").read_text())["learning_rate"] == 2.0e-3
     assert json.loads((run_dir / "manifest.json").read_text())["config"]["overrides"]["learning_rate"] == 2.0e-3
 
@@ -342,20 +413,31 @@ def test_status_takes_watch_before_run(tmp_path):
 
 
 def _stats(**split):
-    base = {"samples": 100, "records_total": 100, "truncated": {"count": 0, "share": 0.0},
-            "supervised_tokens": {"before": 1000, "after": 1000, "lost_share": 0.0},
-            "no_supervised": {"before": 0, "after": 0}, "dropped_invalid": 0,
-            "length": {"p99": 10, "max": 12}}  # fmt: skip
+    base = {
+        "samples": 100,
+        "records_total": 100,
+        "truncated": {"count": 0, "share": 0.0},
+        "supervised_tokens": {"before": 1000, "after": 1000, "lost_share": 0.0},
+        "no_supervised": {"before": 0, "after": 0},
+        "dropped_invalid": 0,
+        "length": {"p99": 10, "max": 12},
+    }
     return {k: {**base, **v} for k, v in split.items()}
 
 
 def test_data_problems_are_named_with_their_numbers_and_fix():
     from launcher.data.stats import problems_for
 
-    result = {"cutoff_len": 4096, "splits": _stats(
-        train={"supervised_tokens": {"before": 1000, "after": 800, "lost_share": 0.2},
-               "no_supervised": {"before": 0, "after": 7}},
-        validation={"samples": 1, "records_total": 1})}  # fmt: skip
+    result = {
+        "cutoff_len": 4096,
+        "splits": _stats(
+            train={
+                "supervised_tokens": {"before": 1000, "after": 800, "lost_share": 0.2},
+                "no_supervised": {"before": 0, "after": 7},
+            },
+            validation={"samples": 1, "records_total": 1},
+        ),
+    }
     found = problems_for(result, warn_share=0.05)
     assert any("train: truncation at cutoff_len 4096 removes 20.0% of the supervised tokens" in p for p in found)
     assert any("train: 7 of 100 sample(s) keep no supervised token" in p and "raise cutoff_len" in p for p in found)
@@ -364,14 +446,19 @@ def test_data_problems_are_named_with_their_numbers_and_fix():
 
 
 @pytest.mark.parametrize(("smoke", "status"), [(False, "fail"), (True, "warn")])
-def test_preflight_refuses_a_formal_run_and_warns_a_smoke_run_on_data_problems(tmp_path, demo_assets, monkeypatch,
-                                                                                smoke, status):  # fmt: skip
+def test_preflight_refuses_a_formal_run_and_warns_a_smoke_run_on_data_problems(
+    tmp_path, demo_assets, monkeypatch, smoke, status
+):
     from launcher.checks import preflight
     from launcher.data import stats
 
     config, _ = read_run_config(make_config(tmp_path, demo_assets, launcher={"smoke": smoke}, cutoff_len=4096))
-    result = {"cutoff_len": 4096, "sampled": 500, "splits": _stats(train={"no_supervised": {"before": 0, "after": 3}}),
-              "warnings": []}  # fmt: skip
+    result = {
+        "cutoff_len": 4096,
+        "sampled": 500,
+        "splits": _stats(train={"no_supervised": {"before": 0, "after": 3}}),
+        "warnings": [],
+    }
     result["problems"] = stats.problems_for(result, 0.05)
     monkeypatch.setattr(stats, "short_stats", lambda *a, **k: result)
     name, got, detail = preflight.check_data_stats(config, {})
@@ -431,21 +518,42 @@ def test_logs_show_the_supervisors_own_output_when_the_job_never_started(tmp_pat
 @pytest.mark.parametrize(
     ("launcher", "lf", "expected"),
     [
-        ({}, {"compute_accuracy": True}, "compute_accuracy: true reads the training logits, which "
-         "launcher.patches.chunked_loss never builds; remove compute_accuracy or set "
-         "launcher.patches.chunked_loss: false"),
+        (
+            {},
+            {"compute_accuracy": True},
+            "compute_accuracy: true reads the training logits, which "
+            "launcher.patches.chunked_loss never builds; remove compute_accuracy or set "
+            "launcher.patches.chunked_loss: false",
+        ),
         ({}, {"label_smoothing_factor": 0.1}, "label_smoothing_factor: 0.1 reads the training logits"),
-        ({"patches": {"checkpoint_all_layers": {"memory_budget_gib": 60}}}, {},
-         "memory_budget_gib needs a device that reports its peak memory (cuda, npu); the backend is cpu"),
-        ({"patches": {"packed_rows": False}}, {"packing": True}, "neat_packing: true needs "
-         "launcher.patches.packed_rows: without it transformers' DeltaNet layers run a packed row as one sequence"),
+        (
+            {"patches": {"checkpoint_all_layers": {"memory_budget_gib": 60}}},
+            {},
+            "memory_budget_gib needs a device that reports its peak memory (cuda, npu); the backend is cpu",
+        ),
+        (
+            {"patches": {"packed_rows": False}},
+            {"packing": True},
+            "neat_packing: true needs "
+            "launcher.patches.packed_rows: without it transformers' DeltaNet layers run a packed row as one sequence",
+        ),
         ({"patches": {"deltanet_routing": False}}, {"packing": True}, "needs launcher.patches.deltanet_routing"),
-        ({}, {"packing": True, "include_num_input_tokens_seen": "non_padding"}, "include_num_input_tokens_seen: "
-         "non_padding with neat_packing: true: the Trainer counts the tokens seen by summing the attention mask"),
+        (
+            {},
+            {"packing": True, "include_num_input_tokens_seen": "non_padding"},
+            "include_num_input_tokens_seen: "
+            "non_padding with neat_packing: true: the Trainer counts the tokens seen by summing the attention mask",
+        ),
     ],
-    ids=["accuracy-needs-logits", "label-smoothing", "budget-on-cpu",
-         "packing-without-the-patch", "packing-without-routing", "packing-counting-the-mask"],
-)  # fmt: skip
+    ids=[
+        "accuracy-needs-logits",
+        "label-smoothing",
+        "budget-on-cpu",
+        "packing-without-the-patch",
+        "packing-without-routing",
+        "packing-counting-the-mask",
+    ],
+)
 def test_patch_options_that_cannot_work_are_refused_naming_the_key(tmp_path, demo_assets, launcher, lf, expected):
     cfg = make_config(tmp_path, demo_assets, launcher={"backend": "cpu", **launcher}, **lf)
     errors = errors_of(cfg)
@@ -455,15 +563,18 @@ def test_patch_options_that_cannot_work_are_refused_naming_the_key(tmp_path, dem
 
 @pytest.mark.parametrize(
     ("option", "shown"),
-    [({"varlen_attention": "fast"}, "launcher.patches.packed_rows.varlen_attention"),
-     ({"device_mask": "yes"}, "launcher.patches.packed_rows.device_mask"),
-     ({"unpacked_forward": "on"}, "launcher.patches.packed_rows.unpacked_forward")],
-)  # fmt: skip
+    [
+        ({"varlen_attention": "fast"}, "launcher.patches.packed_rows.varlen_attention"),
+        ({"device_mask": "yes"}, "launcher.patches.packed_rows.device_mask"),
+        ({"unpacked_forward": "on"}, "launcher.patches.packed_rows.unpacked_forward"),
+    ],
+)
 def test_a_bad_packed_rows_option_is_the_one_error_of_a_packing_config(tmp_path, demo_assets, option, shown):
     """The option's own message names the key and the value; the packing rules, which read the patch settings, say
     nothing more while those settings could not be read (they would report every patch as off)."""
-    cfg = make_config(tmp_path, demo_assets, launcher={"backend": "cpu", "patches": {"packed_rows": option}},
-                      packing=True)  # fmt: skip
+    cfg = make_config(
+        tmp_path, demo_assets, launcher={"backend": "cpu", "patches": {"packed_rows": option}}, packing=True
+    )
     errors = errors_of(cfg)
     assert len(errors) == 1 and shown in errors[0], errors
 
@@ -493,8 +604,9 @@ def test_packing_that_would_let_samples_see_each_other_is_refused(tmp_path, demo
     ), pretraining
     by_default = errors_of(make_config(tmp_path, demo_assets, name="pt-default.yaml", stage="pt"))
     assert any("packing (LLaMA-Factory's default for stage pt) with stage pt" in e for e in by_default), by_default
-    dummy = errors_of(make_config(tmp_path, demo_assets, {"patches": {"text_only_batches": False}}, name="dummy.yaml",
-                                  packing=True))  # fmt: skip
+    dummy = errors_of(
+        make_config(tmp_path, demo_assets, {"patches": {"text_only_batches": False}}, name="dummy.yaml", packing=True)
+    )
     assert any(
         "needs batches without LLaMA-Factory's dummy image" in e and "text_only_batches is off" in e for e in dummy
     ), dummy
@@ -505,13 +617,28 @@ def test_the_media_count_reads_only_datasets_that_map_a_media_column(tmp_path, d
     from launcher.checks.data_check import dataset_media
 
     lf = {"dataset_dir": str(demo_assets["data"]), "dataset": "demo_counsel_train", "eval_dataset": "demo_counsel_eval"}
-    assert dataset_media(lf) == {"counted": True, "images": 0, "videos": 0, "records": 0,
-                                 "datasets": ["demo_counsel_train", "demo_counsel_eval"]}  # fmt: skip
-    records = [{"messages": [{"role": "user", "content": "<image>hi"}, {"role": "assistant", "content": "ok"}],
-                "images": ["a.png"]}, {"messages": [], "images": []}]  # fmt: skip
+    assert dataset_media(lf) == {
+        "counted": True,
+        "images": 0,
+        "videos": 0,
+        "records": 0,
+        "datasets": ["demo_counsel_train", "demo_counsel_eval"],
+    }
+    records = [
+        {
+            "messages": [{"role": "user", "content": "<image>hi"}, {"role": "assistant", "content": "ok"}],
+            "images": ["a.png"],
+        },
+        {"messages": [], "images": []},
+    ]
     (tmp_path / "mm.json").write_text(json.dumps(records))
-    info = {"mm": {"file_name": "mm.json", "formatting": "sharegpt",
-                   "columns": {"messages": "messages", "images": "images"}}}  # fmt: skip
+    info = {
+        "mm": {
+            "file_name": "mm.json",
+            "formatting": "sharegpt",
+            "columns": {"messages": "messages", "images": "images"},
+        }
+    }
     (tmp_path / "dataset_info.json").write_text(json.dumps(info))
     found = dataset_media({"dataset_dir": str(tmp_path), "dataset": "mm"})
     assert (found["counted"], found["images"], found["records"]) == (True, 1, 2)

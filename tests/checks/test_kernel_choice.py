@@ -29,8 +29,9 @@ def reference():
 
 def head_major(q, k, v, g, beta, **kw):
     """A broken stand-in: treats [B, T, H, D] as [B, H, T, D] (a layout bug); its outputs and gradients are wrong."""
-    out, state = reference()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g=g.transpose(1, 2),
-                             beta=beta.transpose(1, 2), **kw)  # fmt: skip
+    out, state = reference()(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g=g.transpose(1, 2), beta=beta.transpose(1, 2), **kw
+    )
     return out.transpose(1, 2), state
 
 
@@ -71,9 +72,13 @@ def test_every_chunk_case_runs_at_the_runs_heads_and_head_size() -> None:
 
 def test_the_first_candidate_that_passes_wins_and_later_ones_are_not_tried() -> None:
     calls: list[str] = []
-    candidates = {"chunk": [("fla", loader(grouped_varlen_kernel(), "stand-in fla", calls, "fla")),
-                            ("ascendc", loader(reference(), "stand-in ascendc", calls, "ascendc")),
-                            ("torch", loader(reference(), "torch", calls, "torch"))]}  # fmt: skip
+    candidates = {
+        "chunk": [
+            ("fla", loader(grouped_varlen_kernel(), "stand-in fla", calls, "fla")),
+            ("ascendc", loader(reference(), "stand-in ascendc", calls, "ascendc")),
+            ("torch", loader(reference(), "torch", calls, "torch")),
+        ]
+    }
     choice = choose("npu", candidates, run_cases(SHAPES), "cpu", SHAPES)
     chunk = choice.components["chunk"]
     assert (chunk.chosen, chunk.description, chunk.refused, calls) == ("fla", "stand-in fla", [], ["fla"])
@@ -85,11 +90,16 @@ def test_the_first_candidate_that_passes_wins_and_later_ones_are_not_tried() -> 
 
 def test_a_failing_first_choice_falls_to_the_second_and_records_the_failing_case() -> None:
     candidates = {
-        "chunk": [("fla", loader(head_major, "broken fla")), ("ascendc", loader(reference(), "stand-in ascendc")),
-                  ("torch", loader(reference(), "torch"))],
-        "gated_norm": [("fla", loader(broken_gated_norm, "broken fla norm")),
-                       ("torch", loader(glue("gated_norm"), "torch"))],
-    }  # fmt: skip
+        "chunk": [
+            ("fla", loader(head_major, "broken fla")),
+            ("ascendc", loader(reference(), "stand-in ascendc")),
+            ("torch", loader(reference(), "torch")),
+        ],
+        "gated_norm": [
+            ("fla", loader(broken_gated_norm, "broken fla norm")),
+            ("torch", loader(glue("gated_norm"), "torch")),
+        ],
+    }
     seen = []
     choice = choose("npu", candidates, run_cases(SHAPES), "cpu", SHAPES, on_case=lambda name, r: seen.append(name))
     chunk, norm = choice.components["chunk"], choice.components["gated_norm"]
@@ -102,8 +112,13 @@ def test_a_failing_first_choice_falls_to_the_second_and_records_the_failing_case
 
 
 def test_a_candidate_that_does_not_load_is_refused_at_load_and_the_next_one_tried() -> None:
-    candidates = {"chunk": [("fla", loader(head_major, "broken fla")), ("ascendc", not_installed),
-                            ("torch", loader(reference(), "torch"))]}  # fmt: skip
+    candidates = {
+        "chunk": [
+            ("fla", loader(head_major, "broken fla")),
+            ("ascendc", not_installed),
+            ("torch", loader(reference(), "torch")),
+        ]
+    }
     record = choose("npu", candidates, run_cases(SHAPES), "cpu", SHAPES).to_dict()
     chunk = record["components"]["chunk"]
     assert chunk["chosen"] == "torch" and chunk["expected_slowdown"].startswith("about 8x the 27B step")
@@ -115,8 +130,13 @@ def test_a_candidate_that_does_not_load_is_refused_at_load_and_the_next_one_trie
 
 
 def _torch_fallback_result() -> dict:
-    candidates = {"chunk": [("fla", loader(head_major, "broken fla")), ("ascendc", not_installed),
-                            ("torch", loader(reference(), "torch"))]}  # fmt: skip
+    candidates = {
+        "chunk": [
+            ("fla", loader(head_major, "broken fla")),
+            ("ascendc", not_installed),
+            ("torch", loader(reference(), "torch")),
+        ]
+    }
     record = choose("npu", candidates, run_cases(SHAPES), "cpu", SHAPES).to_dict()
     return {"ok": True, "kernel": "torch", "device": "npu:0", "dtype": "bfloat16", "kernel_choice": record}
 
@@ -163,17 +183,25 @@ def test_the_kernel_check_on_npu_chooses_then_reports_one_row(monkeypatch) -> No
     The child's result carries the choice; the preflight row made from it refuses the torch fallback."""
     from launcher.checks import kernel_check
 
-    candidates = {"chunk": [("fla", loader(head_major, "broken fla")), ("ascendc", not_installed),
-                            ("torch", loader(reference(), "transformers torch_chunk_gated_delta_rule"))],
-                  "conv": [("fla", loader(glue("conv"), "stand-in fla conv")), ("torch", loader(glue("conv"), "t"))],
-                  "gated_norm": [("fla", loader(glue("gated_norm"), "stand-in fla norm"))]}  # fmt: skip
+    candidates = {
+        "chunk": [
+            ("fla", loader(head_major, "broken fla")),
+            ("ascendc", not_installed),
+            ("torch", loader(reference(), "transformers torch_chunk_gated_delta_rule")),
+        ],
+        "conv": [("fla", loader(glue("conv"), "stand-in fla conv")), ("torch", loader(glue("conv"), "t"))],
+        "gated_norm": [("fla", loader(glue("gated_norm"), "stand-in fla norm"))],
+    }
     monkeypatch.setattr(kernel_check, "device_name", lambda backend: "cpu")
     monkeypatch.setattr(kernel_choice, "npu_candidates", lambda: candidates)
     result = kernel_check.check("npu", "auto", glue_ops=("conv", "gated_norm"), shapes=SHAPES)
     assert result["ok"] is True and result["kernel"] == "transformers torch_chunk_gated_delta_rule", result
     components = result["kernel_choice"]["components"]
-    assert {name: c["chosen"] for name, c in components.items()} == {"chunk": "torch", "conv": "fla",
-                                                                     "gated_norm": "fla"}  # fmt: skip
+    assert {name: c["chosen"] for name, c in components.items()} == {
+        "chunk": "torch",
+        "conv": "fla",
+        "gated_norm": "fla",
+    }
     assert json.loads(json.dumps(result)) == result  # the child prints it as one JSON line
     status, detail = kernel_row("npu", result)[1:]
     assert status == "fail" and detail.startswith("kernel choice: chunk torch (fla refused at layout")
@@ -187,11 +215,18 @@ def test_the_runs_shapes_come_from_the_model_config_and_cutoff_len(demo_assets) 
 
     text = read_config(demo_assets["model"])["text_config"]
     shapes = kernel_choice.run_shapes(read_config(demo_assets["model"]), 256)
-    expected = {"key_heads": "linear_num_key_heads", "value_heads": "linear_num_value_heads",
-                "head_dim": "linear_key_head_dim"}  # fmt: skip
+    expected = {
+        "key_heads": "linear_num_key_heads",
+        "value_heads": "linear_num_value_heads",
+        "head_dim": "linear_key_head_dim",
+    }
     assert shapes == {"seq_len": 256, **{key: text[field] for key, field in expected.items()}}
-    assert kernel_choice.run_shapes(None, 4096) == {"seq_len": 4096, "key_heads": 16, "value_heads": 48,
-                                                    "head_dim": 128}  # fmt: skip
+    assert kernel_choice.run_shapes(None, 4096) == {
+        "seq_len": 4096,
+        "key_heads": 16,
+        "value_heads": 48,
+        "head_dim": 128,
+    }
 
 
 def test_each_rank_gets_the_choice_from_preflight_json_in_its_facts(tmp_path) -> None:

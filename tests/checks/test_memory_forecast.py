@@ -207,8 +207,14 @@ def test_the_verdict_names_the_largest_term_and_the_option_that_shrinks_it(model
     # docs/lab/2026-12-02-memory-forecast.md: 12.8 projected bottom-up
     assert formal.verdict == "fits" and 12 < formal.peak < 14
     assert formal.largest == "weights" and "loss" in formal.terms  # lm_head gathered at the loss: its peak phase
-    rooted = _forecast(model_27b, tmp_path, distribution="fsdp2", ranks=8, device_gib=59.6,
-                       patches={"fsdp2_frozen_dtype": {"embedding_units": False}})  # fmt: skip
+    rooted = _forecast(
+        model_27b,
+        tmp_path,
+        distribution="fsdp2",
+        ranks=8,
+        device_gib=59.6,
+        patches={"fsdp2_frozen_dtype": {"embedding_units": False}},
+    )
     assert rooted.terms["FSDP2 gathered units"] - formal.terms["FSDP2 gathered units"] > 3.5  # the root unit held
     assert "embedding_units: true" in rooted.fixes["FSDP2 gathered units"]
     tight = _forecast(model_27b, tmp_path, device_gib=formal.peak + 0.5, distribution="fsdp2", ranks=8)

@@ -32,9 +32,18 @@ pytestmark = pytest.mark.slow
 
 GIB = 1024**3
 REPO = Path(__file__).resolve().parents[2]
-SCALE = {"hidden_size": 1024, "intermediate_size": 2816, "head_dim": 128, "num_attention_heads": 8,
-         "num_key_value_heads": 2, "linear_key_head_dim": 128, "linear_num_key_heads": 4,
-         "linear_num_value_heads": 8, "linear_value_head_dim": 128, "vocab_size": 32768}  # fmt: skip
+SCALE = {
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "head_dim": 128,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "linear_key_head_dim": 128,
+    "linear_num_key_heads": 4,
+    "linear_num_value_heads": 8,
+    "linear_value_head_dim": 128,
+    "vocab_size": 32768,
+}
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +59,22 @@ def model_118m(tmp_path_factory, demo_assets) -> Path:
 
 
 def _probe(model: Path, *args: str) -> dict:
-    done = subprocess.run([sys.executable, "-m", "tests.support.memory_probe", str(model), *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.support.memory_probe", str(model), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _forecast(model: Path, tmp_path: Path, tokens: int) -> memory.Forecast:
-    config = _config(model, tmp_path, backend="cpu", smoke=True, bf16=False, cutoff_len=tokens,
-                     patches={"chunked_loss": False})  # fmt: skip
+    config = _config(
+        model, tmp_path, backend="cpu", smoke=True, bf16=False, cutoff_len=tokens, patches={"chunked_loss": False}
+    )
     return memory.forecast_run(config, config.llamafactory, None)
 
 

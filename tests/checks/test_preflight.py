@@ -48,8 +48,10 @@ def make_model(root: Path, *, model_type: str = "qwen3_5", layer_types: list[str
         "text_config": {"layer_types": layers, "num_hidden_layers": len(layers)},
     }
     (model / "config.json").write_text(json.dumps(config))
-    shards = {"model-00001-of-00002.safetensors": {"a.weight": 8, "b.weight": 4},
-              "model-00002-of-00002.safetensors": {"c.weight": 16}}  # fmt: skip
+    shards = {
+        "model-00001-of-00002.safetensors": {"a.weight": 8, "b.weight": 4},
+        "model-00002-of-00002.safetensors": {"c.weight": 16},
+    }
     weight_map = {}
     for shard, tensors in shards.items():
         write_safetensors(model / shard, tensors)
@@ -98,9 +100,12 @@ def model(tmp_path: Path) -> Path:
 def test_good_model_folder_passes_every_model_check(model: Path) -> None:
     rows = {name: (status, detail) for name, status, detail in preflight.check_model(model, set())}
     assert {name: status for name, (status, _) in rows.items()} == {
-        "model.config": "ok", "model.layers": "ok", "model.weights": "ok",
-        "model.tokenizer": "ok", "model.checksums": "ok",
-    }  # fmt: skip
+        "model.config": "ok",
+        "model.layers": "ok",
+        "model.weights": "ok",
+        "model.tokenizer": "ok",
+        "model.checksums": "ok",
+    }
     assert "3 Gated DeltaNet + 1 full attention (at 3)" in rows["model.layers"][1]
     assert "2 shard(s)" in rows["model.weights"][1]
 
@@ -366,8 +371,9 @@ def test_a_crashing_check_becomes_a_failed_row(tmp_path: Path, monkeypatch: pyte
     assert kernel.status == "fail" and "kaboom" in kernel.detail and not report.ok
 
 
-def test_cli_preflight_exits_nonzero_on_a_bad_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                   capsys: pytest.CaptureFixture) -> None:  # fmt: skip
+def test_cli_preflight_exits_nonzero_on_a_bad_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     pytest.importorskip("llamafactory")
     from launcher.cli import main
 

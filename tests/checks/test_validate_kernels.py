@@ -35,8 +35,9 @@ def check(kernel, case: kernels.Case = SMALL, threshold: float = kernels.DEFAULT
 
 def swapped_layout(q, k, v, g, beta, **kw):
     """Reads FLA's [B, T, H, D] as [B, H, T, D]: runs over heads instead of time."""
-    out, state = reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g=g.transpose(1, 2),
-                           beta=beta.transpose(1, 2), **kw)  # fmt: skip
+    out, state = reference(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g=g.transpose(1, 2), beta=beta.transpose(1, 2), **kw
+    )
     return out.transpose(1, 2), state
 
 
@@ -50,8 +51,10 @@ def honours_cu_seqlens(q, k, v, g, beta, cu_seqlens=None, **kw):
     if cu_seqlens is None:
         return reference(q, k, v, g=g, beta=beta, **kw)
     bounds = cu_seqlens.tolist()
-    outs = [reference(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e], **kw)[0]
-            for s, e in zip(bounds[:-1], bounds[1:], strict=True)]  # fmt: skip
+    outs = [
+        reference(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e], **kw)[0]
+        for s, e in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
     return torch.cat(outs, dim=1), None
 
 
@@ -129,8 +132,9 @@ def test_non_finite_output_and_crashing_kernel_fail():
 
 def test_grouped_heads_give_gradients_of_the_key_heads():
     case = kernels.Case("g", 1, 70, 6, 16, key_heads=2)
-    out, grads = kernels.run_kernel(torch, reference, kernels.make_inputs(torch, case), case, device="cpu",
-                                    dtype=torch.bfloat16)  # fmt: skip
+    out, grads = kernels.run_kernel(
+        torch, reference, kernels.make_inputs(torch, case), case, device="cpu", dtype=torch.bfloat16
+    )
     assert list(out.shape) == [1, 70, 6, 16]
     assert list(grads["q"].shape) == list(grads["k"].shape) == [1, 70, 2, 16]
     assert list(grads["g"].shape) == [1, 70, 6] and grads["g"].dtype == torch.float32  # g stays fp32
@@ -158,8 +162,15 @@ def test_timing_compares_the_routed_kernel_with_the_torch_fallback():
         return reference(*args, **kw)
 
     case = kernels.Case("t", 1, 64, 2, 16, timing=True, memory=True)
-    result = kernels.check_case(torch, case, routed, kernels.torch_reference(), kernels.Device(torch, "cpu"), 0.05,
-                                fallback=kernels.torch_reference())  # fmt: skip
+    result = kernels.check_case(
+        torch,
+        case,
+        routed,
+        kernels.torch_reference(),
+        kernels.Device(torch, "cpu"),
+        0.05,
+        fallback=kernels.torch_reference(),
+    )
     assert result.status == "pass"
     assert set(result.timing_ms) == {"routed", "torch_fallback"} and all(v > 0 for v in result.timing_ms.values())
     assert result.peak_memory_gib is None  # no memory counters on the CPU
@@ -170,8 +181,13 @@ def test_cli_writes_json_and_exits_zero(tmp_path, capsys):
     assert main(["validate-kernels", "--device", "cpu", "--case", "layout", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["ok"] and [c["name"] for c in data["cases"]] == ["layout"]
-    assert data["options"] == {"device": "cpu", "kernel": "auto", "suite": "quick", "cases": ["layout"],
-                               "threshold": 0.05}  # fmt: skip
+    assert data["options"] == {
+        "device": "cpu",
+        "kernel": "auto",
+        "suite": "quick",
+        "cases": ["layout"],
+        "threshold": 0.05,
+    }
     assert "PASSED" in capsys.readouterr().out
 
 
@@ -180,8 +196,11 @@ def test_cli_prints_each_case_as_it_starts_and_ends(capsys):
     assert main(["validate-kernels", "--device", "cpu", "--case", "layout", "--case", "conv"]) == 0
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("validate-kernels: [")]
     assert [line.split(" in ")[0] for line in err] == [
-        "validate-kernels: [1/2] layout ...", "validate-kernels: [1/2] layout: pass",
-        "validate-kernels: [2/2] conv ...", "validate-kernels: [2/2] conv: pass"]  # fmt: skip
+        "validate-kernels: [1/2] layout ...",
+        "validate-kernels: [1/2] layout: pass",
+        "validate-kernels: [2/2] conv ...",
+        "validate-kernels: [2/2] conv: pass",
+    ]
 
 
 def test_cli_reports_a_refused_route_with_its_fix(tmp_path, capsys):
@@ -234,8 +253,14 @@ def test_preflight_checks_only_the_glue_ops_the_run_binds():
     """An op turned off in launcher.patches.fused_ops is not checked, so a broken kernel can be worked around."""
     suite = kernel_check.check("cpu", glue_ops=("conv",))["validate_kernels"]
     assert suite["ok"] and set(suite["cases"]) == {
-        "layout", "grouped", "varlen", "varlen_grouped", "decode", "conv", "conv_varlen"
-    }  # fmt: skip
+        "layout",
+        "grouped",
+        "varlen",
+        "varlen_grouped",
+        "decode",
+        "conv",
+        "conv_varlen",
+    }
     assert set(kernel_check.check("cpu", glue_ops=())["validate_kernels"]["cases"]).isdisjoint(
         {"conv", "conv_varlen", "rms_norm", "gated_norm", "swiglu"}
     )
@@ -309,8 +334,9 @@ def test_decode_case_fails_a_recurrent_kernel_that_drops_the_cached_state_or_mis
 def test_decode_case_times_routed_vs_torch_per_token():
     case = kernels.Case("decode", 1, 4, 2, 16, prefill=8, timing=True)
     recurrent = decode_kernels.torch_decode_reference()
-    result = decode_kernels.check_decode_case(torch, case, lambda *a, **k: recurrent(*a, **k),
-                                              kernels.Device(torch, "cpu"), 0.05, fallback=recurrent)  # fmt: skip
+    result = decode_kernels.check_decode_case(
+        torch, case, lambda *a, **k: recurrent(*a, **k), kernels.Device(torch, "cpu"), 0.05, fallback=recurrent
+    )
     assert result.status == "pass"
     assert set(result.timing_ms) == {"routed_per_token", "torch_per_token"}
 
@@ -325,8 +351,12 @@ def check_glue(name: str, fn) -> kernels.CaseResult:
 
 def test_glue_cases_pass_the_torch_ops_in_bf16_with_every_gradient():
     ops = glue_kernels.torch_ops()
-    expected = {"conv": {"out", "dx", "dweight"}, "rms_norm": {"out", "dx", "dweight"},
-                "gated_norm": {"out", "dx", "dgate", "dweight"}, "swiglu": {"out", "dgate", "dup"}}  # fmt: skip
+    expected = {
+        "conv": {"out", "dx", "dweight"},
+        "rms_norm": {"out", "dx", "dweight"},
+        "gated_norm": {"out", "dx", "dgate", "dweight"},
+        "swiglu": {"out", "dgate", "dup"},
+    }
     for name, keys in expected.items():
         result = check_glue(name, ops[name])
         assert result.status == "pass", result

@@ -82,9 +82,15 @@ def test_every_target_installs_its_lock_through_the_wheelhouse_step(target: str)
 
 def _kinds(steps: list[str]) -> list[str]:
     """The layer order: which of the significant steps come in which order."""
-    marks = [("venv", "-m venv /opt/venv"), ("lock", "wheelhouse.py install"), ("verify", "verify_image.py "),
-             ("project", "--editable ."), ("configs", "COPY configs/"), ("entrypoint", "launcher-entrypoint"),
-             ("commit", "LAUNCHER_GIT_COMMIT=${")]  # fmt: skip
+    marks = [
+        ("venv", "-m venv /opt/venv"),
+        ("lock", "wheelhouse.py install"),
+        ("verify", "verify_image.py "),
+        ("project", "--editable ."),
+        ("configs", "COPY configs/"),
+        ("entrypoint", "launcher-entrypoint"),
+        ("commit", "LAUNCHER_GIT_COMMIT=${"),
+    ]
     return [name for step in steps for name, needle in marks if needle in step]
 
 
@@ -101,8 +107,10 @@ def test_cpu_target_has_the_npu_and_cuda_layer_order() -> None:
     assert entry == ['ENTRYPOINT ["/usr/local/bin/launcher-entrypoint"]', 'CMD ["launcher", "--help"]']
 
 
-@pytest.mark.parametrize(("target", "base"), [("cuda", "CUDA_BASE_IMAGE"), ("cpu", "CPU_BASE_IMAGE"),
-                                              ("npu", "CANN_IMAGE"), ("npu-cann9", "CANN9_IMAGE")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("target", "base"),
+    [("cuda", "CUDA_BASE_IMAGE"), ("cpu", "CPU_BASE_IMAGE"), ("npu", "CANN_IMAGE"), ("npu-cann9", "CANN9_IMAGE")],
+)
 def test_base_image_is_recorded_from_a_redeclared_arg(target: str, base: str) -> None:
     steps = _stages()[target]
     declared = steps.index(f"ARG {base}")
@@ -130,8 +138,17 @@ def test_cpu_pins_agree_with_the_lock_and_the_dev_environment() -> None:
 
 # --- compose.yaml -------------------------------------------------------------------------------------
 
-SHARED = ("working_dir", "init", "stop_signal", "stop_grace_period", "restart", "privileged", "security_opt",
-          "user", "group_add")  # fmt: skip
+SHARED = (
+    "working_dir",
+    "init",
+    "stop_signal",
+    "stop_grace_period",
+    "restart",
+    "privileged",
+    "security_opt",
+    "user",
+    "group_add",
+)
 
 
 def test_train_cpu_runs_the_demo_config_with_trains_settings() -> None:
@@ -191,8 +208,12 @@ def _fake_wheel(folder: Path, name: str, version: str, tag: str = "py3-none-any"
 
 def _write_lock(path: Path, *entries: tuple[str, ...]) -> Path:
     """A uv-style lock: each entry's requirement, its hash on a continuation line, then any comment lines."""
-    path.write_text("".join(f"{req} \\\n    --hash=sha256:{digest}\n" + "".join(f"    {c}\n" for c in comments)
-                            for req, digest, *comments in entries))  # fmt: skip
+    path.write_text(
+        "".join(
+            f"{req} \\\n    --hash=sha256:{digest}\n" + "".join(f"    {c}\n" for c in comments)
+            for req, digest, *comments in entries
+        )
+    )
     return path
 
 
@@ -203,17 +224,25 @@ def test_check_names_each_missing_or_mismatched_package(tmp_path: Path) -> None:
     _, good = _fake_wheel(house, "alpha", "1.0")
     _fake_wheel(house, "beta", "2.0")
     _, _other = _fake_wheel(house, "delta", "4.0", "cp311-cp311-manylinux_2_17_s390x")
-    lock = _write_lock(tmp_path / "req.lock", ("alpha==1.0", good, "# via -r req.in"), ("beta==2.0", "0" * 64),
-                       ("gamma==3.0", "1" * 64), ("delta==4.0", "2" * 64),
-                       ("winonly==5.0 ; sys_platform == 'win32'", "3" * 64))  # fmt: skip
+    lock = _write_lock(
+        tmp_path / "req.lock",
+        ("alpha==1.0", good, "# via -r req.in"),
+        ("beta==2.0", "0" * 64),
+        ("gamma==3.0", "1" * 64),
+        ("delta==4.0", "2" * 64),
+        ("winonly==5.0 ; sys_platform == 'win32'", "3" * 64),
+    )
     problems = wh.check(lock, house)
     assert problems == [
         "beta==2.0: beta-2.0-py3-none-any.whl has a hash the lock does not list",
         "gamma==3.0: no wheel",
         "delta==4.0: only wheels for other platforms (delta-4.0-cp311-cp311-manylinux_2_17_s390x.whl)",
     ]
-    out = subprocess.run([sys.executable, str(ROOT / "docker" / "wheelhouse.py"), "check", str(lock), str(house)],
-                         capture_output=True, text=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "docker" / "wheelhouse.py"), "check", str(lock), str(house)],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 1 and out.stderr.count("\n") == 1  # one message
     assert "gamma==3.0: no wheel" in out.stderr and "wheelhouse.py download" in out.stderr
 
@@ -226,19 +255,35 @@ def test_check_for_the_images_platform_names_what_that_build_would_miss(tmp_path
     _, native = _fake_wheel(house, "alpha", "1.0", "cp311-cp311-manylinux_2_17_x86_64")
     _, pure = _fake_wheel(house, "beta", "2.0")
     _, newer = _fake_wheel(house, "gamma", "3.0", "cp312-cp312-manylinux_2_17_x86_64")
-    lock = _write_lock(tmp_path / "req.lock", ("alpha==1.0", native), ("beta==2.0", pure), ("gamma==3.0", newer),
-                       ("armonly==4.0 ; platform_machine == 'aarch64'", "4" * 64))  # fmt: skip
+    lock = _write_lock(
+        tmp_path / "req.lock",
+        ("alpha==1.0", native),
+        ("beta==2.0", pure),
+        ("gamma==3.0", newer),
+        ("armonly==4.0 ; platform_machine == 'aarch64'", "4" * 64),
+    )
 
     def check(machine: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, str(ROOT / "docker" / "wheelhouse.py"), "check", str(lock), str(house),
-                   "--platform", machine, "--python", "3.11.14"]  # fmt: skip
+        command = [
+            sys.executable,
+            str(ROOT / "docker" / "wheelhouse.py"),
+            "check",
+            str(lock),
+            str(house),
+            "--platform",
+            machine,
+            "--python",
+            "3.11.14",
+        ]
         return subprocess.run(command, capture_output=True, text=True)
 
     x86 = check("x86_64")
     assert x86.returncode == 1 and x86.stderr.count("\n") == 1, x86.stderr
-    assert x86.stderr.startswith(f"wheelhouse: {house} cannot install req.lock on linux x86_64, CPython 3.11.14: "
-                                 "gamma==3.0: only wheels for other platforms (gamma-3.0-cp312-cp312-manylinux_2_17_"
-                                 "x86_64.whl). Make it on a connected machine with: "), x86.stderr  # fmt: skip
+    assert x86.stderr.startswith(
+        f"wheelhouse: {house} cannot install req.lock on linux x86_64, CPython 3.11.14: "
+        "gamma==3.0: only wheels for other platforms (gamma-3.0-cp312-cp312-manylinux_2_17_"
+        "x86_64.whl). Make it on a connected machine with: "
+    ), x86.stderr
     arm = check("aarch64")
     assert arm.returncode == 1
     for missing in ("alpha==1.0: only wheels for other platforms", "gamma==3.0", "armonly==4.0: no wheel"):
@@ -282,8 +327,15 @@ def test_install_is_online_unless_a_wheelhouse_is_named(tmp_path: Path, monkeypa
     lock.write_text("")
     monkeypatch.delenv("WHEELHOUSE", raising=False)
     wh.main(["install", str(lock)])
-    assert calls[-1][3:] == ["install", "--no-cache-dir", "--no-deps", "--require-hashes", "--only-binary=:all:",
-                             "-r", str(lock)]  # fmt: skip
+    assert calls[-1][3:] == [
+        "install",
+        "--no-cache-dir",
+        "--no-deps",
+        "--require-hashes",
+        "--only-binary=:all:",
+        "-r",
+        str(lock),
+    ]
     monkeypatch.setenv("WHEELHOUSE", "absent")
     with pytest.raises(SystemExit) as refused:
         wh.main(["install", str(lock)])
@@ -307,37 +359,54 @@ def _ci_copy(tmp_path: Path, test_sh: str) -> Path:
     log = 'echo "$(basename "$0") $* docker=${LAUNCHER_DOCKER_TESTS:-} slurm=${LAUNCHER_SLURM_TESTS:-}" >> "$CI_LOG"\n'
     for name in ("setup-env.sh", "docker-engine.sh", "slurm-cluster.sh"):
         (root / "scripts" / name).write_text("#!/bin/bash\n" + log)
-    (root / "scripts" / "test.sh").write_text("#!/bin/bash\n" + log + 'echo "addopts=$PYTEST_ADDOPTS" >> "$CI_LOG"\n'
-                                              + test_sh)  # fmt: skip
+    (root / "scripts" / "test.sh").write_text(
+        "#!/bin/bash\n" + log + 'echo "addopts=$PYTEST_ADDOPTS" >> "$CI_LOG"\n' + test_sh
+    )
     return root
 
 
 def _run_ci(root: Path, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
     log = root / "ci.log"
     # not what the CI run around this test set: its switches, its pytest options, its CI_* knobs
-    outer = {k: v for k, v in os.environ.items() if not k.startswith("CI_")
-             and k not in ("LAUNCHER_DOCKER_TESTS", "LAUNCHER_SLURM_TESTS", "PYTEST_ADDOPTS")}  # fmt: skip
-    done = subprocess.run(["bash", str(root / ".ci" / "run")], capture_output=True, text=True, timeout=120,
-                          env={**outer, "CI_LOG": str(log), **env})  # fmt: skip
+    outer = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("CI_") and k not in ("LAUNCHER_DOCKER_TESTS", "LAUNCHER_SLURM_TESTS", "PYTEST_ADDOPTS")
+    }
+    done = subprocess.run(
+        ["bash", str(root / ".ci" / "run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**outer, "CI_LOG": str(log), **env},
+    )
     return done, log.read_text().splitlines()
 
 
 @pytest.mark.parametrize("need", ["0", "999999"], ids=["disk-enough", "disk-short"])
-def test_ci_runs_the_readme_tests_with_the_engine_and_slurm_only_with_the_disk_for_them(tmp_path: Path,
-                                                                                        need: str) -> None:  # fmt: skip
+def test_ci_runs_the_readme_tests_with_the_engine_and_slurm_only_with_the_disk_for_them(
+    tmp_path: Path, need: str
+) -> None:
     root = _ci_copy(tmp_path, "exit 3\n")
     where = tmp_path / "engine" / "not-made-yet"  # measured on its nearest existing folder, created by no one
     # switches set outside: the no-engine path must turn them off
-    done, calls = _run_ci(root, CI_ENGINE_DISK_GIB=need, CI_DOCKER_ROOT=str(where), LAUNCHER_DOCKER_TESTS="1",
-                          LAUNCHER_SLURM_TESTS="1")  # fmt: skip
+    done, calls = _run_ci(
+        root, CI_ENGINE_DISK_GIB=need, CI_DOCKER_ROOT=str(where), LAUNCHER_DOCKER_TESTS="1", LAUNCHER_SLURM_TESTS="1"
+    )
     assert done.returncode == 3, done.stdout + done.stderr  # the tests' exit code is CI's
     assert not where.parent.exists()
     assert done.stdout.startswith("ci: free disk at the start: ") and "ci: free disk at the end: " in done.stdout
     if need == "0":
         steps = [" ".join(c.split()[:2]) for c in calls[1:]]
-        assert steps == ["docker-engine.sh install", "docker-engine.sh start", "slurm-cluster.sh install",
-                         "test.sh docker=1", "addopts= --durations=30", "slurm-cluster.sh stop",
-                         "docker-engine.sh stop"]  # fmt: skip
+        assert steps == [
+            "docker-engine.sh install",
+            "docker-engine.sh start",
+            "slurm-cluster.sh install",
+            "test.sh docker=1",
+            "addopts= --durations=30",
+            "slurm-cluster.sh stop",
+            "docker-engine.sh stop",
+        ]
         assert calls[0].startswith("setup-env.sh ") and calls[4].endswith("docker=1 slurm=1")
         assert "did NOT run" not in done.stdout
     else:
@@ -373,8 +442,13 @@ def test_slurm_cluster_script_refuses_a_bad_verb_or_shared_folder_in_one_line(tm
     verb = subprocess.run(["bash", script, "begin"], capture_output=True, text=True, timeout=60)
     assert verb.returncode == 1 and "usage:" in verb.stderr and "start [DIR]" in verb.stderr
     missing = tmp_path / "no-such-folder"
-    start = subprocess.run(["bash", script, "start", str(tmp_path / "cluster")], capture_output=True, text=True,
-                           timeout=60, env={**os.environ, "SLURM_SHARED_DIR": str(missing)})  # fmt: skip
+    start = subprocess.run(
+        ["bash", script, "start", str(tmp_path / "cluster")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SLURM_SHARED_DIR": str(missing)},
+    )
     assert start.returncode == 1, start.stdout + start.stderr
     assert f"slurm-cluster: SLURM_SHARED_DIR={missing} is not a folder" in start.stderr
     assert not missing.exists() and not (tmp_path / "cluster" / "slurm.conf").exists()  # nothing written
@@ -382,8 +456,9 @@ def test_slurm_cluster_script_refuses_a_bad_verb_or_shared_folder_in_one_line(tm
 
 def test_engine_status_says_when_no_engine_answers(tmp_path: Path) -> None:
     env = {"PATH": "/usr/bin:/bin", "DOCKER_HOST": f"unix://{tmp_path}/none.sock"}
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "docker-engine.sh"), "status"], capture_output=True,
-                         text=True, env=env)  # fmt: skip
+    out = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "docker-engine.sh"), "status"], capture_output=True, text=True, env=env
+    )
     assert out.returncode == 1
     assert out.stderr.strip() == (
         "docker-engine: no Docker engine answers (bash scripts/docker-engine.sh install && "

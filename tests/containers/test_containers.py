@@ -66,17 +66,23 @@ class Compose:
         for folder in (self.outputs, self.logs, self.models, self.data):
             folder.mkdir(parents=True, exist_ok=True)
         self.env = {
-            **os.environ, "OUTPUTS_DIR": str(self.outputs), "LOGS_DIR": str(self.logs),
-            "MODEL_DIR": str(self.models), "DATA_DIR": str(self.data), "CPU_BASE_IMAGE": BASE_IMAGE,
-        }  # fmt: skip
+            **os.environ,
+            "OUTPUTS_DIR": str(self.outputs),
+            "LOGS_DIR": str(self.logs),
+            "MODEL_DIR": str(self.models),
+            "DATA_DIR": str(self.data),
+            "CPU_BASE_IMAGE": BASE_IMAGE,
+        }
         for name in ("UID", "GID", "DEVICE_GID", "TRAIN_CONFIG_CPU", "WHEELHOUSE"):
             self.env.pop(name, None)
 
-    def cmd(self, *args: str, env: dict[str, str] | None = None, timeout: float = 900,
-            check: bool = False) -> subprocess.CompletedProcess:  # fmt: skip
+    def cmd(
+        self, *args: str, env: dict[str, str] | None = None, timeout: float = 900, check: bool = False
+    ) -> subprocess.CompletedProcess:
         full = [docker_cli(), "compose", "--profile", "cpu", *args]
-        out = subprocess.run(full, cwd=ROOT, env={**self.env, **(env or {})}, capture_output=True, text=True,
-                             timeout=timeout)  # fmt: skip
+        out = subprocess.run(
+            full, cwd=ROOT, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=timeout
+        )
         if check:
             assert out.returncode == 0, f"{' '.join(args)}: {out.stdout[-3000:]}{out.stderr[-3000:]}"
         return out
@@ -122,17 +128,25 @@ def container_processes(run_dir_in_container: str) -> list[psutil.Process]:
 # --- tests ------------------------------------------------------------------------------------------
 
 
-def launcher_on_host(*args: Any, timeout: float = 120,
-                     env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+def launcher_on_host(
+    *args: Any, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """The host's ``launcher`` (this checkout), reading the mounted outputs folder."""
-    return subprocess.run([sys.executable, "-m", "launcher", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "launcher", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_up_trains_the_demo_to_succeeded(compose: Compose, engine) -> None:
     digest = engine.images.get(IMAGE).id  # what the engine reports; compose passes it to the launcher
-    out = compose.cmd("up", "--exit-code-from", "train-cpu", "train-cpu", env={"LAUNCHER_IMAGE_DIGEST": digest},
-                      timeout=900)  # fmt: skip
+    out = compose.cmd(
+        "up", "--exit-code-from", "train-cpu", "train-cpu", env={"LAUNCHER_IMAGE_DIGEST": digest}, timeout=900
+    )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     (run,) = compose.runs()
     status = compose.status(run)
@@ -165,21 +179,32 @@ def test_up_trains_the_demo_to_succeeded(compose: Compose, engine) -> None:
     refused = launcher_on_host("evaluate", run, "--max-prompts", "2", timeout=300)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stdout + refused.stderr
     command = refused.stderr.rstrip().rsplit(": ", 1)[1]
-    assert command == (f"docker compose --profile cpu run --rm train-cpu launcher evaluate /outputs/runs/{run.name} "
-                       "--max-prompts=2"), refused.stderr  # fmt: skip
+    assert command == (
+        f"docker compose --profile cpu run --rm train-cpu launcher evaluate /outputs/runs/{run.name} --max-prompts=2"
+    ), refused.stderr
     in_image = compose.cmd(*shlex.split(command)[2:], timeout=900)
     assert in_image.returncode == 0, in_image.stdout[-3000:] + in_image.stderr[-3000:]
     assert json.loads((run / "evaluate.json").read_text())["run_id"] == run.name
     (run / "evaluate.json").unlink()
     host_demo = compose.root / "host-demo"
-    here = launcher_on_host("evaluate", run, "--max-prompts", "2", "--model", host_demo / "model", "--data-dir",
-                            host_demo / "data", timeout=600)  # fmt: skip
+    here = launcher_on_host(
+        "evaluate",
+        run,
+        "--max-prompts",
+        "2",
+        "--model",
+        host_demo / "model",
+        "--data-dir",
+        host_demo / "data",
+        timeout=600,
+    )
     assert here.returncode == 0, here.stdout[-3000:] + here.stderr[-3000:]
     assert (run / "evaluate.json").is_file()
 
 
-def test_overrides_through_compose_evaluate_through_the_mounts_and_the_new_run_at_once(compose: Compose,
-                                                                                     engine) -> None:  # fmt: skip
+def test_overrides_through_compose_evaluate_through_the_mounts_and_the_new_run_at_once(
+    compose: Compose, engine
+) -> None:
     """TRAIN_OVERRIDES: a bad key stops the container in one message naming it; good ones (the model and data
     mounted from the host, 2 steps) train and are recorded. The host's `evaluate` finds the container's model and
     data through the container's mounts. Right after `up -d`, the host's `status` without RUN waits for the new
@@ -187,16 +212,20 @@ def test_overrides_through_compose_evaluate_through_the_mounts_and_the_new_run_a
     built = launcher_on_host("demo-assets", "--out", compose.root / "assets", timeout=300)
     assert built.returncode == 0, built.stderr
     mounts = {"MODEL_DIR": str(compose.root / "assets" / "model"), "DATA_DIR": str(compose.root / "assets" / "data")}
-    bad = compose.cmd("up", "--exit-code-from", "train-cpu", "train-cpu",
-                      env={**mounts, "TRAIN_OVERRIDES": "max_step=2"}, timeout=900)  # fmt: skip
+    bad = compose.cmd(
+        "up", "--exit-code-from", "train-cpu", "train-cpu", env={**mounts, "TRAIN_OVERRIDES": "max_step=2"}, timeout=900
+    )
     assert bad.returncode == 2, bad.stdout[-3000:] + bad.stderr[-3000:]
     said = engine.containers.get(CONTAINER).logs().decode(errors="replace")  # what the launcher printed
-    assert ("max_step: not a LLaMA-Factory argument; did you mean max_steps? (set by LAUNCHER_OVERRIDES, compose's "
-            "TRAIN_OVERRIDES)") in said, said[-3000:]  # fmt: skip
+    assert (
+        "max_step: not a LLaMA-Factory argument; did you mean max_steps? (set by LAUNCHER_OVERRIDES, compose's "
+        "TRAIN_OVERRIDES)"
+    ) in said, said[-3000:]
     assert compose.runs() == []
     overrides = "model_name_or_path=/models/Qwen3.5-27B dataset_dir=/data max_steps=2 save_steps=2 eval_steps=2"
-    up = compose.cmd("up", "--exit-code-from", "train-cpu", "train-cpu",
-                     env={**mounts, "TRAIN_OVERRIDES": overrides}, timeout=900)  # fmt: skip
+    up = compose.cmd(
+        "up", "--exit-code-from", "train-cpu", "train-cpu", env={**mounts, "TRAIN_OVERRIDES": overrides}, timeout=900
+    )
     assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
     (run,) = compose.runs()
     assert yaml.safe_load((run / "overrides.yaml").read_text())["max_steps"] == 2
@@ -208,8 +237,9 @@ def test_overrides_through_compose_evaluate_through_the_mounts_and_the_new_run_a
     doc = json.loads((run / "evaluate.json").read_text())
     assert doc["run_id"] == run.name and doc["test_split"]["path"].startswith(mounts["DATA_DIR"]), doc["test_split"]
 
-    compose.cmd("up", "--detach", "train-cpu", env={**mounts, "TRAIN_OVERRIDES": overrides.replace("=2 ", "=400 ")},
-                check=True)  # fmt: skip
+    compose.cmd(
+        "up", "--detach", "train-cpu", env={**mounts, "TRAIN_OVERRIDES": overrides.replace("=2 ", "=400 ")}, check=True
+    )
     from launcher.run.lock import read_owner
 
     def new_holder() -> dict[str, Any] | None:  # the first run's supervisor left its owner file naming that run
@@ -280,16 +310,27 @@ def test_the_host_watches_a_detached_run_through_the_engine(live_run, engine) ->
     assert info["total_steps"] == 400, info
     listed = launcher_on_host("list", "--root", c.outputs / "runs")
     assert run.name in listed.stdout and "RUNNING" in listed.stdout
-    env_root = subprocess.run([sys.executable, "-m", "launcher", "status"], cwd=ROOT, capture_output=True, text=True,
-                              env={**os.environ, "LAUNCHER_ROOT": str(c.outputs / "runs")}, timeout=120)  # fmt: skip
+    env_root = subprocess.run(
+        [sys.executable, "-m", "launcher", "status"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "LAUNCHER_ROOT": str(c.outputs / "runs")},
+        timeout=120,
+    )
     assert run.name in env_root.stdout and "running" in env_root.stdout
 
 
 @pytest.fixture(scope="module")
 def follower(live_run) -> subprocess.Popen:
     """`launcher logs -f` on the host, started while the run lives (the stop below ends it)."""
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "logs", "-f", live_run["run"]], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launcher", "logs", "-f", live_run["run"]],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     yield proc
     if proc.poll() is None:
         proc.kill()
@@ -320,16 +361,18 @@ def test_compose_stop_mid_run_records_terminated_within_the_grace_period(live_ru
     assert host["state"] == "TERMINATED" and host["recorded_state"] == "TERMINATED"
 
 
-def test_a_killed_container_is_node_lost_and_a_new_up_is_allowed_with_a_warning(cpu_image, engine,
-                                                                                  tmp_path) -> None:  # fmt: skip
+def test_a_killed_container_is_node_lost_and_a_new_up_is_allowed_with_a_warning(cpu_image, engine, tmp_path) -> None:
     c = Compose(tmp_path)
     c.cmd("rm", "--force", "--stop", "train-cpu")
     config = c.long_config()
     try:
         c.cmd("up", "--detach", "train-cpu", env={"TRAIN_CONFIG_CPU": config}, check=True)
         run = wait_for("the run folder", lambda: (c.runs() or [None])[0], timeout=300)
-        wait_for("a logged step", lambda: c.status(run).get("state") == "RUNNING"
-                 and (run / "output" / "trainer_log.jsonl").is_file(), timeout=600)  # fmt: skip
+        wait_for(
+            "a logged step",
+            lambda: c.status(run).get("state") == "RUNNING" and (run / "output" / "trainer_log.jsonl").is_file(),
+            timeout=600,
+        )
         engine.containers.get(CONTAINER).kill()
         wait_for("the container to stop", lambda: engine.containers.get(CONTAINER).status == "exited", timeout=60)
         info = json.loads(launcher_on_host("status", run, "--json").stdout)
@@ -361,9 +404,15 @@ def detached(cpu_image, engine, tmp_path) -> Iterator[tuple[Compose, Path]]:
         # 100 steps: the stop lands long before the end, and the resumed attempt finishes on a loaded machine
         c.cmd("up", "--detach", "train-cpu", env={"TRAIN_CONFIG_CPU": c.long_config(max_steps=STEPS)}, check=True)
         run = wait_for("the run folder", lambda: (c.runs() or [None])[0], timeout=300)
-        wait_for("a logged step and the job's save-on-stop handshake", lambda: c.status(run).get("state") == "RUNNING"
-                 and (run / "output" / "trainer_log.jsonl").is_file() and (run / "save_on_stop.json").is_file(),
-                 timeout=600)  # fmt: skip
+        wait_for(
+            "a logged step and the job's save-on-stop handshake",
+            lambda: (
+                c.status(run).get("state") == "RUNNING"
+                and (run / "output" / "trainer_log.jsonl").is_file()
+                and (run / "save_on_stop.json").is_file()
+            ),
+            timeout=600,
+        )
         yield c, run
     finally:
         c.cmd("down", "--timeout", "30", "--remove-orphans")
@@ -455,8 +504,9 @@ def test_security_settings_and_read_only_mounts(compose: Compose, engine) -> Non
         f"if touch {d}/probe 2>/dev/null; then echo WROTE {d}; else echo REFUSED {d}; fi"
         for d in sorted(read_only | {"/outputs", "/logs"})
     )
-    out = compose.cmd("run", "--rm", "train-cpu", "bash", "-c", probe + "; grep NoNewPrivs /proc/self/status",
-                      check=True)  # fmt: skip
+    out = compose.cmd(
+        "run", "--rm", "train-cpu", "bash", "-c", probe + "; grep NoNewPrivs /proc/self/status", check=True
+    )
     for d in read_only:
         assert f"REFUSED {d}" in out.stdout, out.stdout
     assert "WROTE /outputs" in out.stdout and "WROTE /logs" in out.stdout
@@ -542,9 +592,20 @@ def test_a_wheelhouse_missing_a_wheel_stops_the_build_naming_it(cpu_image, tmp_p
         for wheel in (ROOT / "wheelhouse" / "cpu").glob(f"{name}-*.whl"):
             shutil.copy2(wheel, broken / wheel.name)
     pin = re.match(r"rich==\S+", entries["rich"]).group(0)
-    build = [docker_cli(), "build", "--progress=plain", "--target", "cpu", "-t", "deltanet-launcher:broken",
-             "--build-arg", f"CPU_BASE_IMAGE={BASE_IMAGE}", "--build-arg", "WHEELHOUSE=broken",
-             str(context)]  # fmt: skip
+    build = [
+        docker_cli(),
+        "build",
+        "--progress=plain",
+        "--target",
+        "cpu",
+        "-t",
+        "deltanet-launcher:broken",
+        "--build-arg",
+        f"CPU_BASE_IMAGE={BASE_IMAGE}",
+        "--build-arg",
+        "WHEELHOUSE=broken",
+        str(context),
+    ]
     out = subprocess.run(build, capture_output=True, text=True, timeout=900, env={**os.environ, "DOCKER_BUILDKIT": "1"})
     assert out.returncode != 0
     messages = [ln for ln in (out.stdout + out.stderr).splitlines() if "wheelhouse: /wheelhouse/broken cannot" in ln]
@@ -558,8 +619,15 @@ def test_a_wheelhouse_missing_a_wheel_stops_the_build_naming_it(cpu_image, tmp_p
 def test_clear_messages_when_the_engine_or_the_image_is_missing(compose: Compose) -> None:
     gone = compose.cmd("up", "train-cpu", env={"DOCKER_HOST": f"unix://{compose.root}/no-engine.sock"}, timeout=60)
     assert gone.returncode != 0 and "Cannot connect to the Docker daemon" in gone.stderr, gone.stderr
-    absent = compose.cmd("up", "--no-build", "--pull", "never", "train-cpu",
-                         env={"LAUNCHER_CPU_IMAGE": "deltanet-launcher:absent"}, timeout=120)  # fmt: skip
+    absent = compose.cmd(
+        "up",
+        "--no-build",
+        "--pull",
+        "never",
+        "train-cpu",
+        env={"LAUNCHER_CPU_IMAGE": "deltanet-launcher:absent"},
+        timeout=120,
+    )
     assert absent.returncode != 0 and "No such image: deltanet-launcher:absent" in absent.stderr, absent.stderr
 
 

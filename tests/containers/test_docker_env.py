@@ -34,13 +34,29 @@ DAVINCI = [f"/dev/davinci{i}" for i in range(8)] + ["/dev/davinci_manager", "/de
 DRIVER_MOUNTS = {"/usr/local/Ascend/driver", "/usr/local/dcmi", "/usr/local/bin/npu-smi"}
 # The seed run's formal LLaMA-Factory settings, to be shipped unchanged.
 SEED = {
-    "stage": "sft", "finetuning_type": "lora", "lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.05,
-    "lora_target": "q_proj,k_proj,v_proj,o_proj", "template": "qwen3_vl_nothink", "cutoff_len": 4096,
-    "bf16": True, "gradient_checkpointing": True, "per_device_train_batch_size": 1,
-    "gradient_accumulation_steps": 1, "learning_rate": 5.0e-5, "lr_scheduler_type": "cosine",
-    "warmup_ratio": 0.03, "num_train_epochs": 3.0, "max_grad_norm": 1.0, "save_only_model": True,
-    "save_strategy": "steps", "save_steps": 100, "eval_strategy": "steps", "eval_steps": 100,
-}  # fmt: skip
+    "stage": "sft",
+    "finetuning_type": "lora",
+    "lora_rank": 8,
+    "lora_alpha": 16,
+    "lora_dropout": 0.05,
+    "lora_target": "q_proj,k_proj,v_proj,o_proj",
+    "template": "qwen3_vl_nothink",
+    "cutoff_len": 4096,
+    "bf16": True,
+    "gradient_checkpointing": True,
+    "per_device_train_batch_size": 1,
+    "gradient_accumulation_steps": 1,
+    "learning_rate": 5.0e-5,
+    "lr_scheduler_type": "cosine",
+    "warmup_ratio": 0.03,
+    "num_train_epochs": 3.0,
+    "max_grad_norm": 1.0,
+    "save_only_model": True,
+    "save_strategy": "steps",
+    "save_steps": 100,
+    "eval_strategy": "steps",
+    "eval_steps": 100,
+}
 
 
 def _tool(name: str) -> str:
@@ -106,8 +122,12 @@ def test_dockerfile_installs_only_from_the_locks_with_hashes() -> None:
     PyPI or offline from a wheelhouse) and then only the project itself, with no index."""
     lines = DOCKERFILE.read_text().splitlines()
     locked = [ln.strip() for ln in lines if ln.strip().startswith("python docker/wheelhouse.py install ")]
-    assert sorted(ln.split()[-1] for ln in locked) == ["requirements-cpu.lock", "requirements-cuda.lock",
-                                                       "requirements-npu-cann9.lock", "requirements.lock"]  # fmt: skip
+    assert sorted(ln.split()[-1] for ln in locked) == [
+        "requirements-cpu.lock",
+        "requirements-cuda.lock",
+        "requirements-npu-cann9.lock",
+        "requirements.lock",
+    ]
     others = [ln for ln in lines if "pip install" in ln]
     assert len(others) == 4 and all("--no-deps" in ln and "--no-index --editable ." in ln for ln in others), others
     flags = (ROOT / "docker" / "wheelhouse.py").read_text()
@@ -204,10 +224,12 @@ def _seconds(text: str) -> float:
 def test_npu_pins_agree_across_dockerfile_in_and_lock() -> None:
     args, lock, spec = dockerfile_stages()["npu"], locked("requirements.lock"), pins_in("requirements.in")
     expected = {
-        "torch": args["TORCH_VERSION"], "torch-npu": args["TORCH_NPU_VERSION"],
-        "triton-ascend": args["TRITON_ASCEND_VERSION"], "fla-core": args["FLA_VERSION"],
+        "torch": args["TORCH_VERSION"],
+        "torch-npu": args["TORCH_NPU_VERSION"],
+        "triton-ascend": args["TRITON_ASCEND_VERSION"],
+        "fla-core": args["FLA_VERSION"],
         "llamafactory": args["LLAMAFACTORY_VERSION"],
-    }  # fmt: skip
+    }
     for name, version in expected.items():
         assert lock[name] == version == spec[name], name
     assert "triton" not in lock, "community triton must not be in the NPU lock"
@@ -223,8 +245,12 @@ def test_npu_cann9_pins_are_the_pairing_fla_core_declares() -> None:
     lock, spec = locked("requirements-npu-cann9.lock"), pins_in("requirements-npu-cann9.in")
     declared = {"torch": "2.10.0", "torch-npu": "2.10.0.post7", "torchvision": "0.25.0"}
     assert {name: lock[name] for name in declared} == declared
-    expected = {"torch": args["TORCH_VERSION"], "torch-npu": args["TORCH_NPU_VERSION"], "fla-core": args["FLA_VERSION"],
-                "llamafactory": args["LLAMAFACTORY_VERSION"]}  # fmt: skip
+    expected = {
+        "torch": args["TORCH_VERSION"],
+        "torch-npu": args["TORCH_NPU_VERSION"],
+        "fla-core": args["FLA_VERSION"],
+        "llamafactory": args["LLAMAFACTORY_VERSION"],
+    }
     for name, version in expected.items():
         assert lock[name] == version == spec[name], name
     assert args["TRITON_ASCEND_VERSION"] == "3.6.0" and "triton-ascend" not in lock and "triton" not in lock
@@ -248,21 +274,27 @@ def test_install_pinned_takes_only_the_wheel_whose_sha256_was_pinned(tmp_path: P
     wheel = make_wheel(tmp_path / "mount" / "npu-cann9")
     good = __import__("hashlib").sha256(wheel.read_bytes()).hexdigest()
     target = tmp_path / "target"
-    env = {**os.environ, "WHEELHOUSE_MOUNT": str(tmp_path / "mount"), "WHEELHOUSE": "npu-cann9",
-           "PIP_TARGET": str(target)}  # fmt: skip
+    env = {
+        **os.environ,
+        "WHEELHOUSE_MOUNT": str(tmp_path / "mount"),
+        "WHEELHOUSE": "npu-cann9",
+        "PIP_TARGET": str(target),
+    }
     script = [sys.executable, str(ROOT / "docker" / "wheelhouse.py"), "install-pinned", "triton-ascend==3.6.0"]
 
     def run(sha: str, **extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([*script, "--sha256", sha], env={**env, **extra}, capture_output=True, text=True,
-                              timeout=300)  # fmt: skip
+        return subprocess.run(
+            [*script, "--sha256", sha], env={**env, **extra}, capture_output=True, text=True, timeout=300
+        )
 
     empty = run("")
     assert empty.returncode == 1 and "no sha256 is pinned" in empty.stderr and good in empty.stderr, empty.stderr
     other = run("0" * 64)
     assert other.returncode == 1 and f"has sha256 {good}, but the pinned value is {'0' * 64}" in other.stderr
     assert "no public index" in run(good, WHEELHOUSE="").stderr
-    missing = subprocess.run([*script[:-1], "triton-ascend==3.6.1", "--sha256", good], env=env, capture_output=True,
-                             text=True)  # fmt: skip
+    missing = subprocess.run(
+        [*script[:-1], "triton-ascend==3.6.1", "--sha256", good], env=env, capture_output=True, text=True
+    )
     assert missing.returncode == 1 and "triton-ascend==3.6.1: no wheel" in missing.stderr
     assert not target.exists()  # nothing installed by a refusal
     ok = run(good.upper())
@@ -272,8 +304,12 @@ def test_install_pinned_takes_only_the_wheel_whose_sha256_was_pinned(tmp_path: P
 
 def test_cuda_pins_agree_across_dockerfile_in_and_lock() -> None:
     args, lock, spec = dockerfile_stages()["cuda"], locked("requirements-cuda.lock"), pins_in("requirements-cuda.in")
-    expected = {"torch": args["TORCH_VERSION"], "triton": args["TRITON_VERSION"], "fla-core": args["FLA_VERSION"],
-                "llamafactory": args["LLAMAFACTORY_VERSION"]}  # fmt: skip
+    expected = {
+        "torch": args["TORCH_VERSION"],
+        "triton": args["TRITON_VERSION"],
+        "fla-core": args["FLA_VERSION"],
+        "llamafactory": args["LLAMAFACTORY_VERSION"],
+    }
     for name, version in expected.items():
         assert lock[name] == version == spec[name], name
     assert "triton-ascend" not in lock and "torch-npu" not in lock
@@ -330,9 +366,24 @@ def _words(text: str) -> str:
 def test_every_locked_package_has_a_wheel_on_pypi(tmp_path: Path, lock_name: str, platform: str) -> None:
     """Resolves the lock against PyPI for the platform (metadata only, nothing installed); needs network."""
     python = "3.12" if "cann9" in lock_name else "3.11"
-    cmd = [_tool("uv"), "pip", "install", "--dry-run", "--no-deps", "--require-hashes", "--only-binary", ":all:",
-           "--python-version", python, "--python-platform", platform, "--target", str(tmp_path / "t"),
-           "-r", str(ROOT / lock_name)]  # fmt: skip
+    cmd = [
+        _tool("uv"),
+        "pip",
+        "install",
+        "--dry-run",
+        "--no-deps",
+        "--require-hashes",
+        "--only-binary",
+        ":all:",
+        "--python-version",
+        python,
+        "--python-platform",
+        platform,
+        "--target",
+        str(tmp_path / "t"),
+        "-r",
+        str(ROOT / lock_name),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     wanted = sum(p.applies(_marker_env(platform, python)) for p in lockfile.parse_lock(ROOT / lock_name))
@@ -343,9 +394,16 @@ def _marker_env(platform: str, python: str = "3.11") -> dict[str, str]:
     from packaging.markers import default_environment
 
     machine = platform.split("-")[0]
-    return {**default_environment(), "sys_platform": "linux", "platform_system": "Linux",
-            "platform_machine": machine, "python_version": python, "python_full_version": f"{python}.0",
-            "implementation_name": "cpython", "platform_python_implementation": "CPython"}  # fmt: skip
+    return {
+        **default_environment(),
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "platform_machine": machine,
+        "python_version": python,
+        "python_full_version": f"{python}.0",
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+    }
 
 
 # --- configs ----------------------------------------------------------------------------------------
@@ -401,12 +459,19 @@ def test_formal_configs_are_the_seed_settings_plus_paths(name: str) -> None:
     launcher = data.pop("launcher")
     cuda = "cuda" in name
     assert launcher == {
-        "backend": "cuda" if cuda else "npu", "nproc_per_node": 8, "distribution": "fsdp2",
-        "run_name": "qwen35-27b-soulchat" + ("-cuda" if cuda else ""), "output_root": "/outputs/runs",
+        "backend": "cuda" if cuda else "npu",
+        "nproc_per_node": 8,
+        "distribution": "fsdp2",
+        "run_name": "qwen35-27b-soulchat" + ("-cuda" if cuda else ""),
+        "output_root": "/outputs/runs",
         "smoke": False,
-    }  # fmt: skip
-    paths = {"model_name_or_path": "/models/Qwen3.5-27B", "dataset_dir": "/data",
-             "dataset": "soulchat_r1_nothink", "eval_dataset": "soulchat_r1_nothink_val"}  # fmt: skip
+    }
+    paths = {
+        "model_name_or_path": "/models/Qwen3.5-27B",
+        "dataset_dir": "/data",
+        "dataset": "soulchat_r1_nothink",
+        "eval_dataset": "soulchat_r1_nothink_val",
+    }
     # on top of the seed's list: training switched on, and a trainer log dense enough to watch
     assert data == {**SEED, **paths, "do_train": True, "logging_steps": 10}
 

@@ -49,16 +49,30 @@ pytestmark = [
 
 
 def _docker(args: list[str], timeout: int = 3600) -> subprocess.CompletedProcess:
-    return subprocess.run([docker_cli(), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "DOCKER_BUILDKIT": "1"})  # fmt: skip
+    return subprocess.run(
+        [docker_cli(), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "DOCKER_BUILDKIT": "1"},
+    )
 
 
 def _wheelhouse_context(tmp_path_factory, lock: str, python: str, name: str) -> os.PathLike:
     """A build context (the project's files) with an x86_64 wheelhouse for ``lock`` at wheelhouse/<name>; the wheels
     are kept in build/ (ignored by git), so the repository's wheelhouse/ -- and the cpu image's cache -- stay."""
     cache = ROOT / "build" / f"wheelhouse-{name}-x86_64"
-    download = [sys.executable, "docker/wheelhouse.py", "download", lock, str(cache), "--platform", "x86_64",
-                "--python", python]  # fmt: skip
+    download = [
+        sys.executable,
+        "docker/wheelhouse.py",
+        "download",
+        lock,
+        str(cache),
+        "--platform",
+        "x86_64",
+        "--python",
+        python,
+    ]
     out = subprocess.run(download, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     context = project_context(tmp_path_factory.mktemp(f"{name}-context"))
@@ -70,8 +84,9 @@ def _wheelhouse_context(tmp_path_factory, lock: str, python: str, name: str) -> 
 
 def _prune_contexts() -> None:
     # BuildKit keeps a copy of every local build context it was sent; these hold 3 GB of wheels.
-    subprocess.run([docker_cli(), "builder", "prune", "--force", "--filter", "type=source.local"],
-                   capture_output=True, check=False)  # fmt: skip
+    subprocess.run(
+        [docker_cli(), "builder", "prune", "--force", "--filter", "type=source.local"], capture_output=True, check=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +99,21 @@ def npu_image(engine, tmp_path_factory) -> dict[str, object]:
     t1 = time.monotonic()
     context = _wheelhouse_context(tmp_path_factory, "requirements.lock", "3.11.14", "npu-x86_64")
     t2 = time.monotonic()
-    out = _docker(["build", "--progress=plain", "--target", "npu", "--build-arg", f"CANN_IMAGE={STANDIN}",
-                   "--build-arg", "WHEELHOUSE=npu-x86_64", "-t", IMAGE, str(context)])  # fmt: skip
+    out = _docker(
+        [
+            "build",
+            "--progress=plain",
+            "--target",
+            "npu",
+            "--build-arg",
+            f"CANN_IMAGE={STANDIN}",
+            "--build-arg",
+            "WHEELHOUSE=npu-x86_64",
+            "-t",
+            IMAGE,
+            str(context),
+        ]
+    )
     t3 = time.monotonic()
     _prune_contexts()
     timings = {"base+standin_s": t1 - t0, "wheelhouse_s": t2 - t1, "npu_build_s": t3 - t2}
@@ -98,9 +126,14 @@ def _noble_base(tmp_path) -> None:
     deb = tmp_path / "ubuntu-keyring.deb"
     subprocess.run(["curl", "-fsS", "-o", str(deb), f"{UBUNTU_MIRROR}/{UBUNTU_KEYRING_DEB}"], check=True, timeout=300)
     subprocess.run(["dpkg-deb", "-x", str(deb), str(tmp_path / "keyring")], check=True, timeout=60)
-    env = {**os.environ, "DEBIAN_SUITE": "noble", "DEBIAN_MIRROR": UBUNTU_MIRROR, "BASE_PYTHON": "python3.12",
-           "DEBOOTSTRAP_COMPONENTS": "main,universe",
-           "DEBOOTSTRAP_KEYRING": str(tmp_path / "keyring/usr/share/keyrings/ubuntu-archive-keyring.gpg")}  # fmt: skip
+    env = {
+        **os.environ,
+        "DEBIAN_SUITE": "noble",
+        "DEBIAN_MIRROR": UBUNTU_MIRROR,
+        "BASE_PYTHON": "python3.12",
+        "DEBOOTSTRAP_COMPONENTS": "main,universe",
+        "DEBOOTSTRAP_KEYRING": str(tmp_path / "keyring/usr/share/keyrings/ubuntu-archive-keyring.gpg"),
+    }
     subprocess.run(["bash", "scripts/docker-base-image.sh", NOBLE], cwd=ROOT, check=True, timeout=1800, env=env)
 
 
@@ -111,9 +144,25 @@ def cann9_image(engine, tmp_path_factory) -> dict[str, object]:
     t0 = time.monotonic()
     _noble_base(tmp_path_factory.mktemp("noble"))
     files = "tests/support/files"
-    out = _docker(["build", "-f", f"{files}/cann-standin.Dockerfile", "--build-arg", f"STANDIN_BASE={NOBLE}",
-                   "--build-arg", "PYTHON=python3.12", "--build-arg", "PYTHON_HOME=/usr/local/python3.12.13",
-                   "--build-arg", "CANN_VERSION=9.0.0", "-t", STANDIN9, str(ROOT / files)], 600)  # fmt: skip
+    out = _docker(
+        [
+            "build",
+            "-f",
+            f"{files}/cann-standin.Dockerfile",
+            "--build-arg",
+            f"STANDIN_BASE={NOBLE}",
+            "--build-arg",
+            "PYTHON=python3.12",
+            "--build-arg",
+            "PYTHON_HOME=/usr/local/python3.12.13",
+            "--build-arg",
+            "CANN_VERSION=9.0.0",
+            "-t",
+            STANDIN9,
+            str(ROOT / files),
+        ],
+        600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     t1 = time.monotonic()
     context = _wheelhouse_context(tmp_path_factory, "requirements-npu-cann9.lock", "3.12.13", "npu-cann9")
@@ -123,9 +172,24 @@ def cann9_image(engine, tmp_path_factory) -> dict[str, object]:
     t2 = time.monotonic()
 
     def build(sha: str, *extra: str) -> subprocess.CompletedProcess:
-        return _docker(["build", "--progress=plain", "--target", "npu-cann9", "--build-arg", f"CANN9_IMAGE={STANDIN9}",
-                        "--build-arg", "WHEELHOUSE=npu-cann9", "--build-arg", f"TRITON_ASCEND_SHA256={sha}",
-                        *extra, "-t", IMAGE9, str(context)])  # fmt: skip
+        return _docker(
+            [
+                "build",
+                "--progress=plain",
+                "--target",
+                "npu-cann9",
+                "--build-arg",
+                f"CANN9_IMAGE={STANDIN9}",
+                "--build-arg",
+                "WHEELHOUSE=npu-cann9",
+                "--build-arg",
+                f"TRITON_ASCEND_SHA256={sha}",
+                *extra,
+                "-t",
+                IMAGE9,
+                str(context),
+            ]
+        )
 
     wrong = build("0" * 64)  # the locked install runs here (or comes from an earlier session's cache)
     empty = build("")
@@ -133,8 +197,12 @@ def cann9_image(engine, tmp_path_factory) -> dict[str, object]:
     good = build(pin)
     t4 = time.monotonic()
     _prune_contexts()
-    timings = {"base+standin_s": t1 - t0, "wheelhouse_s": t2 - t1, "refused_builds_s": t3 - t2,
-               "cann9_build_s": t4 - t3}  # fmt: skip
+    timings = {
+        "base+standin_s": t1 - t0,
+        "wheelhouse_s": t2 - t1,
+        "refused_builds_s": t3 - t2,
+        "cann9_build_s": t4 - t3,
+    }
     print(f"\n[npu-cann9 stand-in] {', '.join(f'{k} {v:.0f}' for k, v in timings.items())}")
     return {"build": good, "wrong": wrong, "empty": empty, "pin": pin, "wheel": wheel.name}
 
@@ -220,9 +288,15 @@ def test_cann9_image_has_the_declared_pairing_and_records_the_pin(cann9_image, e
     import json
 
     facts = json.loads(engine.containers.run(IMAGE9, ["python", "-c", script], remove=True).decode().splitlines()[-1])
-    assert facts["versions"] == {"torch": "2.10.0", "torch-npu": "2.10.0.post7", "triton-ascend": "3.6.0",
-                                 "fla-core": "0.6.0", "llamafactory": "0.9.5", "torchvision": "0.25.0",
-                                 "triton": None}, facts  # fmt: skip
+    assert facts["versions"] == {
+        "torch": "2.10.0",
+        "torch-npu": "2.10.0.post7",
+        "triton-ascend": "3.6.0",
+        "fla-core": "0.6.0",
+        "llamafactory": "0.9.5",
+        "torchvision": "0.25.0",
+        "triton": None,
+    }, facts
     assert facts["python"].startswith("3.12.") and facts["prefix"] == "/usr"  # the venv of the CANN-path Python
     assert facts["lock"] == "requirements-npu-cann9.lock"  # preflight's packages row compares against it
     assert facts["image"]["triton_ascend_sha256"] == cann9_image["pin"]  # what every run's manifest.json records

@@ -44,8 +44,14 @@ def running_record(tmp_path):
     """A RUNNING record whose supervisor is alive (a sleeping stand-in), so only the container decides."""
     proc = spawn([sys.executable, "-c", "import time; time.sleep(60)", "launcher"], "launcher")
     try:
-        write_record(tmp_path, "run-1", state="RUNNING", supervisor=identity(psutil.Process(proc.pid)),
-                     boot_id=boot_id(), container={"name": "deltanet-train"})  # fmt: skip
+        write_record(
+            tmp_path,
+            "run-1",
+            state="RUNNING",
+            supervisor=identity(psutil.Process(proc.pid)),
+            boot_id=boot_id(),
+            container={"name": "deltanet-train"},
+        )
         yield tmp_path
     finally:
         proc.kill()
@@ -121,9 +127,16 @@ class _Engine:
 
 def _container_record(run_dir, state="RUNNING", **fields):
     """A record written by a supervisor in a container: another pid namespace, the container's name and id."""
-    write_record(run_dir, "run-1", state=state, boot_id=boot_id(), stop_grace_s=30.0,
-                 supervisor={"pid": 7, "create_time": 1.0, "pid_ns": "pid:[1]"},
-                 container={"name": "deltanet-train-cpu", "id": CONTAINER_ID}, **fields)  # fmt: skip
+    write_record(
+        run_dir,
+        "run-1",
+        state=state,
+        boot_id=boot_id(),
+        stop_grace_s=30.0,
+        supervisor={"pid": 7, "create_time": 1.0, "pid_ns": "pid:[1]"},
+        container={"name": "deltanet-train-cpu", "id": CONTAINER_ID},
+        **fields,
+    )
     record = read_status(run_dir)
     (run_dir / "status.json").write_text(json.dumps({**record, "run_dir": "/outputs/runs/run-1"}))
     return run_dir

@@ -84,8 +84,10 @@ def test_dialogue_becomes_sharegpt_conversations(tmp_path):
 def test_dialogue_system_from_consultation_target(tmp_path):
     src = write_json(tmp_path / "catch_dialogue.json", dialogue_records(dialogues=2))
     result = prepare(src, tmp_path / "data", Options(system="Role.", system_from_target=True), val_size=0)
-    assert [s["system"] for s in result.train] == ["Role.\n\nTarget 0: sleep before exams",
-                                                   "Role.\n\nTarget 1: sleep before exams"]  # fmt: skip
+    assert [s["system"] for s in result.train] == [
+        "Role.\n\nTarget 0: sleep before exams",
+        "Role.\n\nTarget 1: sleep before exams",
+    ]
 
 
 def test_system_from_target_refused_for_mdpcot(tmp_path):
@@ -133,8 +135,11 @@ def test_a_test_split_is_held_out_disjoint_hashed_and_never_registered(tmp_path)
     record = _load(result.files["summary"])
     from launcher.files import sha256_file
 
-    assert record["test"] == {"file": result.files["test"].name, "sha256": sha256_file(result.files["test"]),
-                              "samples": len(test)}  # fmt: skip
+    assert record["test"] == {
+        "file": result.files["test"].name,
+        "sha256": sha256_file(result.files["test"]),
+        "samples": len(test),
+    }
     again = prepare(src, tmp_path / "e", Options(), val_size=0.2, test_size=0.2, seed=7)
     assert again.files["test"].read_bytes() == result.files["test"].read_bytes()  # deterministic
 
@@ -317,9 +322,12 @@ def test_other_dataset_info_entries_are_kept(tmp_path):
     prepare(write_json(tmp_path / "m.json", mdpcot_records(dialogues=4)), out, Options(), val_size=2)
     prepare(write_json(tmp_path / "d.json", dialogue_records(dialogues=4)), out, Options(), val_size=2)
     assert set(_load(out / "dataset_info.json")) == {
-        "mine", "soulchat_r1_nothink", "soulchat_r1_nothink_val",
-        "soulchat_r1_dialogue_nothink", "soulchat_r1_dialogue_nothink_val",
-    }  # fmt: skip
+        "mine",
+        "soulchat_r1_nothink",
+        "soulchat_r1_nothink_val",
+        "soulchat_r1_dialogue_nothink",
+        "soulchat_r1_dialogue_nothink_val",
+    }
 
 
 def test_all_records_rejected_writes_nothing(tmp_path):

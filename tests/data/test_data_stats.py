@@ -32,8 +32,14 @@ def prepared(tmp_path: Path, kind: str = "mdpcot", reasoning: str = "drop", **op
 
 def config_for(tmp_path: Path, assets, data_dir: Path, name: str, **lf):
     lf.setdefault("eval_dataset", f"{name}_val")
-    path = make_config(tmp_path, assets, dataset_dir=str(data_dir), dataset=name,
-                       name=f"run-{len(list(tmp_path.glob('run-*.yaml')))}.yaml", **lf)  # fmt: skip
+    path = make_config(
+        tmp_path,
+        assets,
+        dataset_dir=str(data_dir),
+        dataset=name,
+        name=f"run-{len(list(tmp_path.glob('run-*.yaml')))}.yaml",
+        **lf,
+    )
     return load_run_config(path)
 
 
@@ -44,8 +50,13 @@ def lf_reference(config, tmp_path: Path, **override) -> dict[str, list[tuple[lis
     from llamafactory.model import load_tokenizer
 
     args = dict(config.llamafactory, **override)
-    args.update(output_dir=str(tmp_path / "lf-out"), use_cpu=True, report_to="none", overwrite_cache=True,
-                cache_dir=str(tmp_path / "hf-cache"))  # fmt: skip
+    args.update(
+        output_dir=str(tmp_path / "lf-out"),
+        use_cpu=True,
+        report_to="none",
+        overwrite_cache=True,
+        cache_dir=str(tmp_path / "hf-cache"),
+    )
     model_args, data_args, training_args, _, _ = get_train_args(args)
     module = load_tokenizer(model_args)
     template = get_template_and_fix_tokenizer(module["tokenizer"], data_args)
@@ -220,8 +231,9 @@ def test_template_without_processor_is_a_clear_error(tmp_path, demo_assets):
     for file in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(demo_assets["model"] / file, bare / file)
     data_dir, name = prepared(tmp_path)
-    config = load_run_config(make_config(tmp_path, {"model": bare, "data": data_dir}, dataset=name,
-                                         eval_dataset=None, cutoff_len=4096))  # fmt: skip
+    config = load_run_config(
+        make_config(tmp_path, {"model": bare, "data": data_dir}, dataset=name, eval_dataset=None, cutoff_len=4096)
+    )
     with pytest.raises(StatsError, match="template 'qwen3_5_nothink'.*Processor was not found"):
         compute_stats(config, workers=1)
 
@@ -300,8 +312,16 @@ def test_log_examples_wanted_reads_the_run_config(tmp_path):
 @pytest.mark.slow
 def test_training_log_carries_no_training_text(tmp_path, demo_assets):
     data_dir, name = prepared(tmp_path)
-    cfg = make_config(tmp_path, demo_assets, dataset_dir=str(data_dir), dataset=name, eval_dataset=f"{name}_val",
-                      max_steps=2, save_steps=2, eval_steps=2)  # fmt: skip
+    cfg = make_config(
+        tmp_path,
+        demo_assets,
+        dataset_dir=str(data_dir),
+        dataset=name,
+        eval_dataset=f"{name}_val",
+        max_steps=2,
+        save_steps=2,
+        eval_steps=2,
+    )
     proc = launcher_cmd("run", cfg, "--quiet")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = only_run_dir(tmp_path / "runs")
@@ -316,8 +336,17 @@ def test_training_log_carries_no_training_text(tmp_path, demo_assets):
     (tmp_path / "opt-in").mkdir()
     # two steps, as above: after one step of warmup the LoRA B matrices are still zero, which the acceptance
     # checklist fails (FAILED_ACCEPTANCE, exit code 4)
-    cfg = make_config(tmp_path / "opt-in", demo_assets, launcher=opt_in, dataset_dir=str(data_dir), dataset=name,
-                      eval_dataset=f"{name}_val", max_steps=2, save_steps=2, eval_steps=2)  # fmt: skip
+    cfg = make_config(
+        tmp_path / "opt-in",
+        demo_assets,
+        launcher=opt_in,
+        dataset_dir=str(data_dir),
+        dataset=name,
+        eval_dataset=f"{name}_val",
+        max_steps=2,
+        save_steps=2,
+        eval_steps=2,
+    )
     proc = launcher_cmd("run", cfg, "--quiet")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert SENTINEL in (only_run_dir(tmp_path / "opt-in" / "runs") / "launcher.log").read_text()

@@ -23,10 +23,15 @@ DECODER = "Qwen3_5DecoderLayer"
 
 
 def _run(tmp_path: Path, demo_assets, env: dict | None = None, **launcher_settings) -> Path:
-    settings = {"nproc_per_node": 2, "distribution": "fsdp2",
-                "patches": {"checkpoint_all_layers": {"uncheckpointed_layers": 1}}, **launcher_settings}  # fmt: skip
-    cfg = make_config(tmp_path, demo_assets, launcher=settings, max_steps=3, per_device_train_batch_size=1,
-                      logging_steps=1)  # fmt: skip
+    settings = {
+        "nproc_per_node": 2,
+        "distribution": "fsdp2",
+        "patches": {"checkpoint_all_layers": {"uncheckpointed_layers": 1}},
+        **launcher_settings,
+    }
+    cfg = make_config(
+        tmp_path, demo_assets, launcher=settings, max_steps=3, per_device_train_batch_size=1, logging_steps=1
+    )
     env = {**os.environ, "LAUNCHER_PREFLIGHT_SKIP": PREFLIGHT_SKIP, **(env or {})}
     done = launcher("run", cfg, "--quiet", env=env, timeout=900)
     run_dir = the_run_dir(tmp_path / "runs")

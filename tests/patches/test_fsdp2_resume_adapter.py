@@ -18,8 +18,10 @@ pytest_plugins = ["tests.support.patch_fixtures"]
 def _peft(make_tiny_model, use_dora: bool = False):
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(make_tiny_model(), LoraConfig(r=4, lora_alpha=8, use_dora=use_dora,
-                                                        target_modules=["q_proj", "v_proj", "o_proj"]))  # fmt: skip
+    return get_peft_model(
+        make_tiny_model(),
+        LoraConfig(r=4, lora_alpha=8, use_dora=use_dora, target_modules=["q_proj", "v_proj", "o_proj"]),
+    )
 
 
 @pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
@@ -39,9 +41,11 @@ def test_every_trainable_parameter_maps_to_the_key_peft_writes(tmp_path, make_ti
 
 
 def test_a_parameter_without_an_entry_or_with_another_shape_is_named():
-    trainable = {"base_model.model.x.q_proj.lora_A.default.weight": (4, 32),
-                 "base_model.model.x.q_proj.lora_B.default.weight": (32, 4),
-                 "base_model.model.x.scale": (3,)}  # fmt: skip
+    trainable = {
+        "base_model.model.x.q_proj.lora_A.default.weight": (4, 32),
+        "base_model.model.x.q_proj.lora_B.default.weight": (32, 4),
+        "base_model.model.x.scale": (3,),
+    }
     stored = {"base_model.model.x.q_proj.lora_A.weight": (4, 32), "base_model.model.x.q_proj.lora_B.weight": (16, 4)}
     mapping, problem, _ = patch.plan(trainable, stored, "default")
     assert list(mapping) == ["base_model.model.x.q_proj.lora_A.default.weight"]

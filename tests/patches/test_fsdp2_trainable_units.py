@@ -13,8 +13,16 @@ from patches.errors import PatchError
 from patches.proof import ProofFile
 
 
-@pytest.mark.parametrize(("version", "auto"), [("2.7.1+cpu", "own"), ("2.7.1", "own"), ("2.8.0", "shared"),
-                                               ("2.8.0a0+git1234", "shared"), ("2.11.0+cu130", "shared")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("version", "auto"),
+    [
+        ("2.7.1+cpu", "own"),
+        ("2.7.1", "own"),
+        ("2.8.0", "shared"),
+        ("2.8.0a0+git1234", "shared"),
+        ("2.11.0+cu130", "shared"),
+    ],
+)
 def test_auto_takes_shared_units_from_torch_2_8_on(version, auto):
     assert fsdp2_frozen_dtype.trainable_units_mode("auto", version) == auto
     assert fsdp2_frozen_dtype.trainable_units_mode("own", version) == "own"
@@ -50,8 +58,9 @@ def test_launcher_check_refuses_shared_units_on_an_older_torch_under_fsdp2_only(
 
     [(key, message)] = problems("shared", "fsdp2", "2.7.1")
     assert key == "launcher.patches.fsdp2_frozen_dtype.trainable_units"
-    assert message.startswith("launcher.patches.fsdp2_frozen_dtype.trainable_units: shared needs torch >= 2.8; "
-                              "torch 2.7.1 asserts")  # fmt: skip
+    assert message.startswith(
+        "launcher.patches.fsdp2_frozen_dtype.trainable_units: shared needs torch >= 2.8; torch 2.7.1 asserts"
+    )
     assert "set launcher.patches.fsdp2_frozen_dtype.trainable_units: auto" in message
     assert problems("shared", "fsdp2", "2.8.0") == problems("auto", "fsdp2", "2.7.1") == []
     assert problems("shared", "ddp", "2.7.1") == problems("shared", "fsdp2", None) == []  # None: another machine's
@@ -100,8 +109,10 @@ def test_a_unit_holding_the_bf16_base_and_float32_lora_trains_as_separate_units_
             fully_shard([layer.lora_A, layer.lora_B], mesh=mesh, mp_policy=policy)
         fully_shard(layer, mesh=mesh, mp_policy=policy)
         layer(x).float().pow(2).mean().backward()
-        got = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-               for p in (layer.lora_A.weight, layer.lora_B.weight)]  # fmt: skip
+        got = [
+            p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            for p in (layer.lora_A.weight, layer.lora_B.weight)
+        ]
     finally:
         dist.destroy_process_group()
     assert layer.base.weight.dtype == torch.bfloat16 and layer.lora_A.weight.dtype == torch.float32

@@ -48,8 +48,12 @@ def test_kernels_per_backend(backend, fla, npu_norm, expected):
 def test_each_op_has_its_off_switch():
     wanted = {"conv": True, "rms_norm": False, "gated_norm": True, "swiglu": False}
     choices = fused_kernels.select_kernels("cuda", wanted, None, False)
-    assert {op: c.kernel for op, c in choices.items()} == {"conv": "fla", "rms_norm": "torch", "gated_norm": "fla",
-                                                          "swiglu": "torch"}  # fmt: skip
+    assert {op: c.kernel for op, c in choices.items()} == {
+        "conv": "fla",
+        "rms_norm": "torch",
+        "gated_norm": "fla",
+        "swiglu": "torch",
+    }
     assert choices["rms_norm"].reason == "launcher.patches.fused_ops.rms_norm: false"
     with pytest.raises(ValueError, match=r"fused_ops\.swiglu is 'no'; expected true or false"):
         patches.normalize_settings({"fused_ops": {"swiglu": "no"}})
@@ -160,8 +164,9 @@ def test_a_conv_adapter_that_forgot_the_transpose_is_caught(tmp_path, make_tiny_
 
 
 @pytest.mark.usefixtures("restore_patches")
-def test_on_npu_the_plain_norm_goes_to_torch_npu_and_the_gated_norm_to_fla(tmp_path, make_tiny_model, stub_fla,
-                                                                          monkeypatch):  # fmt: skip
+def test_on_npu_the_plain_norm_goes_to_torch_npu_and_the_gated_norm_to_fla(
+    tmp_path, make_tiny_model, stub_fla, monkeypatch
+):
     """No ``torch.cuda`` call builds the gated norm on NPU: transformers' own module is built and its forward fused."""
     import torch
 
@@ -200,8 +205,9 @@ def test_on_cpu_nothing_is_replaced_and_the_first_step_says_so(tmp_path, make_ti
     import torch
     import transformers
 
-    transformers.Trainer.training_step(stub_trainer, model, {"input_ids": torch.randint(1, 64, (1, 8)),
-                                                             "labels": torch.randint(1, 64, (1, 8))})  # fmt: skip
+    transformers.Trainer.training_step(
+        stub_trainer, model, {"input_ids": torch.randint(1, 64, (1, 8)), "labels": torch.randint(1, 64, (1, 8))}
+    )
     record = read_proof(tmp_path, "fused_ops")
     assert all(v["kernel"] == "torch" for v in record["ops"].values())
     assert record["first_training_step"]["fused_calls"] == dict.fromkeys(fused_kernels.OPS, 0)
@@ -284,9 +290,14 @@ def glue_trainings(demo_assets, tiny_training, tmp_path_factory):
     extra = {**EVAL_EVERY_STEP_SGD, "lora_dropout": 0.05, "bf16": True, "use_cpu": True}
     results = {
         "on": tiny_training(root / "on", demo_assets, {}, lf=extra, entry="tests.support.fused_standin_entry"),
-        "off": tiny_training(root / "off", demo_assets, {"fused_ops": False, "lora_input_cast": False}, lf=extra,
-                             entry="tests.support.fused_standin_entry"),
-    }  # fmt: skip
+        "off": tiny_training(
+            root / "off",
+            demo_assets,
+            {"fused_ops": False, "lora_input_cast": False},
+            lf=extra,
+            entry="tests.support.fused_standin_entry",
+        ),
+    }
     for name, result in results.items():
         assert result.returncode == 0, f"{name} training failed:\n{result.stderr[-3000:]}"
     return {name: root / name for name in results}

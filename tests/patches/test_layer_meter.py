@@ -208,10 +208,20 @@ dist.destroy_process_group()
 def test_two_gloo_ranks_plan_from_the_same_costs_and_take_the_fewest_layers(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
-           str(tmp_path / "out")]  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(script),
+        str(tmp_path / "out"),
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads((tmp_path / f"out.rank{r}").read_text()) for r in (0, 1)]

@@ -23,8 +23,14 @@ pytest_plugins = ["tests.support.patch_fixtures"]
 
 LENGTHS = (11, 23, 17)  # three samples, then padding
 ROW = 64
-ON = {"deltanet_routing": True, "packed_rows": True, "checkpoint_all_layers": False, "chunked_loss": False,
-      "text_only_batches": False, "final_eval_once": False}  # fmt: skip
+ON = {
+    "deltanet_routing": True,
+    "packed_rows": True,
+    "checkpoint_all_layers": False,
+    "chunked_loss": False,
+    "text_only_batches": False,
+    "final_eval_once": False,
+}
 
 
 def packing_model(model_dir):
@@ -65,8 +71,12 @@ def packed_row(parts, only: int | None = None):
         if only is None or only == index:
             labels[0, span] = sample_labels
         at += len(sample_ids)
-    return {"input_ids": ids, "labels": labels, "attention_mask": prepare_4d_attention_mask(numbered, torch.float32),
-            "position_ids": position[None].expand(4, 1, ROW).clone()}  # fmt: skip
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "attention_mask": prepare_4d_attention_mask(numbered, torch.float32),
+        "position_ids": position[None].expand(4, 1, ROW).clone(),
+    }
 
 
 def alone(sample):
@@ -151,8 +161,9 @@ def test_with_the_fla_convolution_the_packed_row_hands_it_cu_seqlens(tmp_path, d
 
 @pytest.mark.usefixtures("restore_patches")
 @pytest.mark.parametrize("conv", ["torch", "fla"])
-def test_unpacked_batches_on_the_fla_route_hand_the_kernel_their_key_heads_unrepeated(tmp_path, demo_assets,
-                                                                                     stub_fla, conv):  # fmt: skip
+def test_unpacked_batches_on_the_fla_route_hand_the_kernel_their_key_heads_unrepeated(
+    tmp_path, demo_assets, stub_fla, conv
+):
     """An unpacked batch without a cache (one row; two rows, one padded on the right and one on the left, where
     transformers' zeroing of the padding matters) goes through ``packed_forward`` where the chunk kernel is FLA's:
     the kernel gets the tiny model's 2 key heads for its 4 value heads, and the loss, the LoRA gradients and the
@@ -176,8 +187,14 @@ def test_unpacked_batches_on_the_fla_route_hand_the_kernel_their_key_heads_unrep
     for layer in layers:
         layer.requires_grad_(True)
     heads: list[tuple[int, int, int]] = []
-    fla = KernelRecorder(grouped_varlen_kernel(seen=heads), label="fla", expected_device="cpu",
-                         log=CallLog(lambda call: None), patch="test", backend="cpu")  # fmt: skip
+    fla = KernelRecorder(
+        grouped_varlen_kernel(seen=heads),
+        label="fla",
+        expected_device="cpu",
+        log=CallLog(lambda call: None),
+        patch="test",
+        backend="cpu",
+    )
     fla_conv = FlaConv(causal_conv1d)
     torch.manual_seed(1)
     ids = torch.randint(3, model.config.text_config.vocab_size, (2, 24))
@@ -185,12 +202,15 @@ def test_unpacked_batches_on_the_fla_route_hand_the_kernel_their_key_heads_unrep
     mask[0, 19:] = 0
     mask[1, :7] = 0  # left padding: the tokens after it read the padding's state unless it is zeroed
     labels = ids.masked_fill(mask == 0, -100)
-    batches = ({"input_ids": ids[:1], "labels": labels[:1], "attention_mask": None},
-               {"input_ids": ids, "labels": labels, "attention_mask": mask})  # fmt: skip
+    batches = (
+        {"input_ids": ids[:1], "labels": labels[:1], "attention_mask": None},
+        {"input_ids": ids, "labels": labels, "attention_mask": mask},
+    )
     found = {}
     for on in (True, False):
-        patches.apply_enabled({**ON, "packed_rows": {"unpacked_forward": on}}, backend="cpu",
-                              proof_dir=tmp_path / str(on))  # fmt: skip
+        patches.apply_enabled(
+            {**ON, "packed_rows": {"unpacked_forward": on}}, backend="cpu", proof_dir=tmp_path / str(on)
+        )
         for layer in layers:
             layer.chunk_gated_delta_rule = fla
             if conv == "fla":
@@ -277,8 +297,14 @@ def test_a_packed_row_that_cannot_be_split_stops_the_run(tmp_path, demo_assets):
         model(**{**row, "labels": None})  # the first training batch packed: it runs
     assert packed_rows._state["calls"] > calls and packed_rows._state["batches"] == 1
     with torch.no_grad(), pytest.raises(PatchError, match="mask covers 64 positions but the row has 72 tokens"):
-        model(**{**row, "input_ids": torch.nn.functional.pad(row["input_ids"], (0, 8)), "labels": None,
-                 "position_ids": torch.nn.functional.pad(row["position_ids"], (0, 8))})  # fmt: skip
+        model(
+            **{
+                **row,
+                "input_ids": torch.nn.functional.pad(row["input_ids"], (0, 8)),
+                "labels": None,
+                "position_ids": torch.nn.functional.pad(row["position_ids"], (0, 8)),
+            }
+        )
     with torch.no_grad(), pytest.raises(PatchError, match="came with a cache"):
         model(**{**row, "labels": None}, past_key_values=DynamicCache(config=model.config.text_config), use_cache=True)
 
@@ -292,9 +318,14 @@ def attention_per_segment(query, key, value, found, scaling=None):
     rows, heads, length, _ = query.shape
     out = torch.zeros(rows, length, heads, value.shape[-1], dtype=query.dtype, device=query.device)
     for row, start, end, _ in found.spans:
-        part = F.scaled_dot_product_attention(query[row : row + 1, :, start:end], key[row : row + 1, :, start:end],
-                                              value[row : row + 1, :, start:end], is_causal=True, scale=scaling,
-                                              enable_gqa=True)  # fmt: skip
+        part = F.scaled_dot_product_attention(
+            query[row : row + 1, :, start:end],
+            key[row : row + 1, :, start:end],
+            value[row : row + 1, :, start:end],
+            is_causal=True,
+            scale=scaling,
+            enable_gqa=True,
+        )
         out[row, start:end] = part[0].transpose(0, 1)
     return out
 
@@ -314,8 +345,11 @@ def flash_stand_in(seen: list):
         out = torch.empty_like(query)
         for start, end in zip(bounds[:-1], bounds[1:], strict=True):
             part = torch.nn.functional.scaled_dot_product_attention(
-                *(t[start:end].transpose(0, 1)[None] for t in (query, key, value)), is_causal=True, scale=scale,
-                enable_gqa=True)  # fmt: skip
+                *(t[start:end].transpose(0, 1)[None] for t in (query, key, value)),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            )
             out[start:end] = part[0].transpose(0, 1)
         return out, None, None, None, None
 
@@ -350,8 +384,9 @@ def test_packed_attention_through_a_varlen_kernel_keeps_samples_apart_and_its_ch
     assert padding > 4 and any(len(call["bounds"]) == len(LENGTHS) + 1 + -(-padding // 4) for call in seen), seen
 
     def leaking(kernel, query, key, value, found, scaling):
-        whole = packed_rows.Segments(found.rows, found.length, tuple((r, 0, found.length, True)
-                                     for r in range(found.rows)), found.position)  # fmt: skip
+        whole = packed_rows.Segments(
+            found.rows, found.length, tuple((r, 0, found.length, True) for r in range(found.rows)), found.position
+        )
         return attention_per_segment(query, key, value, whole, scaling)
 
     packed_rows.restore()
@@ -418,8 +453,9 @@ def test_a_row_of_one_sample_takes_causal_sdpa_over_the_row_where_sdpa_would_use
     assert attention["kernel"] == packed_rows.ONE_SAMPLE and attention["samples_per_row"] == [1]
     assert attention["checked_against"] == packed_rows.MASKED and attention["relative_l2_difference"] < 1e-5
     ids = packed_row(parts[:1])["input_ids"].roll(8, dims=1)
-    padded_first = prepare_4d_attention_mask(torch.tensor([[0] * 8 + [1] * LENGTHS[0] + [0] * (ROW - 8 - LENGTHS[0])]),
-                                             torch.float32)  # fmt: skip
+    padded_first = prepare_4d_attention_mask(
+        torch.tensor([[0] * 8 + [1] * LENGTHS[0] + [0] * (ROW - 8 - LENGTHS[0])]), torch.float32
+    )
     with torch.no_grad():
         model(input_ids=ids, attention_mask=padded_first)
     assert len(seen) == layers
@@ -470,8 +506,9 @@ def test_the_cuda_attention_route_is_varlen_from_compute_capability_8_in_half_pr
     query = types.SimpleNamespace(dtype=torch.bfloat16, device=types.SimpleNamespace(type="cuda"), shape=(1, 6, 32, 8))
     capability = {"major": 9}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability["major"], 0))
-    monkeypatch.setattr(packed_rows, "torch_varlen_options", lambda: {"causal": {"is_causal": True}, "scale": True,
-                                                                      "gqa": False})  # fmt: skip
+    monkeypatch.setattr(
+        packed_rows, "torch_varlen_options", lambda: {"causal": {"is_causal": True}, "scale": True, "gqa": False}
+    )
     monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: "the operator")
     assert packed_rows.varlen_kernel(query, None, 0.0) == packed_rows.ATEN_FLASH  # varlen_attn would repeat key heads
     assert packed_rows.varlen_kernel(query, None, 0.1) is None
@@ -489,8 +526,9 @@ def test_the_cuda_attention_route_is_varlen_from_compute_capability_8_in_half_pr
     # layer has its own: the FlashAttention operator itself; neither: the mask
     monkeypatch.setattr(packed_rows, "torch_varlen_options", lambda: None)
     assert packed_rows.varlen_kernel(query, None, 0.0) == packed_rows.ATEN_FLASH
-    monkeypatch.setattr(packed_rows, "torch_varlen_options", lambda: {"causal": {"is_causal": True}, "scale": False,
-                                                                      "gqa": False})  # fmt: skip
+    monkeypatch.setattr(
+        packed_rows, "torch_varlen_options", lambda: {"causal": {"is_causal": True}, "scale": False, "gqa": False}
+    )
     assert packed_rows.varlen_kernel(query, 0.5, 0.0) == packed_rows.ATEN_FLASH
     monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: None)
     assert packed_rows.varlen_kernel(query, 0.5, 0.0) is None
@@ -571,8 +609,11 @@ def test_the_collator_keeps_the_sample_numbers_and_restores_its_own_setting(tmp_
     def collate(self, features):  # LLaMA-Factory 0.9.5: numbers, then the 4D step unless flash_attention_2
         if features == "fail":
             raise ValueError("a broken batch")
-        batch = {"input_ids": torch.ones(2, 10, dtype=torch.long), "attention_mask": numbered.clone(),
-                 "position_ids": position}  # fmt: skip
+        batch = {
+            "input_ids": torch.ones(2, 10, dtype=torch.long),
+            "attention_mask": numbered.clone(),
+            "position_ids": position,
+        }
         if self.block_diag_attn and self.attn_implementation != "flash_attention_2":
             batch["attention_mask"] = prepare_4d_attention_mask(batch["attention_mask"], self.compute_dtype)
         return batch
@@ -580,8 +621,9 @@ def test_the_collator_keeps_the_sample_numbers_and_restores_its_own_setting(tmp_
     wrapped = packed_rows._make_collate(collate)
     collator = types.SimpleNamespace(block_diag_attn=True, attn_implementation="sdpa", compute_dtype=torch.bfloat16)
     for device_mask in (True, False):
-        patches.apply_enabled({**ON, "packed_rows": {"device_mask": device_mask}}, backend="cpu",
-                              proof_dir=tmp_path / str(device_mask))  # fmt: skip
+        patches.apply_enabled(
+            {**ON, "packed_rows": {"device_mask": device_mask}}, backend="cpu", proof_dir=tmp_path / str(device_mask)
+        )
         batch = wrapped(collator, [])
         mask = batch["attention_mask"]
         if device_mask:
@@ -639,9 +681,15 @@ def test_the_padding_is_cut_after_the_fullest_rows_last_sample_token_rounded_up(
 
     numbered = torch.tensor([[1] * 6 + [0] * 4, [1] * 5 + [2] * 3 + [0] * 2])
     for mask in (numbered, prepare_4d_attention_mask(numbered, torch.float32)):
-        batch = {"input_ids": torch.arange(20).view(2, 10), "labels": torch.full((2, 10), -100), "steps": 7,
-                 "attention_mask": mask, "position_ids": torch.zeros(3, 2, 10, dtype=torch.long),
-                 "rope_deltas": torch.zeros(2, 1), "scalar": torch.tensor(10)}  # fmt: skip
+        batch = {
+            "input_ids": torch.arange(20).view(2, 10),
+            "labels": torch.full((2, 10), -100),
+            "steps": 7,
+            "attention_mask": mask,
+            "position_ids": torch.zeros(3, 2, 10, dtype=torch.long),
+            "rope_deltas": torch.zeros(2, 1),
+            "scalar": torch.tensor(10),
+        }
         found = packed_rows.numbered_segments(numbered)
         out = packed_rows.cut_padding(batch, found, multiple)
         assert out["input_ids"].shape == (2, length) and out["position_ids"].shape == (3, 2, length)
@@ -660,8 +708,11 @@ def test_a_batch_the_cut_could_change_is_left_whole_and_the_proof_says_so(tmp_pa
     import torch
 
     numbered = torch.tensor([[1] * 4 + [0] * 6])
-    batch = {"input_ids": torch.ones(1, 10, dtype=torch.long), "attention_mask": numbered,
-             "labels": torch.full((1, 10), -100)}  # fmt: skip
+    batch = {
+        "input_ids": torch.ones(1, 10, dtype=torch.long),
+        "attention_mask": numbered,
+        "labels": torch.full((1, 10), -100),
+    }
     if other.startswith("a per-token"):
         batch["unknown"] = torch.ones(1, 10)
     else:
@@ -691,14 +742,19 @@ def test_the_collator_wrapper_cuts_the_packed_batch_it_hands_over(tmp_path):
 
     def collate(self, features):
         positions = position[None].expand(4, 2, 10).clone()
-        return {"input_ids": torch.ones(2, 10, dtype=torch.long), "attention_mask": numbered.clone(),
-                "labels": torch.full((2, 10), -100), "position_ids": positions}  # fmt: skip
+        return {
+            "input_ids": torch.ones(2, 10, dtype=torch.long),
+            "attention_mask": numbered.clone(),
+            "labels": torch.full((2, 10), -100),
+            "position_ids": positions,
+        }
 
     wrapped = packed_rows._make_collate(collate)
     collator = types.SimpleNamespace(block_diag_attn=True, attn_implementation="sdpa", compute_dtype=torch.float32)
     for multiple, length in ((4, 8), (0, 10)):
-        patches.apply_enabled({**ON, "packed_rows": {"cut_padding": multiple}}, backend="cpu",
-                              proof_dir=tmp_path / str(multiple))  # fmt: skip
+        patches.apply_enabled(
+            {**ON, "packed_rows": {"cut_padding": multiple}}, backend="cpu", proof_dir=tmp_path / str(multiple)
+        )
         batch = wrapped(collator, [])
         assert {name: value.shape[-1] for name, value in batch.items()} == dict.fromkeys(batch, length)
         assert torch.equal(batch["position_ids"][0], position[:, :length])
@@ -735,8 +791,9 @@ def test_the_torch_varlen_call_fits_each_releases_arguments(monkeypatch, release
             return per_segment(query, key, value, cu_seq_q, max_q, is_causal, None)
     else:
 
-        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                        window_size=(-1, -1)):  # fmt: skip
+        def varlen_attn(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+        ):
             return per_segment(query, key, value, cu_seq_q, max_q, window_size == (-1, 0), scale)
 
     monkeypatch.setattr(varlen, "varlen_attn", varlen_attn)
@@ -798,8 +855,10 @@ def test_the_padding_reaches_the_varlen_kernel_in_pieces_and_leaves_the_samples_
     query, key, value = torch.randn(2, 6, length, 8), torch.randn(2, 2, length, 8), torch.randn(2, 2, length, 8)
     cut = packed_rows.varlen_attention(packed_rows.ATEN_FLASH, query, key, value, found, 0.3)
     whole = packed_rows.varlen_attention(packed_rows.ATEN_FLASH, query, key, value, found, 0.3, padding_piece=0)
-    assert [call["bounds"] for call in seen] == [[0, 300, 300 + piece, length, length + 200, 2 * length],
-                                                 found.cu_seqlens()]  # fmt: skip
+    assert [call["bounds"] for call in seen] == [
+        [0, 300, 300 + piece, length, length + 200, 2 * length],
+        found.cu_seqlens(),
+    ]
     real = found.real_tokens("cpu").reshape(2, length)
     torch.testing.assert_close(cut[real], whole[real], rtol=0, atol=0)
     torch.testing.assert_close(cut[real], attention_per_segment(query, key, value, found, 0.3)[real])
@@ -824,8 +883,9 @@ def test_the_npu_varlen_call_passes_tnd_layout_cumulative_lengths_and_the_causal
 
     seen = {}
 
-    def npu_fusion_attention(query, key, value, head_num, input_layout, *, atten_mask, scale, sparse_mode,
-                             actual_seq_qlen, actual_seq_kvlen):  # fmt: skip
+    def npu_fusion_attention(
+        query, key, value, head_num, input_layout, *, atten_mask, scale, sparse_mode, actual_seq_qlen, actual_seq_kvlen
+    ):
         seen.update(layout=input_layout, sparse_mode=sparse_mode, ends=list(actual_seq_qlen), heads=head_num)
         assert actual_seq_kvlen == actual_seq_qlen and actual_seq_qlen[-1] == query.shape[0]
         assert atten_mask.dtype == torch.bool and atten_mask.shape == (2048, 2048)
@@ -833,8 +893,11 @@ def test_the_npu_varlen_call_passes_tnd_layout_cumulative_lengths_and_the_causal
         out = torch.empty(query.shape[0], head_num, value.shape[-1], dtype=query.dtype)
         for start, end in zip([0, *actual_seq_qlen[:-1]], actual_seq_qlen, strict=True):
             part = torch.nn.functional.scaled_dot_product_attention(
-                *(t[start:end].transpose(0, 1)[None] for t in (query, key, value)), is_causal=True, scale=scale,
-                enable_gqa=True)  # fmt: skip
+                *(t[start:end].transpose(0, 1)[None] for t in (query, key, value)),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            )
             out[start:end] = part[0].transpose(0, 1)
         return out, None, None, None, 0, 0, 0
 
@@ -935,8 +998,14 @@ def test_segments_are_read_off_the_mask_with_padding_as_its_own_segment():
         found = packed_rows.segments(mask)
         from_numbers = packed_rows.numbered_segments(numbered)
         assert from_numbers.spans == found.spans and torch.equal(from_numbers.position, found.position)
-        assert found.spans == ((0, 0, 2, True), (0, 2, 5, True), (0, 5, 6, True), (0, 6, 8, False),
-                               (1, 0, 4, True), (1, 4, 8, True))  # fmt: skip
+        assert found.spans == (
+            (0, 0, 2, True),
+            (0, 2, 5, True),
+            (0, 5, 6, True),
+            (0, 6, 8, False),
+            (1, 0, 4, True),
+            (1, 4, 8, True),
+        )
         assert found.samples_per_row() == [3, 2]
         assert found.cu_seqlens() == [0, 2, 5, 6, 8, 12, 16]
         assert found.position.tolist() == [[0, 1, 0, 1, 2, 0, 0, 1], [0, 1, 2, 3, 0, 1, 2, 3]]
@@ -962,22 +1031,32 @@ def test_the_varlen_call_equals_the_kernel_run_per_sample():
         seen.append((q.shape[0], *(None if t is None else t.tolist() for t in (cu_seqlens, cu_seqlens_cpu))))
         bounds = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
         spans = zip(bounds[:-1], bounds[1:], strict=True)
-        pieces = [torch_chunk_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
-                                               **kwargs)[0] for s, e in spans]  # fmt: skip
+        pieces = [
+            torch_chunk_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e], **kwargs)[0]
+            for s, e in spans
+        ]
         return torch.cat(pieces, dim=1), None
 
     def recorder(kernel, label):
-        return KernelRecorder(kernel, label=label, expected_device="cpu", log=CallLog(lambda call: None),
-                              patch="test", backend="cpu")  # fmt: skip
+        return KernelRecorder(
+            kernel, label=label, expected_device="cpu", log=CallLog(lambda call: None), patch="test", backend="cpu"
+        )
 
     torch.manual_seed(0)
-    for numbered, bounds in (([[1] * 9 + [2] * 20 + [0] * 3, [1] * 16 + [2] * 16], [0, 9, 32, 48, 64]),
-                             ([[1] * 29 + [0] * 3], None)):  # fmt: skip
+    for numbered, bounds in (
+        ([[1] * 9 + [2] * 20 + [0] * 3, [1] * 16 + [2] * 16], [0, 9, 32, 48, 64]),
+        ([[1] * 29 + [0] * 3], None),
+    ):
         seen.clear()
         found = packed_rows.segments(prepare_4d_attention_mask(torch.tensor(numbered), torch.float32))
         rows = found.rows
-        inputs = [torch.randn(rows, 32, 2, 16), torch.randn(rows, 32, 2, 16), torch.randn(rows, 32, 2, 16),
-                  -torch.rand(rows, 32, 2), torch.rand(rows, 32, 2)]  # fmt: skip
+        inputs = [
+            torch.randn(rows, 32, 2, 16),
+            torch.randn(rows, 32, 2, 16),
+            torch.randn(rows, 32, 2, 16),
+            -torch.rand(rows, 32, 2),
+            torch.rand(rows, 32, 2),
+        ]
         real = found.real_tokens("cpu").reshape(rows, 32)
         results = []
         for kernel, label in ((varlen, "fla"), (torch_chunk_gated_delta_rule, "torch")):
@@ -1031,8 +1110,9 @@ def test_the_fla_route_takes_key_heads_unrepeated_and_pairs_them_as_transformers
     grouped = grouped_varlen_kernel(seen=heads_seen)
 
     def recorder(kernel, label):
-        return KernelRecorder(kernel, label=label, expected_device="cpu", log=CallLog(lambda call: None),
-                              patch="test", backend="cpu")  # fmt: skip
+        return KernelRecorder(
+            kernel, label=label, expected_device="cpu", log=CallLog(lambda call: None), patch="test", backend="cpu"
+        )
 
     torch.manual_seed(0)
     found = packed_rows.segments(prepare_4d_attention_mask(torch.tensor([[1] * 12 + [2] * 20]), torch.float32))
@@ -1043,11 +1123,13 @@ def test_the_fla_route_takes_key_heads_unrepeated_and_pairs_them_as_transformers
     assert fla_q is q and fla_k is k  # no copy on the FLA route
     fla = packed_rows.chunk_per_segment(fla_kernel, fla_q, fla_k, v, g, beta, found)
     assert heads_seen == [(2, 2, 6)]
-    reference = packed_rows.chunk_per_segment(torch_kernel, *packed_rows.value_heads(torch_kernel, q, k, 3), v, g,
-                                              beta, found)  # fmt: skip
+    reference = packed_rows.chunk_per_segment(
+        torch_kernel, *packed_rows.value_heads(torch_kernel, q, k, 3), v, g, beta, found
+    )
     torch.testing.assert_close(fla, reference, rtol=1e-5, atol=1e-6)
-    other_pairing = packed_rows.chunk_per_segment(torch_kernel, q.repeat(1, 1, 3, 1), k.repeat(1, 1, 3, 1), v, g,
-                                                  beta, found)  # fmt: skip
+    other_pairing = packed_rows.chunk_per_segment(
+        torch_kernel, q.repeat(1, 1, 3, 1), k.repeat(1, 1, 3, 1), v, g, beta, found
+    )
     assert not torch.allclose(fla, other_pairing, rtol=1e-3, atol=1e-4)
 
 
@@ -1083,8 +1165,16 @@ def test_packing_trains_through_the_launcher_with_the_packed_path_proven(tmp_pat
     from tests.support.common import launcher_cmd, make_config, only_run_dir
 
     cut = {"patches": {"packed_rows": {"cut_padding": 16}}} if workers else None
-    cfg = make_config(tmp_path, demo_assets, cut, packing=True, max_steps=2, save_strategy="no", eval_steps=2,
-                      dataloader_num_workers=workers)  # fmt: skip
+    cfg = make_config(
+        tmp_path,
+        demo_assets,
+        cut,
+        packing=True,
+        max_steps=2,
+        save_strategy="no",
+        eval_steps=2,
+        dataloader_num_workers=workers,
+    )
     proc = launcher_cmd("run", cfg, "--quiet")
     run_dir = only_run_dir(tmp_path / "runs")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

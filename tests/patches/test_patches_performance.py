@@ -24,8 +24,13 @@ from tests.support.patch_fixtures import EVAL_EVERY_STEP_SGD, lora_model, traine
 
 pytest_plugins = ["tests.support.patch_fixtures"]
 
-ONLY = {"deltanet_routing": False, "checkpoint_all_layers": False, "chunked_loss": False,
-        "text_only_batches": False, "final_eval_once": False}  # fmt: skip
+ONLY = {
+    "deltanet_routing": False,
+    "checkpoint_all_layers": False,
+    "chunked_loss": False,
+    "text_only_batches": False,
+    "final_eval_once": False,
+}
 
 
 def only(**on) -> dict:
@@ -142,14 +147,30 @@ def test_the_second_step_corrects_a_count_that_missed_memory_and_takes_layers_ba
     first = plan(costs, budget_gib=90.0, peak_gib=60.0, held_gib=50.0, seq_len=1000, cutoff_len=1000)
     assert first.uncheckpointed == {"attention": 16, "deltanet": 42}  # room 29 GiB at the counted 0.5 GiB
     # the device says the 58 layers took 58 GiB, not 29: twice the count (second step at half the length)
-    factor = correction(costs, first.uncheckpointed, peak_gib=50.0 + 5.0 + 29.0, held_gib=50.0,
-                        first_peak_gib=60.0, seq_len=500, first_seq_len=1000)  # fmt: skip
+    factor = correction(
+        costs,
+        first.uncheckpointed,
+        peak_gib=50.0 + 5.0 + 29.0,
+        held_gib=50.0,
+        first_peak_gib=60.0,
+        seq_len=500,
+        first_seq_len=1000,
+    )
     assert factor == pytest.approx(2.0)
-    again = plan(scaled(costs, factor), budget_gib=90.0, peak_gib=60.0, held_gib=50.0, seq_len=1000,
-                 cutoff_len=1000)  # fmt: skip
+    again = plan(scaled(costs, factor), budget_gib=90.0, peak_gib=60.0, held_gib=50.0, seq_len=1000, cutoff_len=1000)
     assert again.uncheckpointed == {"attention": 16, "deltanet": 13} and again.projected_peak_gib <= 89.0
-    assert correction(costs, first.uncheckpointed, peak_gib=70.0, held_gib=50.0, first_peak_gib=60.0,
-                      seq_len=1000, first_seq_len=1000) == 1.0  # less than counted: at the count  # fmt: skip
+    assert (
+        correction(
+            costs,
+            first.uncheckpointed,
+            peak_gib=70.0,
+            held_gib=50.0,
+            first_peak_gib=60.0,
+            seq_len=1000,
+            first_seq_len=1000,
+        )
+        == 1.0
+    )  # less than counted: at the count
 
 
 def test_a_plan_that_cost_less_than_priced_is_widened_to_the_plan_at_the_real_factor_whole():
@@ -182,8 +203,7 @@ def test_a_count_is_spread_over_the_kinds_in_order():
 
 
 @pytest.mark.usefixtures("restore_patches")
-def test_the_layer_plan_is_measured_in_the_first_step_and_holds_from_the_second(tmp_path, demo_assets,
-                                                                                 stub_trainer):  # fmt: skip
+def test_the_layer_plan_is_measured_in_the_first_step_and_holds_from_the_second(tmp_path, demo_assets, stub_trainer):
     import transformers
 
     settings = only(checkpoint_all_layers={"uncheckpointed_layers": 2})
@@ -236,8 +256,9 @@ def test_the_collector_is_frozen_before_the_step_after_the_first_optimizer_step_
     import transformers
 
     seen: list[int] = []
-    monkeypatch.setattr(transformers.Trainer, "training_step", lambda self, model, inputs: seen.append(
-        gc.get_freeze_count()))  # fmt: skip
+    monkeypatch.setattr(
+        transformers.Trainer, "training_step", lambda self, model, inputs: seen.append(gc.get_freeze_count())
+    )
     trainer = SimpleNamespace(args=SimpleNamespace(gradient_accumulation_steps=2))
     assert gc.get_freeze_count() == 0
     alone = {**dict.fromkeys(patches.PATCH_NAMES, False), "gc_freeze": True}  # the others' hooks need a model
@@ -262,12 +283,21 @@ def trainings(demo_assets, tiny_training, tmp_path_factory):
     root = tmp_path_factory.mktemp("performance_runs")
     extra = {**EVAL_EVERY_STEP_SGD, "lora_dropout": 0.0}
     results = {
-        "on": tiny_training(root / "on", demo_assets, {"checkpoint_all_layers": {"uncheckpointed_layers": 1}},
-                            lf=extra, entry="tests.support.eval_count_entry"),
-        "off": tiny_training(root / "off", demo_assets, {"chunked_loss": False, "text_only_batches": False,
-                                                         "final_eval_once": False, "gc_freeze": False}, lf=extra,
-                             entry="tests.support.eval_count_entry"),
-    }  # fmt: skip
+        "on": tiny_training(
+            root / "on",
+            demo_assets,
+            {"checkpoint_all_layers": {"uncheckpointed_layers": 1}},
+            lf=extra,
+            entry="tests.support.eval_count_entry",
+        ),
+        "off": tiny_training(
+            root / "off",
+            demo_assets,
+            {"chunked_loss": False, "text_only_batches": False, "final_eval_once": False, "gc_freeze": False},
+            lf=extra,
+            entry="tests.support.eval_count_entry",
+        ),
+    }
     for name, result in results.items():
         assert result.returncode == 0, f"{name} training failed:\n{result.stderr[-3000:]}"
     return {name: root / name for name in results}
@@ -426,8 +456,10 @@ def test_a_trainable_vision_tower_keeps_the_dummy_image():
 def test_the_final_evaluation_is_not_reused_when_it_generates():
     from patches import final_eval_once
 
-    trainer = SimpleNamespace(args=SimpleNamespace(load_best_model_at_end=False, predict_with_generate=False),
-                              state=SimpleNamespace(global_step=4))  # fmt: skip
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(load_best_model_at_end=False, predict_with_generate=False),
+        state=SimpleNamespace(global_step=4),
+    )
     final_eval_once._state["last"] = {"step": 4, "prefix": "eval", "metrics": {"eval_loss": 1.0}}
     try:
         assert final_eval_once._reusable(trainer, None, "eval") == {"eval_loss": 1.0}

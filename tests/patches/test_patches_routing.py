@@ -250,14 +250,25 @@ def test_simulated_npu_decodes_with_fla_recurrent(tmp_path, stub_fla):
 def _choice(chunk: str, conv: str = "fla", gated_norm: str = "fla") -> dict:
     """A ``launcher.checks.kernel_choice`` record as preflight writes it into preflight.json (each refusal with its
     failing case)."""
-    refused = {"ascendc": [{"kernel": "fla", "case": "layout", "note": "dg differs by 40.00% (threshold 5%)"}],
-               "torch": [{"kernel": "fla", "case": "layout", "note": "dg differs by 40.00% (threshold 5%)"},
-                         {"kernel": "ascendc", "case": "load", "note": "RuntimeError: fla_npu is not installed"}],
-               "fla": []}  # fmt: skip
-    component = {name: {"component": name, "chosen": kernel, "refused": refused[kernel] if name == "chunk" else
-                        ([] if kernel == "fla" else refused["ascendc"]), "passed_cases": [], "description": "",
-                        "expected_slowdown": None}
-                 for name, kernel in (("chunk", chunk), ("conv", conv), ("gated_norm", gated_norm))}  # fmt: skip
+    refused = {
+        "ascendc": [{"kernel": "fla", "case": "layout", "note": "dg differs by 40.00% (threshold 5%)"}],
+        "torch": [
+            {"kernel": "fla", "case": "layout", "note": "dg differs by 40.00% (threshold 5%)"},
+            {"kernel": "ascendc", "case": "load", "note": "RuntimeError: fla_npu is not installed"},
+        ],
+        "fla": [],
+    }
+    component = {
+        name: {
+            "component": name,
+            "chosen": kernel,
+            "refused": refused[kernel] if name == "chunk" else ([] if kernel == "fla" else refused["ascendc"]),
+            "passed_cases": [],
+            "description": "",
+            "expected_slowdown": None,
+        }
+        for name, kernel in (("chunk", chunk), ("conv", conv), ("gated_norm", gated_norm))
+    }
     return {"backend": "npu", "shapes": {"seq_len": 4096}, "components": component}
 
 
@@ -286,18 +297,24 @@ def test_simulated_npu_binds_torch_where_preflight_chose_it_and_fla_without_a_ch
     """Stand-in: ``stub_fla`` for FLA on triton-ascend. A torch choice reaches training only when the config allowed
     it (preflight refuses it otherwise); without a choice (the kernel row skipped) FLA is required, as before."""
     stub_fla(platform="npu")
-    patches.apply_enabled({"fused_ops": False}, backend="npu", proof_dir=tmp_path / "t",
-                          facts={"kernel_choice": _choice("torch")})  # fmt: skip
+    patches.apply_enabled(
+        {"fused_ops": False}, backend="npu", proof_dir=tmp_path / "t", facts={"kernel_choice": _choice("torch")}
+    )
     route = read_proof(tmp_path / "t", "deltanet_routing")["route"]
     assert (route["kernel"], route["recurrent"]) == ("torch", "torch") and "ascendc refused at load" in route["reason"]
-    patches.apply_enabled({"fused_ops": False}, backend="npu", proof_dir=tmp_path / "f",
-                          facts={"kernel_choice": _choice("fla")})  # fmt: skip
+    patches.apply_enabled(
+        {"fused_ops": False}, backend="npu", proof_dir=tmp_path / "f", facts={"kernel_choice": _choice("fla")}
+    )
     assert read_proof(tmp_path / "f", "deltanet_routing")["route"]["kernel"] == "fla"
     patches.apply_enabled({"fused_ops": False}, backend="npu", proof_dir=tmp_path / "n")
     assert read_proof(tmp_path / "n", "deltanet_routing")["route"]["kernel"] == "fla"
     # kernel: torch in the config is the user's own choice, whatever preflight recorded
-    patches.apply_enabled({"fused_ops": False, "deltanet_routing": {"kernel": "torch"}}, backend="npu",
-                          proof_dir=tmp_path / "c", facts={"kernel_choice": _choice("ascendc")})  # fmt: skip
+    patches.apply_enabled(
+        {"fused_ops": False, "deltanet_routing": {"kernel": "torch"}},
+        backend="npu",
+        proof_dir=tmp_path / "c",
+        facts={"kernel_choice": _choice("ascendc")},
+    )
     assert "the config chose kernel: torch" in read_proof(tmp_path / "c", "deltanet_routing")["route"]["reason"]
 
 

@@ -38,16 +38,27 @@ DEFAULTS = {
 
 def test_registry_order_is_routing_then_checkpointing_then_the_rest():
     assert patches.PATCH_NAMES == (
-        "deltanet_routing", "fused_ops", "checkpoint_all_layers", "chunked_loss", "text_only_batches",
-        "final_eval_once", "pad_lengths", "lora_input_cast", "packed_rows", "fsdp2_frozen_dtype",
-        "fsdp2_resume_adapter", "gc_freeze",
-    )  # fmt: skip
+        "deltanet_routing",
+        "fused_ops",
+        "checkpoint_all_layers",
+        "chunked_loss",
+        "text_only_batches",
+        "final_eval_once",
+        "pad_lengths",
+        "lora_input_cast",
+        "packed_rows",
+        "fsdp2_frozen_dtype",
+        "fsdp2_resume_adapter",
+        "gc_freeze",
+    )
     assert tuple(PATCHES) == patches.PATCH_NAMES
 
 
 def test_an_off_by_default_patch_is_on_once_named_with_options():
     assert patches.normalize_settings({"pad_lengths": {"multiple": 512}})["pad_lengths"] == {
-        "enabled": True, "multiple": 512}  # fmt: skip
+        "enabled": True,
+        "multiple": 512,
+    }
     assert patches.normalize_settings({"pad_lengths": True})["pad_lengths"] == {"enabled": True, "multiple": 256}
     assert patches.normalize_settings({"pad_lengths": {}})["pad_lengths"]["enabled"] is True  # named: on
 

@@ -36,8 +36,9 @@ def test_a_dataloader_worker_never_writes_a_proof_record(tmp_path):
     proof = ProofFile(tmp_path, "demo_patch", 0)
     proof.start({"patch": "demo_patch", "status": "applied"})
     merged = tmp_path / "merged"
-    loader = torch.utils.data.DataLoader(_Recording(proof, merged), batch_size=None, num_workers=1,
-                                         multiprocessing_context="fork")  # fmt: skip
+    loader = torch.utils.data.DataLoader(
+        _Recording(proof, merged), batch_size=None, num_workers=1, multiprocessing_context="fork"
+    )
     iterator = iter(loader)  # the worker forks here, holding the record as it is now
     proof.update(first_training_step={"calls": 3})  # what the rank merges after the fork
     merged.touch()  # the worker's update of item 1 comes after this

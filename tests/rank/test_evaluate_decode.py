@@ -29,8 +29,17 @@ def tiny(demo_assets):
 
 
 def _answers(model, prompts, stop, batch_size, progress=None):
-    return greedy_batched(torch, model, prompts, max_new_tokens=NEW_TOKENS, stop=stop, pad_id=PAD,
-                          batch_size=batch_size, device="cpu", progress=progress)  # fmt: skip
+    return greedy_batched(
+        torch,
+        model,
+        prompts,
+        max_new_tokens=NEW_TOKENS,
+        stop=stop,
+        pad_id=PAD,
+        batch_size=batch_size,
+        device="cpu",
+        progress=progress,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +63,9 @@ def test_answers_in_batches_equal_one_at_a_time_token_for_token(tiny, one_at_a_t
     assert [(p.done, p.total) for p in seen] == [(8, 8)] and seen[-1].tokens == sum(len(a) for a in single)
 
 
-def test_a_short_last_batch_is_filled_to_the_batch_size_and_its_copies_are_not_answers(tiny, one_at_a_time,
-                                                                                       monkeypatch):  # fmt: skip
+def test_a_short_last_batch_is_filled_to_the_batch_size_and_its_copies_are_not_answers(
+    tiny, one_at_a_time, monkeypatch
+):
     """8 prompts in batches of 3: three ``generate`` calls of 3 rows each (the last one 2 prompts and a copy), so
     the decoding kernels see one batch size; the answers are still the one-at-a-time answers, one per prompt."""
     model, prompts = tiny

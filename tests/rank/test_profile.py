@@ -27,27 +27,43 @@ def test_the_split_of_a_step_on_known_intervals():
     assert parts["compile_autotune"] == pytest.approx(0.2) and parts["data_loading"] == pytest.approx(0.6)
     assert parts["optimizer_host"] == pytest.approx(0.2)  # 3.6-3.8; 3.5-3.6 was already data loading
     assert parts["host_gaps"] == pytest.approx(4.0 - 2.5 - 0.2 - 0.6 - 0.2)
-    summary = rank_summary({"rank": 0, "profiled_steps": [{**parts, "seconds": 4.0}],
-                            "periods": [{"seconds": 9.0}, {"seconds": 4.2, "profiled": True}]})  # fmt: skip
+    summary = rank_summary(
+        {
+            "rank": 0,
+            "profiled_steps": [{**parts, "seconds": 4.0}],
+            "periods": [{"seconds": 9.0}, {"seconds": 4.2, "profiled": True}],
+        }
+    )
     assert summary["accounted_s"] == pytest.approx(4.0) and summary["adds_up"]  # 4.0 of 4.2: within 10 %
     assert "within 10%" in render({"ranks": [summary]})
     assert summary["first_step"]["seconds"] == 9.0 and summary["first_step"]["excess_over_profiled_s"] == 4.8
 
 
 def test_the_first_step_against_the_warmup_and_the_profiled_steps():
-    periods = [{"step": 1, "seconds": 12.0, "profiled": False, "compile_autotune_s": 9.0, "compiles": 40,
-                "autotunes": 6},
-               {"step": 2, "seconds": 1.6, "profiled": False, "compile_autotune_s": 0.0, "compiles": 0,
-                "autotunes": 0}]  # fmt: skip
-    periods += [{"step": n, "seconds": s, "profiled": True, "compile_autotune_s": 0.0}
-                for n, s in ((3, 2.0), (4, 1.8), (5, 2.2))]  # fmt: skip
+    periods = [
+        {"step": 1, "seconds": 12.0, "profiled": False, "compile_autotune_s": 9.0, "compiles": 40, "autotunes": 6},
+        {"step": 2, "seconds": 1.6, "profiled": False, "compile_autotune_s": 0.0, "compiles": 0, "autotunes": 0},
+    ]
+    periods += [
+        {"step": n, "seconds": s, "profiled": True, "compile_autotune_s": 0.0}
+        for n, s in ((3, 2.0), (4, 1.8), (5, 2.2))
+    ]
     first = first_step_summary(periods)
     assert first["seconds"] == 12.0 and first["compile_autotune_s"] == 9.0 and first["compiles"] == 40
     assert first["warmup_after"] == {"steps": 1, "median_s": 1.6, "compile_autotune_median_s": 0.0}
     assert first["profiled_steps"]["median_s"] == 2.0 and first["excess_over_profiled_s"] == 10.0
     assert first["compile_share_of_excess"] == 0.9
-    rank = {"rank": 0, "profiled_steps": 3, "parts_s": {}, "accounted_s": 2.0, "step_s": 2.0, "accounted_share": 1.0,
-            "adds_up": True, "seq_lens": [], "first_step": first}  # fmt: skip
+    rank = {
+        "rank": 0,
+        "profiled_steps": 3,
+        "parts_s": {},
+        "accounted_s": 2.0,
+        "step_s": 2.0,
+        "accounted_share": 1.0,
+        "adds_up": True,
+        "seq_lens": [],
+        "first_step": first,
+    }
     table = render({"ranks": [rank]})
     assert "| **first step minus the profiled median** | 10.000 |" in table and "| 40 / 6 |" in table
     assert "| kernel compile / autotune in the first step | 9.000 |" in table and "90%" in table
@@ -74,48 +90,95 @@ def test_a_device_profile_counts_kernels_not_the_ranges_mirrored_onto_the_device
     from launcher.rank.profiling import summarize_profiler
 
     def event(name, start, end, device="CPU", annotation=False, parent=None, kernels=(), shapes=()):
-        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start * 1e6, end=end * 1e6),
-                               device_type=f"DeviceType.{device}", is_user_annotation=annotation,
-                               cpu_parent=parent, kernels=[SimpleNamespace(name=n, duration=us) for n, us in kernels],
-                               input_shapes=list(shapes))  # fmt: skip
+        return SimpleNamespace(
+            name=name,
+            time_range=SimpleNamespace(start=start * 1e6, end=end * 1e6),
+            device_type=f"DeviceType.{device}",
+            is_user_annotation=annotation,
+            cpu_parent=parent,
+            kernels=[SimpleNamespace(name=n, duration=us) for n, us in kernels],
+            input_shapes=list(shapes),
+        )
 
     step = event("ProfilerStep#3", 0.0, 1.0)
     deltanet = event("deltanet::fla", 0.1, 0.3, parent=step)
     backward = event("autograd::engine::evaluate_function: ToCopyBackward0", 0.75, 0.8, parent=step)
-    gathers = [event(f"FSDP::pre_forward (model.layers.{n})", 0.6 + n / 100, 0.61 + n / 100, parent=step)
-               for n in (3, 12)]  # fmt: skip
+    gathers = [
+        event(f"FSDP::pre_forward (model.layers.{n})", 0.6 + n / 100, 0.61 + n / 100, parent=step) for n in (3, 12)
+    ]
     to_copy = event("aten::_to_copy", 0.75, 0.8, parent=backward)
     events = [
-        step, event("ProfilerStep#3", 0.0, 1.0, "CUDA", True),
-        deltanet, event("deltanet::fla", 0.1, 0.3, "CUDA", True),
+        step,
+        event("ProfilerStep#3", 0.0, 1.0, "CUDA", True),
+        deltanet,
+        event("deltanet::fla", 0.1, 0.3, "CUDA", True),
         event("aten::copy_", 0.15, 0.16, parent=deltanet, kernels=[("elementwise_kernel", 5e4)]),
-        backward, to_copy,
-        event("aten::copy_", 0.76, 0.77, parent=to_copy, kernels=[("elementwise_kernel", 6e4)],
-              shapes=[[1, 4096, 5120], [1, 4096, 5120], []]),
-        *gathers, *[event("aten::copy_", g.time_range.start / 1e6, g.time_range.end / 1e6, parent=g,
-                          kernels=[("elementwise_kernel", 2e4)]) for g in gathers],
+        backward,
+        to_copy,
+        event(
+            "aten::copy_",
+            0.76,
+            0.77,
+            parent=to_copy,
+            kernels=[("elementwise_kernel", 6e4)],
+            shapes=[[1, 4096, 5120], [1, 4096, 5120], []],
+        ),
+        *gathers,
+        *[
+            event(
+                "aten::copy_",
+                g.time_range.start / 1e6,
+                g.time_range.end / 1e6,
+                parent=g,
+                kernels=[("elementwise_kernel", 2e4)],
+            )
+            for g in gathers
+        ],
         # a runtime call that torch gave the same kernel (a shared correlation id): not a second launcher
         event("cudaStreamIsCapturing", 0.61, 0.612, parent=gathers[0], kernels=[("elementwise_kernel", 2e4)]),
-        event("chunk_fwd_kernel_o", 0.1, 0.2, "CUDA"), event("elementwise_kernel", 0.2, 0.3, "CUDA"),
+        event("chunk_fwd_kernel_o", 0.1, 0.2, "CUDA"),
+        event("elementwise_kernel", 0.2, 0.3, "CUDA"),
         event("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", 0.3, 0.8, "CUDA"),
         event("elementwise_kernel", 0.8, 0.9, "CUDA"),
-    ]  # fmt: skip
+    ]
     summary = summarize_profiler(SimpleNamespace(events=lambda: events), "cuda", 2, 1)
     steps = summary["profiled_steps"]
     assert len(steps) == 1
     # the kernel inside the deltanet:: range is DeltaNet, not other compute; the other one is listed with the
     # operators that launched it outside DeltaNet (the copy launched inside the deltanet:: range is not named)
-    chain = ("aten::copy_ < aten::_to_copy < autograd::engine::evaluate_function: ToCopyBackward0 "
-             "[[1, 4096, 5120], [1, 4096, 5120]]")  # fmt: skip
-    assert summary["other_compute_top"] == [{"kernel": "elementwise_kernel", "ms_per_step": 100.0,
-                                             "launched_by": [{"ops": chain, "ms_per_step": 60.0},
-                                                             {"ops": "aten::copy_ < FSDP::pre_forward (model.layers.N)",
-                                                              "ms_per_step": 40.0}]}]  # fmt: skip
+    chain = (
+        "aten::copy_ < aten::_to_copy < autograd::engine::evaluate_function: ToCopyBackward0 "
+        "[[1, 4096, 5120], [1, 4096, 5120]]"
+    )
+    assert summary["other_compute_top"] == [
+        {
+            "kernel": "elementwise_kernel",
+            "ms_per_step": 100.0,
+            "launched_by": [
+                {"ops": chain, "ms_per_step": 60.0},
+                {"ops": "aten::copy_ < FSDP::pre_forward (model.layers.N)", "ms_per_step": 40.0},
+            ],
+        }
+    ]
     top = summary["other_compute_top"][0]  # the chains share out the kernel's time, never more
     assert sum(c["ms_per_step"] for c in top["launched_by"]) <= top["ms_per_step"]
-    table = render({"ranks": [{"rank": 0, "profiled_steps": 1, "parts_s": {}, "accounted_s": 1.0, "step_s": 1.0,
-                               "accounted_share": 1.0, "adds_up": True, "seq_lens": [],
-                               "other_compute_top": summary["other_compute_top"]}]})  # fmt: skip
+    table = render(
+        {
+            "ranks": [
+                {
+                    "rank": 0,
+                    "profiled_steps": 1,
+                    "parts_s": {},
+                    "accounted_s": 1.0,
+                    "step_s": 1.0,
+                    "accounted_share": 1.0,
+                    "adds_up": True,
+                    "seq_lens": [],
+                    "other_compute_top": summary["other_compute_top"],
+                }
+            ]
+        }
+    )
     assert f"  - 60.0 ms launched by `{chain}`" in table
     parts = steps[0]
     assert parts["deltanet"] == pytest.approx(0.2) and parts["matmul"] == pytest.approx(0.5)
@@ -182,9 +245,18 @@ def test_bad_profile_arguments_are_refused(tmp_path, demo_assets):
 def test_the_largest_other_compute_kernels_are_listed_under_the_table():
     from launcher.results.profile_report import render
 
-    rank = {"rank": 0, "profiled_steps": 3, "parts_s": {"other_compute": 0.3}, "accounted_s": 1.0, "step_s": 1.0,
-            "accounted_share": 1.0, "adds_up": True, "seq_lens": [4096], "first_step": None,
-            "other_compute_top": [{"kernel": "direct_copy_kernel_cuda", "ms_per_step": 57.25}]}  # fmt: skip
+    rank = {
+        "rank": 0,
+        "profiled_steps": 3,
+        "parts_s": {"other_compute": 0.3},
+        "accounted_s": 1.0,
+        "step_s": 1.0,
+        "accounted_share": 1.0,
+        "adds_up": True,
+        "seq_lens": [4096],
+        "first_step": None,
+        "other_compute_top": [{"kernel": "direct_copy_kernel_cuda", "ms_per_step": 57.25}],
+    }
     text = render({"ranks": [rank]})
     assert "Largest kernels in other compute, rank 0" in text and "- 57.2 ms `direct_copy_kernel_cuda`" in text
 

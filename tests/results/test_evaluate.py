@@ -30,8 +30,12 @@ def _prepared_run(tmp_path_factory, demo_assets) -> Path:
         folder = tmp_path_factory.mktemp("evaluate-run")
         src = sf.write_json(folder / "src" / "catch_mdpcot.json", sf.mdpcot_records(dialogues=16))
         result = prepare(src, folder / "data", Options(), val_size=0.2, test_size=0.2, seed=3, name="counsel")
-        config = make_config(folder, {"model": demo_assets["model"], "data": folder / "data"},
-                             dataset=result.name, eval_dataset=f"{result.name}_val")  # fmt: skip
+        config = make_config(
+            folder,
+            {"model": demo_assets["model"], "data": folder / "data"},
+            dataset=result.name,
+            eval_dataset=f"{result.name}_val",
+        )
         proc = launcher_cmd("run", config, "--quiet")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         _RUN["run"] = only_run_dir(folder / "runs")
@@ -52,18 +56,23 @@ def _records(path: Path) -> list[str]:
 def test_two_checkpoints_evaluated_on_the_held_out_split_and_shown_in_the_report(prepared_run):
     data = _RUN["data"]
     test, train, val = (_records(data / f"counsel{s}.json") for s in ("_test", "", "_val"))
-    firsts = {json.loads(r)["history"][0][0] if json.loads(r)["history"] else json.loads(r)["instruction"]
-              for r in test}  # fmt: skip
+    firsts = {
+        json.loads(r)["history"][0][0] if json.loads(r)["history"] else json.loads(r)["instruction"] for r in test
+    }
     assert test and not set(test) & (set(train) | set(val))  # the test split is disjoint from train and validation
 
-    proc = launcher_cmd("evaluate", prepared_run, "--checkpoints", "3,last", "--max-new-tokens", "8",
-                        "--batch-size", "4")  # fmt: skip
+    proc = launcher_cmd(
+        "evaluate", prepared_run, "--checkpoints", "3,last", "--max-new-tokens", "8", "--batch-size", "4"
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((prepared_run / EVALUATE_JSON).read_text())
     total = len(doc["prompts"])
     for name in ("checkpoint-3", "checkpoint-6"):  # progress per batch of 4: prompts done of all, tokens/s
-        done = re.findall(rf"^evaluate: {name}: (\d+)/{total} answers, (\d+) tokens in [\d.]+ s \(([\d.]+) tokens/s\)$",
-                          proc.stdout, re.MULTILINE)  # fmt: skip
+        done = re.findall(
+            rf"^evaluate: {name}: (\d+)/{total} answers, (\d+) tokens in [\d.]+ s \(([\d.]+) tokens/s\)$",
+            proc.stdout,
+            re.MULTILINE,
+        )
         assert [int(d) for d, _, _ in done] == [min(total, n) for n in range(4, total + 4, 4)], proc.stdout
     assert doc["generation"]["batch_size"] == 4
     for ckpt in doc["checkpoints"]:
@@ -217,14 +226,34 @@ def test_report_names_the_checkpoint_each_criterion_prefers_when_they_disagree(c
     from launcher.results.report import build_report
 
     looped, varied = "I hear you. I hear you. I hear you. I hear you.", "What has helped you before, and who knows?"
-    raw = {"checkpoints": [{"name": "checkpoint-3", "step": 3, "test_loss": 1.9},
-                           {"name": "checkpoint-6", "step": 6, "test_loss": 2.2}],
-           "prompts": [{"id": "crisis-en-1", "kind": "crisis", "prompt": "p", "reference": None,
-                        "answers": {"checkpoint-3": varied + " Please call 988 now.", "checkpoint-6": looped}},
-                       {"id": "test-1", "kind": "test", "prompt": "q", "reference": "who knows what helped",
-                        "answers": {"checkpoint-3": varied, "checkpoint-6": looped}}]}  # fmt: skip
-    request = {"run_id": "crafted-run", "backend": "cpu", "max_new_tokens": 8,
-               "test_split": {"file": "counsel_test.json", "sha256": "0" * 64, "samples": 2}}  # fmt: skip
+    raw = {
+        "checkpoints": [
+            {"name": "checkpoint-3", "step": 3, "test_loss": 1.9},
+            {"name": "checkpoint-6", "step": 6, "test_loss": 2.2},
+        ],
+        "prompts": [
+            {
+                "id": "crisis-en-1",
+                "kind": "crisis",
+                "prompt": "p",
+                "reference": None,
+                "answers": {"checkpoint-3": varied + " Please call 988 now.", "checkpoint-6": looped},
+            },
+            {
+                "id": "test-1",
+                "kind": "test",
+                "prompt": "q",
+                "reference": "who knows what helped",
+                "answers": {"checkpoint-3": varied, "checkpoint-6": looped},
+            },
+        ],
+    }
+    request = {
+        "run_id": "crafted-run",
+        "backend": "cpu",
+        "max_new_tokens": 8,
+        "test_split": {"file": "counsel_test.json", "sha256": "0" * 64, "samples": 2},
+    }
     doc = build_document(request, raw)
     assert "meaningless" not in doc["note"]  # a real base model: only the screening note
     assert "meaningless by construction" in build_document({**request, "demo_model": True}, raw)["note"]
@@ -235,7 +264,7 @@ def test_report_names_the_checkpoint_each_criterion_prefers_when_they_disagree(c
         "stock_opening": None,
         "reference_overlap": "checkpoint-3",
         "crisis_help": "checkpoint-3",
-    }  # fmt: skip  (both open the same way: a tie)
+    }  # (both open the same way: a tie)
     assert doc["prompts"][0]["answers"]["checkpoint-6"]["repetition"] > 0.5  # the looping answer scores as repeated
     (crafted / EVALUATE_JSON).write_text(json.dumps(doc))
     report = build_report(crafted, plot=True)
@@ -287,8 +316,9 @@ def test_several_checkpoints_load_the_base_model_once(prepared_run, monkeypatch,
 
     monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(counted_base))
     monkeypatch.setattr(PeftModel, "load_adapter", counted_more)
-    request = build_request(prepared_run, checkpoints="3,last,final", prompts_file=None, max_new_tokens=2,
-                            max_prompts=2)  # fmt: skip
+    request = build_request(
+        prepared_run, checkpoints="3,last,final", prompts_file=None, max_new_tokens=2, max_prompts=2
+    )
     assert request["batch_size"] == "auto"
     levers = json.loads((prepared_run / "manifest.json").read_text())["tuning"]
     assert request["environment"] == {name: lever["value"] for name, lever in levers.items()}
@@ -315,8 +345,9 @@ def test_the_child_gets_the_runs_levers_where_the_caller_has_none(tmp_path, monk
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     shows = "import os; print(os.environ['TRITON_CACHE_DIR'], os.environ['TRITON_CACHE_AUTOTUNING'])"
     levers = {"TRITON_CACHE_DIR": str(tmp_path / "cache"), "TRITON_CACHE_AUTOTUNING": "1"}
-    code = _run_child([sys.executable, "-c", shows], BACKENDS["cpu"], tmp_path / "evaluate.log",
-                      tmp_path / "scratch.log", levers)  # fmt: skip
+    code = _run_child(
+        [sys.executable, "-c", shows], BACKENDS["cpu"], tmp_path / "evaluate.log", tmp_path / "scratch.log", levers
+    )
     assert code == 0 and (tmp_path / "evaluate.log").read_text() == f"{tmp_path / 'cache'} 0\n"
 
 
@@ -344,8 +375,13 @@ def test_an_interrupted_evaluation_stops_its_child_and_keeps_the_earlier_log(tmp
     """)
     )
     (tmp_path / "evaluate.log").write_text("earlier\n")
-    parent = subprocess.Popen([sys.executable, str(parent_py), str(tmp_path)], cwd=REPO, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    parent = subprocess.Popen(
+        [sys.executable, str(parent_py), str(tmp_path)],
+        cwd=REPO,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     children: list[psutil.Process] = []
     try:
         assert parent.stdout.readline() == "evaluate: started\n"  # the child runs and its progress is shown
@@ -379,16 +415,21 @@ def container_run(crafted) -> Path:
     return crafted
 
 
-def test_a_container_run_without_its_inputs_here_names_the_options_and_the_compose_command(container_run, tmp_path,
-                                                                                          monkeypatch):  # fmt: skip
+def test_a_container_run_without_its_inputs_here_names_the_options_and_the_compose_command(
+    container_run, tmp_path, monkeypatch
+):
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")
     message = _refused(container_run, "--checkpoints", "last", "--max-prompts", "4")
-    assert message.startswith(f"error: {container_run.name} ran in container deltanet-train-cpu: its model "
-                              "/opt/launcher/demo/model and data /opt/launcher/demo/data are not on this machine and "
-                              "no Docker engine answers here to tell its mounts"), message  # fmt: skip
+    assert message.startswith(
+        f"error: {container_run.name} ran in container deltanet-train-cpu: its model "
+        "/opt/launcher/demo/model and data /opt/launcher/demo/data are not on this machine and "
+        "no Docker engine answers here to tell its mounts"
+    ), message
     assert "give the host's copy with --model DIR --data-dir DIR" in message, message
-    assert message.endswith(f": docker compose --profile cpu run --rm train-cpu launcher evaluate /outputs/runs/"
-                            f"{container_run.name} --checkpoints=last --max-prompts=4"), message  # fmt: skip
+    assert message.endswith(
+        f": docker compose --profile cpu run --rm train-cpu launcher evaluate /outputs/runs/"
+        f"{container_run.name} --checkpoints=last --max-prompts=4"
+    ), message
     # the data given here: only the model is missing, and the message names only it
     message = _refused(container_run, "--data-dir", tmp_path / "data")
     assert "its model /opt/launcher/demo/model is not on this machine and no Docker engine answers" in message

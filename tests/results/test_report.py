@@ -79,8 +79,14 @@ def test_a_trainer_log_alone_is_enough(tmp_path):
 
 
 def test_falling_eval_loss_is_not_overfitting(tmp_path):
-    run = make_run(tmp_path, total=1200, eval_steps=100, save_steps=100, train_loss=train_loss,
-                   eval_loss=lambda s: 1.5 - 0.0003 * s)  # fmt: skip
+    run = make_run(
+        tmp_path,
+        total=1200,
+        eval_steps=100,
+        save_steps=100,
+        train_loss=train_loss,
+        eval_loss=lambda s: 1.5 - 0.0003 * s,
+    )
     report = build_report(run)
     assert report.best.step == 1200 and report.recommended == "output/checkpoint-1200"
     assert report.verdict.status == "no" and not report.verdict.overfitting
@@ -100,8 +106,12 @@ def test_patience_decides_when_a_rise_counts(tmp_path):
     assert build_report(run).verdict.status == "not-yet"  # default patience 3
     assert build_report(run, patience=2).verdict.status == "overfitting"
     # the run's own early-stopping patience is the default when set
-    early = overfitting_run(tmp_path, "early", eval_loss=lambda s: 2.0 - s / 1000 if s <= 1000 else 1.0 + s / 1e4,
-                            lf_extra={"early_stopping_steps": 2})  # fmt: skip
+    early = overfitting_run(
+        tmp_path,
+        "early",
+        eval_loss=lambda s: 2.0 - s / 1000 if s <= 1000 else 1.0 + s / 1e4,
+        lf_extra={"early_stopping_steps": 2},
+    )
     assert build_report(early).verdict.status == "overfitting"
 
 
@@ -177,7 +187,9 @@ def test_half_written_last_line_is_ignored(tmp_path):
     path = tmp_path / "trainer_log.jsonl"
     path.write_text('{"current_steps": 1, "loss": 2.0}\n{"current_steps": 2, "loss": 1.9}\n{"current_steps": 3, "lo')
     assert trainer_log.read_trainer_log_tail(path, count=5) == [
-        {"current_steps": 1, "loss": 2.0}, {"current_steps": 2, "loss": 1.9}]  # fmt: skip
+        {"current_steps": 1, "loss": 2.0},
+        {"current_steps": 2, "loss": 1.9},
+    ]
     assert trainer_log.read_trainer_log_tail(path) == [{"current_steps": 2, "loss": 1.9}]
     assert [r["current_steps"] for r in trainer_log.iter_trainer_log(path)] == [1, 2]
     # a complete-looking JSON object without its newline is still being written
@@ -225,12 +237,24 @@ def es_config(tmp_path, early_stopping, distribution="ddp", **lf) -> object:
     (model / "config.json").write_text('{"model_type": "qwen3_5"}')
     data = {
         "launcher": {"backend": "cpu", "distribution": distribution, "early_stopping": early_stopping},
-        "model_name_or_path": str(model), "stage": "sft", "do_train": True, "finetuning_type": "lora",
-        "lora_target": "q_proj,k_proj,v_proj,o_proj", "dataset": "train", "eval_dataset": "val",
-        "template": "qwen3_5_nothink", "cutoff_len": 4096, "max_steps": 20, "save_strategy": "steps",
-        "save_steps": 4, "eval_strategy": "steps", "eval_steps": 2, "save_only_model": True, "report_to": "none",
+        "model_name_or_path": str(model),
+        "stage": "sft",
+        "do_train": True,
+        "finetuning_type": "lora",
+        "lora_target": "q_proj,k_proj,v_proj,o_proj",
+        "dataset": "train",
+        "eval_dataset": "val",
+        "template": "qwen3_5_nothink",
+        "cutoff_len": 4096,
+        "max_steps": 20,
+        "save_strategy": "steps",
+        "save_steps": 4,
+        "eval_strategy": "steps",
+        "eval_steps": 2,
+        "save_only_model": True,
+        "report_to": "none",
         **lf,
-    }  # fmt: skip
+    }
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return load_run_config(path)
@@ -242,11 +266,15 @@ def mapped(tmp_path, config):
 
 def test_early_stopping_maps_to_llamafactory_keys_its_parser_accepts(tmp_path):
     args = mapped(tmp_path, es_config(tmp_path, {"patience": 3}))
-    assert {k: args[k] for k in ("early_stopping_steps", "metric_for_best_model", "greater_is_better",
-                                 "load_best_model_at_end")} == {  # fmt: skip
-        "early_stopping_steps": 3, "metric_for_best_model": "eval_loss", "greater_is_better": False,
+    assert {
+        k: args[k]
+        for k in ("early_stopping_steps", "metric_for_best_model", "greater_is_better", "load_best_model_at_end")
+    } == {
+        "early_stopping_steps": 3,
+        "metric_for_best_model": "eval_loss",
+        "greater_is_better": False,
         "load_best_model_at_end": True,
-    }  # fmt: skip
+    }
     assert validate_llamafactory_args(args) == []
     assert "early_stopping_steps" not in mapped(tmp_path, es_config(tmp_path, None))
 
@@ -266,9 +294,12 @@ def test_early_stopping_under_fsdp2_keeps_the_best_adapter_in_its_checkpoint(tmp
 
 @pytest.mark.parametrize(
     ("early", "text"),
-    [({"patience": 0}, "launcher.early_stopping.patience"), ({"patience": 2, "metric": "eval_accuracy"},
-     "launcher.early_stopping.metric"), ({"patience": 2, "mode": "min"}, "launcher.early_stopping.mode")],
-)  # fmt: skip
+    [
+        ({"patience": 0}, "launcher.early_stopping.patience"),
+        ({"patience": 2, "metric": "eval_accuracy"}, "launcher.early_stopping.metric"),
+        ({"patience": 2, "mode": "min"}, "launcher.early_stopping.mode"),
+    ],
+)
 def test_bad_early_stopping_settings_are_named(tmp_path, early, text):
     with pytest.raises(ConfigError) as info:
         es_config(tmp_path, early)
@@ -283,8 +314,9 @@ def test_real_demo_run_report_and_early_stopping_keep_the_best_adapter(tmp_path_
     from safetensors.numpy import load_file
 
     run = real_demo_run(tmp_path_factory, demo_assets)
-    proc = subprocess.run([sys.executable, "-m", "launcher", "report", str(run)], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "launcher", "report", str(run)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     md = (run / REPORT_MD).read_text()
     state = json.loads((run / "output" / "trainer_state.json").read_text())

@@ -40,8 +40,15 @@ def test_a_complete_run_passes_and_writes_verify_json(tmp_path):
     report = verify_run(run)
     assert report.passed, [(c.name, c.evidence) for c in report.failed]
     assert [c.name for c in report.checks] == [
-        "steps", "exit_code", "adapter", "finite", "lora_count", "lora_b_nonzero", "coverage", "metrics",
-    ]  # fmt: skip
+        "steps",
+        "exit_code",
+        "adapter",
+        "finite",
+        "lora_count",
+        "lora_b_nonzero",
+        "coverage",
+        "metrics",
+    ]
     record = json.loads((run / VERIFY_FILE).read_text())
     assert record["passed"] is True and record["failed"] == []
     assert report.check("coverage").status == "INFO"
@@ -97,8 +104,11 @@ def _config_disagrees(run):
     ("damage", "expected_fail", "evidence"),
     [
         (_nan_in_a, {"finite"}, {"finite": "layers.3.self_attn.v_proj.lora_A.weight (1 NaN, 0 inf)"}),
-        (_zero_b, {"lora_b_nonzero"},
-         {"lora_b_nonzero": "1 of 4 LoRA B matrices are all zero: layers.3.self_attn.k_proj"}),
+        (
+            _zero_b,
+            {"lora_b_nonzero"},
+            {"lora_b_nonzero": "1 of 4 LoRA B matrices are all zero: layers.3.self_attn.k_proj"},
+        ),
         (_delete("adapter_model.safetensors"), ADAPTER_CHECKS, {"adapter": "adapter_model.safetensors missing"}),
         (_delete("adapter_config.json"), ADAPTER_CHECKS, {"adapter": "adapter_config.json missing"}),
         (_truncate, ADAPTER_CHECKS, {"adapter": "truncated"}),
@@ -108,12 +118,27 @@ def _config_disagrees(run):
         (_status(exit_code=1, state="FAILED"), {"exit_code"}, {"exit_code": "exit_code 1"}),
         (_status(exit_code=None, signal=9, state="FAILED"), {"exit_code"}, {"exit_code": "signal 9"}),
         (_drop_module, {"lora_count", "lora_b_nonzero"}, {"lora_count": "missing 1: layers.3.self_attn.q_proj"}),
-        (_config_disagrees, {"adapter", "lora_count", "lora_b_nonzero"},
-         {"adapter": "adapter_config.json targets with no tensors"}),
+        (
+            _config_disagrees,
+            {"adapter", "lora_count", "lora_b_nonzero"},
+            {"adapter": "adapter_config.json targets with no tensors"},
+        ),
     ],
-    ids=["nan-tensor", "zero-b", "no-adapter", "no-adapter-config", "truncated-adapter", "no-all-results",
-         "no-eval-results", "no-trainer-log", "exit-1", "killed", "module-missing", "config-disagrees"],
-)  # fmt: skip
+    ids=[
+        "nan-tensor",
+        "zero-b",
+        "no-adapter",
+        "no-adapter-config",
+        "truncated-adapter",
+        "no-all-results",
+        "no-eval-results",
+        "no-trainer-log",
+        "exit-1",
+        "killed",
+        "module-missing",
+        "config-disagrees",
+    ],
+)
 def test_each_damage_fails_exactly_its_checks(tmp_path, damage, expected_fail, evidence):
     run = make_run(tmp_path)
     damage(run)
@@ -138,8 +163,9 @@ def test_early_stopping_that_fired_counts_as_reaching_the_plan(tmp_path):
     # eval loss best at step 2, then worse at 4 and 6: patience 2 stops training at step 6 of 10
     losses = {2: 1.0, 4: 1.1, 6: 1.2}
     kwargs = dict(total=10, done=6, save_steps=2, eval_steps=2, eval_loss=lambda s: losses.get(s, 9.9))
-    stopped = make_run(tmp_path, "stopped", lf_extra={"early_stopping_steps": 2, "metric_for_best_model": "eval_loss"},
-                       **kwargs)  # fmt: skip
+    stopped = make_run(
+        tmp_path, "stopped", lf_extra={"early_stopping_steps": 2, "metric_for_best_model": "eval_loss"}, **kwargs
+    )
     report = verify_run(stopped)
     assert report.passed, [(c.name, c.evidence) for c in report.failed]
     assert "stopped early on purpose" in report.check("steps").evidence
@@ -162,8 +188,11 @@ def test_exit_code_given_by_the_supervisor_overrides_a_status_not_yet_final(tmp_
 
 def _seed_modules() -> list[str]:
     """The seed's q/k/v/o on Qwen3.5-27B, written out by hand: full attention at 3, 7, ..., 63."""
-    return [f"model.language_model.layers.{i}.self_attn.{p}" for i in range(3, 64, 4)
-            for p in ("q_proj", "k_proj", "v_proj", "o_proj")]  # fmt: skip
+    return [
+        f"model.language_model.layers.{i}.self_attn.{p}"
+        for i in range(3, 64, 4)
+        for p in ("q_proj", "k_proj", "v_proj", "o_proj")
+    ]
 
 
 def test_seed_shape_q_k_v_o_implies_128_tensors_in_16_full_attention_layers(tmp_path):
@@ -182,10 +211,16 @@ def test_seed_shape_q_k_v_o_implies_128_tensors_in_16_full_attention_layers(tmp_
 
 def test_lora_target_all_expects_deltanet_and_mlp_projections_too(tmp_path):
     layers = tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(8))
-    full = [f"model.language_model.layers.{i}.self_attn.{p}" for i in (3, 7) for p in ("q_proj", "k_proj", "v_proj",
-                                                                                       "o_proj")]  # fmt: skip
-    delta = [f"model.language_model.layers.{i}.linear_attn.{p}" for i in (0, 1, 2, 4, 5, 6)
-             for p in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")]  # fmt: skip
+    full = [
+        f"model.language_model.layers.{i}.self_attn.{p}"
+        for i in (3, 7)
+        for p in ("q_proj", "k_proj", "v_proj", "o_proj")
+    ]
+    delta = [
+        f"model.language_model.layers.{i}.linear_attn.{p}"
+        for i in (0, 1, 2, 4, 5, 6)
+        for p in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+    ]
     mlp = [f"model.language_model.layers.{i}.mlp.{p}" for i in range(8) for p in ("gate_proj", "up_proj", "down_proj")]
     run = make_run(tmp_path, "all", layers=layers, lora_target="all", modules=full + delta + mlp)
     report = verify_run(run)
@@ -211,8 +246,11 @@ def test_bf16_adapter_is_read_without_torch(tmp_path):
             if module.endswith("v_proj") and ab == "B":
                 values[:] = 0.0
             raw = (values.view(np.uint32) >> 16).astype("<u2").tobytes()
-            header[tensor_key(module, ab)] = {"dtype": "BF16", "shape": list(shape),
-                                              "data_offsets": [offset, offset + len(raw)]}  # fmt: skip
+            header[tensor_key(module, ab)] = {
+                "dtype": "BF16",
+                "shape": list(shape),
+                "data_offsets": [offset, offset + len(raw)],
+            }
             blobs.append(raw)
             offset += len(raw)
     text = json.dumps(header).encode()
@@ -270,8 +308,9 @@ def test_verify_and_report_work_without_torch(tmp_path):
 @pytest.mark.slow
 def test_real_demo_run_passes_verify(tmp_path_factory, demo_assets):
     run = real_demo_run(tmp_path_factory, demo_assets)
-    proc = subprocess.run([sys.executable, "-m", "launcher", "verify", str(run)], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "launcher", "verify", str(run)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for name in ("steps", "exit_code", "adapter", "finite", "lora_count", "lora_b_nonzero", "metrics"):
         assert f"PASS  {name}" in proc.stdout

@@ -175,10 +175,14 @@ def test_a_misspelt_launcher_key_gets_did_you_mean(tmp_path, model_dir):
     with pytest.raises(ConfigError) as info:
         load_run_config(write(tmp_path, data))
     problems = info.value.problems
-    assert any(p.startswith("launcher.stop_grace: unknown key; did you mean launcher.stop_grace_s? (allowed keys: ")
-               for p in problems), problems  # fmt: skip
-    nested = ("launcher.restart.max_restart: unknown key; did you mean launcher.restart.max_restarts? (allowed keys: "
-              "max_restarts, backoff_s)")  # fmt: skip
+    assert any(
+        p.startswith("launcher.stop_grace: unknown key; did you mean launcher.stop_grace_s? (allowed keys: ")
+        for p in problems
+    ), problems
+    nested = (
+        "launcher.restart.max_restart: unknown key; did you mean launcher.restart.max_restarts? (allowed keys: "
+        "max_restarts, backoff_s)"
+    )
     assert nested in problems, problems
     (colour,) = [p for p in problems if p.startswith("launcher.colour")]
     assert "did you mean" not in colour and "allowed keys: backend, " in colour, colour

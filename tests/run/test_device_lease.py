@@ -31,8 +31,14 @@ from tests.support.fake_runs import (
     wait_for_run_dir,
 )
 
-GPUS = "\n".join(["import launcher.backend as _b", "_count = _b.device_count",
-                  "_b.device_count = lambda name: 4 if name == 'cuda' else _count(name)", ""])  # fmt: skip
+GPUS = "\n".join(
+    [
+        "import launcher.backend as _b",
+        "_count = _b.device_count",
+        "_b.device_count = lambda name: 4 if name == 'cuda' else _count(name)",
+        "",
+    ]
+)
 # rows that read the machine's own CUDA stack, which is not here
 SKIP = f"{PREFLIGHT_SKIP},backend,shm,packages,triton,memory"
 
@@ -47,14 +53,20 @@ def cuda_run(tmp_path, demo_assets, name: str, visible: str, spec: dict) -> tupl
     """A config of backend cuda in its own runs folder, and the environment that selects ``visible``."""
     folder = tmp_path / name
     folder.mkdir()
-    cfg, env = fake_config(folder, demo_assets, {"quiet": True, **spec}, backend="cuda",
-                           output_root=str(tmp_path / f"runs-{name}"))  # fmt: skip
+    cfg, env = fake_config(
+        folder, demo_assets, {"quiet": True, **spec}, backend="cuda", output_root=str(tmp_path / f"runs-{name}")
+    )
     hook = tmp_path / "hook"
     hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(GPUS)
-    env = {**env, **standin_env(tmp_path, apps=""), "CUDA_VISIBLE_DEVICES": visible,
-           "LAUNCHER_LEASE_DIR": str(tmp_path / "leases"), "LAUNCHER_PREFLIGHT_SKIP": SKIP,
-           "PYTHONPATH": os.pathsep.join((str(hook), env["PYTHONPATH"]))}  # fmt: skip
+    env = {
+        **env,
+        **standin_env(tmp_path, apps=""),
+        "CUDA_VISIBLE_DEVICES": visible,
+        "LAUNCHER_LEASE_DIR": str(tmp_path / "leases"),
+        "LAUNCHER_PREFLIGHT_SKIP": SKIP,
+        "PYTHONPATH": os.pathsep.join((str(hook), env["PYTHONPATH"])),
+    }
     return cfg, env
 
 

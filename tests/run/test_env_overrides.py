@@ -30,12 +30,17 @@ def test_a_bad_launcher_key_is_one_message_naming_where_it_was_set(tmp_path, dem
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ("'max_steps=3", "error: LAUNCHER_OVERRIDES (compose's TRAIN_OVERRIDES)=\"'max_steps=3\": No closing "
-                         "quotation"),
-        ("max_steps", "error: LAUNCHER_OVERRIDES (compose's TRAIN_OVERRIDES): 1 problem(s):\n  - 'max_steps': an "
-                      "override is KEY=VALUE"),
+        (
+            "'max_steps=3",
+            "error: LAUNCHER_OVERRIDES (compose's TRAIN_OVERRIDES)=\"'max_steps=3\": No closing quotation",
+        ),
+        (
+            "max_steps",
+            "error: LAUNCHER_OVERRIDES (compose's TRAIN_OVERRIDES): 1 problem(s):\n  - 'max_steps': an "
+            "override is KEY=VALUE",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_malformed_value_is_one_message(tmp_path, demo_assets, monkeypatch, value, message):
     monkeypatch.setenv("LAUNCHER_OVERRIDES", value)
     proc = launcher_cmd("run", make_config(tmp_path, demo_assets))
@@ -67,7 +72,9 @@ def test_overrides_apply_are_recorded_and_a_bad_llamafactory_key_is_named(tmp_pa
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     run = only_run_dir(tmp_path / "runs")
     assert yaml.safe_load((run / "overrides.yaml").read_text()) == {
-        "max_steps": 2, "launcher.stop_grace_s": 30, "save_steps": 1,
-    }  # fmt: skip
+        "max_steps": 2,
+        "launcher.stop_grace_s": 30,
+        "save_steps": 1,
+    }
     steps = [r["current_steps"] for r in read_jsonl(run / "output" / "trainer_log.jsonl") if "loss" in r]
     assert steps[-1] == 2 and (run / "output" / "checkpoint-1").is_dir()

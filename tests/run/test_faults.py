@@ -66,8 +66,7 @@ print(json.dumps(seen))
 def _can_mount_tmpfs() -> bool:
     if shutil.which("unshare") is None:
         return False
-    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
-                           capture_output=True)  # fmt: skip
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"], capture_output=True)
     return probe.returncode == 0
 
 
@@ -98,8 +97,9 @@ def test_a_record_write_on_a_full_disk_keeps_the_last_good_record_and_the_end_la
     mount = tmp_path / "disk"
     mount.mkdir()
     cmd = tmpfs_command(mount, 1, [sys.executable, "-c", PROBE, str(mount), "free" if free else "full"])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     seen = json.loads(proc.stdout)
     assert seen["saved"] is False  # refused, not raised
@@ -156,8 +156,9 @@ def test_a_rank_side_record_on_a_full_disk_is_a_warning_and_lands_whole_once_spa
     mount = tmp_path / "disk"
     mount.mkdir()
     cmd = tmpfs_command(mount, 1, [sys.executable, "-c", RANK_PROBE, str(mount)])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     seen = json.loads(proc.stdout)
     assert seen["refused"]["errno"] == "ENOSPC" and seen["refused"]["free_bytes"] == 0
@@ -193,8 +194,14 @@ def test_a_rank_whose_log_disk_refuses_writes_keeps_going_and_other_errors_still
 
     def probe(mode: str) -> subprocess.CompletedProcess:
         with open("/dev/full", "w") as full:
-            return subprocess.run([sys.executable, "-c", LOG_PROBE, mode], stdout=full, stderr=full, cwd=REPO,
-                                  env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)  # fmt: skip
+            return subprocess.run(
+                [sys.executable, "-c", LOG_PROBE, mode],
+                stdout=full,
+                stderr=full,
+                cwd=REPO,
+                env={**os.environ, "PYTHONPATH": str(REPO)},
+                timeout=120,
+            )
 
     assert probe("plain").returncode != 0  # the premise: a refused write ends a plain process
     assert probe("tolerant").returncode == 0
@@ -256,19 +263,42 @@ def _dead_disk_command(tmp_path: Path) -> list[str]:
     backing, mnt = tmp_path / "backing", tmp_path / "mnt"
     backing.mkdir()
     mnt.mkdir()
-    script = (f'mount -t tmpfs -o size=8m tmpfs "{backing}" || exit 90; truncate -s 64m "{backing}/img" && '
-              f'mkfs.ext4 -q -F -E lazy_itable_init=1,lazy_journal_init=1 "{backing}/img" || exit 91; '
-              f'mount -o loop,errors=remount-ro "{backing}/img" "{mnt}" || exit 92; "$@"')  # fmt: skip
-    return ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", sys.executable, "-c",
-            DEAD_DISK_PROBE, str(mnt), str(backing)]  # fmt: skip
+    script = (
+        f'mount -t tmpfs -o size=8m tmpfs "{backing}" || exit 90; truncate -s 64m "{backing}/img" && '
+        f'mkfs.ext4 -q -F -E lazy_itable_init=1,lazy_journal_init=1 "{backing}/img" || exit 91; '
+        f'mount -o loop,errors=remount-ro "{backing}/img" "{mnt}" || exit 92; "$@"'
+    )
+    return [
+        "unshare",
+        "-m",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        script,
+        "sh",
+        sys.executable,
+        "-c",
+        DEAD_DISK_PROBE,
+        str(mnt),
+        str(backing),
+    ]
 
 
 def _can_loop_mount() -> bool:
     if not _can_mount_tmpfs() or shutil.which("mkfs.ext4") is None:
         return False
-    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs tmpfs /mnt && truncate -s 8m /mnt/i && "
-                            "mkfs.ext4 -q /mnt/i && mkdir /mnt/m && mount -o loop /mnt/i /mnt/m"],
-                           capture_output=True)  # fmt: skip
+    probe = subprocess.run(
+        [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            "mount -t tmpfs tmpfs /mnt && truncate -s 8m /mnt/i && "
+            "mkfs.ext4 -q /mnt/i && mkdir /mnt/m && mount -o loop /mnt/i /mnt/m",
+        ],
+        capture_output=True,
+    )
     return probe.returncode == 0
 
 
@@ -277,8 +307,14 @@ def test_a_failing_block_device_never_raises_from_the_record_writer_and_keeps_th
     """Which error the kernel reports first varies from run to run: EIO (a failed journal write, which also
     aborts the journal), ENOSPC (a failed data write) or EROFS (the filesystem already remounted itself
     read-only). All take the same path: refused, kept in memory, reported; nothing lands on a dead disk."""
-    proc = subprocess.run(_dead_disk_command(tmp_path), capture_output=True, text=True, timeout=120, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    proc = subprocess.run(
+        _dead_disk_command(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     seen = json.loads(proc.stdout)
     assert seen["saved"] is False and seen["end_landed"] is False  # refused, not raised
@@ -373,8 +409,13 @@ def test_a_closed_pipe_ends_list_and_status_without_a_traceback(tmp_path):
         write_record(root / f"r{i:03d}-20261130-101500", run_id=f"r{i:03d}-20261130-101500", state="FAILED")
     for args in (["list", "--root", root], ["status", root / "r000-20261130-101500"]):
         read, write = os.pipe()
-        proc = subprocess.Popen([sys.executable, "-m", "launcher", *map(str, args)], cwd=REPO, stdout=write,
-                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "launcher", *map(str, args)],
+            cwd=REPO,
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         os.close(write)
         os.close(read)  # the reader is gone before the launcher writes a line (as `| head` after its lines)
         _, err = proc.communicate(timeout=120)
@@ -408,8 +449,11 @@ def test_verify_does_not_replace_an_earlier_pass_with_a_fail_from_damage(tmp_pat
 
 
 def _tree_hashes(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}  # fmt: skip
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 class DiskRun:
@@ -434,8 +478,14 @@ class DiskRun:
         self.out = tmp_path / "run.out"
         argv = [sys.executable, "-m", "launcher", "run", str(cfg), "--quiet"]
         with open(self.out, "wb") as out:
-            self.proc = subprocess.Popen(tmpfs_command(self.mount, 16, argv, self.copy), cwd=REPO, env=self.env,
-                                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+            self.proc = subprocess.Popen(
+                tmpfs_command(self.mount, 16, argv, self.copy),
+                cwd=REPO,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
 
     @property
     def live_root(self) -> Path:
@@ -443,9 +493,11 @@ class DiskRun:
         return Path(f"/proc/{self.proc.pid}/root") / str(self.mount).lstrip("/") / "runs"
 
     def run_dir(self) -> Path:
-        return wait_for("the run folder on the tmpfs",
-                        lambda: next((p for p in self.live_root.iterdir() if (p / "status.json").exists()), None),
-                        timeout=240)  # fmt: skip
+        return wait_for(
+            "the run folder on the tmpfs",
+            lambda: next((p for p in self.live_root.iterdir() if (p / "status.json").exists()), None),
+            timeout=240,
+        )
 
     def status(self, run_dir: Path) -> dict:
         return json.loads((run_dir / "status.json").read_text())
@@ -486,8 +538,9 @@ class DiskRun:
             self._mount("-o", "remount,bind,rw")
 
 
-REFUSALS = pytest.mark.parametrize(("how", "errno_name"), [("full", "ENOSPC"), ("read-only", "EROFS")],
-                                   ids=["disk-full", "read-only"])  # fmt: skip
+REFUSALS = pytest.mark.parametrize(
+    ("how", "errno_name"), [("full", "ENOSPC"), ("read-only", "EROFS")], ids=["disk-full", "read-only"]
+)
 
 
 @needs_tmpfs
@@ -507,8 +560,11 @@ def test_writes_refused_mid_run_the_job_keeps_training_and_succeeds_once_writes_
         run_dir = run.run_dir()
         kept = _tree_hashes(run_dir / "output" / "checkpoint-3")
         run.refuse_writes(how)
-        wait_for("the supervisor to report the refused write", lambda: "cannot write the run record" in run.output(),
-                 timeout=60)  # fmt: skip
+        wait_for(
+            "the supervisor to report the refused write",
+            lambda: "cannot write the run record" in run.output(),
+            timeout=60,
+        )
         assert f"({errno_name}: " in run.output()
         (tmp_path / "go-3").touch()
         wait_for("steps 4 and 5 trained while the disk refuses writes", (tmp_path / "held-5").exists, timeout=600)
@@ -590,8 +646,11 @@ def test_read_only_for_good_the_supervisor_stops_the_job_and_holds_the_lock_unti
         supervisor = json.loads(last_good)["supervisor"]["pid"]
         run.refuse_writes("read-only")
         wait_for("the job to be stopped", lambda: not alive_pid(rank), timeout=120)
-        wait_for("the supervisor to say the end is not on disk yet", lambda: "is not on disk yet" in run.output(),
-                 timeout=120)  # fmt: skip
+        wait_for(
+            "the supervisor to say the end is not on disk yet",
+            lambda: "is not on disk yet" in run.output(),
+            timeout=120,
+        )
         assert run.proc.poll() is None and holds_flock(supervisor, run.live_root / "launcher.lock")
         assert (run_dir / "status.json").read_text() == last_good  # the most precise record this disk allows
         assert "(EROFS: " in run.output() and "Traceback" not in run.output()
@@ -741,8 +800,9 @@ def test_a_stop_during_blocking_work_ends_it_names_its_sender_and_every_thread_b
     """``interrupting`` (preflight's guard): a SIGTERM ends a blocking wait at once and is taken with its sender;
     a thread the work makes blocks the stop signals (it could otherwise take one and hide who sent it); the
     job is spawned with none blocked."""
-    done = subprocess.run([sys.executable, "-c", INTERRUPTED, SENDER], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED, SENDER], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout)
     assert out["raised"] and out["first"]["pid"] == out["sender"] and out["first"]["signal"] == signal.SIGTERM, out
@@ -771,8 +831,13 @@ def test_a_stop_before_the_run_is_made_ends_the_command_at_once_and_makes_nothin
     takes them, so a stop (docker stop, Ctrl-C) during the config's load still ends the command at once, with
     its exit code and one line, and no run. The load is a stand-in that sleeps (the real one takes seconds)."""
     runs = tmp_path / "runs"
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_LOAD, str(tmp_path / "cfg.yaml")], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_LOAD, str(tmp_path / "cfg.yaml")],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline() == "loading\n"
         proc.send_signal(stop)
@@ -874,8 +939,19 @@ def test_sigterm_from_outside_the_pid_namespace_is_recorded_as_the_container_eng
     from tests.support.fake_runs import read_status, wait_for_growth, wait_for_run_dir
 
     cfg, env = fake_config(tmp_path, demo_assets, {"lines": 100000, "interval": 0.2, "total_steps": 100000})
-    argv = ["unshare", "-p", "-f", "--mount-proc", "--kill-child", sys.executable, "-m", "launcher", "run",
-            str(cfg), "--quiet"]  # fmt: skip
+    argv = [
+        "unshare",
+        "-p",
+        "-f",
+        "--mount-proc",
+        "--kill-child",
+        sys.executable,
+        "-m",
+        "launcher",
+        "run",
+        str(cfg),
+        "--quiet",
+    ]
     with open(tmp_path / "run.out", "wb") as out:
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -901,8 +977,12 @@ def test_a_sigtimedwait_record_that_names_no_stop_signal_is_no_stop(monkeypatch,
 
     from launcher.run import signals
 
-    records = iter([types.SimpleNamespace(si_signo=1111501904, si_pid=0, si_uid=0, si_code=0),
-                    types.SimpleNamespace(si_signo=int(signal.SIGTERM), si_pid=1, si_uid=0, si_code=0)])  # fmt: skip
+    records = iter(
+        [
+            types.SimpleNamespace(si_signo=1111501904, si_pid=0, si_uid=0, si_code=0),
+            types.SimpleNamespace(si_signo=int(signal.SIGTERM), si_pid=1, si_uid=0, si_code=0),
+        ]
+    )
     monkeypatch.setattr(signals.signal, "sigtimedwait", lambda _set, _timeout: next(records))
     assert signals.take(signals.STOP_SIGNALS, 0) is None
     assert "si_signo 1111501904, not a stop signal" in capsys.readouterr().err

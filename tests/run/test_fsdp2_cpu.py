@@ -36,11 +36,23 @@ RELATIVE_TOLERANCE = 1e-5
 
 
 def _config(folder: Path, demo_assets, launcher_settings: dict, **lf) -> Path:
-    settings = {"max_steps": STEPS, "save_steps": 2, "eval_steps": 2, "save_only_model": False, "lora_dropout": 0.0,
-                "per_device_train_batch_size": 1, "logging_steps": 1, **lf}  # fmt: skip
+    settings = {
+        "max_steps": STEPS,
+        "save_steps": 2,
+        "eval_steps": 2,
+        "save_only_model": False,
+        "lora_dropout": 0.0,
+        "per_device_train_batch_size": 1,
+        "logging_steps": 1,
+        **lf,
+    }
     folder.mkdir()
-    return make_config(folder, demo_assets, launcher={"stop_grace_s": 300, "early_stopping": {"patience": 100},
-                                                      **launcher_settings}, **settings)  # fmt: skip
+    return make_config(
+        folder,
+        demo_assets,
+        launcher={"stop_grace_s": 300, "early_stopping": {"patience": 100}, **launcher_settings},
+        **settings,
+    )
 
 
 def _logged_steps(run_dir: Path) -> list[int]:
@@ -162,8 +174,10 @@ def test_two_gloo_ranks_shard_stop_resume_keep_the_best_and_match_one_process(tm
         differences[name] = _largest_difference(_lora(output / name), _lora(single_output / name))
         assert differences[name] <= RELATIVE_TOLERANCE, (name, differences[name])
     own_run = _own_units_run(tmp_path, demo_assets, env)  # the images' mode, against the same single process
-    assert all(abs(own_run["losses"][step] - single_losses[step]) <= RELATIVE_TOLERANCE * abs(single_losses[step])
-               for step in range(1, STEPS + 1)), own_run["losses"]  # fmt: skip
+    assert all(
+        abs(own_run["losses"][step] - single_losses[step]) <= RELATIVE_TOLERANCE * abs(single_losses[step])
+        for step in range(1, STEPS + 1)
+    ), own_run["losses"]
     differences["own units"] = _largest_difference(own_run["adapter"], _lora(single_output / f"checkpoint-{STEPS}"))
     assert differences["own units"] <= RELATIVE_TOLERANCE
     reference = _lora(single_output / f"checkpoint-{before_stop}")
@@ -171,8 +185,10 @@ def test_two_gloo_ranks_shard_stop_resume_keep_the_best_and_match_one_process(tm
     later = _lora(single_output / f"checkpoint-{before_stop + 2}")
     assert _largest_difference(later, reference) > 100 * RELATIVE_TOLERANCE
     shown = ", ".join(f"{name} {value:.2e}" for name, value in differences.items())
-    print(f"\nFSDP2 over 2 gloo ranks (stopped at {saved['step']}, resumed) vs one process: largest differences "
-          f"{shown} of the largest value")  # fmt: skip
+    print(
+        f"\nFSDP2 over 2 gloo ranks (stopped at {saved['step']}, resumed) vs one process: largest differences "
+        f"{shown} of the largest value"
+    )
 
     # accelerate 1.11's save_fsdp_model(adapter_only=True), which transformers' Trainer always asks for, writes
     # rank 0's FSDP2 shard of each LoRA tensor only, and load_fsdp_model gives the other ranks an empty state dict

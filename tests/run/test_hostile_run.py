@@ -48,8 +48,11 @@ def test_values_planted_in_a_live_runs_trainer_log_are_skipped_with_a_warning_ea
     appends the probes' lines to the trainer log (and a 5,000-digit step to checkpoint-3's trainer state), then
     lets training go on: the run ends SUCCEEDED, with one warning and one event for each planted line."""
     cfg = make_config(tmp_path, demo_assets, launcher={"entry": "tests.support.fault_entry"})
-    env = {**os.environ, "FAULT_SPEC": json.dumps({"hold_after": [3], "hold_dir": str(tmp_path)}),
-           "PYTHONPATH": str(REPO)}  # fmt: skip
+    env = {
+        **os.environ,
+        "FAULT_SPEC": json.dumps({"hold_after": [3], "hold_dir": str(tmp_path)}),
+        "PYTHONPATH": str(REPO),
+    }
     out = tmp_path / "run.out"
     supervisor = launcher_bg("run", cfg, env=env, log=out)
     wait_for("step 3 done", (tmp_path / "held-3").exists, timeout=600)
@@ -63,8 +66,13 @@ def test_values_planted_in_a_live_runs_trainer_log_are_skipped_with_a_warning_ea
     assert rc == 0 and status["state"] == "SUCCEEDED", (status["reason"], text[-3000:])
     warnings = [line for line in text.splitlines() if line.startswith("warning: ") and "line skipped" in line]
     assert len(warnings) == len(PLANTED_LINES), warnings
-    for why in ("an integer of 5,000 digits", "'elapsed_time' is", "a non-finite number (NaN)",
-                "a number out of range (1e999)", "nested more than"):  # fmt: skip
+    for why in (
+        "an integer of 5,000 digits",
+        "'elapsed_time' is",
+        "a non-finite number (NaN)",
+        "a number out of range (1e999)",
+        "nested more than",
+    ):
         assert sum(why in w for w in warnings) == 1, (why, warnings)
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert sum(e["event"] == "trainer_log_line_skipped" for e in events) == len(PLANTED_LINES)

@@ -26,11 +26,23 @@ def test_two_nodes_on_loopback_train_the_tiny_model(tmp_path, demo_assets):
         folder = tmp_path / f"node{node}"
         folder.mkdir()
         cfg = make_config(folder, demo_assets, launcher={"nnodes": 2}, max_steps=2, save_steps=2, eval_steps=2)
-        env = {**os.environ, "NNODES": "2", "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port)}  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, "-m", "launcher", "run", str(cfg), "--quiet"], cwd=REPO,
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))  # fmt: skip
+        env = {
+            **os.environ,
+            "NNODES": "2",
+            "NODE_RANK": str(node),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "launcher", "run", str(cfg), "--quiet"],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
 

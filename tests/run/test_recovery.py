@@ -42,8 +42,16 @@ def no_leftovers(tmp_path):
 
 def tiny_config(tmp_path: Path, demo_assets, launcher_settings: dict, **lf) -> tuple[Path, dict[str, str]]:
     """The demo config with full checkpoints (optimizer state: an exact resume) and no evaluation."""
-    settings = {"max_steps": 6, "save_steps": 3, "save_only_model": False, "eval_strategy": "no",
-                "eval_dataset": None, "eval_steps": None, "per_device_eval_batch_size": None, **lf}  # fmt: skip
+    settings = {
+        "max_steps": 6,
+        "save_steps": 3,
+        "save_only_model": False,
+        "eval_strategy": "no",
+        "eval_dataset": None,
+        "eval_steps": None,
+        "per_device_eval_batch_size": None,
+        **lf,
+    }
     cfg = make_config(tmp_path, demo_assets, launcher=launcher_settings, **settings)
     return cfg, {**os.environ, "LAUNCHER_PREFLIGHT_SKIP": PREFLIGHT_SKIP}
 
@@ -96,8 +104,9 @@ def test_sigterm_saves_a_checkpoint_at_the_next_step_and_resume_reaches_the_plan
 
 @pytest.mark.slow
 def test_two_ranks_agree_on_the_step_they_save_at_on_launcher_stop(tmp_path, demo_assets):
-    cfg, env = tiny_config(tmp_path, demo_assets, {"nproc_per_node": 2, "stop_grace_s": 300}, max_steps=10,
-                           save_steps=1000)  # fmt: skip
+    cfg, env = tiny_config(
+        tmp_path, demo_assets, {"nproc_per_node": 2, "stop_grace_s": 300}, max_steps=10, save_steps=1000
+    )
     started = launcher("start", cfg, env=env, timeout=300)
     assert started.returncode == 0, started.stdout + started.stderr
     run_dir = the_run_dir(tmp_path / "runs")
@@ -204,8 +213,10 @@ def test_a_rank_killed_at_step_5_is_restarted_from_the_checkpoint_and_succeeds(t
     assert first["resumed_step"] == 3 and first["steps_lost"] == first["last_step"] - 3 >= 1
     assert status["resumed_from"] == "output/checkpoint-3"
     assert logged_steps(run_dir)[-1] == 6
-    print(f"\nrestart: attempt 1 {first['cause']} after logged step {first['last_step']}, resumed from step "
-          f"{first['resumed_step']}, {first['steps_lost']} step(s) lost")  # fmt: skip
+    print(
+        f"\nrestart: attempt 1 {first['cause']} after logged step {first['last_step']}, resumed from step "
+        f"{first['resumed_step']}, {first['steps_lost']} step(s) lost"
+    )
     kinds = [e["event"] for e in events(run_dir)]
     assert kinds.count("started") == 2 and "restarting" in kinds and kinds[-1] == "ended"
     shown = launcher("status", run_dir, env=env).stdout
@@ -227,8 +238,14 @@ def test_a_rank_that_raises_is_not_restarted(tmp_path, demo_assets):
 
 @pytest.mark.slow
 def test_a_crash_loop_ends_after_max_restarts(tmp_path, demo_assets):
-    spec = {"lines": 2, "interval": 0.1, "then": "sleep", "checkpoints": 1, "resume": True,
-            "ranks": {"1": {"then": "kill", "kill_signal": 9}}}  # fmt: skip
+    spec = {
+        "lines": 2,
+        "interval": 0.1,
+        "then": "sleep",
+        "checkpoints": 1,
+        "resume": True,
+        "ranks": {"1": {"then": "kill", "kill_signal": 9}},
+    }
     cfg, env = fake_config(tmp_path, demo_assets, spec, nproc_per_node=2, restart={"max_restarts": 2, "backoff_s": 0})
     proc = launcher("run", cfg, "--quiet", env=env, timeout=600)
     run_dir = the_run_dir(tmp_path / "runs")
@@ -246,8 +263,14 @@ def test_a_crash_loop_ends_after_max_restarts(tmp_path, demo_assets):
 
 @pytest.mark.slow
 def test_a_frozen_rank_is_stopped_by_the_watchdog_after_a_save_attempt(tmp_path, demo_assets):
-    spec = {"lines": 100000, "interval": 0.2, "stall_after": 3, "resume_file": str(tmp_path / "never"),
-            "save_on_stop": True, "ignore_sigterm": True}  # fmt: skip
+    spec = {
+        "lines": 100000,
+        "interval": 0.2,
+        "stall_after": 3,
+        "resume_file": str(tmp_path / "never"),
+        "save_on_stop": True,
+        "ignore_sigterm": True,
+    }
     # 18 s without progress: longer than torchrun and the ranks take to start on a busy 2-core machine
     cfg, env = fake_config(tmp_path, demo_assets, spec, stall_minutes=0.3, stall_action="stop", stop_grace_s=3)
     proc = launcher("run", cfg, "--quiet", env=env, timeout=600)
@@ -270,17 +293,29 @@ def test_the_watchdog_counts_from_the_first_logged_step_not_through_a_long_model
     its steps still is. Waits for heartbeats, not for time: the record's heartbeat is rewritten at least every
     10 s, so two new heartbeats mean more than the 3 s stall limit has passed during the load."""
     loaded = tmp_path / "loaded"
-    spec = {"lines": 100000, "interval": 0.2, "loaded_file": str(loaded), "stall_after": 3,
-            "resume_file": str(tmp_path / "never"), "save_on_stop": True}  # fmt: skip
+    spec = {
+        "lines": 100000,
+        "interval": 0.2,
+        "loaded_file": str(loaded),
+        "stall_after": 3,
+        "resume_file": str(tmp_path / "never"),
+        "save_on_stop": True,
+    }
     cfg, env = fake_config(tmp_path, demo_assets, spec, stall_minutes=0.05, stall_action="stop", stop_grace_s=3)
     supervisor = launcher_bg("run", cfg, "--quiet", env=env, log=tmp_path / "run.out")
     try:
         run_dir = wait_for_run_dir(tmp_path / "runs")
-        first = wait_for("the job running", lambda: read_status(run_dir).get("heartbeat")
-                         if read_status(run_dir)["state"] == "RUNNING" else None, timeout=240)  # fmt: skip
+        first = wait_for(
+            "the job running",
+            lambda: read_status(run_dir).get("heartbeat") if read_status(run_dir)["state"] == "RUNNING" else None,
+            timeout=240,
+        )
         seen = {first}
-        wait_for("two more heartbeats during the load",
-                 lambda: seen.add(read_status(run_dir).get("heartbeat")) or len(seen) >= 3, timeout=120)  # fmt: skip
+        wait_for(
+            "two more heartbeats during the load",
+            lambda: seen.add(read_status(run_dir).get("heartbeat")) or len(seen) >= 3,
+            timeout=120,
+        )
         assert read_status(run_dir)["state"] == "RUNNING"
         assert "stall_action" not in [e["event"] for e in events(run_dir)]
         loaded.touch()
@@ -308,13 +343,18 @@ def test_the_watchdog_counts_from_the_first_logged_step_not_through_a_long_model
         ("FAILED_ACCEPTANCE", {}, None),
         ("CANCELLED", {"signal": 15}, None),
     ],
-)  # fmt: skip
+)
 def test_which_failures_are_retried(state, how, retried):
     from launcher.run.restart import retry_cause
     from launcher.state.states import RunState
 
-    cause = retry_cause(RunState(state), signal=how.get("signal"), failed_rank=how.get("failed_rank"),
-                        reason=how.get("reason"), stopped=how.get("stopped", False))  # fmt: skip
+    cause = retry_cause(
+        RunState(state),
+        signal=how.get("signal"),
+        failed_rank=how.get("failed_rank"),
+        reason=how.get("reason"),
+        stopped=how.get("stopped", False),
+    )
     if retried is None:
         assert cause is None
     else:
@@ -330,7 +370,7 @@ def test_which_failures_are_retried(state, how, retried):
         ({"restart": {"tries": 3}}, "launcher.restart.tries: unknown key; allowed keys: max_restarts, backoff_s"),
         ({"record_write_stop_s": 0}, "launcher.record_write_stop_s: Input should be greater than 0"),
     ],
-)  # fmt: skip
+)
 def test_bad_recovery_settings_are_refused_naming_the_key(tmp_path, settings, message):
     import yaml
 
@@ -347,10 +387,24 @@ def test_bad_recovery_settings_are_refused_naming_the_key(tmp_path, settings, me
 
 @pytest.mark.slow
 def test_stall_action_restart_resumes_a_frozen_attempt_from_its_checkpoint(tmp_path, demo_assets):
-    spec = {"lines": 6, "interval": 0.2, "checkpoints": 2, "resume": True, "then": "exit", "exit_code": 3,
-            "attempts": {"1": {"stall_after": 3, "resume_file": str(tmp_path / "never")}}}  # fmt: skip
-    cfg, env = fake_config(tmp_path, demo_assets, spec, stall_minutes=0.3, stall_action="restart", stop_grace_s=3,
-                           restart={"max_restarts": 1, "backoff_s": 0})  # fmt: skip
+    spec = {
+        "lines": 6,
+        "interval": 0.2,
+        "checkpoints": 2,
+        "resume": True,
+        "then": "exit",
+        "exit_code": 3,
+        "attempts": {"1": {"stall_after": 3, "resume_file": str(tmp_path / "never")}},
+    }
+    cfg, env = fake_config(
+        tmp_path,
+        demo_assets,
+        spec,
+        stall_minutes=0.3,
+        stall_action="restart",
+        stop_grace_s=3,
+        restart={"max_restarts": 1, "backoff_s": 0},
+    )
     proc = launcher("run", cfg, "--quiet", env=env, timeout=600)
     run_dir = the_run_dir(tmp_path / "runs")
     status = read_status(run_dir)
@@ -369,10 +423,18 @@ def _lf_line(step: int, total: int, elapsed_s: int, tokens: int) -> dict:
     """A training line as LLaMA-Factory 0.9.5's LogCallback writes it, with its own (cumulative) figures."""
     from datetime import timedelta
 
-    return {"current_steps": step, "total_steps": total, "loss": 1.0, "lr": 1e-4, "epoch": step / total,
-            "percentage": round(100 * step / total, 2), "elapsed_time": str(timedelta(seconds=elapsed_s)),
-            "remaining_time": str(timedelta(seconds=int((total - step) * elapsed_s / step))),
-            "throughput": round(tokens / elapsed_s, 2), "total_tokens": tokens}  # fmt: skip
+    return {
+        "current_steps": step,
+        "total_steps": total,
+        "loss": 1.0,
+        "lr": 1e-4,
+        "epoch": step / total,
+        "percentage": round(100 * step / total, 2),
+        "elapsed_time": str(timedelta(seconds=elapsed_s)),
+        "remaining_time": str(timedelta(seconds=int((total - step) * elapsed_s / step))),
+        "throughput": round(tokens / elapsed_s, 2),
+        "total_tokens": tokens,
+    }
 
 
 @pytest.mark.parametrize("days", [0, 2], ids=["hours", "past-a-day"])
@@ -393,8 +455,14 @@ def test_pace_and_eta_after_a_resume_are_measured_from_the_resume_point(tmp_path
     lines = [_lf_line(s, total, s * 10, s * 10_000) for s in range(1, 121)]  # attempt 1, then a kill at 120
     lines += [_lf_line(s, total, offset + (s - since) * per_step, s * 10_000) for s in range(since + 1, 131)]
     (run_dir / "output" / "trainer_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    write_record(run_dir, run_id=run_dir.name, state="CANCELLED", attempt=2, resumed_from=f"output/checkpoint-{since}",
-                 progress={"first_step": since + 1, "step": 130, "total_steps": total})  # fmt: skip
+    write_record(
+        run_dir,
+        run_id=run_dir.name,
+        state="CANCELLED",
+        attempt=2,
+        resumed_from=f"output/checkpoint-{since}",
+        progress={"first_step": since + 1, "step": 130, "total_steps": total},
+    )
 
     info = collect(run_dir)
     pace = info["pace"]
@@ -412,8 +480,14 @@ def test_pace_and_eta_after_a_resume_are_measured_from_the_resume_point(tmp_path
         assert "pace        20 s/step, 500 tokens/s (30 step(s) in 0:10:00 since step 100)" in shown, shown
 
     # the attempt has not logged yet (the record's first step is attempt 1's): no pace rather than a wrong one
-    write_record(run_dir, run_id=run_dir.name, state="CANCELLED", attempt=2, resumed_from=f"output/checkpoint-{since}",
-                 progress={"first_step": 1, "step": 120, "total_steps": total})  # fmt: skip
+    write_record(
+        run_dir,
+        run_id=run_dir.name,
+        state="CANCELLED",
+        attempt=2,
+        resumed_from=f"output/checkpoint-{since}",
+        progress={"first_step": 1, "step": 120, "total_steps": total},
+    )
     with open(run_dir / "output" / "trainer_log.jsonl", "w") as f:
         f.write("".join(json.dumps(r) + "\n" for r in lines[:120]))
     assert collect(run_dir)["pace"] is None
@@ -448,8 +522,13 @@ def test_one_sigterm_during_training_asks_for_a_save_unless_stop_now_sent_it(tmp
     from tests.support.common import REPO
 
     request_stop(tmp_path, None, by="launcher stop (test)", now=now)
-    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_PROBE, str(tmp_path)], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SIGTERM_PROBE, str(tmp_path)],
+        cwd=REPO,
+        text=True,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     proc.send_signal(signal.SIGTERM)
     rest = proc.stdout.read()

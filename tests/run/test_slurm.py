@@ -47,14 +47,17 @@ def test_the_batch_script_runs_one_launcher_per_node(tmp_path):
         task_command("apptainer", None, run_dir)
 
 
-@pytest.mark.parametrize(("end", "restarts", "max_restarts", "wanted"), [
-    (RunState.NODE_LOST, 0, 1, True),
-    (RunState.NODE_LOST, 1, 2, True),
-    (RunState.NODE_LOST, 1, 1, False),  # the restarts are spent
-    (RunState.NODE_LOST, 0, None, False),  # no launcher.restart
-    (RunState.FAILED, 0, 2, False),  # a failure of the training itself is not requeued
-    (RunState.CANCELLED, 0, 2, False),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("end", "restarts", "max_restarts", "wanted"),
+    [
+        (RunState.NODE_LOST, 0, 1, True),
+        (RunState.NODE_LOST, 1, 2, True),
+        (RunState.NODE_LOST, 1, 1, False),  # the restarts are spent
+        (RunState.NODE_LOST, 0, None, False),  # no launcher.restart
+        (RunState.FAILED, 0, 2, False),  # a failure of the training itself is not requeued
+        (RunState.CANCELLED, 0, 2, False),
+    ],
+)
 def test_node_0_requeues_only_a_lost_node_while_restarts_remain(end, restarts, max_restarts, wanted):
     assert wants_requeue(end, restarts, max_restarts) is wanted
 
@@ -74,8 +77,11 @@ def test_requeue_asks_scontrol_and_survives_a_refusal_or_no_slurm(tmp_path, monk
 
 
 def test_scontrol_answer_is_read():
-    view = parse_show_job("7", "JobId=7 JobName=x UserId=root(0) JobState=PENDING Reason=Resources Dependency=(null) "
-                               "NodeList=(null) ExitCode=0:0")  # fmt: skip
+    view = parse_show_job(
+        "7",
+        "JobId=7 JobName=x UserId=root(0) JobState=PENDING Reason=Resources Dependency=(null) "
+        "NodeList=(null) ExitCode=0:0",
+    )
     assert view.live and view.describe() == "job 7 PENDING (Resources)"
     done = parse_show_job("7", "JobId=7 JobState=NODE_FAIL Reason=NodeDown NodeList=n[1-2] ExitCode=0:0")
     assert done.live is False and "NODE_FAIL" in done.describe()
@@ -89,8 +95,10 @@ def test_a_lost_node_is_read_from_scontrol(tmp_path, monkeypatch):
     (bin_dir / "scontrol").write_text(
         "#!/bin/sh\n"
         'if [ "$2" = job ]; then echo "JobId=5 JobState=RUNNING Reason=None NodeList=n[1-2]"; exit 0; fi\n'
-        'echo "NodeName=n1 Arch=x State=MIXED CPUTot=2"; echo "NodeName=n2 Arch=x State=$(cat ' + str(tmp_path / "n2")
-        + ') CPUTot=2"\n')  # fmt: skip
+        'echo "NodeName=n1 Arch=x State=MIXED CPUTot=2"; echo "NodeName=n2 Arch=x State=$(cat '
+        + str(tmp_path / "n2")
+        + ') CPUTot=2"\n'
+    )
     (bin_dir / "scontrol").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     (tmp_path / "n2").write_text("MIXED")
@@ -127,13 +135,17 @@ def test_submit_records_the_job_and_status_shows_its_queue_state(tmp_path, demo_
     assert as_json["slurm_state"] == "PENDING" and as_json["liveness"] == "live"
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--nodes", "0"], "--nodes 0: a run needs at least 1 node"),
-    (["--nodes", "2", "--runtime", "docker"], "--runtime docker needs --image"),
-    (["--nodes", "2", "--runtime", "podman"], "invalid choice: 'podman'"),  # argparse's own line
-])  # fmt: skip
-def test_bad_submit_arguments_are_one_message_and_leave_no_run_folder(tmp_path, demo_assets, monkeypatch, args,
-                                                                      message):  # fmt: skip
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nodes", "0"], "--nodes 0: a run needs at least 1 node"),
+        (["--nodes", "2", "--runtime", "docker"], "--runtime docker needs --image"),
+        (["--nodes", "2", "--runtime", "podman"], "invalid choice: 'podman'"),  # argparse's own line
+    ],
+)
+def test_bad_submit_arguments_are_one_message_and_leave_no_run_folder(
+    tmp_path, demo_assets, monkeypatch, args, message
+):
     _fake_slurm(tmp_path / "bin", "PENDING")
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
     cfg = make_config(tmp_path, demo_assets)
@@ -152,8 +164,9 @@ def test_a_stop_promises_a_save_only_when_every_node_announced_one_in_this_attem
     from datetime import UTC, datetime
 
     started = time.time() - 60
-    record = types.SimpleNamespace(started=datetime.fromtimestamp(started, UTC).isoformat(timespec="seconds"),
-                                   slurm={"nodes": 2, "job_id": "7"})  # fmt: skip
+    record = types.SimpleNamespace(
+        started=datetime.fromtimestamp(started, UTC).isoformat(timespec="seconds"), slurm={"nodes": 2, "job_id": "7"}
+    )
     run_dir = tmp_path / "run"
     nodes = run_dir / "nodes" / "node1"
     old, new = nodes / "run-attempt1", nodes / "run-attempt2"
@@ -166,8 +179,9 @@ def test_a_stop_promises_a_save_only_when_every_node_announced_one_in_this_attem
         (folder / "save_on_stop.json").write_text(json.dumps({"pid": 1, "time": at, "step": 3}))
 
     assert stop_promise(run_dir, record, now=True) == "no save"
-    assert stop_promise(run_dir, record, now=False).endswith("training has not begun on node 0, 1 "
-                                                             "(no save-on-stop announcement there yet)")  # fmt: skip
+    assert stop_promise(run_dir, record, now=False).endswith(
+        "training has not begun on node 0, 1 (no save-on-stop announcement there yet)"
+    )
     announce(run_dir, started + 30)
     announce(old, started - 300)  # attempt 1's, on the node that was lost
     assert "training has not begun on node 1 " in stop_promise(run_dir, record, now=False)

@@ -103,12 +103,20 @@ def test_stop_while_finishing_stops_the_job_at_once_without_asking_for_a_save(tm
 def test_stop_while_stalled_tries_the_save_then_kills_the_frozen_job(tmp_path, demo_assets):
     """A frozen job cannot reach the step end it would save at: the save is asked for, the grace runs out,
     the job is killed and the run ends CANCELLED with no checkpoint."""
-    spec = {"lines": 100000, "interval": 0.2, "stall_after": 3, "resume_file": str(tmp_path / "never"),
-            "save_on_stop": True}  # fmt: skip
+    spec = {
+        "lines": 100000,
+        "interval": 0.2,
+        "stall_after": 3,
+        "resume_file": str(tmp_path / "never"),
+        "save_on_stop": True,
+    }
     run_dir, env = started(tmp_path, demo_assets, spec, stall_minutes=0.05)  # 3 s; stall_action: warn
     ranks = fr.rank_processes(run_dir, 1)
-    fr.wait_for("STALLED after step 3", lambda: in_state(run_dir, "STALLED")
-                and (fr.read_status(run_dir).get("progress") or {}).get("step") == 3, timeout=240)  # fmt: skip
+    fr.wait_for(
+        "STALLED after step 3",
+        lambda: in_state(run_dir, "STALLED") and (fr.read_status(run_dir).get("progress") or {}).get("step") == 3,
+        timeout=240,
+    )
     stopped = fr.launcher("stop", run_dir, "--grace", "3", env=env, timeout=STOP_DEADLINE_S)
     status = assert_stopped(run_dir, env, stopped)
     assert not any(fr.alive(p) for p in ranks)

@@ -44,8 +44,17 @@ from tests.support.fake_runs import (
 from tests.support.terminal import hang_up, in_pty, read_until
 
 pytestmark = pytest.mark.slow
-TERMINAL = {"SUCCEEDED", "FAILED_ACCEPTANCE", "FAILED", "FAILED_SETUP", "CANCELLED", "TERMINATED",
-            "OUT_OF_MEMORY", "SUPERVISOR_LOST", "NODE_LOST"}  # fmt: skip
+TERMINAL = {
+    "SUCCEEDED",
+    "FAILED_ACCEPTANCE",
+    "FAILED",
+    "FAILED_SETUP",
+    "CANCELLED",
+    "TERMINATED",
+    "OUT_OF_MEMORY",
+    "SUPERVISOR_LOST",
+    "NODE_LOST",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -63,8 +72,10 @@ def test_a_trainer_started_without_detachment_dies_on_hangup(tmp_path):
     run_dir = tmp_path / "plain"
     run_dir.mkdir()
     env = fake_env(tmp_path, {"lines": 100000, "interval": 0.3, "on_sighup": "exit"})
-    torchrun = (f'exec "{sys.executable}" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 1 '
-                f'-m tests.support.fake_rank "{run_dir}"')  # fmt: skip
+    torchrun = (
+        f'exec "{sys.executable}" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 1 '
+        f'-m tests.support.fake_rank "{run_dir}"'
+    )
     pid, fd = in_pty(["sh", "-c", torchrun], env)
     read_until(fd, r"rank 0 step 1/", timeout=180)
     rank = psutil.Process(json.loads((run_dir / "fake_ranks" / "rank0.json").read_text())["pid"])
@@ -150,8 +161,12 @@ def run_to_end(tmp_path: Path, demo_assets, spec: dict, nproc: int) -> tuple[Pat
 
 
 def test_a_rank_that_raises_leaves_its_traceback_in_the_record(tmp_path, demo_assets):
-    spec = {"lines": 2, "interval": 0.1, "then": "sleep",
-            "ranks": {"1": {"then": "raise", "message": "fake failure: shard 3 is empty"}}}  # fmt: skip
+    spec = {
+        "lines": 2,
+        "interval": 0.1,
+        "then": "sleep",
+        "ranks": {"1": {"then": "raise", "message": "fake failure: shard 3 is empty"}},
+    }
     run_dir, proc = run_to_end(tmp_path, demo_assets, spec, nproc=2)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     status = read_status(run_dir)
@@ -168,12 +183,15 @@ def test_a_rank_that_raises_leaves_its_traceback_in_the_record(tmp_path, demo_as
 @pytest.mark.parametrize(
     ("spec", "nproc", "failed"),
     [
-        ({"then": "sleep", "ranks": {"1": {"then": "exit", "exit_code": 3}}}, 2,
-         {"rank": 1, "exit_code": 3, "signal": None}),
+        (
+            {"then": "sleep", "ranks": {"1": {"then": "exit", "exit_code": 3}}},
+            2,
+            {"rank": 1, "exit_code": 3, "signal": None},
+        ),
         ({"then": "kill", "kill_signal": 9}, 1, {"rank": 0, "exit_code": None, "signal": 9}),
     ],
     ids=["exit-3", "sigkill"],
-)  # fmt: skip
+)
 def test_a_ranks_exit_code_or_signal_is_recorded(tmp_path, demo_assets, spec, nproc, failed):
     run_dir, proc = run_to_end(tmp_path, demo_assets, {"lines": 1, "interval": 0.1, **spec}, nproc)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]  # torchrun's own exit code

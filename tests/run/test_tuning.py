@@ -13,10 +13,13 @@ from tests.support.common import launcher_cmd, make_config
 
 def test_npu_gets_ascends_defaults_and_every_backend_a_triton_cache(tmp_path):
     to_set, record = tuning_env(Tuning(), "npu", tmp_path / "runs", {})
-    assert to_set == {"TASK_QUEUE_ENABLE": "2", "CPU_AFFINITY_CONF": "1",
-                      "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
-                      "TRITON_CACHE_DIR": str((tmp_path / "runs" / ".cache" / "triton").resolve()),
-                      "TRITON_CACHE_AUTOTUNING": "1"}  # fmt: skip
+    assert to_set == {
+        "TASK_QUEUE_ENABLE": "2",
+        "CPU_AFFINITY_CONF": "1",
+        "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
+        "TRITON_CACHE_DIR": str((tmp_path / "runs" / ".cache" / "triton").resolve()),
+        "TRITON_CACHE_AUTOTUNING": "1",
+    }
     assert all(r["from"] == "launcher.tuning" for r in record.values())
     cuda, _ = tuning_env(Tuning(), "cuda", tmp_path, {})
     assert set(cuda) == {"TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING"}  # the NPU variables mean nothing elsewhere
@@ -46,8 +49,9 @@ def test_a_bad_lever_is_refused_naming_the_key():
 def test_a_run_records_the_levers_and_its_ranks_see_them(tmp_path, demo_assets, monkeypatch):
     for name in ("TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING"):
         monkeypatch.delenv(name, raising=False)  # the caller's would win
-    cfg = make_config(tmp_path, demo_assets, launcher={"entry": "tests.support.env_entry"}, max_steps=2, save_steps=2,
-                      eval_steps=2)  # fmt: skip
+    cfg = make_config(
+        tmp_path, demo_assets, launcher={"entry": "tests.support.env_entry"}, max_steps=2, save_steps=2, eval_steps=2
+    )
     proc = launcher_cmd("run", cfg, "--quiet")
     run_dir = next(p for p in (tmp_path / "runs").iterdir() if p.is_dir())
     manifest = json.loads((run_dir / "manifest.json").read_text())

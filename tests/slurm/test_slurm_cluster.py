@@ -34,27 +34,42 @@ pytestmark = [
         reason=f"needs a Docker engine and Slurm's client for a real cluster of containers: "
         f"LAUNCHER_SLURM_TESTS=1 {ENABLE}=1 (bash scripts/slurm-cluster.sh install; "
         "bash scripts/docker-engine.sh start; .ci/run does both)",
-    ),  # fmt: skip
+    ),
 ]
 SCRIPT = REPO / "scripts" / "slurm-cluster.sh"
 CONTROLLER = "deltanet-slurm-ctl"
-ENDS = ("SUCCEEDED", "FAILED", "CANCELLED", "TERMINATED", "NODE_LOST", "FAILED_SETUP", "SUPERVISOR_LOST",
-        "FAILED_ACCEPTANCE")  # fmt: skip
+ENDS = (
+    "SUCCEEDED",
+    "FAILED",
+    "CANCELLED",
+    "TERMINATED",
+    "NODE_LOST",
+    "FAILED_SETUP",
+    "SUPERVISOR_LOST",
+    "FAILED_ACCEPTANCE",
+)
 
 
 def _start_cluster(shared: Path) -> subprocess.CompletedProcess:
     """``slurm-cluster.sh start``: everything up, a killed member started again (idempotent). About 6 s, the
     node image's build (apt) once more; the script's own wait for idle nodes is 90 s."""
-    return subprocess.run(["bash", str(SCRIPT), "start"], capture_output=True, text=True, timeout=300, check=False,
-                          env={**os.environ, "SLURM_SHARED_DIR": str(shared)})  # fmt: skip
+    return subprocess.run(
+        ["bash", str(SCRIPT), "start"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "SLURM_SHARED_DIR": str(shared)},
+    )
 
 
 @pytest.fixture(scope="module")
 def cluster(cpu_image, tmp_path_factory, request):
     """The cluster on the cpu image, the session's temporary folder shared; its SLURM_CONF. Removed after,
     whatever happened (also when it did not start)."""
-    request.addfinalizer(lambda: subprocess.run(["bash", str(SCRIPT), "stop"], capture_output=True, timeout=300,
-                                                check=False))  # fmt: skip
+    request.addfinalizer(
+        lambda: subprocess.run(["bash", str(SCRIPT), "stop"], capture_output=True, timeout=300, check=False)
+    )
     shared = tmp_path_factory.getbasetemp()
     done = _start_cluster(shared)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -79,8 +94,13 @@ def _record(run_dir: Path) -> dict:
 
 def _submit(tmp_path: Path, cfg: Path) -> tuple[Path, str]:
     """``launcher submit CFG --nodes 2`` on the controller's container: (the run folder, the Slurm job id)."""
-    done = subprocess.run([docker_cli(), "exec", "-w", str(tmp_path), CONTROLLER, "launcher", "submit", str(cfg),
-                           "--nodes", "2"], capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    done = subprocess.run(
+        [docker_cli(), "exec", "-w", str(tmp_path), CONTROLLER, "launcher", "submit", str(cfg), "--nodes", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0 and "as Slurm job" in done.stdout, done.stdout + done.stderr
     run_dir = only_run_dir(tmp_path / "runs")
     job_id = _record(run_dir)["slurm"]["job_id"]
@@ -140,8 +160,15 @@ def test_a_lost_node_ends_node_lost_is_requeued_resumed_and_stopped_with_a_save(
     the node's processes with it) once a checkpoint is complete: node 0 records NODE_LOST (exit 7, n2 named)
     and asks Slurm to requeue the job; with n2 started again, attempt 2 resumes from that checkpoint; a
     stop from the login node then ends it CANCELLED with a checkpoint saved on stop."""
-    cfg = make_config(tmp_path, demo_assets, launcher={"nnodes": 2, "restart": {"max_restarts": 1, "backoff_s": 0}},
-                      max_steps=400, save_steps=2, eval_steps=1000, logging_steps=1)  # fmt: skip
+    cfg = make_config(
+        tmp_path,
+        demo_assets,
+        launcher={"nnodes": 2, "restart": {"max_restarts": 1, "backoff_s": 0}},
+        max_steps=400,
+        save_steps=2,
+        eval_steps=1000,
+        logging_steps=1,
+    )
     run_dir, job_id = _submit(tmp_path, cfg)
     assert "#SBATCH --requeue\n" in (run_dir / "slurm.sbatch").read_text()
     output = run_dir / "output"
@@ -149,23 +176,27 @@ def test_a_lost_node_ends_node_lost_is_requeued_resumed_and_stopped_with_a_save(
         wait_for("a complete checkpoint", lambda: last_complete_checkpoint(output), timeout=300, every=1)
         attempt_1_nodes = set(node_run_dirs(run_dir))
         assert len(attempt_1_nodes) == 1, attempt_1_nodes
-        killed = subprocess.run([docker_cli(), "kill", "deltanet-slurm-n2"], capture_output=True, text=True,
-                                timeout=120, check=False)  # fmt: skip
+        killed = subprocess.run(
+            [docker_cli(), "kill", "deltanet-slurm-n2"], capture_output=True, text=True, timeout=120, check=False
+        )
         assert killed.returncode == 0, killed.stderr
         lost = _ended(run_dir, timeout=300)
         assert lost["state"] == "NODE_LOST", (lost, _slurm_out(run_dir))
         assert lost["run_exit_code"] == 7 and "node n2 " in lost["reason"], lost
         assert '"event": "node_lost"' in (run_dir / "events.jsonl").read_text()
         last = last_complete_checkpoint(output)
-        wait_for("node 0's requeue", lambda: f"node 0: Slurm job {job_id} requeued" in _slurm_out(run_dir),
-                 timeout=120)  # fmt: skip
+        wait_for("node 0's requeue", lambda: f"node 0: Slurm job {job_id} requeued" in _slurm_out(run_dir), timeout=120)
         back = _start_cluster(slurm_env[1])  # n2's container started again; the requeued job runs on it
         assert back.returncode == 0, back.stdout + back.stderr
         # Slurm holds a requeued job cred_expire + 1 s (Reason=BeginTime; 61 s on this cluster). Not shortened
         # with `scontrol update StartTime=now`: the new attempt's step (the same id, 1.0) was then SIGKILLed
         # KillWait after the requeue, by the kill meant for the old one
-        second = wait_for("attempt 2 running", lambda: (r := _record(run_dir))["attempt"] == 2
-                          and r["state"] == "RUNNING" and r, timeout=300, every=1)  # fmt: skip
+        second = wait_for(
+            "attempt 2 running",
+            lambda: (r := _record(run_dir))["attempt"] == 2 and r["state"] == "RUNNING" and r,
+            timeout=300,
+            every=1,
+        )
         assert second["resumed_from"] == str(last.path.relative_to(run_dir)), (second, last)
 
         # attempt 2's training began on both nodes: each node's local rank 0 announced that it saves on a stop

@@ -27,13 +27,26 @@ DOCUMENTED = {int(c) for c in ExitCode}
 ODD = [5, -1, 2.5, True, None, "x", "", [], [1], {}, {"a": 1}, [{"a": "x"}], {"pid": "x"}, "a\nb\x1b[2J", 10**30]
 # ... and what only raw JSON text holds (issue 64): past Python's int() digit limit, non-finite numbers, lone
 # surrogates, a timestamp without an offset, a list of a million entries
-RAW = ["9" * 5000, "-" + "1" * 4400, "NaN", "Infinity", "-Infinity", "1e999", '"\\ud800"', '"x\\udfffy"',
-       '"2026-12-07T10:00:00"', "[" + ",".join(["{}"] * 1_000_001) + "]"]  # fmt: skip
+RAW = [
+    "9" * 5000,
+    "-" + "1" * 4400,
+    "NaN",
+    "Infinity",
+    "-Infinity",
+    "1e999",
+    '"\\ud800"',
+    '"x\\udfffy"',
+    '"2026-12-07T10:00:00"',
+    "[" + ",".join(["{}"] * 1_000_001) + "]",
+]
 
 
 def snapshot(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}  # fmt: skip
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def mutations(record: dict[str, Any], seed: int = 30) -> list[tuple[str, bytes]]:
@@ -48,10 +61,17 @@ def mutations(record: dict[str, Any], seed: int = 30) -> list[tuple[str, bytes]]
             found.append((f"{key}={raw[:20]}", json.dumps({**record, key: "<raw>"}).replace('"<raw>"', raw).encode()))
         found.append((f"no {key}", json.dumps({k: v for k, v in record.items() if k != key}).encode()))
     text = json.dumps(record).encode()
-    found += [("truncated", text[: len(text) // 2]), ("not utf-8", b"\xff\xfe" + text), ("a list", b"[1, 2]"),
-              ("empty", b""), ("nested 200,000 deep", b'{"a":' * 200_000 + b"1" + b"}" * 200_000),
-              ("deep in a field", json.dumps({**record, "acceptance": 1}).replace("1}", "[" * 40 + "]" * 40 + "}", 1)
-               .encode())]  # fmt: skip
+    found += [
+        ("truncated", text[: len(text) // 2]),
+        ("not utf-8", b"\xff\xfe" + text),
+        ("a list", b"[1, 2]"),
+        ("empty", b""),
+        ("nested 200,000 deep", b'{"a":' * 200_000 + b"1" + b"}" * 200_000),
+        (
+            "deep in a field",
+            json.dumps({**record, "acceptance": 1}).replace("1}", "[" * 40 + "]" * 40 + "}", 1).encode(),
+        ),
+    ]
     return found
 
 
@@ -81,8 +101,11 @@ def test_every_host_verb_answers_mutated_records_in_one_line(tmp_path: Path, cap
                 assert len(out.splitlines()) == 3, (what, out)
             elif verb != "logs":  # logs shows the job's log, which needs no record
                 assert code == ExitCode.FAILED, (what, verb, out, err)
-                assert err.startswith(f"error: unreadable: {bad / 'status.json'} (") and err.count("\n") == 1, \
-                    (what, verb, err)  # fmt: skip
+                assert err.startswith(f"error: unreadable: {bad / 'status.json'} (") and err.count("\n") == 1, (
+                    what,
+                    verb,
+                    err,
+                )
     assert unreadable > 50  # the generator really produced damaged records (66 with this seed)
     assert good.exists()
 
@@ -193,8 +216,11 @@ def test_a_container_runs_record_is_readable_with_its_image_mapping(tmp_path):
     """What a supervisor in a container writes (``procs.container_identity``) passes the record's type check."""
     from launcher.state.record import Container, RunRecord, type_problem
 
-    container = {"name": "deltanet-train-cpu", "id": "fa4c" * 16,
-                 "image": {"tag": "deltanet-launcher:cpu", "digest": "sha256:" + "6" * 64}}  # fmt: skip
+    container = {
+        "name": "deltanet-train-cpu",
+        "id": "fa4c" * 16,
+        "image": {"tag": "deltanet-launcher:cpu", "digest": "sha256:" + "6" * 64},
+    }
     assert type_problem(container, Container) is None
     assert type_problem({**container, "image": 5}, Container) is not None
     assert "container" in RunRecord.__dataclass_fields__
@@ -202,15 +228,55 @@ def test_a_container_runs_record_is_readable_with_its_image_mapping(tmp_path):
 
 # the records beside status.json that host verbs read: each planted damaged, one at a time, in a run whose record
 # is whole (the run ended, so `stop` and `resume` only read and answer)
-SIDE_RECORDS = ("events.jsonl", "launch.json", "manifest.json", "save_on_stop.json", "stop_saved.json",
-                "stop_request.json", "save_request.json", "verify.json", "evaluate.json", "output/trainer_state.json",
-                "output/trainer_log.jsonl", "output/best_adapter.json", "proof/rank0/checkpoint_all_layers.json",
-                "errors/rank0.json", "../launcher.lock.owner.json")  # fmt: skip
-SIDE_DAMAGE = [("a number", b"5"), ("a string", b'"x"'), ("a list", b"[1, [2]]"), ("not utf-8", b"\xff\xfe{"),
-               ("truncated", b'{"step": 3, "pa'), ("empty", b""), ("nested 200,000 deep", b"[" * 200_000),
-               ("wrong-typed fields", json.dumps({k: {"a": [1]} for k in ("step", "pid", "state", "event", "path",
-                "current_steps", "log_history", "checkpoint", "time", "now", "by", "grace_s")}).encode()),
-               ("odd lines", b'5\n"x"\n[1]\n{"current_steps": "x", "loss": []}\n{"event": 5}\n')]  # fmt: skip
+SIDE_RECORDS = (
+    "events.jsonl",
+    "launch.json",
+    "manifest.json",
+    "save_on_stop.json",
+    "stop_saved.json",
+    "stop_request.json",
+    "save_request.json",
+    "verify.json",
+    "evaluate.json",
+    "output/trainer_state.json",
+    "output/trainer_log.jsonl",
+    "output/best_adapter.json",
+    "proof/rank0/checkpoint_all_layers.json",
+    "errors/rank0.json",
+    "../launcher.lock.owner.json",
+)
+SIDE_DAMAGE = [
+    ("a number", b"5"),
+    ("a string", b'"x"'),
+    ("a list", b"[1, [2]]"),
+    ("not utf-8", b"\xff\xfe{"),
+    ("truncated", b'{"step": 3, "pa'),
+    ("empty", b""),
+    ("nested 200,000 deep", b"[" * 200_000),
+    (
+        "wrong-typed fields",
+        json.dumps(
+            {
+                k: {"a": [1]}
+                for k in (
+                    "step",
+                    "pid",
+                    "state",
+                    "event",
+                    "path",
+                    "current_steps",
+                    "log_history",
+                    "checkpoint",
+                    "time",
+                    "now",
+                    "by",
+                    "grace_s",
+                )
+            }
+        ).encode(),
+    ),
+    ("odd lines", b'5\n"x"\n[1]\n{"current_steps": "x", "loss": []}\n{"event": 5}\n'),
+]
 OUTPUTS = {"report.md", "report.json", "verify.json"}  # what `report` and `verify` write when they can judge
 
 

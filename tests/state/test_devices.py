@@ -53,8 +53,12 @@ def test_nvidia_smi_answers_give_each_gpu_its_uuid_memory_and_processes() -> Non
 def test_npu_smi_info_gives_each_npu_its_bus_id_hbm_and_processes() -> None:
     npus = parse_npu_smi((FILES / "npu-smi-info-910b.txt").read_text())
     assert [n.host_index for n in npus] == ["0", "1", "2", "3"]
-    assert [n.identity for n in npus] == ["npu:0000:c1:00.0", "npu:0000:c2:00.0", "npu:0000:81:00.0",
-                                          "npu:0000:82:00.0"]  # fmt: skip
+    assert [n.identity for n in npus] == [
+        "npu:0000:c1:00.0",
+        "npu:0000:c2:00.0",
+        "npu:0000:81:00.0",
+        "npu:0000:82:00.0",
+    ]
     assert (npus[2].used_mib, npus[2].total_mib) == (57895, 65536)
     (proc,) = npus[2].processes
     assert (proc.pid, proc.name, proc.used_mib) == (1712733, "python3", 54577)
@@ -66,8 +70,9 @@ def test_the_visible_devices_name_the_devices_by_position_or_uuid(tmp_path: Path
     picked = run_devices("cuda", 2, {**env, "CUDA_VISIBLE_DEVICES": "3,1"})
     assert [d.host_index for d in picked] == ["3", "1"]
     assert [d.identity for d in run_devices("cuda", 1, {**env, "CUDA_VISIBLE_DEVICES": "GPU-5d1b3a2e-2222"})] == [GPU2]
-    assert [d.host_index for d in run_devices("cuda", 2, {k: v for k, v in env.items()
-                                                          if k != "CUDA_VISIBLE_DEVICES"})] == ["0", "1"]  # fmt: skip
+    assert [
+        d.host_index for d in run_devices("cuda", 2, {k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"})
+    ] == ["0", "1"]
     with pytest.raises(DeviceError, match=r"CUDA_VISIBLE_DEVICES=0,7 names device '7', which is not among the 4"):
         run_devices("cuda", 2, {**env, "CUDA_VISIBLE_DEVICES": "0,7"})
     bare = {**os.environ, "PATH": str(tmp_path / "nothing"), "CUDA_VISIBLE_DEVICES": "0-1"}
@@ -111,9 +116,14 @@ time.sleep(600)
 
 
 def hold(folder: Path, root: Path, run: str, devices: str, user: int | None = None) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder), str(root), run, devices], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            user=user)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(folder), str(root), run, devices],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        user=user,
+    )
     return proc
 
 
@@ -154,8 +164,14 @@ def test_launcher_list_devices_shows_who_holds_what(tmp_path: Path) -> None:
     try:
         assert holder.stdout.readline() == "held\n"
         env = {**os.environ, "LAUNCHER_LEASE_DIR": str(folder)}
-        shown = subprocess.run([sys.executable, "-m", "launcher", "list", "--devices"], cwd=REPO, env=env,
-                               capture_output=True, text=True, timeout=60)  # fmt: skip
+        shown = subprocess.run(
+            [sys.executable, "-m", "launcher", "list", "--devices"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         rows = shown.stdout.splitlines()
         assert shown.returncode == 0 and len(rows) == 2, shown
         assert rows[1].split()[:3] == ["0", "cuda:GPU-0", "run-a"] and str(tmp_path / "runs-a") in rows[1]

@@ -130,8 +130,11 @@ def test_every_host_verb_reads_past_a_planted_value(tmp_path: Path, capsys, wher
     if where == "status.json":
         plant_status(run, value)
     else:
-        path = {"trainer_log": run / "output" / "trainer_log.jsonl", "manifest": run / "manifest.json",
-                "trainer_state": run / "output" / "trainer_state.json"}[where]  # fmt: skip
+        path = {
+            "trainer_log": run / "output" / "trainer_log.jsonl",
+            "manifest": run / "manifest.json",
+            "trainer_state": run / "output" / "trainer_state.json",
+        }[where]
         with open(path, "a") as f:
             f.write(value + "\n")
     for verb in VERBS:

@@ -207,8 +207,9 @@ def test_a_run_live_before_a_reboot_is_node_lost(tmp_path):
     assert "NODE_LOST (recorded RUNNING: the host rebooted" in text
     # a new start's supervisor marks it NODE_LOST for good, and says so
     warnings = check_earlier_runs(run_dir.parent)
-    assert warnings == [f"run {run_dir.name}: the host rebooted (boot id changed) since the run was recorded live; "
-                        "recorded NODE_LOST"]  # fmt: skip
+    assert warnings == [
+        f"run {run_dir.name}: the host rebooted (boot id changed) since the run was recorded live; recorded NODE_LOST"
+    ]
     status = read_record(run_dir)
     assert status.state == "NODE_LOST" and status.ended and "boot id" in status.reason
     assert events(run_dir)[-1] == {**events(run_dir)[-1], "event": "ended", "state": "NODE_LOST"}
@@ -289,10 +290,13 @@ def test_root_cause_skips_torchruns_own_traceback_and_earlier_attempts(tmp_path)
 
     run = RunDir("r", tmp_path)
     rank_tb = 'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\nValueError: bad shard\n'
-    torchrun_tb = ('Traceback (most recent call last):\n  File "run.py", line 9, in main\n'
-                   "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n")  # fmt: skip
-    run.log.write_text("starting\n" + rank_tb + torchrun_tb + TORCHRUN_FAILURE.format(rank=0, code=1, signame="",
-                                                                                       message="-"))  # fmt: skip
+    torchrun_tb = (
+        'Traceback (most recent call last):\n  File "run.py", line 9, in main\n'
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+    )
+    run.log.write_text(
+        "starting\n" + rank_tb + torchrun_tb + TORCHRUN_FAILURE.format(rank=0, code=1, signame="", message="-")
+    )
     assert root_cause(run).endswith("ValueError: bad shard")
     (tmp_path / "errors").mkdir()
     old = {"rank": 0, "time": time.time() - 3600, "traceback": "RuntimeError: attempt 1"}
@@ -304,8 +308,14 @@ def test_root_cause_skips_torchruns_own_traceback_and_earlier_attempts(tmp_path)
 
 def test_status_shows_the_failing_ranks_own_exit_code(tmp_path):
     failed = {"rank": 1, "pid": 4242, "exit_code": 3, "signal": None}
-    run_dir = crafted_run(tmp_path, state="FAILED", exit_code=1, failed_rank=failed, ended="2026-11-30T10:20:00+00:00",
-                          reason="exit code 1; first failure: rank 1 (pid 4242) exit code 3")  # fmt: skip
+    run_dir = crafted_run(
+        tmp_path,
+        state="FAILED",
+        exit_code=1,
+        failed_rank=failed,
+        ended="2026-11-30T10:20:00+00:00",
+        reason="exit code 1; first failure: rank 1 (pid 4242) exit code 3",
+    )
     text = launcher("status", run_dir, timeout=60).stdout
     assert "code 1 (rank 1: code 3)" in text and "rank 1 (pid 4242) exit code 3" in text
 
@@ -314,11 +324,27 @@ def test_status_imports_neither_the_training_stack_nor_the_validators(tmp_path):
     """What keeps `launcher status` fast (docs/lab/2026-11-30-status-million-lines.md): no torch, pydantic, patches or
     preflight."""
     run_dir = crafted_run(tmp_path)
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "launcher", "status", str(run_dir)],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "launcher", "status", str(run_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
     assert "launcher.monitor.status" in imported
-    heavy = {"torch", "transformers", "llamafactory", "pydantic", "patches", "rich", "docker", "launcher.run.config",
-             "launcher.checks.preflight", "launcher.results.verify", "launcher.results.report"}  # fmt: skip
+    heavy = {
+        "torch",
+        "transformers",
+        "llamafactory",
+        "pydantic",
+        "patches",
+        "rich",
+        "docker",
+        "launcher.run.config",
+        "launcher.checks.preflight",
+        "launcher.results.verify",
+        "launcher.results.report",
+    }
     assert not heavy & imported, sorted(heavy & imported)

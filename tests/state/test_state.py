@@ -134,8 +134,14 @@ def test_a_schema_1_record_reads_with_its_paths_re_rooted(tmp_path):
     the record is found in now, e.g. a run written in a container under /outputs read on the host."""
     run_dir = tmp_path / "host" / "runs" / "r1"
     run_dir.mkdir(parents=True)
-    old = {"schema": 1, "run_id": "r1", "state": "RUNNING", "run_dir": "/outputs/runs/r1",
-           "trainer_log": "/outputs/runs/r1/output/trainer_log.jsonl", "container": "deltanet-train"}  # fmt: skip
+    old = {
+        "schema": 1,
+        "run_id": "r1",
+        "state": "RUNNING",
+        "run_dir": "/outputs/runs/r1",
+        "trainer_log": "/outputs/runs/r1/output/trainer_log.jsonl",
+        "container": "deltanet-train",
+    }
     (run_dir / "status.json").write_text(json.dumps(old))
     record = read_record(run_dir)
     assert record.resolve(run_dir, record.trainer_log) == run_dir / "output" / "trainer_log.jsonl"
@@ -161,8 +167,12 @@ def supervisor_stand_in():
 
 
 def test_a_live_supervisor_keeps_the_recorded_state(tmp_path, supervisor_stand_in):
-    write_record(tmp_path, state="RUNNING", boot_id=boot_id(),
-                 supervisor={**identity(supervisor_stand_in), "pid_ns": self_identity()["pid_ns"]})  # fmt: skip
+    write_record(
+        tmp_path,
+        state="RUNNING",
+        boot_id=boot_id(),
+        supervisor={**identity(supervisor_stand_in), "pid_ns": self_identity()["pid_ns"]},
+    )
     seen = reconcile(read_record(tmp_path), tmp_path)
     assert seen.state is RunState.RUNNING and seen.liveness == "live" and seen.note is None
 
@@ -191,8 +201,13 @@ def test_another_pid_namespace_without_an_engine_is_unknown_never_supervisor_los
         raise DockerException("no engine")
 
     monkeypatch.setattr(docker, "from_env", no_engine)
-    write_record(tmp_path, state="RUNNING", boot_id=boot_id(), container={"name": "deltanet-train-cpu"},
-                 supervisor={"pid": 1, "create_time": 1.0, "pid_ns": "pid:[1]"})  # fmt: skip
+    write_record(
+        tmp_path,
+        state="RUNNING",
+        boot_id=boot_id(),
+        container={"name": "deltanet-train-cpu"},
+        supervisor={"pid": 1, "create_time": 1.0, "pid_ns": "pid:[1]"},
+    )
     seen = reconcile(read_record(tmp_path), tmp_path)
     assert seen.state is RunState.RUNNING and seen.liveness == "unknown"
     assert "state unknown" in seen.note and "deltanet-train-cpu" in seen.note
@@ -210,9 +225,14 @@ def test_under_the_lock_a_run_from_a_vanished_container_is_node_lost(tmp_path, m
         raise DockerException("no engine")
 
     monkeypatch.setattr(docker, "from_env", no_engine)
-    run_dir = write_record(tmp_path / "runs" / "old", "old", state="RUNNING", boot_id=boot_id(),
-                           container={"name": "deltanet-train-cpu"},
-                           supervisor={"pid": 1, "create_time": 1.0, "pid_ns": "pid:[1]"})  # fmt: skip
+    run_dir = write_record(
+        tmp_path / "runs" / "old",
+        "old",
+        state="RUNNING",
+        boot_id=boot_id(),
+        container={"name": "deltanet-train-cpu"},
+        supervisor={"pid": 1, "create_time": 1.0, "pid_ns": "pid:[1]"},
+    )
     warnings = check_earlier_runs(tmp_path / "runs")
     assert len(warnings) == 1 and "run old" in warnings[0] and "deltanet-train-cpu" in warnings[0]
     record = read_record(run_dir)
@@ -225,7 +245,11 @@ def test_a_restarted_container_is_node_lost_although_its_namespace_id_came_back(
     from launcher.procs import namespace_started
 
     started = namespace_started()
-    write_record(tmp_path, state="RUNNING", boot_id=boot_id(),
-                 supervisor={"pid": 7, "create_time": started - 60, "pid_ns": self_identity()["pid_ns"]})  # fmt: skip
+    write_record(
+        tmp_path,
+        state="RUNNING",
+        boot_id=boot_id(),
+        supervisor={"pid": 7, "create_time": started - 60, "pid_ns": self_identity()["pid_ns"]},
+    )
     seen = reconcile(read_record(tmp_path), tmp_path)
     assert seen.state is RunState.NODE_LOST and "restarted" in seen.note

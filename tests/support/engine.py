@@ -34,8 +34,13 @@ def git_commit() -> str:
 
 def project_context(dest: Path) -> Path:
     """A build context of its own: the project's files (tracked and new, as git sees them), no wheels."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.splitlines()  # fmt: skip
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     for name in listed:
         if (ROOT / name).is_file() and not name.startswith("wheelhouse/"):
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
@@ -79,15 +84,24 @@ def cpu_image(engine) -> str:
         if made_here and not done:  # a partial download (a full disk, a timeout): the disk back
             shutil.rmtree(wheelhouse, ignore_errors=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    env = {**os.environ, "PATH": f"{Path(docker_cli()).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "PYTHON": sys.executable, "LAUNCHER_GIT_COMMIT": git_commit()}  # fmt: skip
+    env = {
+        **os.environ,
+        "PATH": f"{Path(docker_cli()).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHON": sys.executable,
+        "LAUNCHER_GIT_COMMIT": git_commit(),
+    }
     for name in ("CPU_BASE_IMAGE", "WHEELHOUSE", "REGISTRY_MIRROR"):
         env.pop(name, None)
-    out = subprocess.run(["bash", "scripts/build-image.sh", "cpu"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=1800)  # fmt: skip
+    out = subprocess.run(
+        ["bash", "scripts/build-image.sh", "cpu"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800
+    )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     # BuildKit keeps a copy of each build context (~3 GB here): give that disk back, the layers stay
-    subprocess.run([docker_cli(), "builder", "prune", "--force", "--filter", "type=source.local"], capture_output=True,
-                   timeout=300, check=False)  # fmt: skip
+    subprocess.run(
+        [docker_cli(), "builder", "prune", "--force", "--filter", "type=source.local"],
+        capture_output=True,
+        timeout=300,
+        check=False,
+    )
     print(f"\n[containers] base + wheelhouse + cpu image ready in {time.monotonic() - started:.0f}s")
     return IMAGE

@@ -178,8 +178,10 @@ def run(run_dir: Path, spec: dict[str, Any], rank: int) -> int:
     elif hup == "ignore":
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
     pid = os.getpid()
-    _write_json(run_dir / PIDS_DIR / f"rank{rank}.json",
-                {"pid": pid, "pgid": os.getpgid(pid), "sid": os.getsid(pid), "rank": rank})  # fmt: skip
+    _write_json(
+        run_dir / PIDS_DIR / f"rank{rank}.json",
+        {"pid": pid, "pgid": os.getpgid(pid), "sid": os.getsid(pid), "rank": rank},
+    )
     if not spec.get("quiet"):
         print(f"fake rank {rank} (pid {pid}) started", flush=True)
     try:

@@ -30,8 +30,9 @@ from tests.support.common import REPO, make_config
 PREFLIGHT_SKIP = "kernel"
 
 
-def fake_config(tmp_path: Path, demo_assets: dict[str, Path], spec: dict[str, Any],
-                **launcher: Any) -> tuple[Path, dict[str, str]]:  # fmt: skip
+def fake_config(
+    tmp_path: Path, demo_assets: dict[str, Path], spec: dict[str, Any], **launcher: Any
+) -> tuple[Path, dict[str, str]]:
     """A run config whose ranks are fake, and the environment that tells them what to do."""
     settings = {"entry": "tests.support.fake_rank", "nproc_per_node": 1, "stall_minutes": 10.0, "stop_grace_s": 10.0}
     cfg = make_config(tmp_path, demo_assets, launcher={**settings, **launcher})
@@ -53,8 +54,15 @@ def fake_env(tmp_path: Path, spec: dict[str, Any]) -> dict[str, str]:
 def launcher(*args: Any, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run ``python -m launcher ARGS`` to its end; ``.elapsed`` holds its wall time."""
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "launcher", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env=env, stdin=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "launcher", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
     proc.elapsed = time.monotonic() - started  # type: ignore[attr-defined]
     return proc
 
@@ -62,17 +70,28 @@ def launcher(*args: Any, env: dict[str, str] | None = None, timeout: float = 600
 def launcher_bg(*args: Any, env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
     """Start ``python -m launcher ARGS`` in its own session (a stand-in for a container's main process)."""
     out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115  (the child keeps it)
-    return subprocess.Popen([sys.executable, "-m", "launcher", *map(str, args)], cwd=REPO, env=env,
-                            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "launcher", *map(str, args)],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 # what a check may raise while files are being written and processes end: polled again
 TRANSIENT: tuple[type[Exception], ...] = (OSError, ValueError, KeyError)
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 120, every: float = 0.2,
-             tolerate: tuple[type[Exception], ...] = TRANSIENT) -> Any:  # fmt: skip
+def wait_for(
+    what: str,
+    check: Callable[[], Any],
+    timeout: float = 120,
+    every: float = 0.2,
+    tolerate: tuple[type[Exception], ...] = TRANSIENT,
+) -> Any:
     """Poll ``check`` until it returns something truthy; fail naming ``what`` after ``timeout`` seconds. An
     exception in ``tolerate`` counts as not yet; any other fails at once (``tolerate=()``: every one does)."""
     deadline = time.monotonic() + timeout
@@ -107,8 +126,11 @@ def spawn(args: list[str], marker: str, **popen: Any) -> subprocess.Popen:
     """Start ``args`` and return once the new process runs them (its command line names ``marker``): right
     after ``Popen`` the child may not have exec'd yet and still shows its parent's command line."""
     proc = subprocess.Popen(args, **popen)
-    wait_for(f"process {proc.pid} to run {marker!r}", lambda: marker in " ".join(psutil.Process(proc.pid).cmdline()),
-             timeout=60)  # fmt: skip
+    wait_for(
+        f"process {proc.pid} to run {marker!r}",
+        lambda: marker in " ".join(psutil.Process(proc.pid).cmdline()),
+        timeout=60,
+    )
     return proc
 
 
@@ -151,8 +173,10 @@ def run_story(run_dir: Path, lines: int = 40) -> str:
     errors = sorted((run_dir / "errors").glob("rank*.json")) if (run_dir / "errors").is_dir() else []
     log = run_dir / "launcher.log"
     tail = log.read_text(errors="replace").splitlines()[-lines:] if log.exists() else []
-    parts = [f"state {record.get('state')}, exit code {record.get('exit_code')}, signal {record.get('signal')}, "
-             f"reason: {record.get('reason')}"]  # fmt: skip
+    parts = [
+        f"state {record.get('state')}, exit code {record.get('exit_code')}, signal {record.get('signal')}, "
+        f"reason: {record.get('reason')}"
+    ]
     parts += [f"{path.name}: {json.loads(path.read_text()).get('traceback', '')[-1500:]}" for path in errors]
     parts += ["last lines of the job's output:", *tail]
     return "\n".join(parts)
@@ -174,12 +198,15 @@ def wait_for_run_dir(root: Path, timeout: float = 180) -> Path:
 def rank_processes(run_dir: Path, nproc: int, timeout: float = 120) -> list[psutil.Process]:
     """The live fake ranks of a run, once each has reported in (and the supervisor has recorded them)."""
     folder = run_dir / "fake_ranks"
-    wait_for(f"{nproc} fake rank(s) to start in {folder}",
-             lambda: len(list(folder.glob("rank*.json"))) >= nproc, timeout)  # fmt: skip
+    wait_for(
+        f"{nproc} fake rank(s) to start in {folder}", lambda: len(list(folder.glob("rank*.json"))) >= nproc, timeout
+    )
     procs = [psutil.Process(json.loads((folder / f"rank{r}.json").read_text())["pid"]) for r in range(nproc)]
-    wait_for("the supervisor to record the ranks in status.json",
-             lambda: {p.pid for p in procs} <= {r["pid"] for r in read_status(run_dir).get("processes", [])},
-             timeout)  # fmt: skip
+    wait_for(
+        "the supervisor to record the ranks in status.json",
+        lambda: {p.pid for p in procs} <= {r["pid"] for r in read_status(run_dir).get("processes", [])},
+        timeout,
+    )
     return procs
 
 
@@ -238,10 +265,23 @@ def crafted_run(tmp_path: Path, name: str = RUN_ID, **fields) -> Path:
     dead_identity = identity(psutil.Process(dead.pid))
     dead.kill()
     dead.wait()
-    status = {"schema": SCHEMA_VERSION, "run_id": name, "run_dir": str(run_dir), "state": "RUNNING",
-              "created": "2026-11-30T10:15:00+00:00", "started": "2026-11-30T10:15:05+00:00", "attempt": 1,
-              "boot_id": boot_id(), "supervisor": dead_identity, "processes": [], "exit_code": None,
-              "signal": None, "reason": None, "ended": None,
-              "trainer_log": str(run_dir / "output" / "trainer_log.jsonl"), **fields}  # fmt: skip
+    status = {
+        "schema": SCHEMA_VERSION,
+        "run_id": name,
+        "run_dir": str(run_dir),
+        "state": "RUNNING",
+        "created": "2026-11-30T10:15:00+00:00",
+        "started": "2026-11-30T10:15:05+00:00",
+        "attempt": 1,
+        "boot_id": boot_id(),
+        "supervisor": dead_identity,
+        "processes": [],
+        "exit_code": None,
+        "signal": None,
+        "reason": None,
+        "ended": None,
+        "trainer_log": str(run_dir / "output" / "trainer_log.jsonl"),
+        **fields,
+    }
     (run_dir / "status.json").write_text(json.dumps(status))
     return run_dir

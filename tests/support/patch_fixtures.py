@@ -101,8 +101,9 @@ def lora_model(model_dir: Path, lora_b_std: float = 0.02):
 
     torch.manual_seed(0)
     model = Qwen3_5ForConditionalGeneration(AutoConfig.from_pretrained(model_dir)).float()
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))  # fmt: skip
+    model = get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    )
     for name, param in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=lora_b_std)
@@ -246,16 +247,20 @@ def grouped_varlen_kernel(pairing=fla_pairing, seen: list | None = None):
         groups = v.shape[2] // q.shape[2]
         index = torch.tensor([pairing(j, groups, q.shape[2]) for j in range(v.shape[2])])
         bounds = cu_seqlens.tolist() if cu_seqlens is not None else [0, q.shape[1]]
-        pieces = [torch_chunk_gated_delta_rule(q[:, s:e, index], k[:, s:e, index], v[:, s:e], g=g[:, s:e],
-                                               beta=beta[:, s:e], **kwargs)
-                  for s, e in zip(bounds[:-1], bounds[1:], strict=True)]  # fmt: skip
+        pieces = [
+            torch_chunk_gated_delta_rule(
+                q[:, s:e, index], k[:, s:e, index], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e], **kwargs
+            )
+            for s, e in zip(bounds[:-1], bounds[1:], strict=True)
+        ]
         return torch.cat([out for out, _ in pieces], dim=1), pieces[-1][1]
 
     return kernel
 
 
-def write_stub_fla(root: Path, platform: str = "cuda", hopper: bool = False, above_3_4_0: bool = True,
-                   above_3_7_1: bool = True) -> Path:  # fmt: skip
+def write_stub_fla(
+    root: Path, platform: str = "cuda", hopper: bool = False, above_3_4_0: bool = True, above_3_7_1: bool = True
+) -> Path:
     """Write the stand-in ``fla`` package into ``root`` (put it on ``sys.path`` to use it); returns ``root``."""
     files = {
         **_STUB_FILES,

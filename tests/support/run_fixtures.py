@@ -44,8 +44,13 @@ def lora_tensors(modules: list[str], rank: int = 8, dim: int = 16, seed: int = 0
     return tensors
 
 
-def write_adapter(folder: Path, modules: list[str], tensors: dict[str, np.ndarray] | None = None,
-                  rank: int = 8, base_model: str = "model") -> None:  # fmt: skip
+def write_adapter(
+    folder: Path,
+    modules: list[str],
+    tensors: dict[str, np.ndarray] | None = None,
+    rank: int = 8,
+    base_model: str = "model",
+) -> None:
     from safetensors.numpy import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -72,8 +77,13 @@ def log_lines(train: dict[int, float], evals: dict[int, float], total: int, done
     """trainer_log.jsonl records in LLaMA-Factory's order: a train line per step, then that step's eval."""
     lines = []
     for step in range(1, done + 1):
-        common = {"current_steps": step, "total_steps": total, "epoch": step / total,
-                  "percentage": round(step / total * 100, 2), "elapsed_time": "0:00:01"}  # fmt: skip
+        common = {
+            "current_steps": step,
+            "total_steps": total,
+            "epoch": step / total,
+            "percentage": round(step / total * 100, 2),
+            "elapsed_time": "0:00:01",
+        }
         if step in train:
             lines.append({**common, "loss": train[step], "lr": 1e-4})
         if step in evals:
@@ -118,13 +128,31 @@ def make_run(
     run = root / "runs" / name
     output = run / "output"
     output.mkdir(parents=True)
-    write_json(run / "status.json", {"schema": 1, "run_id": name, "run_dir": str(run),
-                                     "state": "SUCCEEDED" if exit_code == 0 else "FAILED",
-                                     "exit_code": exit_code, "signal": None})  # fmt: skip
+    write_json(
+        run / "status.json",
+        {
+            "schema": 1,
+            "run_id": name,
+            "run_dir": str(run),
+            "state": "SUCCEEDED" if exit_code == 0 else "FAILED",
+            "exit_code": exit_code,
+            "signal": None,
+        },
+    )
     write_json(run / "manifest.json", {"run_id": name, "model": {"path": str(model)}})
-    lf = {"model_name_or_path": str(model), "stage": "sft", "do_train": True, "finetuning_type": "lora",
-          "lora_rank": 8, "lora_target": lora_target, "max_steps": total, "save_strategy": "steps",
-          "save_steps": save_steps, "logging_steps": 1, "output_dir": str(output)}  # fmt: skip
+    lf = {
+        "model_name_or_path": str(model),
+        "stage": "sft",
+        "do_train": True,
+        "finetuning_type": "lora",
+        "lora_rank": 8,
+        "lora_target": lora_target,
+        "max_steps": total,
+        "save_strategy": "steps",
+        "save_steps": save_steps,
+        "logging_steps": 1,
+        "output_dir": str(output),
+    }
     if eval_steps:
         lf.update(eval_strategy="steps", eval_steps=eval_steps, eval_dataset="val")
     lf.update(lf_extra or {})
@@ -139,13 +167,21 @@ def make_run(
         history.append({"step": step, "loss": train[step], "learning_rate": 1e-4, "epoch": step / total})
         if step in evals:
             history.append({"step": step, eval_key: evals[step], **(history_extra(step) if history_extra else {})})
-    state = {"global_step": done, "max_steps": total, "eval_steps": eval_steps, "save_steps": save_steps,
-             "log_history": history, "best_model_checkpoint": None}  # fmt: skip
+    state = {
+        "global_step": done,
+        "max_steps": total,
+        "eval_steps": eval_steps,
+        "save_steps": save_steps,
+        "log_history": history,
+        "best_model_checkpoint": None,
+    }
     for step in range(save_steps, done + 1, save_steps):
         ckpt = output / f"checkpoint-{step}"
         write_adapter(ckpt, modules, lora_tensors(modules, seed=step), base_model=str(model))
-        write_json(ckpt / "trainer_state.json", {**state, "global_step": step,
-                                                 "log_history": [h for h in history if h["step"] <= step]})  # fmt: skip
+        write_json(
+            ckpt / "trainer_state.json",
+            {**state, "global_step": step, "log_history": [h for h in history if h["step"] <= step]},
+        )
     write_adapter(output, modules, lora_tensors(modules, seed=done), base_model=str(model))
     write_json(output / "trainer_state.json", state)
     train_results = {"epoch": done / total, "train_loss": sum(train.values()) / max(len(train), 1)}

@@ -43,13 +43,15 @@ def mdpcot_records(dialogues: int = 12, turns: int = 3) -> list[dict[str, Any]]:
     records = []
     for d in range(dialogues):
         for t in range(1 + d % turns):
-            records.append({
-                "system": HANDBOOK,
-                "instruction": client(d, t),
-                "input": "",
-                "output": reasoning(d, t) + counselor(d, t),
-                "history": [[client(d, k), counselor(d, k)] for k in range(t)],
-            })  # fmt: skip
+            records.append(
+                {
+                    "system": HANDBOOK,
+                    "instruction": client(d, t),
+                    "input": "",
+                    "output": reasoning(d, t) + counselor(d, t),
+                    "history": [[client(d, k), counselor(d, k)] for k in range(t)],
+                }
+            )
     return records
 
 
@@ -62,8 +64,13 @@ def dialogue_records(dialogues: int = 10, turns: int = 3) -> list[dict[str, Any]
             conversation.append({"role": "client", "content": client(d, t)})
             stage = ("target", "working", "ending")[min(t, 2)]
             conversation.append({"role": "counselor", "content": counselor(d, t), "stage": stage})
-        records.append({"dialogue_id": f"dlg-{d:03d}", "consultation_target": f"Target {d}: sleep before exams",
-                        "conversation": conversation})  # fmt: skip
+        records.append(
+            {
+                "dialogue_id": f"dlg-{d:03d}",
+                "consultation_target": f"Target {d}: sleep before exams",
+                "conversation": conversation,
+            }
+        )
     return records
 
 

@@ -24,9 +24,10 @@ def test_the_routes_agree_with_the_per_sample_reference_on_the_cpu(monkeypatch):
     mask = packed_rows.block_causal_mask(numbered, torch.float32)
     expected = attention_bench.reference(torch, q, k, v, numbered)
     real = numbered[0] != 0
-    masked, whole_row, per_sample = (attention_bench.route_call(torch, route, mask, packed_rows.PADDING_PIECE,
-                                                                [20, 30], 48)
-                                     for route in ("masked", "sdpa", "per-sample"))  # fmt: skip
+    masked, whole_row, per_sample = (
+        attention_bench.route_call(torch, route, mask, packed_rows.PADDING_PIECE, [20, 30], 48)
+        for route in ("masked", "sdpa", "per-sample")
+    )
     assert attention_bench.relative(masked(q, k, v), expected, real) < 1e-5
     assert attention_bench.relative(per_sample(q, k, v), expected, real) < 1e-5
     assert attention_bench.relative(whole_row(q, k, v), expected, real) > 0.1

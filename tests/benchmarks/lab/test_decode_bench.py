@@ -16,8 +16,27 @@ pytest_plugins = ["tests.support.patch_fixtures"]
 
 @pytest.mark.usefixtures("restore_patches")
 def test_decode_bench_times_both_routes_and_names_the_recurrent_kernel_that_ran(tmp_path):
-    assert decode_bench.main(["--out", str(tmp_path), "--shape", "tiny", "--backend", "cpu", "--new-tokens", "4",
-                              "--prompt-tokens", "16", "--repeats", "1", "--batch-sizes", "1,3"]) == 0  # fmt: skip
+    assert (
+        decode_bench.main(
+            [
+                "--out",
+                str(tmp_path),
+                "--shape",
+                "tiny",
+                "--backend",
+                "cpu",
+                "--new-tokens",
+                "4",
+                "--prompt-tokens",
+                "16",
+                "--repeats",
+                "1",
+                "--batch-sizes",
+                "1,3",
+            ]
+        )
+        == 0
+    )
     result = json.loads((tmp_path / "decode.json").read_text())
     assert (result["shape"], result["new_tokens"], result["prompt_tokens"]) == ("tiny", 4, 16)
     assert result["batch_sizes"] == [1, 3]
@@ -48,9 +67,31 @@ def test_decode_bench_refuses_batch_sizes_that_are_not_positive_integers(tmp_pat
 def test_decode_bench_compares_a_batch_with_one_at_a_time_and_runs_only_the_routes_asked(tmp_path):
     """On the CPU in fp32 a left-padded batch of prompts of different lengths gives every answer of one-at-a-time
     decoding token for token (the H200 run in bf16 reports its own count)."""
-    assert decode_bench.main(["--out", str(tmp_path), "--shape", "tiny", "--backend", "cpu", "--new-tokens", "3",
-                              "--prompt-tokens", "12", "--repeats", "1", "--routes", "routed",
-                              "--compare", "4", "--compare-tokens", "6"]) == 0  # fmt: skip
+    assert (
+        decode_bench.main(
+            [
+                "--out",
+                str(tmp_path),
+                "--shape",
+                "tiny",
+                "--backend",
+                "cpu",
+                "--new-tokens",
+                "3",
+                "--prompt-tokens",
+                "12",
+                "--repeats",
+                "1",
+                "--routes",
+                "routed",
+                "--compare",
+                "4",
+                "--compare-tokens",
+                "6",
+            ]
+        )
+        == 0
+    )
     result = json.loads((tmp_path / "decode.json").read_text())
     assert set(result["routes"]) == {"routed"} and result["speedup_decode"] is None
     compare = result["routes"]["routed"]["compare"]
@@ -85,8 +126,9 @@ def test_a_first_difference_is_measured_on_the_one_at_a_time_logits(tmp_path):
     found = decode_bench.difference_margin(torch, model, Device(torch, "cpu"), context, int(runner_up), int(best))
     assert found["top_tokens"] == [int(best), int(runner_up)] and found["batched_token_rank"] == 2
     assert found["top2_margin"] == pytest.approx(float(first - second), abs=1e-5)
-    assert found["margin_in_bf16_steps"] == pytest.approx(found["top2_margin"] / decode_bench.bf16_step(float(first)),
-                                                          abs=0.01)  # fmt: skip
+    assert found["margin_in_bf16_steps"] == pytest.approx(
+        found["top2_margin"] / decode_bench.bf16_step(float(first)), abs=0.01
+    )
     assert found["near_tie"] == (found["top2_margin"] <= decode_bench.NEAR_TIE_STEPS * found["bf16_step"])
 
 

@@ -58,8 +58,11 @@ def test_the_per_sample_convolution_starts_each_segment_afresh(monkeypatch):
 
     module = types.ModuleType("fla.modules.causal_conv1d")
     module.causal_conv1d = causal_conv1d
-    for name, found in (("fla", types.ModuleType("fla")), ("fla.modules", types.ModuleType("fla.modules")),
-                        ("fla.modules.causal_conv1d", module)):  # fmt: skip
+    for name, found in (
+        ("fla", types.ModuleType("fla")),
+        ("fla.modules", types.ModuleType("fla.modules")),
+        ("fla.modules.causal_conv1d", module),
+    ):
         monkeypatch.setitem(sys.modules, name, found)
     torch.manual_seed(0)
     leaves = {"x": torch.randn(1, 20, 6), "weight": torch.randn(6, deltanet_bench.CONV_WIDTH)}

@@ -8,8 +8,12 @@ import pytest
 
 from benchmarks.lab import attention_bench, collate_bench, deltanet_bench, loss_bench
 
-RESULTS = {loss_bench: "loss.json", deltanet_bench: "deltanet.json", attention_bench: "attention.json",
-           collate_bench: "collate.json"}  # fmt: skip
+RESULTS = {
+    loss_bench: "loss.json",
+    deltanet_bench: "deltanet.json",
+    attention_bench: "attention.json",
+    collate_bench: "collate.json",
+}
 NEEDS_CUDA = (loss_bench, deltanet_bench, attention_bench)
 
 

@@ -44,8 +44,13 @@ def test_with_dropout_no_gap_is_read_and_the_step_counts_every_attention_layer(t
 
     found = lora_bench.measure(torch, "o_proj", 4, 2, 0.5, 1, tmp_path, device="cpu", timer=lambda t, fn, r: 1.0)
     assert "gap" not in found and found["features"] == [6144, 5120]
-    readings = [found, {"cast": {"forward_ms": 2.0, "forward_backward_ms": 3.0},
-                        "skip": {"forward_ms": 1.0, "forward_backward_ms": 2.0}}]  # fmt: skip
+    readings = [
+        found,
+        {
+            "cast": {"forward_ms": 2.0, "forward_backward_ms": 3.0},
+            "skip": {"forward_ms": 1.0, "forward_backward_ms": 2.0},
+        },
+    ]
     assert lora_bench.ATTENTION_LAYERS == 16
     assert lora_bench.step_ms(readings, "cast") == 16 * (2.0 + 5.0)
     assert lora_bench.step_ms(readings, "skip") == 16 * (2.0 + 3.0)
