@@ -57,6 +57,16 @@ def resolve(requested: str) -> Backend:
     return BACKENDS["cpu"]
 
 
+def device_name(backend: str) -> str:
+    """The torch device a one-process check or evaluation uses on ``backend``: ``npu:0``, ``cuda:0`` or ``cpu``
+    (on an NPU, torch_npu is imported first: it registers the device)."""
+    if backend == "npu":
+        import torch_npu  # noqa: F401  (registers the npu device)
+
+        return "npu:0"
+    return "cuda:0" if backend == "cuda" else "cpu"
+
+
 def child_env(backend: Backend) -> dict[str, str]:
     """The environment of a process the launcher starts (the job, preflight's kernel check).
 

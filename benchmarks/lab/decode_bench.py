@@ -223,7 +223,8 @@ def run(
     import torch
 
     from benchmarks.bench_assets import write_model_dir
-    from launcher.checks.kernels import Device, device_name, environment
+    from launcher.backend import device_name
+    from launcher.checks.kernels import Device, environment
 
     out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {

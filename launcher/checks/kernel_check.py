@@ -24,7 +24,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from launcher.checks.kernels import device_name, select_kernel
+from launcher.backend import device_name
+from launcher.checks.kernels import select_kernel
 
 SHAPE = (1, 96, 2, 64)  # [B, T, H, D]: FLA's layout
 TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2}

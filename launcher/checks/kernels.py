@@ -61,6 +61,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from launcher.backend import device_name
 from launcher.checks import decode_kernels, glue_kernels
 from launcher.checks.kernel_cases import Case, CaseResult, Device, _FullPrecision, make_inputs, rel_error
 
@@ -361,14 +362,6 @@ def select_kernel(backend: str, kernel: str):
     if route.kernel == "torch":
         return torch_chunk_gated_delta_rule, f"transformers torch_chunk_gated_delta_rule ({route.reason})"
     return load_fla_kernels().chunk, f"fla chunk_gated_delta_rule ({route.reason})"
-
-
-def device_name(backend: str) -> str:
-    if backend == "npu":
-        import torch_npu  # noqa: F401  (registers the npu device)
-
-        return "npu:0"
-    return "cuda:0" if backend == "cuda" else "cpu"
 
 
 def resolve_backend(device: str) -> str:

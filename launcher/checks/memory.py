@@ -32,7 +32,6 @@ slack does not) or ``will not fit``; it names the largest term and the option th
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -616,7 +615,3 @@ def parse_gib(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"--device-memory {text}: must be a positive number of GiB")
     return value
-
-
-def forecast_json(result: Forecast) -> str:
-    return json.dumps(result.to_dict(), indent=2)

@@ -23,27 +23,11 @@ from launcher.cli.registry import Verb
 from launcher.errors import LauncherError
 from launcher.run.signals import StopRequested, hold_stop_signals, release_stop_signals
 
-_ORDER = (
-    "run",
-    "start",
-    "submit",
-    "status",
-    "logs",
-    "stop",
-    "list",
-    "resume",
-    "check",
-    "preflight",
-    "profile",
-    "verify",
-    "report",
-    "evaluate",
-    "validate-kernels",
-    "demo-assets",
-    "data",
-)
-_ALL = {v.name: v for v in (*run_verbs.VERBS, *view_verbs.VERBS, *tool_verbs.VERBS)}
-VERBS: tuple[Verb, ...] = tuple(_ALL[n] for n in _ORDER) + tuple(v for v in _ALL.values() if v.hidden)
+# The registry: each module's verbs in the order its VERBS lists them (running, then watching, then tools); the
+# internal verbs (hidden) exist only when called by name.
+_REGISTERED: tuple[Verb, ...] = (*run_verbs.VERBS, *view_verbs.VERBS, *tool_verbs.VERBS)
+VERBS: tuple[Verb, ...] = tuple(v for v in _REGISTERED if not v.hidden) + tuple(v for v in _REGISTERED if v.hidden)
+_ALL = {v.name: v for v in VERBS}
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

@@ -119,7 +119,7 @@ def routed_bindings(model) -> dict[str, int]:
 
 
 def _device(backend: str):
-    from launcher.checks.kernels import device_name
+    from launcher.backend import device_name
 
     return device_name(backend)
 

@@ -35,17 +35,6 @@ from typing import Any
 
 from launcher.state.runs import MEMORY_SNAPSHOT
 
-PHASES = (
-    "loading",
-    "forward",
-    "recompute in backward",
-    "backward",
-    "optimizer step",
-    "FSDP all-gather",
-    "evaluation",
-    "save",
-    "between steps",
-)
 KIND_NAMES = {"linear_attention": "DeltaNet", "full_attention": "full attention"}
 # One fix per phase, the first lever to pull there (docs/npu-tuning.md and docs/usage.md, "Out of memory").
 FIXES = {

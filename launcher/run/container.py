@@ -27,7 +27,7 @@ from launcher.state.reconcile import CONTAINER_ALIVE, Reconciled, find_container
 from launcher.state.record import RecordUnreadable, RunRecord, RunStore, read_record
 from launcher.state.runs import follow_up
 from launcher.state.states import RunState
-from launcher.state.stop import clear_stop_request, request_stop
+from launcher.state.stop import clear_stop_request, request_stop, stop_grace
 
 END_MARGIN_S = 60.0  # after the grace: the supervisor stops what is left of the job and writes the end record
 HANDSHAKE_TIMEOUT_S = 300.0
@@ -68,7 +68,7 @@ def in_container_command(record: RunRecord, verb: str, *args: str) -> str:
 
 
 def stop_container_run(
-    run_dir: Path, store: RunStore, seen: Reconciled, grace_s: float | None, now: bool, by: str, default_grace_s: float
+    run_dir: Path, store: RunStore, seen: Reconciled, grace_s: float | None, now: bool, by: str
 ) -> int:
     """Stop a run that lives in a container through the Docker engine (``docker stop``), as compose does."""
     record = store.record
@@ -88,8 +88,8 @@ def stop_container_run(
             ExitCode.FAILED,
         ) from err
     if container is None:  # the engine lost it between the two questions
-        return stop_container_run(run_dir, store, reconcile(record, run_dir), grace_s, now, by, default_grace_s)
-    grace = grace_s if grace_s is not None else (record.stop_grace_s or default_grace_s)
+        return stop_container_run(run_dir, store, reconcile(record, run_dir), grace_s, now, by)
+    grace = stop_grace(grace_s, record.stop_grace_s)
     timeout = math.ceil(grace + END_MARGIN_S)
     by = f"{by} through the Docker engine (docker stop {container.name})"
     try:  # read by the supervisor (and, for --now, the ranks) when the SIGTERM arrives

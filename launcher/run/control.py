@@ -47,10 +47,10 @@ from launcher.state.stop import (
     request_stop,
     save_asked,
     saved_checkpoint,
+    stop_grace,
 )
 
 HANDSHAKE_TIMEOUT_S = 300.0
-DEFAULT_STOP_GRACE_S = 120.0  # launcher.stop_grace_s's default, for a record that does not say
 
 
 def start_detached(config: RunConfig, resume: ResumePlan | None = None) -> int:
@@ -138,17 +138,16 @@ def stop_run(run_dir: Path, grace_s: float | None, wait_s: float | None = None, 
         print(f"run {record.run_id} already ended: {record.state.value}")
         return ExitCode.OK
     if (record.slurm or {}).get("job_id"):  # its processes live on the job's nodes: through Slurm
-        return stop_slurm_run(run_dir, store, grace_s, now, by, DEFAULT_STOP_GRACE_S)
+        return stop_slurm_run(run_dir, store, grace_s, now, by)
     if record.container and not same_namespace(record):  # its pids mean nothing here: through the engine
-        return stop_container_run(run_dir, store, seen, grace_s, now, by, DEFAULT_STOP_GRACE_S)
+        return stop_container_run(run_dir, store, seen, grace_s, now, by)
     if seen.liveness == "unknown":
         raise LauncherError(
             f"run {record.run_id} lives in another pid namespace and in no known container, whose processes "
             "cannot be signalled from here; run `launcher stop` where it runs",
             ExitCode.FAILED,
         )
-    grace = grace_s if grace_s is not None else record.stop_grace_s
-    grace = DEFAULT_STOP_GRACE_S if grace is None else grace
+    grace = stop_grace(grace_s, record.stop_grace_s)
     supervisor = find_live(record.supervisor or {}, "launcher")
     if supervisor is not None:
         ended = _stop_through_supervisor(run_dir, supervisor, grace_s, grace, wait_s, by, now)

@@ -58,7 +58,7 @@ from launcher.state.runs import (
 )
 from launcher.state.slurmjob import query_job, run_scontrol
 from launcher.state.states import RunState
-from launcher.state.stop import announced_at, read_saved, request_stop, saved_checkpoint
+from launcher.state.stop import announced_at, read_saved, request_stop, saved_checkpoint, stop_grace
 
 RUNTIMES = ("host", "apptainer", "docker")
 END_MARGIN_S = 60.0  # after the grace: each node's supervisor stops what is left and writes its end record
@@ -370,9 +370,7 @@ def _overrides(run_dir: Path) -> dict[str, Any]:
 # --- stop -------------------------------------------------------------------------------------------------
 
 
-def stop_slurm_run(
-    run_dir: Path, store: RunStore, grace_s: float | None, now: bool, by: str, default_grace_s: float
-) -> int:
+def stop_slurm_run(run_dir: Path, store: RunStore, grace_s: float | None, now: bool, by: str) -> int:
     """Stop a submitted run: cancel a queued job; else the stop request on every node, then wait for node 0's
     record, and ``scancel`` only after the grace."""
     record = store.record
@@ -404,7 +402,7 @@ def stop_slurm_run(
         )
         print(f"run {record.run_id}: Slurm job {job_id} cancelled in the queue; recorded CANCELLED")
         return ExitCode.OK
-    grace = grace_s if grace_s is not None else (record.stop_grace_s or default_grace_s)
+    grace = stop_grace(grace_s, record.stop_grace_s)
     by = f"{by} through Slurm (job {job_id})"
     for folder in (run_dir, *node_run_dirs(run_dir)):
         request_stop(folder, grace_s, by=by, now=now)

@@ -74,6 +74,7 @@ from launcher.state.stop import (
     read_stop_request,
     saved_checkpoint,
     skips_save,
+    stop_grace,
 )
 from launcher.state.trainer_log import TrainerLogFollower
 
@@ -347,10 +348,8 @@ class Supervisor:
     def _begin_stop(self, job: Job, what: str, save: bool = True) -> float | None:
         """Stop the job: ask it to save a checkpoint and exit (when it can), else SIGTERM and SIGKILL.
         Returns the time by which a save must have ended the job, or None when it was stopped at once."""
-        grace = self._launcher.stop_grace_s
         request = read_stop_request(self.run_dir.path) if self._stop_signal is not None else None
-        if request and request.grace_s is not None:
-            grace = request.grace_s
+        grace = stop_grace(request.grace_s if request else None, self._launcher.stop_grace_s)
         save = save and not skips_save(request) and self._job_can_save(job)
         if save:
             try:

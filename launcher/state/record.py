@@ -295,13 +295,6 @@ def read_record(run_dir: Path) -> RunRecord:
     return RunRecord.from_dict(data, path)
 
 
-def append_event(run_dir: Path, kind: str, **values: Any) -> dict[str, Any]:
-    """Append one event line to ``events.jsonl`` and fsync it."""
-    event = {"time": now_iso(), "event": kind, **values}
-    append_line(run_dir / EVENTS_FILE, json.dumps(event, default=str))
-    return event
-
-
 def _report(message: str) -> None:
     """A line on stderr (the terminal, or supervisor.log); a stderr that cannot be written is ignored."""
     try:

@@ -31,6 +31,7 @@ from launcher.state.record import now_iso
 from launcher.state.runs import CHECKPOINT_FOLDER, OUTPUT_SUBDIR, SAVE_DONE, SAVE_READY, SAVE_REQUEST, STOP_REQUEST
 from launcher.state.states import RunState
 
+DEFAULT_STOP_GRACE_S = 120.0  # launcher.stop_grace_s's default, for a record that does not say
 SAVE_KILL_GRACE_S = 10.0  # after a save on stop that did not end the job in time: SIGTERM, then SIGKILL
 STOP_FILE_MAX_BYTES = 64 << 10  # each of these files holds a few fields; past this one is damaged or planted
 STOP_FILE_MAX_DEPTH = 4
@@ -56,14 +57,6 @@ class SaveReady:
     pid: int | None = None
     time: float | None = None
     step: int | None = None
-
-
-@dataclass(frozen=True)
-class SaveRequest:
-    """``save_request.json`` (the ranks only look whether it exists)."""
-
-    time: str | None = None
-    why: str | None = None
 
 
 @dataclass(frozen=True)
@@ -184,3 +177,12 @@ def saved_checkpoint(run_dir: Path, saved: SaveDone | None) -> dict[str, Any] | 
     if last is None or last.step != saved.step:
         return None
     return {"step": last.step, "path": last.relative_to(run_dir), "optimizer_state": last.optimizer_state}
+
+
+def stop_grace(given: float | None, recorded: float | None) -> float:
+    """The one grace rule of a stop, wherever the run lives (a local process, a container, a Slurm job): the grace
+    given (``--grace``), else the one the run recorded (``launcher.stop_grace_s``), else ``DEFAULT_STOP_GRACE_S``.
+    A grace of 0 is a grace of 0, never the default."""
+    if given is not None:
+        return given
+    return DEFAULT_STOP_GRACE_S if recorded is None else recorded
