@@ -1005,7 +1005,7 @@ def main(argv: list[str] | None = None) -> int:
 def forecast_of(config_path: Path) -> dict[str, Any] | str:
     """The launcher's memory forecast of a variant's config against this machine's device (launcher.checks.memory)."""
     from launcher.checks.memory import device_memory_gib, forecast_run
-    from launcher.run.config import load_run_config
+    from launcher.config.run_config import load_run_config
 
     config = load_run_config(config_path)
     try:

@@ -5,10 +5,8 @@ module imports itself back through others, and no module reaches into another pa
 Covers the three top-level packages: ``launcher/``, ``patches/`` (the runtime patches, loaded inside the
 training processes; they use only the launcher's base) and ``benchmarks/`` (measuring scripts, above
 everything). Read from the source with ``ast`` (nothing is imported): every ``import`` counts, also those
-inside functions and relative ones. The layers leave out the ones under ``if TYPE_CHECKING:`` (type hints
-only, never run); the loop check counts them too: an import put inside a function or under ``TYPE_CHECKING``
-dodges a loop only at run time, the modules still depend on each other (a hint that names a higher layer's
-type is left out: see ``dependency_graph``).
+inside functions, relative ones and those under ``if TYPE_CHECKING:`` (a type hint names a module as much as
+an import that runs: a rule that names a higher layer's type depends on it).
 """
 
 from __future__ import annotations
@@ -32,6 +30,7 @@ LAYERS: dict[str, int] = {
     "launcher.procs": 0,
     "launcher.backend": 0,
     "launcher.state": 1,
+    "launcher.config": 1,  # the run config's schema, loading and load rules: below checks/ and run/
     "patches": 1,  # beside state/: imports only the base (launcher.files); imported by entry, checks, run
     "launcher.data": 2,
     "launcher.results": 2,
@@ -81,7 +80,7 @@ def _type_checking_only(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def imports_of(module: str, tree: ast.Module, packages: frozenset[str], *, type_checking: bool = False) -> set[str]:
+def imports_of(module: str, tree: ast.Module, packages: frozenset[str], *, type_checking: bool = True) -> set[str]:
     """The project modules ``module`` imports (a ``from pkg import sub`` names the submodule)."""
     modules = project()[0].keys()
     found: set[str] = set()
@@ -103,7 +102,7 @@ def imports_of(module: str, tree: ast.Module, packages: frozenset[str], *, type_
     return found
 
 
-def import_graph(*, type_checking: bool = False) -> dict[str, set[str]]:
+def import_graph(*, type_checking: bool = True) -> dict[str, set[str]]:
     trees, packages = project()
     return {m: imports_of(m, tree, packages, type_checking=type_checking) - {m} for m, tree in trees.items()}
 
@@ -236,18 +235,9 @@ def test_the_run_folder_map_imports_only_the_base():
     assert all(layer_of(t) == 0 for t in import_graph()["launcher.state.runs"])
 
 
-def dependency_graph() -> dict[str, set[str]]:
-    """What each module depends on: every import that runs, and the type hints (``TYPE_CHECKING``) that name a
-    module of its own layer or one below. A hint naming a higher layer's type (``checks`` holds the rules about
-    ``run``'s ``RunConfig``) cannot close a loop: every import that runs points down (the layer test)."""
-    hints = import_graph(type_checking=True)
-    graph = import_graph()
-    return {m: graph[m] | {t for t in hints[m] if t in hints and layer_of(t) <= layer_of(m)} for m in graph}
-
-
 def test_there_are_no_import_loops():
     """Not even through type hints or an import inside a function (once: run/'s supervisor, stop and resume)."""
-    loops = import_loops(dependency_graph())
+    loops = import_loops(import_graph())
     assert not loops, loops
 
 
@@ -268,7 +258,9 @@ def use():
 """
 
 
-@pytest.mark.parametrize("wrong", ["state-imports-run", "patches-import-benchmarks", "loop", "private-name"])
+@pytest.mark.parametrize(
+    "wrong", ["state-imports-run", "patches-import-benchmarks", "loop", "private-name", "type-hint-up"]
+)
 def test_the_checks_catch_a_planted_violation(wrong):
     """The layer, loop and private-name checks fail on a tree that breaks them (so they can fail at all)."""
     graph = import_graph()
@@ -281,6 +273,13 @@ def test_the_checks_catch_a_planted_violation(wrong):
         graph["patches.proof"] = imports_of("patches.proof", planted, packages)
         assert graph["patches.proof"] == {"benchmarks.fla_guard", "benchmarks.patch_bench"}
         assert "patches.proof (layer 1) imports benchmarks.patch_bench (layer 6)" in layer_violations(graph)
+    elif wrong == "type-hint-up":  # a hint under TYPE_CHECKING counts as an import (the exemption is gone)
+        packages = project()[1]
+        planted = ast.parse(
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from launcher.run.config import X"
+        )
+        graph["launcher.config.rules"] = imports_of("launcher.config.rules", planted, packages)
+        assert "launcher.config.rules (layer 1) imports launcher.run.config (layer 4)" in layer_violations(graph)
     elif wrong == "loop":
         graph["launcher.files"] = graph["launcher.files"] | {"launcher.state.record"}
         assert any({"launcher.files", "launcher.state.record"} <= set(loop) for loop in import_loops(graph))

@@ -2,8 +2,8 @@
 
 Every caller asks here: ``launcher check`` (every finding, the memory forecast included), and through
 ``launcher.run.setup.prepare`` ``launcher preflight``, ``launcher run`` and the supervisor before it starts a run.
-``launcher.run.config.read_run_config`` applies ``file_problems`` while it reads a config, so a config that
-breaks them never loads.
+``launcher.config.run_config.read_run_config`` applies ``file_problems`` (``launcher.config.run_config``) while it
+reads a config, so a config that breaks them never loads.
 
 The rules, each finding naming its key and, for a problem, the fix:
 
@@ -33,9 +33,7 @@ from launcher.state.runs import OUTPUT_SUBDIR
 from patches.versions import installed_version
 
 if TYPE_CHECKING:
-    from launcher.run.config import RunConfig
-
-FORMAL_MIN_CUTOFF = 4096
+    from launcher.config.run_config import RunConfig
 
 
 def check_run_config(
@@ -127,47 +125,3 @@ def memory_finding(config: RunConfig, device_gib: float | None) -> Finding:
     # unless --device-memory gives one
     status, detail = check_memory(config, config.llamafactory, config.launcher.backend, device_gib)
     return Finding("memory", {"fail": ERROR, "warn": WARN}.get(status, OK), f"memory: {detail}")
-
-
-def file_problems(config: RunConfig, *, require_model: bool = True) -> list[str]:
-    """The rules a config must pass to load (``read_run_config`` applies them), each problem naming its key.
-
-    Args:
-        require_model: Whether ``model_name_or_path`` must be a folder here (``launcher check --no-model``
-            checks a config on a machine that does not hold the model).
-    """
-    problems = []
-    data, launcher = config.llamafactory, config.launcher
-    cutoff = data.get("cutoff_len", 2048)  # LLaMA-Factory's default
-    if not launcher.smoke and isinstance(cutoff, int) and cutoff < FORMAL_MIN_CUTOFF:
-        problems.append(
-            f"cutoff_len: {cutoff} is below {FORMAL_MIN_CUTOFF}; a formal run must see whole counselling "
-            f"dialogues (set cutoff_len: {FORMAL_MIN_CUTOFF} or more, or mark a short test run with "
-            "launcher.smoke: true)"
-        )
-    if launcher.early_stopping is not None:
-        eval_s, save_s = str(data.get("eval_strategy", "no")), str(data.get("save_strategy", "steps"))
-        if eval_s == "no" or eval_s != save_s:
-            problems.append(
-                f"launcher.early_stopping: needs evaluations and checkpoints on the same schedule (eval_strategy is "
-                f"{eval_s!r}, save_strategy {save_s!r}); set both to steps"
-            )
-        elif eval_s == "steps" and int(data.get("save_steps", 500)) % int(data.get("eval_steps") or 500):
-            problems.append(
-                f"launcher.early_stopping: save_steps {data.get('save_steps')} is not a multiple of eval_steps "
-                f"{data.get('eval_steps')}; the best evaluation must have a checkpoint (e.g. equal values)"
-            )
-    model = data.get("model_name_or_path")
-    if model is None:
-        problems.append("model_name_or_path: missing; set it to the model folder (config.json and shards)")
-    elif require_model and not Path(str(model)).is_dir():
-        problems.append(
-            f"model_name_or_path: {model!r} is not a folder here; models are not downloaded, so point it "
-            "at a local model folder (for the demo: `launcher demo-assets` builds demo/model)"
-        )
-    if launcher.stall_action == "restart" and launcher.restart is None:
-        problems.append(
-            "launcher.stall_action: 'restart' needs automatic recovery; add launcher.restart: "
-            "{max_restarts: 3, backoff_s: 60} or use stall_action: stop"
-        )
-    return problems

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from launcher.config.run_config import cutoff_len
 from launcher.results.lora_targets import (
     FULL_ATTENTION,
     LINEAR_ATTENTION,
@@ -269,7 +270,7 @@ def run_shape(
 ) -> RunShape:
     """The ``RunShape`` of a run: its ``launcher`` section, normalized ``patches`` and LLaMA-Factory arguments
     ``lf``; ``model_config`` is the parsed ``config.json``."""
-    cutoff = int(lf.get("cutoff_len") or 2048)  # LLaMA-Factory's default
+    cutoff = cutoff_len(lf)
     batch = int(lf.get("per_device_train_batch_size") or 8)  # the HF TrainingArguments default
     evaluates = str(lf.get("eval_strategy", "no")) != "no" and (lf.get("eval_dataset") or lf.get("val_size"))
     eval_batch = int(lf.get("per_device_eval_batch_size") or 8)

@@ -52,7 +52,7 @@ from launcher.state.record import now_iso
 from launcher.state.runs import PREFLIGHT_FILE
 
 if TYPE_CHECKING:
-    from launcher.run.setup import Prepared
+    from launcher.config.run_config import Prepared
 
 SKIP_ENV = "LAUNCHER_PREFLIGHT_SKIP"
 # Ascend HDK (driver) lines each CANN release supports; source: CANN 8.5.0 release notes, "CANN

@@ -64,7 +64,7 @@ def add_config_arg(p: argparse.ArgumentParser) -> None:
 
 def overrides_of(ns: argparse.Namespace) -> dict[str, Any]:
     """The KEY=VALUE overrides given after the config; raises ``ConfigError`` for a malformed one."""
-    from launcher.run.config import parse_overrides
+    from launcher.config.run_config import parse_overrides
 
     return parse_overrides(list(getattr(ns, "overrides", None) or []))
 

@@ -22,7 +22,7 @@ def _args_run(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
-    from launcher.run.config import ConfigError, load_run_config
+    from launcher.config.run_config import ConfigError, load_run_config
     from launcher.run.supervisor import supervise
 
     from_env = _env_overrides()
@@ -48,7 +48,7 @@ def _env_overrides() -> dict[str, Any]:
     """``LAUNCHER_OVERRIDES="max_steps=40 launcher.stop_grace_s=30"`` (compose's TRAIN_OVERRIDES): KEY=VALUE items
     split as a shell would (quote a value with spaces), applied like those after the config; the command line's
     win. A run records them in overrides.yaml with the others."""
-    from launcher.run.config import parse_overrides
+    from launcher.config.run_config import parse_overrides
 
     text = os.environ.get(OVERRIDES_ENV, "").strip()
     source = f"{OVERRIDES_ENV} (compose's TRAIN_OVERRIDES)"
@@ -65,7 +65,7 @@ def _env_overrides() -> dict[str, Any]:
 def _resume_instead(ns: argparse.Namespace) -> int:
     """``launcher run CONFIG`` with LAUNCHER_RESUME=RUN (compose's RESUME_RUN): resume that run in the
     foreground instead of starting a new one (a run id under the config's output root, or a run directory)."""
-    from launcher.run.config import load_run_config
+    from launcher.config.run_config import load_run_config
     from launcher.run.control import resume_run
     from launcher.state.runs import run_dir_for
 
@@ -94,7 +94,7 @@ def _cmd_profile(ns: argparse.Namespace) -> int:
 
 
 def _cmd_start(ns: argparse.Namespace) -> int:
-    from launcher.run.config import load_run_config
+    from launcher.config.run_config import load_run_config
     from launcher.run.lock import check_free
 
     config = load_run_config(ns.config, overrides_of(ns))  # fast host-side errors before anything is spawned
@@ -116,7 +116,7 @@ def _cmd_supervise(ns: argparse.Namespace) -> int:
 
     handshake = Handshake(os.fdopen(ns.handshake_fd, "w"))
     try:  # `start` waits for one line: why the run was refused, or that it exists (a second refusal is not sent)
-        from launcher.run.config import load_run_config
+        from launcher.config.run_config import load_run_config
         from launcher.run.resume import ResumePlan
         from launcher.run.supervisor import supervise
 
@@ -175,7 +175,7 @@ def _cmd_check(ns: argparse.Namespace) -> int:
     are counted and listed, with why, after the verdict: never a bare OK."""
     from launcher.checks.config_check import SKIPPED
     from launcher.checks.config_rules import check_run_config
-    from launcher.run.config import ConfigError, read_run_config
+    from launcher.config.run_config import ConfigError, read_run_config
 
     elsewhere = ns.for_another_machine
     device_gib = _device_memory(ns)
@@ -223,7 +223,7 @@ def _args_preflight(p: argparse.ArgumentParser) -> None:
 def _cmd_preflight(ns: argparse.Namespace) -> int:
     """0 when every row passed, 1 when one failed, 2 when the config is invalid."""
     from launcher.checks.preflight import run_preflight
-    from launcher.run.config import load_run_config
+    from launcher.config.run_config import load_run_config
     from launcher.run.setup import prepare
 
     device_gib = _device_memory(ns)
@@ -335,7 +335,7 @@ def _args_submit(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_submit(ns: argparse.Namespace) -> int:
-    from launcher.run.config import load_run_config
+    from launcher.config.run_config import load_run_config
     from launcher.run.slurm import submit
 
     config = load_run_config(ns.config, overrides_of(ns))

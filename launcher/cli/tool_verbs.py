@@ -298,7 +298,7 @@ def _cmd_stats(ns: argparse.Namespace) -> int:
     """``launcher data stats``: 0 when measured (warnings are printed), 2 when the config or data is unusable."""
     import time
 
-    from launcher.run.config import load_run_config
+    from launcher.config.run_config import load_run_config
 
     started = time.perf_counter()
     config = load_run_config(ns.config)

@@ -26,10 +26,10 @@ from pathlib import Path
 import psutil
 
 from launcher import SOURCE_ROOT
+from launcher.config.run_config import RunConfig, load_run_config
 from launcher.errors import ExitCode, LauncherError
 from launcher.files import make_folder, read_yaml_mapping
 from launcher.procs import container_identity, find_live, terminate
-from launcher.run.config import RunConfig, load_run_config
 from launcher.run.container import resume_in_container, stop_container_run
 from launcher.run.resume import ResumePlan, plan_resume
 from launcher.run.signals import drop_hold

@@ -13,9 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from launcher.config.run_config import load_run_config
 from launcher.errors import ExitCode, LauncherError
 from launcher.results.profile_report import write_report
-from launcher.run.config import load_run_config
 from launcher.run.supervisor import supervise
 from launcher.state.runs import PROFILE_MD, list_runs
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from launcher.backend import Backend
+from launcher.config.run_config import cutoff_len
 from launcher.files import make_folder, sha256_file, write_text_atomic
 from launcher.procs import container_identity
 from launcher.state.runs import (
@@ -35,7 +36,7 @@ from launcher.state.runs import (
 )
 
 if TYPE_CHECKING:  # config imports pydantic and patches; host-side readers of run folders need neither
-    from launcher.run.config import RunConfig
+    from launcher.config.run_config import RunConfig
 
 TRACKED_PACKAGES = (
     "torch",
@@ -127,7 +128,7 @@ def write_run_files(
 
     A resumed attempt writes its own ``*.attemptN.*`` files next to the first attempt's.
     """
-    from launcher.run.config import dump_yaml
+    from launcher.config.run_config import dump_yaml
 
     path = run_dir.path
     if attempt == 1:
@@ -159,7 +160,7 @@ def run_facts(lf_args: dict[str, Any]) -> dict[str, Any]:
     from launcher.checks.data_check import dataset_media
 
     return {
-        "cutoff_len": int(lf_args.get("cutoff_len") or 2048),  # LLaMA-Factory's DataArguments default
+        "cutoff_len": cutoff_len(lf_args),
         "dataset_media": dataset_media(lf_args),
         # LLaMA-Factory's FinetuningArguments freeze both by default; trained, they need the dummy image
         "vision_trainable": not lf_args.get("freeze_vision_tower", True)
@@ -169,8 +170,8 @@ def run_facts(lf_args: dict[str, Any]) -> dict[str, Any]:
 
 
 def tuning_record(config: RunConfig, backend: Backend) -> dict[str, dict[str, str]]:
-    """The environment levers of ``launcher.tuning`` the job gets, each with its source (run/tuning.py)."""
-    from launcher.run.tuning import tuning_env
+    """The environment levers of ``launcher.tuning`` the job gets, each with its source (config/tuning.py)."""
+    from launcher.config.tuning import tuning_env
 
     return tuning_env(config.launcher.tuning, backend.name, config.launcher.output_root, os.environ)[1]
 

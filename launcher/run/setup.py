@@ -6,29 +6,20 @@ output root (checked while holding the run lock).
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from launcher import backend as backends
 from launcher.checks.config_check import WARN
 from launcher.checks.config_rules import check_run_config
+from launcher.config.run_config import ConfigError, Prepared, RunConfig
 from launcher.errors import ExitCode, LauncherError
 from launcher.procs import find_live
-from launcher.run.config import ConfigError, RunConfig
 from launcher.state.devices import DeviceError, run_devices
 from launcher.state.lease import DeviceLease
 from launcher.state.reconcile import reconcile
 from launcher.state.record import RecordUnreadable, RunStore
 from launcher.state.runs import list_runs
 from launcher.state.states import RunState
-
-
-@dataclass
-class Prepared:
-    """A validated config and the backend it resolved to."""
-
-    config: RunConfig
-    backend: backends.Backend
 
 
 def prepare(config: RunConfig) -> Prepared:

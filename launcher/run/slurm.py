@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from launcher import SOURCE_ROOT
+from launcher.config.run_config import RunConfig, dump_yaml, load_run_config
 from launcher.errors import ExitCode, LauncherError
-from launcher.run.config import RunConfig, dump_yaml, load_run_config
 from launcher.run.container import stopped_line
 from launcher.run.job import NodeSpec
 from launcher.run.lock import check_free

@@ -35,11 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from launcher.backend import child_env
+from launcher.config.run_config import RunConfig
+from launcher.config.tuning import tuning_env
 from launcher.errors import ExitCode, LauncherError
 from launcher.files import share_readable, shown
 from launcher.procs import boot_id, container_identity, find_live, identity, self_identity, terminate, tree
 from launcher.rank.oomtrack import looks_like_oom
-from launcher.run.config import RunConfig
 from launcher.run.job import Job, NodeSpec, job_command
 from launcher.run.lock import RunLock
 from launcher.run.restart import not_retried_why, retry_cause
@@ -54,7 +55,6 @@ from launcher.run.rootcause import (
 from launcher.run.rundir import RunDir, make_run_dir, write_run_files
 from launcher.run.setup import Prepared, check_earlier_runs, lease_devices, prepare
 from launcher.run.signals import Received, StopRequested, StopSignals, end_hold_guard
-from launcher.run.tuning import tuning_env
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.lease import DeviceLease
 from launcher.state.reconcile import reconcile

@@ -52,7 +52,7 @@ class DataPrint(TypedDict, total=False):
 @dataclass(frozen=True)
 class Manifest:
     """``manifest.json`` (run/rundir.py), the parts the readers use: the model's and the data's fingerprints, and the
-    environment levers the job got (run/tuning.py: variable -> ``{"value": ..., "from": ...}``)."""
+    environment levers the job got (config/tuning.py: variable -> ``{"value": ..., "from": ...}``)."""
 
     model: ModelPrint = field(default_factory=dict)  # type: ignore[assignment]
     data: DataPrint = field(default_factory=dict)  # type: ignore[assignment]

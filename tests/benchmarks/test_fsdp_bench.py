@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 from benchmarks import bench_assets, fsdp_bench  # noqa: E402
 from benchmarks.results_schema import Results  # noqa: E402
-from launcher.run.config import load_run_config  # noqa: E402
+from launcher.config.run_config import load_run_config  # noqa: E402
 from patches import fsdp2_frozen_dtype  # noqa: E402
 
 

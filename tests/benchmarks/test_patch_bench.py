@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 from benchmarks import bench_assets, bench_entry, fla_guard, patch_bench  # noqa: E402
 from benchmarks.results_schema import Results  # noqa: E402
-from launcher.run.config import load_run_config  # noqa: E402
+from launcher.config.run_config import load_run_config  # noqa: E402
 from launcher.state.runs import JOB_LOG  # noqa: E402
 
 

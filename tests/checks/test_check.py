@@ -15,7 +15,7 @@ import yaml
 
 from launcher.checks.config_check import check_llamafactory
 from launcher.checks.config_rules import check_run_config
-from launcher.run.config import parse_overrides, read_run_config
+from launcher.config.run_config import parse_overrides, read_run_config
 from tests.support.common import launcher_cmd, make_config
 
 

@@ -28,7 +28,7 @@ def model_27b(tmp_path_factory) -> Path:
 
 def _config(model: Path, tmp_path: Path, **settings):
     """A real run config (read and validated as ``launcher check`` does)."""
-    from launcher.run.config import read_run_config
+    from launcher.config.run_config import read_run_config
 
     launcher_section = {
         "backend": settings.pop("backend", "cuda"),

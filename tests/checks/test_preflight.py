@@ -19,7 +19,7 @@ from launcher.backend import BACKENDS
 from launcher.checks import model as modelcheck
 from launcher.checks import packages as lockfile
 from launcher.checks import preflight
-from launcher.run.config import load_run_config
+from launcher.config.run_config import load_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from launcher.checks import packages as lockfile
-from launcher.run.config import load_run_config
+from launcher.config.run_config import load_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"

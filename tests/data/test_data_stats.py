@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from launcher.config.run_config import load_run_config
 from launcher.data.lfdata import StatsError, load_lf_data, load_splits
 from launcher.data.prepare import prepare
 from launcher.data.soulchat import Options
 from launcher.data.stats import CUT_LEN, CUT_SUP, FULL_LEN, FULL_SUP, compute_stats, measure_samples, short_stats
-from launcher.run.config import load_run_config
 from tests.support.common import launcher_cmd, make_config, only_run_dir
 from tests.support.soulchat_fixtures import HANDBOOK, SENTINEL, dialogue_records, mdpcot_records, write_json
 

@@ -15,9 +15,9 @@ import yaml
 
 from launcher.checks.config_check import validate_llamafactory_args
 from launcher.cli import main
+from launcher.config.run_config import ConfigError, load_run_config
 from launcher.results.curves import Point, load_curves, overfitting_verdict
 from launcher.results.report import build_report
-from launcher.run.config import ConfigError, load_run_config
 from launcher.state import trainer_log
 from launcher.state.runs import LOSS_PNG, REPORT_JSON, REPORT_MD
 from tests.support.run_fixtures import EARLY_STOPPING, log_lines, make_run, real_demo_run, write_trainer_log

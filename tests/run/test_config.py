@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from launcher.checks.config_check import validate_llamafactory_args
-from launcher.run.config import ConfigError, load_run_config
+from launcher.config.run_config import ConfigError, load_run_config
 from tests.support.common import make_config
 
 # The seed's formal LLaMA-Factory settings, verbatim from the design brief.

@@ -813,7 +813,7 @@ def test_a_stop_during_blocking_work_ends_it_names_its_sender_and_every_thread_b
 # `launcher run` whose config takes long to load (a stand-in for a slow LLaMA-Factory import or model folder)
 SLOW_LOAD = r"""
 import sys, time
-import launcher.run.config as config
+import launcher.config.run_config as config
 from launcher.cli import main
 
 def slow_load(*args, **kwargs):

@@ -374,7 +374,7 @@ def test_which_failures_are_retried(state, how, retried):
 def test_bad_recovery_settings_are_refused_naming_the_key(tmp_path, settings, message):
     import yaml
 
-    from launcher.run.config import ConfigError, load_run_config
+    from launcher.config.run_config import ConfigError, load_run_config
 
     model = tmp_path / "model"
     model.mkdir()

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from launcher.run.tuning import Tuning, tuning_env
+from launcher.config.tuning import Tuning, tuning_env
 from tests.support.common import launcher_cmd, make_config
 
 

@@ -342,7 +342,7 @@ def test_status_imports_neither_the_training_stack_nor_the_validators(tmp_path):
         "patches",
         "rich",
         "docker",
-        "launcher.run.config",
+        "launcher.config.run_config",
         "launcher.checks.preflight",
         "launcher.results.verify",
         "launcher.results.report",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,10 +32,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 import patches
-from launcher.checks.config_rules import file_problems
+from launcher.backend import Backend
+from launcher.config.tuning import Tuning
 from launcher.errors import ExitCode, LauncherError, did_you_mean
 from launcher.files import MAX_YAML_BYTES, Unreadable, load_yaml, read_regular, shown
-from launcher.run.tuning import Tuning
 
 # Keys the launcher owns in the LLaMA-Factory part: it decides where a run writes.
 LAUNCHER_OWNED_KEYS = ("output_dir",)
@@ -137,7 +138,7 @@ class LauncherSection(BaseModel):
     truncation_warn_share: float = Field(default=0.05, ge=0, le=1)
     # privacy: LLaMA-Factory's decoded training-example dump reaches the log only when true
     log_examples: bool = False
-    # the job's environment levers: NPU dispatch and allocator, a persistent Triton cache (run/tuning.py)
+    # the job's environment levers: NPU dispatch and allocator, a persistent Triton cache (config/tuning.py)
     tuning: Tuning = Field(default_factory=Tuning)
     # `launcher profile`: the torch (or torch_npu) profiler over these steps of every rank (launcher/rank/profiling.py)
     profile: ProfileSettings | None = None
@@ -155,6 +156,14 @@ class LauncherSection(BaseModel):
         if value is not None and not _RUN_NAME.match(value):
             raise ValueError("use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
         return value
+
+
+@dataclass
+class Prepared:
+    """A validated config and the backend it resolved to (``launcher.run.setup.prepare``)."""
+
+    config: RunConfig
+    backend: Backend
 
 
 class RunConfig(BaseModel):
@@ -360,3 +369,60 @@ def load_run_config(path: Path, overrides: dict[str, Any] | None = None) -> RunC
 
 def dump_yaml(data: dict[str, Any]) -> str:
     return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+
+
+# --- the rules a config must pass to load (read_run_config applies them; checks/config_rules builds on them) ---
+
+FORMAL_MIN_CUTOFF = 4096
+# LLaMA-Factory 0.9.5's DataArguments.cutoff_len default: the one place the launcher writes it
+LF_DEFAULT_CUTOFF = 2048
+
+
+def cutoff_len(lf: dict[str, Any]) -> int:
+    """The run's ``cutoff_len``, LLaMA-Factory's default when the config leaves it out."""
+    value = lf.get("cutoff_len")
+    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else LF_DEFAULT_CUTOFF
+
+
+def file_problems(config: RunConfig, *, require_model: bool = True) -> list[str]:
+    """The rules a config must pass to load (``read_run_config`` applies them), each problem naming its key.
+
+    Args:
+        require_model: Whether ``model_name_or_path`` must be a folder here (``launcher check --no-model``
+            checks a config on a machine that does not hold the model).
+    """
+    problems = []
+    data, launcher = config.llamafactory, config.launcher
+    cutoff = data.get("cutoff_len", LF_DEFAULT_CUTOFF)
+    if not launcher.smoke and isinstance(cutoff, int) and cutoff < FORMAL_MIN_CUTOFF:
+        problems.append(
+            f"cutoff_len: {cutoff} is below {FORMAL_MIN_CUTOFF}; a formal run must see whole counselling "
+            f"dialogues (set cutoff_len: {FORMAL_MIN_CUTOFF} or more, or mark a short test run with "
+            "launcher.smoke: true)"
+        )
+    if launcher.early_stopping is not None:
+        eval_s, save_s = str(data.get("eval_strategy", "no")), str(data.get("save_strategy", "steps"))
+        if eval_s == "no" or eval_s != save_s:
+            problems.append(
+                f"launcher.early_stopping: needs evaluations and checkpoints on the same schedule (eval_strategy is "
+                f"{eval_s!r}, save_strategy {save_s!r}); set both to steps"
+            )
+        elif eval_s == "steps" and int(data.get("save_steps", 500)) % int(data.get("eval_steps") or 500):
+            problems.append(
+                f"launcher.early_stopping: save_steps {data.get('save_steps')} is not a multiple of eval_steps "
+                f"{data.get('eval_steps')}; the best evaluation must have a checkpoint (e.g. equal values)"
+            )
+    model = data.get("model_name_or_path")
+    if model is None:
+        problems.append("model_name_or_path: missing; set it to the model folder (config.json and shards)")
+    elif require_model and not Path(str(model)).is_dir():
+        problems.append(
+            f"model_name_or_path: {model!r} is not a folder here; models are not downloaded, so point it "
+            "at a local model folder (for the demo: `launcher demo-assets` builds demo/model)"
+        )
+    if launcher.stall_action == "restart" and launcher.restart is None:
+        problems.append(
+            "launcher.stall_action: 'restart' needs automatic recovery; add launcher.restart: "
+            "{max_restarts: 3, backoff_s: 60} or use stall_action: stop"
+        )
+    return problems
