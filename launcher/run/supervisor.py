@@ -464,12 +464,7 @@ class Supervisor:
                 )
             if (oom := out_of_memory(self.run_dir, since=self._job_since)) is not None:
                 fields["out_of_memory"] = oom  # the phase, step, layer and fix: `launcher status` shows them
-            if cause and failed and failed.get("signal") and not cause.startswith(f"rank {failed.get('rank')}:"):
-                # the first rank died of a signal (no traceback of its own); the traceback found is another rank's
-                # consequence (a broken connection): the first failure is the reason's last line, which status shows
-                fields["reason"] = f"after it, {cause}\n{what}"
-            else:
-                fields["reason"] = f"{what}\n{cause}" if cause else what
+            fields["reason"] = failure_reason(what, cause, failed)
         stop = None if stopped_by is None else ("user" if request else "external")
         state = end_state(
             exit_code=exit_code,
@@ -621,6 +616,16 @@ class Supervisor:
             return False, {"checked": False, "error": str(err)}
         failed = [c.name for c in report.failed]
         return report.passed, {"checked": True, "passed": report.passed, "failed": failed, "advice": advice(report)}
+
+
+def failure_reason(what: str, cause: str | None, failed: dict[str, Any] | None) -> str:
+    """The reason of a failed attempt: what ended it (``what``: the exit, the first failing rank) and the root cause
+    (``cause``: a rank's traceback). ``launcher status`` shows the reason's last line. When the first rank died of a
+    signal it left no traceback, and the one found is another rank's consequence (a broken connection): the
+    first failure then goes last, so that the line shown names the rank that died first, not its victim."""
+    if cause and failed and failed.get("signal") and not cause.startswith(f"rank {failed.get('rank')}:"):
+        return f"after it, {cause}\n{what}"
+    return f"{what}\n{cause}" if cause else what
 
 
 class FolderWatch:

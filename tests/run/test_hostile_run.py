@@ -141,3 +141,19 @@ def test_a_supervisor_that_fails_stops_its_job_before_it_gives_up_the_lock(tmp_p
     assert not any(p.is_running() and p.status() != "zombie" for p in ranks), "the job outlived the supervisor"
     assert status["processes"] == []
     assert check_earlier_runs(run_dir.parent) == []  # the next start is not refused: nothing of the job lives
+
+
+def test_the_reason_status_shows_names_the_rank_that_died_first_not_its_victim():
+    """After rank 1 is SIGKILLed, rank 0 dies of the broken connection with a traceback: the reason's last line (the
+    one ``launcher status`` shows) is the first failure, rank 1's signal; a rank's own traceback stays last."""
+    from launcher.run.supervisor import failure_reason
+
+    what = "exit code 1; first failure: rank 1 (pid 42) killed by signal 9 (SIGKILL)"
+    victim = "rank 0: Traceback (most recent call last):\n  ...\nRuntimeError: Connection reset by peer"
+    reason = failure_reason(what, victim, {"rank": 1, "signal": 9, "exit_code": None})
+    assert reason.splitlines()[-1] == what and "Connection reset by peer" in reason
+    own = "rank 1: Traceback (most recent call last):\n  ...\nRuntimeError: shard 3 is empty"
+    assert failure_reason(what, own, {"rank": 1, "signal": 9}).splitlines()[-1] == "RuntimeError: shard 3 is empty"
+    raised = failure_reason("exit code 1; first failure: rank 0 exit code 1", victim, {"rank": 0, "exit_code": 1})
+    assert raised.splitlines()[-1] == "RuntimeError: Connection reset by peer"
+    assert failure_reason(what, None, None) == what
