@@ -253,7 +253,8 @@ def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
 MAX_JSON_BYTES = 16 << 20
 MAX_JSON_DEPTH = 64
 MAX_JSON_ITEMS = 1_000_000
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# a string, or an unterminated one up to the end: the same match from every quote would make the scan quadratic
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\Z)', re.S)
 _JSON_BRACKET = re.compile(rb"[\[\]{}]")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 

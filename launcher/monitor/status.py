@@ -22,7 +22,7 @@ from launcher.checks.kernel_choice import summary as kernel_summary
 from launcher.errors import ExitCode
 from launcher.files import FileFollower, read_json_object, shown, tail_lines
 from launcher.rank.oomtrack import summary
-from launcher.state.checkpoints import last_complete_checkpoint
+from launcher.state.checkpoints import scan_checkpoints
 from launcher.state.reconcile import ContainerView, Reconciled, inspect_container, reconcile, same_namespace
 from launcher.state.record import RecordUnreadable, RunRecord, parse_time, read_record
 from launcher.state.runs import (
@@ -103,7 +103,9 @@ def collect(run_dir: Path) -> dict[str, Any]:
             elapsed = (parse_time(record.ended) - parse_time(record.started)).total_seconds()
         except ValueError:
             elapsed = None
-    checkpoint = last_complete_checkpoint(trainer_log.parent)
+    # complete by its files; not read for damage (a day-long run's trainer state is megabytes, and `--watch` asks
+    # every few seconds): `resume` reads them and says what it skips
+    checkpoint = (scan_checkpoints(trainer_log.parent)[0] or [None])[-1]
     return {
         "run_id": record.run_id,
         "state": seen.state.value,

@@ -177,7 +177,7 @@ def being_set_up(root: Path) -> dict[str, Any] | None:
         return None
     try:
         return owner if is_locked(root) else None
-    except OSError:
+    except (OSError, LauncherError):  # a lock file this user cannot open (or a link): no wait, no refusal
         return None
 
 
@@ -198,7 +198,7 @@ def wait_for_run_id(root: Path, timeout_s: float, every_s: float = 0.5) -> str |
         try:
             if not is_locked(root):
                 return None
-        except OSError:
+        except (OSError, LauncherError):
             return None
         time.sleep(every_s)
     return None

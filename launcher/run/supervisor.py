@@ -644,9 +644,13 @@ class FolderWatch:
             st = os.stat(self.path)
             if (st.st_dev, st.st_ino) == self._id:
                 return None
-        except OSError:
+        except (FileNotFoundError, NotADirectoryError):
             pass
+        except OSError:  # the storage answers badly for a moment (ESTALE, EIO, EACCES): no verdict from that
+            return None
         now = self.now_at()
+        if now == self.path:  # the kernel still knows it here: a glitch, not a move
+            return None
         if now is None:
             return f"the run folder {self.path} was deleted while the run was going on"
         return f"the run folder {self.path} was moved to {now} while the run was going on"

@@ -153,7 +153,13 @@ def owner(pid: int) -> str | None:
 def _run(argv: list[str], env: dict[str, str] | None) -> str | None:
     try:
         done = subprocess.run(
-            argv, capture_output=True, text=True, timeout=TOOL_TIMEOUT_S, stdin=subprocess.DEVNULL, env=env
+            argv,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=TOOL_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+            env=env,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -214,6 +220,8 @@ def run_devices(kind: str, nproc: int, env: dict[str, str] | None = None) -> lis
                 (d for d in found if d.identity.split(":", 1)[1].startswith(entry.lower() if kind == "npu" else entry)),
                 None,
             )
+        if device is None and entry.startswith("MIG-"):  # a MIG slice: its UUID is its identity (not in --query-gpu)
+            device = Device(kind, entry, f"cuda:{entry}", note="a MIG slice: its memory and processes are not read")
         if device is None:
             listed = ", ".join(f"{i} ({d.identity})" for i, d in enumerate(found)) or "none"
             raise DeviceError(

@@ -2,7 +2,7 @@
 
 The run lock (``run/lock.py``) keeps one live run per runs folder; two runs folders (two users, two clones, two
 containers with other ``OUTPUTS_DIR``) each have their own. A lease is what they share: one kernel lock per device
-(filelock's ``flock``) in a host-wide folder, named by the device's stable identity (``state/devices.py``: a GPU's
+(``flock``, ``_flock``) in a host-wide folder, named by the device's stable identity (``state/devices.py``: a GPU's
 UUID, an NPU's bus id), taken without waiting by a run's supervisor before the job starts and given up after the
 end record, as the run lock is. The kernel drops a dead holder's locks at once, however it died. Who holds a
 lease is written after acquiring, into an owner file per device and user (``<device>.owner-<uid>.json``: in a
@@ -16,16 +16,16 @@ What it protects and what it does not: docs/devices.md.
 
 from __future__ import annotations
 
+import fcntl
 import getpass
 import hashlib
 import os
 import re
 import socket
 import stat
+import time
 from pathlib import Path
 from typing import Any
-
-from filelock import FileLock, Timeout
 
 from launcher.errors import ExitCode, LauncherError
 from launcher.files import read_json_object, shown, write_json_atomic
@@ -33,6 +33,7 @@ from launcher.procs import container_identity, find_live, pid_namespace, self_id
 from launcher.state.devices import Device
 from launcher.state.record import now_iso
 
+BUSY_WAIT_S = 1.0  # a held lock is tried again this long: `list --devices` probes each lock for an instant
 LEASE_DIR_ENV = "LAUNCHER_LEASE_DIR"
 DEFAULT_LEASE_DIR = Path(os.sep, "tmp", "deltanet-launcher-leases")  # the same path on the host and in containers
 OWNER_MAX_BYTES = 64 << 10
@@ -101,13 +102,17 @@ def _folder(path: Path) -> Path:
             os.chmod(path, 0o1777)
         if not path.is_dir():
             raise OSError(0, "not a folder")
+        st = path.stat()
+        if st.st_mode & 0o7777 != 0o1777 and os.getuid() in (0, st.st_uid):  # made by compose (0755) or by hand
+            os.chmod(path, 0o1777)
         if not os.access(path, os.W_OK | os.X_OK):
             raise OSError(0, f"not writable by {_user()}")
     except OSError as err:
         raise LauncherError(
             f"the device lease folder {shown(path)} cannot be used ({shown(err.strerror or err)}); nothing was "
             f"started. Every run on this host leases its devices there: make it a folder every user may write "
-            f"(`mkdir -m 1777 {shown(path)}`), or point {LEASE_DIR_ENV} at one (the same for every user and "
+            f"(its owner or root: `mkdir -p {shown(path)} && chmod 1777 {shown(path)}`), or point {LEASE_DIR_ENV} "
+            "at one (the same for every user and "
             "container of the host)",
             ExitCode.USAGE,
         ) from None
@@ -120,7 +125,7 @@ class DeviceLease:
     def __init__(self, devices: list[Device], folder: Path | None = None):
         self.devices = sorted(devices, key=lambda d: d.identity)  # one order for every run: no lock-order surprise
         self.folder = folder or lease_dir()
-        self._locks: list[tuple[Device, FileLock]] = []
+        self._locks: list[tuple[Device, int]] = []  # each device's lock file descriptor, flock held
 
     def acquire(self, runs_root: Path) -> DeviceLease:
         """Take every device's lease without waiting; on any refusal give back what was taken and raise.
@@ -136,14 +141,13 @@ class DeviceLease:
             for device in self.devices:
                 path = folder / f"{_slug(device.identity)}.lock"
                 _check_lock_file(path)
-                lock = FileLock(str(path), timeout=0, mode=0o666, thread_local=False)
                 try:
-                    lock.acquire(blocking=False)
-                except Timeout:
-                    raise LeaseBusy(device, holder(folder, device), folder) from None
+                    fd = _flock(path, wait_s=BUSY_WAIT_S)
                 except OSError as err:
                     raise _bad_file(path, err) from None
-                self._locks.append((device, lock))
+                if fd is None:
+                    raise LeaseBusy(device, holder(folder, device), folder)
+                self._locks.append((device, fd))
             self.describe(None, None, runs_root)
         except BaseException:
             self.release()
@@ -175,18 +179,52 @@ class DeviceLease:
                 pass
 
     def release(self) -> None:
-        for _, lock in reversed(self._locks):
-            if lock.is_locked:
-                lock.release(force=True)
+        for _, fd in reversed(self._locks):
+            os.close(fd)  # closing the descriptor drops its flock
         self._locks.clear()
 
     @property
     def held(self) -> list[str]:
-        return [device.identity for device, lock in self._locks if lock.is_locked]
+        return [device.identity for device, _ in self._locks]
+
+
+def _flock(path: Path, wait_s: float = 0.0) -> int | None:
+    """A descriptor of ``path`` holding an exclusive ``flock``, or None when another process holds it (tried again
+    for ``wait_s``). The file is made mode 0666 for every user, never followed through a link, and opened read-only
+    where another user's file cannot be written: a ``flock`` needs no write access.
+
+    Hand-written rather than filelock's: filelock 4 refuses a lock file that another user made in a folder with the
+    sticky bit, which is every lease of a shared host.
+
+    Raises:
+        OSError: the file cannot be opened (another user's file of mode 0600, a folder in its place).
+    """
+    flags = os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY
+    try:
+        fd = os.open(path, os.O_RDWR | flags, 0o666)
+    except PermissionError:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        os.fchmod(fd, 0o666)  # the umask took bits away; only the file's owner (or root) can put them back
+    except OSError:
+        pass
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                return None
+            time.sleep(0.05)
+        except OSError:
+            os.close(fd)
+            raise
 
 
 def _check_lock_file(path: Path) -> None:
-    """A lease file must be a regular file (never followed through a link: filelock opens it with O_NOFOLLOW)."""
+    """A lease file must be a regular file (never followed through a link: ``_flock`` opens it with O_NOFOLLOW)."""
     try:
         st = path.lstat()
     except FileNotFoundError:
@@ -214,8 +252,8 @@ def _bad_file(path: Path, err: OSError) -> LauncherError:
         owner = "another user"
     return LauncherError(
         f"cannot take the device lease {shown(path)} ({shown(err.strerror or err)}; the file belongs to {owner}); "
-        "nothing was started. A lease file must be readable and writable by every user of the host: ask its "
-        f"owner or an admin to `chmod 666 {shown(path)}` (or remove it when no run holds it)",
+        "nothing was started. A lease file must be readable by every user of the host: ask its owner or an admin "
+        f"to `chmod 666 {shown(path)}` (or remove it when no run holds it)",
         ExitCode.USAGE,
     )
 
@@ -248,14 +286,13 @@ def list_leases(folder: Path | None = None) -> list[dict[str, Any]]:
         return []
     held = []
     for path in locks:
-        probe = FileLock(str(path), timeout=0, mode=0o666, thread_local=False)
         try:
-            probe.acquire(blocking=False)
-        except Timeout:
-            held.append(_owner(folder, path.stem) or {"device": path.stem, "note": "holder unknown"})
-            continue
+            fd = _flock(path)
         except OSError:
             held.append({"device": path.stem, "note": "the lease file cannot be opened here"})
             continue
-        probe.release(force=True)
+        if fd is None:
+            held.append(_owner(folder, path.stem) or {"device": path.stem, "note": "holder unknown"})
+        else:
+            os.close(fd)
     return held

@@ -103,6 +103,8 @@ def read_header(path: Path) -> SafetensorsHeader:
     if not isinstance(header, dict):
         raise SafetensorsError(f"{path}: header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise SafetensorsError(f"{path}: __metadata__ is {type(metadata).__name__}, not an object")
     base = 8 + header_len
     tensors: dict[str, TensorInfo] = {}
     data_end = 0
@@ -123,6 +125,8 @@ def _tensor_info(path: Path, name: str, entry: Any, base: int) -> TensorInfo:
         dtype = entry["dtype"]
         shape = tuple(int(d) for d in entry["shape"])
         begin, end = (int(x) for x in entry["data_offsets"])
+        if not isinstance(dtype, str):
+            raise TypeError(dtype)
     except (KeyError, TypeError, ValueError) as err:
         raise SafetensorsError(f"{path}: tensor {name!r} has a malformed header entry {entry!r}") from err
     if dtype not in DTYPES:

@@ -87,7 +87,7 @@ def test_runs_of_two_runs_folders_share_the_host_by_device_and_never_overlap(tmp
 
     cfg_b, env_b = cuda_run(tmp_path, demo_assets, "b", "1", {"lines": 3, "interval": 0.1})
     ended_b = launcher("run", cfg_b, "--quiet", env=env_b, timeout=600)
-    run_b = next((tmp_path / "runs-b").iterdir())
+    run_b = next(p for p in (tmp_path / "runs-b").iterdir() if (p / "status.json").is_file())
     status_b = read_status(run_b)
     assert status_b["state"] == "FAILED_ACCEPTANCE" and "lease" not in (status_b["reason"] or ""), status_b
     assert status_b["progress"]["step"] == 3 and status_b["devices"][0]["host_index"] == "1", ended_b.stderr

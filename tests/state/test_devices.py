@@ -217,16 +217,24 @@ def test_another_users_lease_file_that_cannot_be_opened_is_one_clear_message(tmp
     DeviceLease(devices("0"), folder).acquire(tmp_path / "runs").release()
     (lock,) = folder.glob("*.lock")
     os.chmod(lock, 0o600)
-    nobody = 65534
+    code, said = as_user(65534, lambda: DeviceLease(devices("0"), folder).acquire(tmp_path / "runs").release())
+    assert code == ExitCode.USAGE, said
+    assert "Permission denied" in said and "the file belongs to root" in said, said
+    assert f"chmod 666 {lock}" in said and "\n" not in said
+
+
+def as_user(uid: int, action) -> tuple[int, str]:
+    """``action()`` in a forked child that gives up root for ``uid`` (no new interpreter to find): its exit code (0,
+    or a LauncherError's) and what it said."""
     read, write = os.pipe()
     child = os.fork()
-    if child == 0:  # the run of user nobody: a forked child that gives up root (no new interpreter to find)
+    if child == 0:
         os.close(read)
         code, said = 0, ""
         try:
-            os.setgid(nobody)
-            os.setuid(nobody)
-            DeviceLease(devices("0"), folder).acquire(tmp_path / "runs")
+            os.setgid(uid)
+            os.setuid(uid)
+            action()
         except LauncherError as err:
             code, said = err.exit_code, str(err)
         except BaseException as err:  # noqa: BLE001  (reported to the parent, which fails the test)
@@ -237,9 +245,32 @@ def test_another_users_lease_file_that_cannot_be_opened_is_one_clear_message(tmp
     with os.fdopen(read) as pipe:
         said = pipe.read()
     _, status = os.waitpid(child, 0)
-    assert os.waitstatus_to_exitcode(status) == ExitCode.USAGE, said
-    assert "Permission denied" in said and "the file belongs to root" in said, said
-    assert f"chmod 666 {lock}" in said and "\n" not in said
+    return os.waitstatus_to_exitcode(status), said
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root: runs as two other users")
+def test_a_lease_one_user_made_is_taken_by_another_once_free(request) -> None:
+    """Two users of one host, one after the other on the same device: the lease file the first made (in the sticky
+    folder, owned by them) serves the second; while the first holds it, the second is refused naming them."""
+    top = Path(tempfile.mkdtemp(prefix="lease-users-"))
+    os.chmod(top, 0o755)
+    request.addfinalizer(lambda: shutil.rmtree(top))
+    folder = top / "leases"
+    DeviceLease([], folder).acquire(top)  # nothing to lease: the folder is not even made
+    assert not folder.exists()
+    os.mkdir(folder)
+    os.chmod(folder, 0o1777)
+    first, second = 1001, 1002
+    assert as_user(first, lambda: DeviceLease(devices("0"), folder).acquire(top).release()) == (0, "")
+    (lock,) = folder.glob("*.lock")
+    assert lock.stat().st_uid == first and oct(lock.stat().st_mode & 0o777) == "0o666"
+    assert as_user(second, lambda: DeviceLease(devices("0"), folder).acquire(top).release()) == (0, "")
+    holder = DeviceLease(devices("0"), folder).acquire(top)  # root holds it now: the second user is refused
+    try:
+        code, said = as_user(second, lambda: DeviceLease(devices("0"), folder).acquire(top))
+        assert code == ExitCode.REFUSED and "is leased by" in said, said
+    finally:
+        holder.release()
 
 
 def test_the_leases_are_recorded_in_a_file_the_owner_can_read(tmp_path: Path) -> None:

@@ -279,3 +279,36 @@ def test_a_run_without_a_readable_status_is_a_row_of_list(tmp_path: Path, capsys
     assert len(rows) == 3 and rows[1].startswith("a-good"), rows
     why = "missing" if how == "deleted" else "not a regular file (a FIFO)"
     assert rows[2].startswith("b-lost") and f"unreadable: {run / 'status.json'} ({why})" in rows[2], rows
+
+
+def test_an_unterminated_string_is_scanned_once_not_from_every_quote() -> None:
+    """The pre-scan's string pattern takes an unterminated string to the end in one match (it was retried from every
+    quote: a 64 KiB line of escaped quotes took 14 s, a 4 MiB record would have taken hours)."""
+    from launcher.files import _JSON_STRING
+
+    escaped = b'"' + b'\\"' * 100_000
+    assert _JSON_STRING.match(escaped).end() == len(escaped)
+    assert _JSON_STRING.findall(b'{"a": "x\\"y", "b": "]"}') == [b'"a"', b'"x\\"y"', b'"b"', b'"]"']
+    with pytest.raises(Unreadable, match="not JSON"):
+        parse_json(escaped)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [{"__metadata__": 5}, {"__metadata__": "x"}, {"w": {"dtype": [], "shape": [1], "data_offsets": [0, 4]}}],
+    ids=["metadata-number", "metadata-string", "dtype-list"],
+)
+def test_a_planted_safetensors_header_is_damage_not_a_traceback(tmp_path: Path, header) -> None:
+    from launcher.state.checkpoints import damage, scan_checkpoints
+    from launcher.state.safetensors_header import SafetensorsError, read_header
+
+    ckpt = tmp_path / "output" / "checkpoint-2"
+    ckpt.mkdir(parents=True)
+    text = json.dumps(header).encode()
+    (ckpt / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + b"\0" * 4)
+    (ckpt / "adapter_config.json").write_text("{}")
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    with pytest.raises(SafetensorsError):
+        read_header(ckpt / "adapter_model.safetensors")
+    (found,), _ = scan_checkpoints(tmp_path / "output")
+    assert damage(found)
