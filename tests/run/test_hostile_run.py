@@ -57,7 +57,14 @@ def test_values_planted_in_a_live_runs_trainer_log_are_skipped_with_a_warning_ea
     supervisor = launcher_bg("run", cfg, env=env, log=out)
     wait_for("step 3 done", (tmp_path / "held-3").exists, timeout=600)
     run_dir = wait_for_run_dir(tmp_path / "runs")
-    with open(run_dir / "output" / "trainer_log.jsonl", "a") as log:
+    log_path = run_dir / "output" / "trainer_log.jsonl"
+
+    def step_3_logged() -> bool:  # LLaMA-Factory writes its lines from a worker thread: its step-3 line first, whole
+        text = log_path.read_text()
+        return '"current_steps": 3,' in text and text.endswith("\n")
+
+    wait_for("step 3 in the trainer log", step_3_logged, timeout=120)
+    with open(log_path, "a") as log:
         log.write("\n".join(PLANTED_LINES) + "\n")
     (tmp_path / "go-3").touch()
     rc = supervisor.wait(timeout=600)
