@@ -47,6 +47,7 @@ from launcher.checks import packages
 from launcher.checks.data_check import check_dataset, check_output
 from launcher.checks.devices import check_devices
 from launcher.checks.memory import check_memory
+from launcher.config.run_config import cutoff_len
 from launcher.files import write_json_atomic
 from launcher.state.record import now_iso
 from launcher.state.runs import PREFLIGHT_FILE
@@ -433,7 +434,7 @@ def _run_shapes(prepared: Prepared, model_dir: Path) -> dict[str, int]:
     run's ``cutoff_len``."""
     from launcher.checks.kernel_choice import run_shapes
 
-    seq_len = int(prepared.config.llamafactory.get("cutoff_len") or 4096)
+    seq_len = cutoff_len(prepared.config.llamafactory)
     try:
         return run_shapes(modelcheck.read_config(model_dir), seq_len)
     except (ValueError, TypeError, OSError):  # the model rows say what is wrong with the config

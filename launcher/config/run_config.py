@@ -36,6 +36,7 @@ from launcher.backend import Backend
 from launcher.config.tuning import Tuning
 from launcher.errors import ExitCode, LauncherError, did_you_mean
 from launcher.files import MAX_YAML_BYTES, Unreadable, load_yaml, read_regular, shown
+from launcher.state.stop import DEFAULT_STOP_GRACE_S
 
 # Keys the launcher owns in the LLaMA-Factory part: it decides where a run writes.
 LAUNCHER_OWNED_KEYS = ("output_dir",)
@@ -129,7 +130,9 @@ class LauncherSection(BaseModel):
     master_port: int | None = Field(default=None, ge=1, le=65535)
     # supervision
     stall_minutes: float = Field(default=30.0, gt=0)  # no trainer-log progress this long -> STALLED
-    stop_grace_s: float = Field(default=120.0, ge=0)  # save on stop (or SIGTERM), then SIGKILL after this
+    stop_grace_s: float = Field(
+        default=DEFAULT_STOP_GRACE_S, ge=0
+    )  # save on stop (or SIGTERM), then SIGKILL after this
     stall_action: Literal["warn", "stop", "restart"] = "warn"  # after stall_minutes: restart needs `restart`
     restart: RestartPolicy | None = None  # automatic recovery of a retryable failure; off by default
     record_write_stop_s: float = Field(default=600.0, gt=0)  # record writes failing this long: stop the job
@@ -393,8 +396,9 @@ def file_problems(config: RunConfig, *, require_model: bool = True) -> list[str]
     """
     problems = []
     data, launcher = config.llamafactory, config.launcher
-    cutoff = data.get("cutoff_len", LF_DEFAULT_CUTOFF)
-    if not launcher.smoke and isinstance(cutoff, int) and cutoff < FORMAL_MIN_CUTOFF:
+    cutoff = cutoff_len(data)  # a value that is no number is LLaMA-Factory's parser's to refuse, not this rule's
+    is_number = isinstance(data.get("cutoff_len", 0), int | float) and not isinstance(data.get("cutoff_len"), bool)
+    if not launcher.smoke and is_number and cutoff < FORMAL_MIN_CUTOFF:
         problems.append(
             f"cutoff_len: {cutoff} is below {FORMAL_MIN_CUTOFF}; a formal run must see whole counselling "
             f"dialogues (set cutoff_len: {FORMAL_MIN_CUTOFF} or more, or mark a short test run with "

@@ -206,3 +206,11 @@ def test_memory_history_steps_is_a_count_of_steps(tmp_path, model_dir, value):
     assert len(info.value.problems) == 1 and "launcher.memory_history_steps" in str(info.value), str(info.value)
     good = load_run_config(write(tmp_path, {**data, "launcher": {"smoke": True, "memory_history_steps": 3}}))
     assert good.launcher.memory_history_steps == 3
+
+
+@pytest.mark.parametrize("value", [1000, 1000.0])
+def test_the_formal_cutoff_floor_holds_for_an_integer_and_a_float(tmp_path, model_dir, value):
+    """YAML reads ``1000.0`` as a float; the floor of a formal run held only for integers."""
+    with pytest.raises(ConfigError) as info:
+        load_run_config(write(tmp_path, {"model_name_or_path": str(model_dir), "cutoff_len": value}))
+    assert any(p.startswith("cutoff_len: 1000 is below 4096") for p in info.value.problems), info.value.problems
