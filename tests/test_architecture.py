@@ -36,7 +36,7 @@ LAYERS: dict[str, int] = {
     "launcher.results": 2,
     "launcher.demo": 2,
     "launcher.checks": 3,
-    "launcher.monitor": 3,
+    "launcher.monitor": 4,  # status, list, logs: ask each run's placement (run/placement/)
     "launcher.rank": 3,  # inside the training and evaluation processes
     "launcher.entry": 3,  # the stable alias of launcher.rank.entry (python -m launcher.entry)
     "launcher.run": 4,

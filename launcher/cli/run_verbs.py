@@ -336,12 +336,12 @@ def _args_submit(p: argparse.ArgumentParser) -> None:
 
 def _cmd_submit(ns: argparse.Namespace) -> int:
     from launcher.config.run_config import load_run_config
-    from launcher.run.slurm import submit
+    from launcher.run.placement.slurm import SlurmPlacement
 
     config = load_run_config(ns.config, overrides_of(ns))
-    return submit(
+    return SlurmPlacement.start(
         config,
-        ns.nodes,
+        nodes=ns.nodes,
         partition=ns.partition,
         time_limit=ns.time,
         runtime=ns.runtime,
@@ -355,7 +355,7 @@ def _args_slurm_node(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_slurm_node(ns: argparse.Namespace) -> int:
-    from launcher.run.slurm import run_node
+    from launcher.run.slurm_node import run_node
 
     return run_node(ns.run_dir.resolve())
 

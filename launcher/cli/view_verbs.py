@@ -104,7 +104,7 @@ def _cmd_verify(ns: argparse.Namespace) -> int:
     folder = run_dir(ns)
     record = _readable_record(folder)
     if record is not None:
-        from launcher.state.reconcile import reconcile
+        from launcher.run.placement import reconcile
 
         seen = reconcile(record, folder)
         if not seen.state.terminal:  # a live run's missing final adapter is not a failure: nothing to judge yet

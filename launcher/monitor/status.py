@@ -2,7 +2,7 @@
 
 Works without torch (and imports neither pydantic nor rich, so a status answer costs little more
 than the interpreter's start-up). The record is reconciled with the live system
-(``launcher.state.reconcile``); the trainer log is read from its end only; the best eval loss comes
+by its placement (``launcher.run.placement``); the trainer log is read from its end only; the best eval loss comes
 from the supervisor's running summary.
 """
 
@@ -22,8 +22,8 @@ from launcher.checks.kernel_choice import summary as kernel_summary
 from launcher.errors import ExitCode
 from launcher.files import FileFollower, read_json_object, shown, tail_lines
 from launcher.rank.oomtrack import summary
+from launcher.run.placement import placement_of
 from launcher.state.checkpoints import scan_checkpoints
-from launcher.state.reconcile import ContainerView, Reconciled, inspect_container, reconcile, same_namespace
 from launcher.state.record import RecordUnreadable, RunRecord, parse_time, read_record
 from launcher.state.runs import (
     CHECKPOINT_FOLDER,
@@ -81,7 +81,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
         RecordUnreadable: the record is missing, damaged or of a newer schema.
     """
     record = read_record(run_dir)
-    seen = reconcile(record, run_dir)
+    placement = placement_of(record)
+    seen = placement.reconcile(run_dir)
     trainer_log = record.resolve(run_dir, record.trainer_log) or run_dir / OUTPUT_SUBDIR / TRAINER_LOG
     read = read_tail(trainer_log, count=16)
     tail = read.records
@@ -148,10 +149,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "trainer_log_long_lines_skipped": read.long_lines_skipped,
         "container": record.container,
         "container_state": seen.container_state,
-        **_container_now(record, seen),
         "slurm": record.slurm,
-        "slurm_state": None if seen.slurm_view is None else seen.slurm_view.state,
-        "slurm_status": None if seen.slurm_view is None else seen.slurm_view.describe(),
+        **placement.status_fields(seen),
         "kernel_choice": kernel_choice(run_dir),
     }
 
@@ -160,22 +159,6 @@ def kernel_choice(run_dir: Path) -> dict[str, Any] | None:
     """Preflight's kernel choice on NPU (``preflight.json``), or None where it made none."""
     found = read_json_object(run_dir / PREFLIGHT_FILE)
     return found.get("kernel_choice") if isinstance(found, dict) else None
-
-
-def _container_now(record: RunRecord, seen: Reconciled) -> dict[str, Any]:
-    """What the engine says now of the container the run's latest attempt lives in: its name (by the
-    recorded id: a `docker compose run` container has a name of its own) and its state, also after the run
-    ended (``Exited (0)``). Empty for a run not in a container, or one recorded in this pid namespace."""
-    if not record.container:
-        return {}
-    view = seen.container_view
-    if view is None and not same_namespace(record):
-        view = inspect_container(record.container)
-    view = view or ContainerView()
-    return {
-        "container_name": view.name or record.container.get("name") or record.container.get("id"),
-        "container_status": view.describe(),
-    }
 
 
 _CHECKPOINT_STEP = re.compile(CHECKPOINT_FOLDER.format(step=r"(\d+)") + "/*$")
@@ -338,7 +321,7 @@ def show_list(root: Path) -> int:
         except RecordUnreadable as err:
             print(f"{shown(run_dir.name):<40}{err}")
             continue
-        state = reconcile(r, run_dir).state.value
+        state = placement_of(r).reconcile(run_dir).state.value
         exit_text = f"sig {r.signal}" if r.signal else ("-" if r.exit_code is None else str(r.exit_code))
         if r.run_exit_code is not None:  # what `launcher run` returned (128 + signal for a stop)
             exit_text = str(r.run_exit_code)

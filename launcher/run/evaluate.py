@@ -31,7 +31,7 @@ from launcher.data.privacy import log_examples_wanted
 from launcher.demo import is_demo_model
 from launcher.errors import ExitCode, LauncherError
 from launcher.files import read_json_object, sha256_file, write_json_atomic, write_text_atomic
-from launcher.procs import container_identity, terminate, tree
+from launcher.procs import terminate, tree
 from launcher.results.curves import read_trainer_state
 from launcher.results.evaluate import (
     build_document,
@@ -40,7 +40,8 @@ from launcher.results.evaluate import (
     render_markdown,
 )
 from launcher.results.report import build_report
-from launcher.run.container import compose_run_command, container_mounts
+from launcher.run.placement import placement_of
+from launcher.run.placement.container import compose_run_command, container_mounts
 from launcher.run.signals import STOP_SIGNALS, interrupt_on_signal
 from launcher.state.checkpoints import scan_checkpoints
 from launcher.state.runfiles import Manifest, RunFiles, eval_dataset_names, load_run_files, read_launch
@@ -245,7 +246,7 @@ def host_inputs(
     model = _given_folder("--model", model_dir, "config.json", "the base model") if model_dir else None
     data = _given_folder("--data-dir", data_dir, "dataset_info.json", "the run's data") if data_dir else None
     record, manifest = files.status, files.manifest
-    if record is None or not record.container or container_identity() is not None or (model and data):
+    if record is None or not placement_of(record).own_files or (model and data):
         return (str(model) if model else None), data
     wanted = {
         "model": (

@@ -7,7 +7,7 @@ reloads the adapter and the step count, while the optimizer (Adam moments) and t
 schedule start afresh. The launcher says so and proceeds only with ``--adapter-only``.
 
 Here: the plan (``plan_resume``, a ``ResumePlan``), from the run's record and checkpoints only. The verb that
-carries it out (``resume_run``: in the foreground, detached, or in a new container) is in ``control.py``.
+carries it out is ``resume_run`` in ``control.py``: the run's placement (``run/placement``) resumes it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Literal
 
 from launcher.errors import LauncherError
 from launcher.state.checkpoints import last_complete_checkpoint
-from launcher.state.reconcile import reconcile
+from launcher.state.reconcile import Reconciled
 from launcher.state.record import read_record
 from launcher.state.runs import CONFIG_COPY, OUTPUT_SUBDIR
 from launcher.state.states import RESUMABLE
@@ -58,15 +58,14 @@ class ResumePlan:
         )
 
 
-def plan_resume(run_dir: Path, adapter_only: bool) -> ResumePlan:
-    """Where and how a run would resume.
+def plan_resume(run_dir: Path, seen: Reconciled, adapter_only: bool) -> ResumePlan:
+    """Where and how a run would resume; ``seen``: its record held against the live system by its placement
+    (``run/placement``).
 
     Raises:
         LauncherError: the run cannot be resumed; the message says why and what to do.
     """
-    record = read_record(run_dir)
-    seen = reconcile(record, run_dir)
-    run_id = record.run_id
+    run_id = read_record(run_dir).run_id
     if seen.live or not seen.state.terminal:
         raise LauncherError(
             f"run {run_id} is {seen.state.value} with live processes {seen.live_pids}; "

@@ -14,9 +14,9 @@ from launcher.checks.config_rules import check_run_config
 from launcher.config.run_config import ConfigError, Prepared, RunConfig
 from launcher.errors import ExitCode, LauncherError
 from launcher.procs import find_live
+from launcher.run.placement import placement_of
 from launcher.state.devices import DeviceError, run_devices
 from launcher.state.lease import DeviceLease
-from launcher.state.reconcile import reconcile
 from launcher.state.record import RecordUnreadable, RunStore
 from launcher.state.runs import list_runs
 from launcher.state.states import RunState
@@ -84,10 +84,13 @@ def check_earlier_runs(root: Path) -> list[str]:
                     ExitCode.REFUSED,
                 )
             continue
-        seen = reconcile(store.record, run_dir)
+        placement = placement_of(store.record)
+        seen = placement.reconcile(run_dir)
         if seen.liveness == "unknown":
-            where = (store.record.container or {}).get("name") or "another pid namespace"
-            seen.state, seen.note = RunState.NODE_LOST, f"its supervisor ({where}) is gone: the run lock was free"
+            seen.state, seen.note = (
+                RunState.NODE_LOST,
+                f"its supervisor ({placement.where()}) is gone: the run lock was free",
+            )
         if seen.state is RunState.NODE_LOST:
             store.record_end(RunState.NODE_LOST, reason=seen.note, processes=[])
             warnings.append(f"run {run_id}: {seen.note}; recorded NODE_LOST")

@@ -43,6 +43,7 @@ from launcher.procs import boot_id, container_identity, find_live, identity, sel
 from launcher.rank.oomtrack import looks_like_oom
 from launcher.run.job import Job, NodeSpec, job_command
 from launcher.run.lock import RunLock
+from launcher.run.placement import placement_of, reconcile
 from launcher.run.restart import not_retried_why, retry_cause
 from launcher.run.resume import ResumePlan
 from launcher.run.rootcause import (
@@ -57,10 +58,8 @@ from launcher.run.setup import Prepared, check_earlier_runs, lease_devices, prep
 from launcher.run.signals import Received, StopRequested, StopSignals, end_hold_guard
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.lease import DeviceLease
-from launcher.state.reconcile import reconcile
 from launcher.state.record import RunStore, now_iso, parse_time
 from launcher.state.runs import TRAINER_LOG
-from launcher.state.slurmjob import lost_node
 from launcher.state.states import RunState, end_state, run_exit_code
 from launcher.state.stop import (
     SAVE_KILL_GRACE_S,
@@ -123,8 +122,7 @@ class Supervisor:
     poll_s: float = 1.0
     attempt: int = 1
     node_rank: int = 0
-    watch_stop_request: bool = False  # a Slurm run: the stop request file alone stops the run (run/slurm.py)
-    slurm_job: str | None = None  # a Slurm run's job id: node 0 asks Slurm whether a failed end was a lost node
+    watch_stop_request: bool = False  # a Slurm run: the stop request file alone stops the run (run/slurm_node.py)
     _signals: StopSignals = field(default_factory=StopSignals)
     # where this attempt's job began: its log output and error files only (a resumed run shares them)
     _job_since: float = 0.0
@@ -487,21 +485,18 @@ class Supervisor:
         return state, fields, retry
 
     def _lost_node(self, state: RunState, fields: dict[str, Any]) -> bool:
-        """Node 0 of a Slurm run whose job did not succeed and was not stopped by ``launcher stop``: when Slurm
-        says the job lost a node (``NODE_FAIL``, a node down or not responding; asked for up to
+        """A run whose job did not succeed and was not stopped by ``launcher stop``, on its first node: when its
+        placement says the run lost a node (Slurm: ``NODE_FAIL``, a node down or not responding; asked for up to
         ``NODE_LOST_WAIT_S``), the end is ``NODE_LOST`` with the node named, what node 0 saw kept after it."""
-        if (
-            self.slurm_job is None
-            or self.node_rank != 0
-            or state in (RunState.SUCCEEDED, RunState.CANCELLED, RunState.FAILED_ACCEPTANCE)
-        ):
+        if state in (RunState.SUCCEEDED, RunState.CANCELLED, RunState.FAILED_ACCEPTANCE):
             return False
-        said = lost_node(self.slurm_job, os.environ.get("SLURM_JOB_NODELIST"))
+        placement = placement_of(self.store.record)
+        said = placement.lost_node(self.node_rank)
         if said is None:
             return False
         fields["reason"] = f"a node of the run was lost: {said}; node 0 saw: {state.value}, {fields.get('reason')}"
         fields["run_exit_code"] = run_exit_code(RunState.NODE_LOST)
-        self.store.event("node_lost", slurm_job=self.slurm_job, said=said, seen=state.value)
+        self.store.event("node_lost", where=placement.where(), said=said, seen=state.value)
         return True
 
     def _restart(self, state: RunState, fields: dict[str, Any], cause: str, backoff_s: float) -> bool:
@@ -697,7 +692,7 @@ def _stop_the_job(store: RunStore, grace_s: float) -> str | None:
 
 
 def _adopt(prepared: Prepared, path: Path) -> tuple[RunDir, RunStore, dict[str, Any], Any]:
-    """Node 0 of a submitted run (run/slurm.py) supervises in the folder ``launcher submit`` made. A job Slurm
+    """Node 0 of a submitted run (run/slurm_node.py) supervises in the folder ``launcher submit`` made. A job Slurm
     requeued finds an earlier attempt there: recorded ``NODE_LOST`` unless it recorded an end, and continued
     from the last complete checkpoint (the checkpoint, or None)."""
     run_dir = RunDir(path.name, path)
@@ -832,7 +827,6 @@ def supervise(
     resume: ResumePlan | None = None,
     adopt: Path | None = None,
     watch_stop_request: bool = False,
-    slurm_job: str | None = None,
 ) -> int:
     """Run one supervised run to its end and return its exit code.
 
@@ -840,8 +834,8 @@ def supervise(
     its caller's to send (``_supervise``: whatever ended it before the run existed).
     ``adopt``: supervise in this existing run folder (node 0 of a run ``launcher submit`` made);
     ``watch_stop_request``: a stop request written into the run folder stops the run without a signal (each
-    node of a Slurm run: ``launcher stop`` runs on another host, run/slurm.py); ``slurm_job``: that run's
-    Slurm job id (node 0 records ``NODE_LOST`` when Slurm says the job lost a node).
+    node of a Slurm run: ``launcher stop`` runs on another host, run/slurm_node.py). Node 0 records ``NODE_LOST``
+    when the run's placement says it lost a node (``Placement.lost_node``).
 
     Raises:
         LauncherError: the run was refused before it existed (lock busy, live processes, bad config).
@@ -887,7 +881,6 @@ def supervise(
             echo=echo,
             attempt=attempt,
             watch_stop_request=watch_stop_request,
-            slurm_job=slurm_job,
         ).run()
     except BaseException as err:  # record any supervisor failure before giving up the lock
         left = _stop_the_job(store, config.launcher.stop_grace_s)

@@ -58,11 +58,11 @@ STOP_REQUEST = "stop_request.json"  # written by `launcher stop`: who, the grace
 SAVE_REQUEST = "save_request.json"  # written by the supervisor: save a checkpoint at the next step, then exit
 SAVE_READY = "save_on_stop.json"  # written by local rank 0 once training began: this job honours a request
 SAVE_DONE = "stop_saved.json"  # written by local rank 0 after the requested checkpoint is complete
-# a run submitted to Slurm (run/slurm.py, `launcher submit`): one run folder on shared storage, node 0's
-SBATCH_SCRIPT = "slurm.sbatch"  # run/slurm.py: the batch script `launcher submit` wrote and handed to sbatch
+# a run submitted to Slurm (run/placement/slurm.py, `launcher submit`): one run folder on shared storage, node 0's
+SBATCH_SCRIPT = "slurm.sbatch"  # run/placement/slurm.py: the batch script `launcher submit` wrote and handed to sbatch
 SLURM_OUT = "slurm.out"  # the batch job's output (sbatch --output): the script's and srun's lines, every node's
 NODES_DIR = "nodes"  # nodes/node<N>/: the runs folder of node N >= 1's own launcher (its record, lock and job log)
-NODE_ROOT = "node{node}"  # in NODES_DIR: one node's runs folder (run/slurm.py)
+NODE_ROOT = "node{node}"  # in NODES_DIR: one node's runs folder (run/slurm_node.py)
 # written by the host-side verbs after the run
 VERIFY_FILE = "verify.json"  # results/verify.py (`launcher verify`, and the supervisor at the end): the checklist
 RECHECK_FILE = "verify.recheck.json"  # results/verify.py: a FAIL found after an earlier PASS (verify.json is kept)

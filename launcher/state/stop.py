@@ -1,7 +1,7 @@
 """The stop protocol: the stop request, the save on stop it leads to, the one rule for whether a job can save,
 and the checkpoint it saved. Every reader and writer of these run-folder files is here (their names are in
 ``state/runs.py``); the supervisor (``run/supervisor.py``), ``launcher stop`` (``run/control.py``,
-``run/container.py``) and each rank (``rank/stopsave.py``) use them.
+``run/placement/``) and each rank (``rank/stopsave.py``) use them.
 
 - ``stop_request.json`` (``request_stop``): written by ``launcher stop`` before its SIGTERM reaches the
   supervisor: who asked, the grace, ``now`` (no save: the ranks die of their SIGTERM). Read by the supervisor,

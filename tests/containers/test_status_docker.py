@@ -17,8 +17,8 @@ from docker.errors import DockerException, NotFound
 from launcher.errors import ExitCode, LauncherError
 from launcher.monitor.status import collect, render
 from launcher.procs import boot_id, identity
-from launcher.run.container import END_MARGIN_S
 from launcher.run.control import stop_run
+from launcher.run.placement.container import END_MARGIN_S
 from launcher.state.record import RunStore
 from launcher.state.states import RunState
 from tests.support.fake_runs import read_status, spawn, write_record
@@ -125,14 +125,14 @@ class _Engine:
         return True
 
 
-def _container_record(run_dir, state="RUNNING", **fields):
+def _container_record(run_dir, state="RUNNING", stop_grace_s=30.0, **fields):
     """A record written by a supervisor in a container: another pid namespace, the container's name and id."""
     write_record(
         run_dir,
         "run-1",
         state=state,
         boot_id=boot_id(),
-        stop_grace_s=30.0,
+        stop_grace_s=stop_grace_s,
         supervisor={"pid": 7, "create_time": 1.0, "pid_ns": "pid:[1]"},
         container={"name": "deltanet-train-cpu", "id": CONTAINER_ID},
         **fields,
@@ -168,6 +168,21 @@ def test_host_stop_of_a_live_container_run_goes_through_the_engine_never_a_false
     assert read_status(run_dir)["state"] == "CANCELLED"
     ended = [ln for ln in (run_dir / "events.jsonl").read_text().splitlines() if '"ended"' in ln]
     assert len(ended) == 1 and "docker stop deltanet-train-cpu" in ended[0]
+
+
+@pytest.mark.parametrize(("given", "timeout"), [(None, END_MARGIN_S), (5.0, 5 + END_MARGIN_S)])
+def test_a_host_stop_of_a_run_with_a_zero_grace_gives_the_engine_the_margin_only(tmp_path, monkeypatch, given, timeout):
+    """``stop_grace_s: 0``: docker stop gets only the margin for the end record, as a local or Slurm stop waits 0 s
+    for the save (tests/run/test_placement.py); ``--grace 5`` adds five seconds."""
+    run_dir = _container_record(tmp_path, stop_grace_s=0.0)
+
+    def supervisor_ends():
+        RunStore.open(run_dir).record_end(RunState.CANCELLED, stopped_by="launcher stop", processes=[])
+
+    engine = _Engine("running", on_stop=supervisor_ends)
+    monkeypatch.setattr(docker, "from_env", lambda **_: engine)
+    assert stop_run(run_dir, given) == 0
+    assert engine.stops == [timeout]
 
 
 def test_host_stop_without_an_engine_changes_nothing_and_names_the_command(tmp_path, monkeypatch):

@@ -9,9 +9,8 @@ import pytest
 import yaml
 
 from launcher.errors import LauncherError
-from launcher.run.resume import plan_resume
 from tests.support.common import EMPTY_SAFETENSORS, launcher_cmd, make_config, only_run_dir, read_jsonl
-from tests.support.fake_runs import write_record
+from tests.support.fake_runs import planned_resume, write_record
 
 
 def crafted_run(tmp_path, state: str, checkpoints: dict[int, bool]):
@@ -34,16 +33,16 @@ def crafted_run(tmp_path, state: str, checkpoints: dict[int, bool]):
 def test_adapter_only_checkpoint_needs_the_flag(tmp_path):
     run_dir = crafted_run(tmp_path, "CANCELLED", {2: False, 4: False})
     with pytest.raises(LauncherError, match="--adapter-only") as info:
-        plan_resume(run_dir, adapter_only=False)
+        planned_resume(run_dir, adapter_only=False)
     assert "optimizer and the learning-rate schedule restart" in str(info.value)
-    plan = plan_resume(run_dir, adapter_only=True)
+    plan = planned_resume(run_dir, adapter_only=True)
     assert plan.mode == "adapter-only" and plan.step == 4
 
 
 def test_exact_resume_takes_the_newest_complete_checkpoint(tmp_path):
     run_dir = crafted_run(tmp_path, "FAILED", {2: True, 4: True})
     (run_dir / "output" / "checkpoint-4" / "trainer_state.json").unlink()  # partial: being written
-    plan = plan_resume(run_dir, adapter_only=False)
+    plan = planned_resume(run_dir, adapter_only=False)
     assert plan.mode == "exact" and plan.step == 2
 
 
@@ -56,7 +55,7 @@ def test_exact_resume_takes_the_newest_complete_checkpoint(tmp_path):
 )
 def test_runs_that_cannot_resume_are_refused(tmp_path, state, checkpoints, message):
     with pytest.raises(LauncherError, match=message):
-        plan_resume(crafted_run(tmp_path, state, checkpoints), adapter_only=True)
+        planned_resume(crafted_run(tmp_path, state, checkpoints), adapter_only=True)
 
 
 def test_cli_refusal_is_one_line_and_exit_2(tmp_path):

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from launcher.run.job import NodeSpec, first_host, slurm_port
-from launcher.run.slurm import batch_script, requeue, stop_promise, task_command, wants_requeue
+from launcher.run.placement.slurm import batch_script, stop_promise, task_command
+from launcher.run.slurm_node import requeue, wants_requeue
 from launcher.state.slurmjob import lost_node, lost_nodes, parse_show_job
 from launcher.state.states import RunState
 from tests.support.common import launcher_cmd, make_config, only_run_dir
@@ -38,7 +39,7 @@ def test_the_batch_script_runs_one_launcher_per_node(tmp_path):
     assert "srun --nodes=2 --ntasks-per-node=1" in script and f"_slurm-node {run_dir}" in script
     assert "trap stop_run USR1" in script and " stop " in script  # the time limit stops the run as `launcher stop` does
     assert "MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))" in script
-    requeue = batch_script("demo-1", run_dir, 2, task, requeue=True)
+    requeue = batch_script("demo-1", run_dir, 2, task, requeue=True, grace_s=120)
     assert "#SBATCH --requeue" in requeue and "#SBATCH --signal" not in requeue
     docker = task_command("docker", "deltanet:npu", run_dir)
     assert docker[:2] == ["docker", "run"] and "--network" in docker and "deltanet:npu" in docker

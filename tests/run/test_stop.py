@@ -41,6 +41,20 @@ def started(tmp_path, demo_assets, spec: dict, env_extra: dict | None = None, **
     return fr.the_run_dir(tmp_path / "runs"), env
 
 
+def stalled(tmp_path, demo_assets, **settings) -> tuple:
+    """A run of fake ranks frozen after step 3 (they honour a save request, but never reach the next step end),
+    recorded STALLED: its folder and environment."""
+    never = str(tmp_path / "never")
+    spec = {"lines": 100000, "interval": 0.2, "stall_after": 3, "resume_file": never, "save_on_stop": True}
+    run_dir, env = started(tmp_path, demo_assets, spec, stall_minutes=0.05, **settings)  # 3 s; stall_action: warn
+    fr.wait_for(
+        "STALLED after step 3",
+        lambda: in_state(run_dir, "STALLED") and (fr.read_status(run_dir).get("progress") or {}).get("step") == 3,
+        timeout=240,
+    )
+    return run_dir, env
+
+
 def in_state(run_dir, state: str) -> bool:
     return fr.read_status(run_dir)["state"] == state
 
@@ -103,20 +117,8 @@ def test_stop_while_finishing_stops_the_job_at_once_without_asking_for_a_save(tm
 def test_stop_while_stalled_tries_the_save_then_kills_the_frozen_job(tmp_path, demo_assets):
     """A frozen job cannot reach the step end it would save at: the save is asked for, the grace runs out,
     the job is killed and the run ends CANCELLED with no checkpoint."""
-    spec = {
-        "lines": 100000,
-        "interval": 0.2,
-        "stall_after": 3,
-        "resume_file": str(tmp_path / "never"),
-        "save_on_stop": True,
-    }
-    run_dir, env = started(tmp_path, demo_assets, spec, stall_minutes=0.05)  # 3 s; stall_action: warn
+    run_dir, env = stalled(tmp_path, demo_assets)
     ranks = fr.rank_processes(run_dir, 1)
-    fr.wait_for(
-        "STALLED after step 3",
-        lambda: in_state(run_dir, "STALLED") and (fr.read_status(run_dir).get("progress") or {}).get("step") == 3,
-        timeout=240,
-    )
     stopped = fr.launcher("stop", run_dir, "--grace", "3", env=env, timeout=STOP_DEADLINE_S)
     status = assert_stopped(run_dir, env, stopped)
     assert not any(fr.alive(p) for p in ranks)

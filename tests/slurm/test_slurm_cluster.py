@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from launcher.run.slurm import node_run_dirs
+from launcher.run.placement.slurm import node_run_dirs
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.runs import SAVE_READY
 from tests.support.common import REPO, launcher_cmd, make_config, only_run_dir

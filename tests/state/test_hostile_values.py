@@ -15,11 +15,10 @@ import pytest
 from launcher.cli import main
 from launcher.errors import ExitCode
 from launcher.files import MAX_INT_DIGITS, Unreadable, load_yaml, parse_json, read_json_bounded
-from launcher.run.resume import plan_resume
 from launcher.state import trainer_log
 from launcher.state.record import parse_time, read_record
 from tests.support.common import EMPTY_SAFETENSORS, make_config
-from tests.support.fake_runs import crafted_run, launcher
+from tests.support.fake_runs import crafted_run, launcher, planned_resume
 
 HUGE = "9" * 5000  # past Python's 4,300-digit limit for int(): json.loads raises a bare ValueError on it
 VERBS = ("status", "list", "verify", "report", "stop", "resume", "logs")
@@ -244,10 +243,10 @@ def test_resume_takes_the_newest_checkpoint_that_loads_and_keeps_the_damaged_one
     newest = run / "output" / "checkpoint-6"
     DAMAGE[damage](newest)
     before = sorted(p.name for p in newest.iterdir())
-    plan = plan_resume(run, adapter_only=damage == "empty optimizer")
+    plan = planned_resume(run, adapter_only=damage == "empty optimizer")
     if damage == "empty optimizer":  # with --adapter-only the newest still loads: taken, as adapter-only
         assert plan.step == 6 and plan.mode == "adapter-only"
-        plan = plan_resume(run, adapter_only=False)  # an exact resume needs the optimizer: the older one
+        plan = planned_resume(run, adapter_only=False)  # an exact resume needs the optimizer: the older one
     assert plan.step == 5 and plan.mode == "exact", plan
     assert len(plan.skipped) == 1 and plan.skipped[0].startswith("checkpoint-6 ("), plan.skipped
     assert sorted(p.name for p in newest.iterdir()) == before  # nothing deleted

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from launcher.procs import boot_id, identity, self_identity
-from launcher.state.reconcile import reconcile
+from launcher.run.placement import reconcile
 from launcher.state.record import SCHEMA_VERSION, RecordUnreadable, RunRecord, RunStore, read_record
 from launcher.state.states import (
     RESUMABLE,
@@ -253,20 +253,3 @@ def test_a_restarted_container_is_node_lost_although_its_namespace_id_came_back(
     )
     seen = reconcile(read_record(tmp_path), tmp_path)
     assert seen.state is RunState.NODE_LOST and "restarted" in seen.note
-
-
-def test_one_grace_rule_for_every_placement():
-    """The stop grace of a local, a container and a Slurm run is one function: given, else recorded, else the
-    default; 0 stays 0 (a container or Slurm stop of a run with ``stop_grace_s: 0`` waited the 120 s default)."""
-    from launcher.state.stop import DEFAULT_STOP_GRACE_S, stop_grace
-
-    assert stop_grace(None, 0.0) == 0.0 and stop_grace(0.0, 300.0) == 0.0
-    assert stop_grace(None, 30.0) == 30.0 and stop_grace(5.0, None) == 5.0
-    assert stop_grace(None, None) == DEFAULT_STOP_GRACE_S
-    import inspect
-
-    from launcher.run import container, control, slurm, supervisor
-
-    for module in (container, control, slurm, supervisor):  # each asks the rule, none writes its own
-        source = inspect.getsource(module)
-        assert "stop_grace(" in source and "stop_grace_s or" not in source, module.__name__

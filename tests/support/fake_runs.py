@@ -21,7 +21,9 @@ import psutil
 
 from launcher.files import write_json_atomic
 from launcher.procs import boot_id, identity
-from launcher.state.record import SCHEMA_VERSION, RunRecord
+from launcher.run.placement import reconcile
+from launcher.run.resume import ResumePlan, plan_resume
+from launcher.state.record import SCHEMA_VERSION, RunRecord, read_record
 from launcher.state.states import RunState
 from tests.support.common import REPO, make_config
 
@@ -285,3 +287,8 @@ def crafted_run(tmp_path: Path, name: str = RUN_ID, **fields) -> Path:
     }
     (run_dir / "status.json").write_text(json.dumps(status))
     return run_dir
+
+
+def planned_resume(run_dir: Path, adapter_only: bool) -> ResumePlan:
+    """``launcher resume``'s plan for ``run_dir``, its record held against the live system by its placement."""
+    return plan_resume(run_dir, reconcile(read_record(run_dir), run_dir), adapter_only)

@@ -1,7 +1,12 @@
-"""``launcher stop`` and ``launcher resume`` for a run that lives in a container, from outside it.
+"""A run that lives in a container, seen from the host: liveness, ``launcher stop`` and ``launcher resume``
+through the Docker engine.
 
 The run's processes live in the container's pid namespace: they cannot be signalled (or even seen) from the
 host. What can be reached is the Docker engine (the docker SDK), and it does what compose does:
+
+- liveness: the container found by its recorded id (by name only when no id was recorded); gone or no longer
+  running is ``NODE_LOST``, restarted since the run's supervisor started too; running without a launcher
+  process is ``SUPERVISOR_LOST``; without an engine answer the recorded state is shown, liveness unknown;
 
 - stop: the stop request is written first (the supervisor reads it when the SIGTERM arrives, so it saves a
   checkpoint unless ``--now``, and records ``launcher stop`` as the sender), then ``docker stop`` with the
@@ -19,19 +24,29 @@ import math
 import shlex
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from launcher.errors import ExitCode, LauncherError
-from launcher.state.reconcile import CONTAINER_ALIVE, Reconciled, find_container, reconcile
+from launcher.procs import container_identity
+from launcher.run.placement.base import Placement, StopAsk, Supervise
+from launcher.run.placement.local import LocalPlacement
+from launcher.run.signals import drop_hold
+from launcher.state.reconcile import ContainerView, Reconciled, first_look, restarted_since, same_namespace
 from launcher.state.record import RecordUnreadable, RunRecord, RunStore, read_record
 from launcher.state.runs import follow_up
 from launcher.state.states import RunState
-from launcher.state.stop import clear_stop_request, request_stop, stop_grace
+from launcher.state.stop import clear_stop_request, request_stop
+
+if TYPE_CHECKING:
+    from launcher.run.resume import ResumePlan
 
 END_MARGIN_S = 60.0  # after the grace: the supervisor stops what is left of the job and writes the end record
 HANDSHAKE_TIMEOUT_S = 300.0
 RESUME_SUFFIX = "-resume"
+# Docker's container states in which the run's processes can still be alive
+CONTAINER_ALIVE = frozenset({"running", "paused", "restarting", "created"})
 COMPOSE_LABELS = "com.docker.compose."  # compose's own labels (project, service, config hash...): emptied
 
 
@@ -58,6 +73,131 @@ def _label(record: RunRecord) -> str:
     return str(container.get("name") or container.get("id") or "its container")
 
 
+def find_container(client: Any, container: dict[str, Any] | None) -> Any | None:
+    """The run's container as the docker SDK's object: by its recorded id, and by name only when no id was
+    recorded (compose's fixed names are reused by later runs' containers); None when the engine no longer has
+    it (``DockerException`` when it does not answer)."""
+    from docker.errors import NotFound
+
+    ref = (container or {}).get("id") or (container or {}).get("name")
+    try:
+        return client.containers.get(ref) if ref else None
+    except NotFound:
+        return None
+
+
+def inspect_container(container: dict[str, Any] | None) -> ContainerView:
+    """Ask the Docker engine about the run's container (by id, else by name)."""
+    if not ((container or {}).get("id") or (container or {}).get("name")):
+        return ContainerView()
+    try:
+        import docker
+        from docker.errors import DockerException
+    except ImportError:
+        return ContainerView()
+    try:
+        found = find_container(docker.from_env(timeout=2), container)
+    except (DockerException, OSError):
+        return ContainerView()
+    if found is None:
+        return ContainerView("gone")
+    state = (getattr(found, "attrs", None) or {}).get("State") or {}
+    code = state.get("ExitCode")
+    view = ContainerView(
+        str(found.status),
+        _epoch(state.get("StartedAt")),
+        name=getattr(found, "name", None),
+        exit_code=code if found.status == "exited" and isinstance(code, int) else None,
+    )
+    if view.state == "running":
+        try:
+            top = found.top()
+            column = top["Titles"].index("CMD")
+            view.commands = [str(p[column]) for p in top["Processes"] or []]
+        except (DockerException, OSError, KeyError, TypeError, ValueError, AttributeError):
+            pass
+    return view
+
+
+def _epoch(iso: Any) -> float | None:
+    """Docker's RFC 3339 time (nanoseconds, Z) as epoch seconds."""
+    if not isinstance(iso, str) or iso.startswith("0001-"):
+        return None
+    try:
+        head, _, frac = iso.rstrip("Z").partition(".")
+        return datetime.fromisoformat(head).replace(tzinfo=UTC).timestamp() + float(f"0.{frac or 0}")
+    except ValueError:
+        return None
+
+
+class ContainerPlacement(LocalPlacement):
+    """A run recorded in a container, asked about from the host (outside every container): through the engine.
+    A record that names no pid namespace of its own (or this one) is checked here as well, as a local run."""
+
+    kind = "container"
+    own_files = True  # the run saw its model, data and outputs through the container's mounts
+
+    @staticmethod
+    def holds(record: RunRecord) -> bool:
+        return bool(record.container) and container_identity() is None
+
+    @classmethod
+    def start(cls, config: Any, **options: Any) -> int:
+        raise LauncherError(
+            "a container run is started by compose, not by the launcher: docker compose up -d train "
+            "(README, docs/containers.md)",
+            ExitCode.USAGE,
+        )
+
+    def where(self) -> str:
+        return f"container {_label(self.record)}"
+
+    def reconcile(self, run_dir: Path) -> Reconciled:
+        record = self.record
+        here = same_namespace(record)
+        result = super().reconcile(run_dir) if here else first_look(record, [], here=False)
+        if record.terminal or result.state is RunState.NODE_LOST:
+            return result
+        view = inspect_container(record.container)
+        result.container_state, result.container_view = view.state, view
+        name = _label(record)
+        if view.state is not None and view.state not in CONTAINER_ALIVE:
+            result.state, result.live, result.liveness = RunState.NODE_LOST, [], "gone"
+            result.note = f"container {name} is {view.state}"
+        elif restarted_since(record, view.started):
+            result.state, result.live, result.liveness = RunState.NODE_LOST, [], "gone"
+            result.note = f"container {name} was restarted since the run was recorded live"
+        elif here:
+            pass  # its pids were checked here
+        elif view.state is None:
+            result.note = f"container {name}: state unknown (no answer from a Docker engine)"
+        elif view.commands is not None and not any("launcher" in c for c in view.commands):
+            result.state, result.liveness = RunState.SUPERVISOR_LOST, "gone"
+            result.note = f"container {name} is {view.state} but no launcher process runs in it"
+        else:
+            result.liveness = "live"  # the engine vouches for the container and its launcher
+        return result
+
+    def status_fields(self, seen: Reconciled) -> dict[str, Any]:
+        """What the engine says now of the container the run's latest attempt lives in: its name (by the recorded
+        id: a `docker compose run` container has a name of its own) and its state, also after the run ended
+        (``Exited (0)``)."""
+        view = seen.container_view or inspect_container(self.record.container)
+        return Placement.status_fields(self, seen) | {
+            "container_name": view.name or _label(self.record),
+            "container_status": view.describe(),
+        }
+
+    def _stop(self, run_dir: Path, store: RunStore, seen: Reconciled, ask: StopAsk) -> int:
+        if same_namespace(self.record):  # its pids can be signalled here
+            return super()._stop(run_dir, store, seen, ask)
+        return _stop_container(run_dir, store, seen, ask)
+
+    def resume(self, run_dir: Path, plan: ResumePlan, adapter_only: bool, in_process: Supervise | None) -> int:
+        drop_hold()  # a --foreground resume held the stop signals for a supervisor this process will not be
+        return resume_in_container(run_dir, self.record, adapter_only)
+
+
 def in_container_command(record: RunRecord, verb: str, *args: str) -> str:
     """``docker exec NAME launcher VERB RUN_DIR ...``: the command that does it inside the run's container."""
     where = record.run_dir or record.run_id
@@ -67,18 +207,17 @@ def in_container_command(record: RunRecord, verb: str, *args: str) -> str:
 # --- stop -------------------------------------------------------------------------------------------------
 
 
-def stop_container_run(
-    run_dir: Path, store: RunStore, seen: Reconciled, grace_s: float | None, now: bool, by: str
-) -> int:
-    """Stop a run that lives in a container through the Docker engine (``docker stop``), as compose does."""
+def _stop_container(run_dir: Path, store: RunStore, seen: Reconciled, ask: StopAsk) -> int:
+    """Stop a run that lives in a container through the Docker engine (``docker stop``), as compose does: the
+    engine's SIGKILL comes ``ask.grace`` seconds (the one rule, ``Placement.grace``) plus ``END_MARGIN_S`` after."""
     record = store.record
     name = _label(record)
     if seen.container_state is not None and seen.container_state not in CONTAINER_ALIVE:  # exited or gone
         if not record.terminal:
-            store.record_end(seen.state, reason=f"{seen.note}; recorded by {by}", processes=[])
+            store.record_end(seen.state, reason=f"{seen.note}; recorded by {ask.by}", processes=[])
         print(f"run {record.run_id}: {seen.note}; nothing to stop; recorded {store.state.value}")
         return ExitCode.OK
-    flags = (["--now"] if now else []) + ([f"--grace={grace_s:g}"] if grace_s is not None else [])
+    flags = (["--now"] if ask.now else []) + ([f"--grace={ask.given:g}"] if ask.given is not None else [])
     try:
         container = find_container(_client(), record.container or {})
     except NoEngine as err:
@@ -88,12 +227,11 @@ def stop_container_run(
             ExitCode.FAILED,
         ) from err
     if container is None:  # the engine lost it between the two questions
-        return stop_container_run(run_dir, store, reconcile(record, run_dir), grace_s, now, by)
-    grace = stop_grace(grace_s, record.stop_grace_s)
-    timeout = math.ceil(grace + END_MARGIN_S)
-    by = f"{by} through the Docker engine (docker stop {container.name})"
+        return _stop_container(run_dir, store, ContainerPlacement(record).reconcile(run_dir), ask)
+    timeout = math.ceil(ask.grace + END_MARGIN_S)
+    by = f"{ask.by} through the Docker engine (docker stop {container.name})"
     try:  # read by the supervisor (and, for --now, the ranks) when the SIGTERM arrives
-        request_stop(run_dir, grace_s, by=by, now=now)
+        request_stop(run_dir, ask.given, by=by, now=ask.now)
         asked = True
     except OSError as err:  # e.g. a run folder a container wrote as root: the engine still stops the run
         print(
@@ -103,7 +241,7 @@ def stop_container_run(
             file=sys.stderr,
         )
         asked = False
-    what = "SIGTERM, no save" if now else "a checkpoint at the next step, then exit"
+    what = "SIGTERM, no save" if ask.now else "a checkpoint at the next step, then exit"
     print(
         f"stopping run {record.run_id}: docker stop of container {container.name} ({what}; the engine sends "
         f"SIGKILL after {timeout} s)",
@@ -138,7 +276,7 @@ def _report_stop(run_dir: Path, store: RunStore, record: RunRecord, name: str, b
     if ended is not None and ended.terminal:
         print(stopped_line(ended))
         return ExitCode.OK
-    seen = reconcile(read_record(run_dir), run_dir)
+    seen = ContainerPlacement(read_record(run_dir)).reconcile(run_dir)
     store.record_end(
         seen.state if seen.state.terminal else RunState.NODE_LOST,
         processes=[],

@@ -1,4 +1,5 @@
-"""A run submitted to Slurm: ``launcher submit``, each node's launcher, and ``launcher stop`` through Slurm.
+"""A run submitted to Slurm, seen from the machine that submits it: ``launcher submit``, its liveness and
+``launcher stop`` through Slurm (each node's launcher is ``run/slurm_node.py``).
 
 ``launcher submit CONFIG --nodes N`` creates the run folder (on storage every node sees), records the run
 ``PENDING`` with its Slurm job, writes the batch script (``slurm.sbatch``) and hands it to ``sbatch``. The
@@ -35,30 +36,29 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from launcher import SOURCE_ROOT
-from launcher.config.run_config import RunConfig, dump_yaml, load_run_config
 from launcher.errors import ExitCode, LauncherError
-from launcher.run.container import stopped_line
-from launcher.run.job import NodeSpec
-from launcher.run.lock import check_free
-from launcher.run.rundir import make_run_dir
-from launcher.state.checkpoints import last_complete_checkpoint
+from launcher.run.placement.base import Placement, StopAsk, Supervise
+from launcher.run.placement.container import stopped_line
+from launcher.state.reconcile import Reconciled
 from launcher.state.record import RecordUnreadable, RunRecord, RunStore, parse_time, read_record
 from launcher.state.runs import (
     CONFIG_COPY,
     NODE_ROOT,
     NODES_DIR,
-    OUTPUT_SUBDIR,
     OVERRIDES_FILE,
     SBATCH_SCRIPT,
     SLURM_OUT,
     list_runs,
 )
-from launcher.state.slurmjob import query_job, run_scontrol
+from launcher.state.slurmjob import lost_node, query_job
 from launcher.state.states import RunState
-from launcher.state.stop import announced_at, read_saved, request_stop, saved_checkpoint, stop_grace
+from launcher.state.stop import announced_at, read_saved, request_stop, saved_checkpoint
+
+if TYPE_CHECKING:  # the config's schema (pydantic) is imported only by `submit`: `status` stays light
+    from launcher.config.run_config import RunConfig
 
 RUNTIMES = ("host", "apptainer", "docker")
 END_MARGIN_S = 60.0  # after the grace: each node's supervisor stops what is left and writes its end record
@@ -120,7 +120,7 @@ def batch_script(
     partition: str | None = None,
     time_limit: str | None = None,
     requeue: bool = False,
-    grace_s: float = 120.0,
+    grace_s: float,
     extra: tuple[str, ...] = (),
 ) -> str:
     """The sbatch script: one task per node, the rendezvous address from Slurm, the stop on a time limit."""
@@ -180,6 +180,10 @@ def submit(
     extra: tuple[str, ...] = (),
 ) -> int:
     """``launcher submit``: the run folder, its PENDING record with the Slurm job, the batch script, sbatch."""
+    from launcher.config.run_config import dump_yaml
+    from launcher.run.lock import check_free
+    from launcher.run.rundir import make_run_dir
+
     if nodes < 1:
         raise LauncherError(f"--nodes {nodes}: a run needs at least 1 node (e.g. --nodes 2)", ExitCode.USAGE)
     if runtime not in RUNTIMES:
@@ -264,178 +268,146 @@ def node_run_dirs(run_dir: Path) -> list[Path]:
     return [run for folder in folders for run in list_runs(folder)]
 
 
-def run_node(run_dir: Path) -> int:
-    """``launcher _slurm-node RUN_DIR``: this node's launcher of a submitted run, placed by Slurm's variables.
-
-    Node 0 supervises in the run folder itself; a requeued job (``launcher.restart``) resumes there from the
-    last complete checkpoint as the next attempt, the earlier attempt recorded ``NODE_LOST`` if it recorded no
-    end. Node N >= 1 supervises in ``nodes/nodeN/``, resuming from the same checkpoint. When node 0 ends
-    ``NODE_LOST`` with restarts left, it asks Slurm to requeue the job (``requeue``).
-    """
-    from launcher.run.signals import end_hold_guard
-    from launcher.run.supervisor import supervise
-
-    node = NodeSpec.from_slurm(os.environ)
-    if node.node_rank == 0:  # its run folder exists (submit made it): a stop from here is the supervisor's to record
-        end_hold_guard()
-    os.environ.update(
-        NNODES=str(node.nnodes),
-        NODE_RANK=str(node.node_rank),
-        MASTER_ADDR=node.master_addr,
-        MASTER_PORT=str(node.master_port),
-    )
-    overrides = _overrides(run_dir)
-    record = read_record(run_dir)
-    restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-    checkpoint = last_complete_checkpoint(run_dir / OUTPUT_SUBDIR) if restarts else None
-    print(
-        f"node {node.node_rank} of {node.nnodes}: rendezvous {node.master_addr}:{node.master_port}"
-        + (f"; Slurm restart {restarts}, resuming from {checkpoint.path}" if checkpoint else ""),
-        flush=True,
-    )
-    if node.node_rank > 0:
-        overrides["launcher.output_root"] = str(node_root(run_dir, node.node_rank))
-        overrides["launcher.run_name"] = f"{record.run_id}-node{node.node_rank}"
-        if checkpoint is not None:
-            overrides["resume_from_checkpoint"] = str(checkpoint.path)
-    else:
-        overrides["launcher.output_root"] = str(run_dir.parent)  # the lock node 0 takes is the run folder's
-    config = load_run_config(run_dir / CONFIG_COPY, overrides)
-    policy = config.launcher.restart
-    if restarts and (policy is None or restarts > policy.max_restarts):
-        return _refuse_restart(run_dir, node.node_rank, restarts, policy.max_restarts if policy else 0)
-    if node.node_rank > 0:
-        return supervise(config, echo=False, watch_stop_request=True)
-    job_id = os.environ.get("SLURM_JOB_ID")
-    code = supervise(config, echo=False, adopt=run_dir, watch_stop_request=True, slurm_job=job_id)
-    try:
-        end = read_record(run_dir).state
-    except RecordUnreadable as e:  # the end is what supervise returned; no requeue on a record not read
-        print(f"node 0: {e}; Slurm job {job_id} is not requeued", flush=True)
-        return code
-    if job_id and wants_requeue(end, restarts, policy.max_restarts if policy else None):
-        requeue(job_id)
-    return code
-
-
-def wants_requeue(end: RunState, restarts: int, max_restarts: int | None) -> bool:
-    """Node 0's attempt ended ``end`` after ``restarts`` Slurm requeues: requeue again? Only for a lost node,
-    only with ``launcher.restart`` (``max_restarts``), and only while restarts remain."""
-    return end is RunState.NODE_LOST and max_restarts is not None and restarts < max_restarts
-
-
-def requeue(job_id: str, timeout_s: float = 30.0) -> bool:
-    """Node 0 asks Slurm to requeue its job (``scontrol requeue``) after recording ``NODE_LOST``.
-
-    Slurm requeues a ``--requeue`` job by itself only when the job ends ``NODE_FAIL``. A node whose whole
-    container or machine died takes its tasks with it, so ``srun`` sees them exit and the job ends as a failed
-    step, not a node failure, before slurmctld has called the node DOWN: without this no attempt 2 would come.
-    Slurm stops what is left of the job and queues it again; ``SLURM_RESTART_COUNT`` counts the attempts.
-    When Slurm had already requeued the job, scontrol refuses, and that is fine."""
-    print(f"node 0: a node was lost; scontrol requeue {job_id} (launcher.restart)", flush=True)
-    done = run_scontrol(["requeue", job_id], timeout_s)
-    if isinstance(done, str):
-        print(f"node 0: scontrol requeue {job_id} did not run ({done}); the job is not requeued", flush=True)
-        return False
-    if done.returncode != 0:
-        print(f"node 0: scontrol requeue {job_id} refused: {(done.stderr or done.stdout).strip()}", flush=True)
-    else:
-        print(f"node 0: Slurm job {job_id} requeued", flush=True)
-    return done.returncode == 0
-
-
-def _refuse_restart(run_dir: Path, node_rank: int, restarts: int, max_restarts: int) -> int:
-    """Slurm requeued the job more often than ``launcher.restart.max_restarts`` allows: node 0 records the
-    earlier attempt's end (``NODE_LOST``) and no attempt starts."""
-    why = f"Slurm requeued the job (restart {restarts}); launcher.restart.max_restarts is {max_restarts}"
-    print(f"node {node_rank}: {why}: not restarted", flush=True)
-    if node_rank == 0:
-        store = RunStore.open(run_dir)
-        if not store.record.terminal:
-            store.record_end(RunState.NODE_LOST, processes=[], reason=f"{why}; not restarted")
-    return ExitCode.FAILED
-
-
-def _overrides(run_dir: Path) -> dict[str, Any]:
-    from launcher.files import read_yaml_mapping
-
-    if not (run_dir / OVERRIDES_FILE).exists():
-        return {}
-    values = read_yaml_mapping(run_dir / OVERRIDES_FILE)
-    if isinstance(values, str):
-        raise LauncherError(f"{values}; it holds the run's KEY=VALUE overrides")
-    return dict(values)
-
-
 # --- stop -------------------------------------------------------------------------------------------------
 
 
-def stop_slurm_run(run_dir: Path, store: RunStore, grace_s: float | None, now: bool, by: str) -> int:
-    """Stop a submitted run: cancel a queued job; else the stop request on every node, then wait for node 0's
-    record, and ``scancel`` only after the grace."""
-    record = store.record
-    job_id = str((record.slurm or {}).get("job_id"))
-    view = query_job(job_id)
-    scancel = shutil.which("scancel")
-    if view.live is None or scancel is None:
+class SlurmPlacement(Placement):
+    """A run submitted to Slurm (``launcher submit``): its processes live on the job's nodes; liveness, stop and
+    a lost node come from Slurm."""
+
+    kind = "slurm"
+
+    @staticmethod
+    def holds(record: RunRecord) -> bool:
+        return bool((record.slurm or {}).get("job_id"))
+
+    @classmethod
+    def start(cls, config: RunConfig, **options: Any) -> int:
+        """``launcher submit``: ``nodes``, ``partition``, ``time_limit``, ``runtime``, ``image``, ``extra``."""
+        return submit(config, **options)
+
+    @property
+    def job_id(self) -> str:
+        return str((self.record.slurm or {}).get("job_id"))
+
+    def where(self) -> str:
+        return f"Slurm job {self.job_id}"
+
+    def reconcile(self, run_dir: Path) -> Reconciled:
+        """Liveness from Slurm. A job Slurm ended (or forgot) while the record says live: ``NODE_LOST`` when Slurm
+        says a node failed, else ``SUPERVISOR_LOST`` (node 0's launcher ended without recording an end)."""
+        record = self.record
+        view = query_job(self.job_id)  # shown by `launcher status` in its own row
+        result = Reconciled(record.state, record.state, liveness="live", slurm_view=view)
+        if view.live is None:
+            result.liveness = "unknown"
+            result.note = f"Slurm {view.describe()}"
+        elif view.live:
+            pass  # queued or running: the record says how far the run is
+        elif not record.terminal:
+            result.liveness = "gone"
+            result.state = RunState.NODE_LOST if view.state == "NODE_FAIL" else RunState.SUPERVISOR_LOST
+            result.note = f"Slurm {view.describe()}, and the run recorded no end"
+        else:
+            result.liveness = "gone"
+        return result
+
+    def status_fields(self, seen: Reconciled) -> dict[str, Any]:
+        view = seen.slurm_view
+        return {
+            "slurm_state": None if view is None else view.state,
+            "slurm_status": None if view is None else view.describe(),
+        }
+
+    def lost_node(self, node_rank: int) -> str | None:
+        """Node 0 asks Slurm whether the job lost a node (``state/slurmjob.py``: ``lost_node``)."""
+        return lost_node(self.job_id, os.environ.get("SLURM_JOB_NODELIST")) if node_rank == 0 else None
+
+    def resume(self, run_dir: Path, plan: Any, adapter_only: bool, in_process: Supervise | None) -> int:
+        """A Slurm run continues through Slurm, never on the machine that asks: Slurm's requeue does it by itself
+        with ``launcher.restart``; by hand, a new job of the run's config from the checkpoint."""
+        nodes = (self.record.slurm or {}).get("nodes") or 1
+        command = shlex.join(
+            [
+                "launcher",
+                "submit",
+                str(run_dir / CONFIG_COPY),
+                "--nodes",
+                str(nodes),
+                f"resume_from_checkpoint={plan.checkpoint}",
+            ]
+        )
         raise LauncherError(
-            f"run {record.run_id} is Slurm job {job_id}, and Slurm does not answer here "
-            f"({view.describe()}); nothing was stopped",
-            ExitCode.FAILED,
+            f"run {self.record.run_id} is {self.where()}: it resumes through Slurm, not on this machine, and "
+            f"nothing was started. Slurm requeues it by itself with launcher.restart; to continue it by hand "
+            f"from {plan.checkpoint} (step {plan.step}), submit a new job: {command}",
+            ExitCode.USAGE,
         )
-    if not view.live:
-        if not record.terminal:
-            store.record_end(
-                RunState.NODE_LOST if view.state == "NODE_FAIL" else RunState.SUPERVISOR_LOST,
-                reason=f"Slurm {view.describe()}, and the run recorded no end; recorded by {by}",
-                processes=[],
+
+    def _stop(self, run_dir: Path, store: RunStore, seen: Reconciled, ask: StopAsk) -> int:
+        """Cancel a queued job; else the stop request on every node, then wait for node 0's record, and
+        ``scancel`` only after the grace."""
+        record, job_id, by = self.record, self.job_id, ask.by
+        view = seen.slurm_view or query_job(job_id)
+        scancel = shutil.which("scancel")
+        if view.live is None or scancel is None:
+            raise LauncherError(
+                f"run {record.run_id} is Slurm job {job_id}, and Slurm does not answer here "
+                f"({view.describe()}); nothing was stopped",
+                ExitCode.FAILED,
             )
-        print(f"run {record.run_id}: Slurm {view.describe()}; nothing to stop; recorded {store.state.value}")
-        return ExitCode.OK
-    if record.state is RunState.PENDING and record.supervisor is None:  # still in the queue: nothing started
-        subprocess.run([scancel, job_id], check=False)
-        store.record_end(
-            RunState.CANCELLED,
-            stopped_by=by,
-            processes=[],
-            reason=f"cancelled by {by} while Slurm {view.describe()} (scancel {job_id})",
-        )
-        print(f"run {record.run_id}: Slurm job {job_id} cancelled in the queue; recorded CANCELLED")
-        return ExitCode.OK
-    grace = stop_grace(grace_s, record.stop_grace_s)
-    by = f"{by} through Slurm (job {job_id})"
-    for folder in (run_dir, *node_run_dirs(run_dir)):
-        request_stop(folder, grace_s, by=by, now=now)
-    what = stop_promise(run_dir, record, now)
-    limit = grace + END_MARGIN_S
-    print(
-        f"stopping run {record.run_id} (Slurm job {job_id}): stop requested on every node ({what}); "
-        f"scancel after {limit:.0f} s",
-        flush=True,
-    )
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        ended = _ended(run_dir)
-        if ended is not None:
-            print(stopped_line(ended))
+        if not view.live:
+            if not record.terminal:
+                store.record_end(
+                    RunState.NODE_LOST if view.state == "NODE_FAIL" else RunState.SUPERVISOR_LOST,
+                    reason=f"Slurm {view.describe()}, and the run recorded no end; recorded by {by}",
+                    processes=[],
+                )
+            print(f"run {record.run_id}: Slurm {view.describe()}; nothing to stop; recorded {store.state.value}")
             return ExitCode.OK
-        time.sleep(0.5)
-    subprocess.run([scancel, job_id], check=False)
-    saved = saved_checkpoint(run_dir, read_saved(run_dir))
-    if not (now_record := read_record(run_dir)).terminal:
-        store = RunStore.open(run_dir)
-        store.record_end(
-            RunState.CANCELLED,
-            stopped_by=by,
-            saved_checkpoint=saved,
-            processes=[],
-            reason=f"not ended {limit:.0f} s after the stop request: scancel {job_id}",
+        if record.state is RunState.PENDING and record.supervisor is None:  # still in the queue: nothing started
+            subprocess.run([scancel, job_id], check=False)
+            store.record_end(
+                RunState.CANCELLED,
+                stopped_by=by,
+                processes=[],
+                reason=f"cancelled by {by} while Slurm {view.describe()} (scancel {job_id})",
+            )
+            print(f"run {record.run_id}: Slurm job {job_id} cancelled in the queue; recorded CANCELLED")
+            return ExitCode.OK
+        by = f"{by} through Slurm (job {job_id})"
+        for folder in (run_dir, *node_run_dirs(run_dir)):
+            request_stop(folder, ask.given, by=by, now=ask.now)
+        what = stop_promise(run_dir, record, ask.now)
+        limit = ask.grace + END_MARGIN_S
+        print(
+            f"stopping run {record.run_id} (Slurm job {job_id}): stop requested on every node ({what}); "
+            f"scancel after {limit:.0f} s",
+            flush=True,
         )
-    print(
-        f"run {now_record.run_id}: not ended after {limit:.0f} s; scancel {job_id}; recorded "
-        f"{read_record(run_dir).state.value}"
-    )
-    return ExitCode.FAILED
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            ended = _ended(run_dir)
+            if ended is not None:
+                print(stopped_line(ended))
+                return ExitCode.OK
+            time.sleep(0.5)
+        subprocess.run([scancel, job_id], check=False)
+        saved = saved_checkpoint(run_dir, read_saved(run_dir))
+        if not (now_record := read_record(run_dir)).terminal:
+            store = RunStore.open(run_dir)
+            store.record_end(
+                RunState.CANCELLED,
+                stopped_by=by,
+                saved_checkpoint=saved,
+                processes=[],
+                reason=f"not ended {limit:.0f} s after the stop request: scancel {job_id}",
+            )
+        print(
+            f"run {now_record.run_id}: not ended after {limit:.0f} s; scancel {job_id}; recorded "
+            f"{read_record(run_dir).state.value}"
+        )
+        return ExitCode.FAILED
 
 
 def stop_promise(run_dir: Path, record: RunRecord, now: bool) -> str:
