@@ -246,7 +246,8 @@ def host_inputs(
     model = _given_folder("--model", model_dir, "config.json", "the base model") if model_dir else None
     data = _given_folder("--data-dir", data_dir, "dataset_info.json", "the run's data") if data_dir else None
     record, manifest = files.status, files.manifest
-    if record is None or not placement_of(record).own_files or (model and data):
+    placement = placement_of(record) if record is not None else None
+    if placement is None or not placement.own_files or (model and data):
         return (str(model) if model else None), data
     wanted = {
         "model": (
@@ -272,7 +273,7 @@ def host_inputs(
         paths = " and ".join(f"{what} {path}" for what, (_option, path) in unmapped.items())
         give = " ".join(f"{option} DIR" for option, _path in unmapped.values())
         raise _usage(
-            f"{files.run_id} ran in container {record.container.get('name') or record.container.get('id')}: "
+            f"{files.run_id} ran in {placement.where()}: "
             f"its {paths} {'is' if len(unmapped) == 1 else 'are'} not on this machine and "
             f"{why or 'no mount of the container holds ' + ('it' if len(unmapped) == 1 else 'them')}; give "
             f"the host's copy with {give}, or evaluate it in its image, from the compose folder with the "
