@@ -32,8 +32,9 @@ How the copies are ordered (``Offloader``):
   and the compute stream waits for its event before the recompute reads it. Each unpack starts the copy-back of the
   input packed just before (the layer the backward reaches next: layers run backward in reverse order), so that
   copy overlaps this layer's recompute and backward; a prefetched buffer is held until its copy has completed too.
-- left alone: tensors not on the run's device, smaller than ``min_bytes``, not contiguous, or leaves that require
-  grad (parameters); they are returned as they are.
+- left alone: tensors not on the run's device, smaller than ``min_bytes``, not contiguous, or parameters; they are
+  returned as they are. (The first layer's input is a leaf that requires grad when PEFT's
+  ``enable_input_require_grads`` marks the embeddings' output: it is offloaded like the others.)
 
 On CPU there is no device memory to save and no stream: ``Offloader("cpu")`` still copies each input out into host
 chunks and back into a new buffer, in the same order with the same prefetch bookkeeping, so that tests drive the
@@ -139,7 +140,7 @@ class Offloader:
             tensor.device.type == self.device_type
             and tensor.is_contiguous()
             and tensor.numel() * tensor.element_size() >= self.min_bytes
-            and not (tensor.is_leaf and tensor.requires_grad)
+            and not isinstance(tensor, _parameter())
         )
 
     def _fetch(self, held: _Held) -> None:
@@ -173,6 +174,12 @@ class Offloader:
         for event, _ in self._in_flight:
             event.synchronize()
         self._reap()
+
+
+def _parameter():
+    import torch
+
+    return torch.nn.Parameter
 
 
 def _uint8():
