@@ -430,7 +430,7 @@ class Forecast:
         if self.host_gib:
             text += f"; checkpointed inputs offloaded: {_size(self.host_gib)} of pinned host memory per node"
         if self.offload.get("reason"):
-            text += f"; offload_inputs {self.offload['setting']}: {'on' if self.offload['on'] else 'off'} "
+            text += f"; offload_inputs {str(self.offload['setting']).lower()}: {'on' if self.offload['on'] else 'off'} "
             text += f"({self.offload['reason']})"
         if self.device_gib is None:
             text += "; device memory not known here: give --device-memory GIB for a verdict"
