@@ -55,3 +55,15 @@ def test_offload_targets_hold_on_against_off_in_the_same_invocation():
     )
     assert not slow["ctx32k-offload-speed"]["tokens_per_s"]["met"]
     assert "ctx16k-offload-speed" not in slow and "default-path" not in slow
+
+
+def test_the_offloader_check_runs_on_cpu_and_writes_the_results_schema(tmp_path):
+    """``benchmarks.offload_check`` on CPU (the plumbing: no pinned memory, no stream, no memory figure)."""
+    from benchmarks import offload_check
+    from benchmarks.results_schema import Results
+
+    offload_check.main(["--out", str(tmp_path), "--tokens", "64", "--layers", "3", "--hidden", "32", "--repeats", "2"])
+    found = Results.read(tmp_path / "results.json")
+    assert found.bench == "benchmarks.offload_check" and found.targets["gradients_equal"]["met"] is True
+    assert found.detail["offloader_stats"]["packed"] == 6 and found.detail["offloader_stats"]["prefetched"] == 4
+    assert set(found.variants) == {"off", "offload"} and "memory_saved_gib" not in found.targets
