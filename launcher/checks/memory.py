@@ -525,7 +525,7 @@ def _forecast(
     terms["checkpointed inputs"] = one_input * (OFFLOAD_IN_FLIGHT if offload else layers) / GIB
     fixes["checkpointed inputs"] = (
         "a lower cutoff_len or per_device_train_batch_size"
-        if offload
+        if offload or run.offload is False
         else "launcher.patches.checkpoint_all_layers.offload_inputs: true (keeps them in pinned host memory), or a "
         "lower cutoff_len or per_device_train_batch_size"
     )
