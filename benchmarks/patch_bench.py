@@ -23,7 +23,12 @@ collated in 2 DataLoader workers instead of the training process), ``short`` and
 ``short-packed`` (the same pair with samples of about 500 to 2,048 tokens), ``gc-off`` (``on`` with ``gc_freeze``
 off: Python's collector as upstream leaves it), ``heads-repeated`` (``on`` with ``packed_rows.unpacked_forward``
 off: transformers' DeltaNet forward for unpacked steps, the key heads repeated before FLA's chunk kernel),
-``on-reply70`` (``on`` with samples that answer in 70 % of their tokens, as the spread's do, instead of half).
+``on-reply70`` (``on`` with samples that answer in 70 % of their tokens, as the spread's do, instead of half),
+``on-nooffload`` (``on`` with ``checkpoint_all_layers.offload_inputs: false``: against ``on``, whose ``auto`` must
+choose off at 4,096 tokens), ``ctx16k-nooffload`` / ``ctx16k-offload`` and ``ctx32k-nooffload`` / ``ctx32k-offload``
+(cutoff 4x and 8x with ``offload_inputs`` false and true: the pairs whose tokens/s the offload issue compares, the
+first on an 80 GB H100, the second on an H200), ``ctx64k-offload`` and ``ctx128k-offload`` (cutoff 16x and 32x with
+it on: one H100, one H200).
 
 1. ``DIR/model``: a config-only folder of the Qwen3.5-27B shape (``--shape 27b``; ``tiny`` for a CPU run of
    the plumbing) with the demo tokenizer and a matching processor (``benchmarks.bench_assets``); the rank
@@ -153,6 +158,26 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # (forecast about 181 GiB, will not fit); preflight's memory row would refuse the second, so it is skipped there,
     # and the run must end OUT_OF_MEMORY with the phase recorded (results.json: forecast, out_of_memory)
     "forecast-fits": {"steps": 3},
+    # checkpoint_all_layers.offload_inputs (the offload issue): the checkpointed layers' inputs in pinned host memory
+    "on-nooffload": {"patches": {"checkpoint_all_layers": {"offload_inputs": False}}},
+    "ctx16k-nooffload": {
+        "cutoff_factor": 4,
+        "steps": 6,
+        "patches": {"checkpoint_all_layers": {"offload_inputs": False}},
+    },
+    "ctx16k-offload": {"cutoff_factor": 4, "steps": 6, "patches": {"checkpoint_all_layers": {"offload_inputs": True}}},
+    "ctx32k-nooffload": {
+        "cutoff_factor": 8,
+        "steps": 4,
+        "patches": {"checkpoint_all_layers": {"offload_inputs": False}},
+    },
+    "ctx32k-offload": {"cutoff_factor": 8, "steps": 4, "patches": {"checkpoint_all_layers": {"offload_inputs": True}}},
+    "ctx64k-offload": {"cutoff_factor": 16, "steps": 3, "patches": {"checkpoint_all_layers": {"offload_inputs": True}}},
+    "ctx128k-offload": {
+        "cutoff_factor": 32,
+        "steps": 3,
+        "patches": {"checkpoint_all_layers": {"offload_inputs": True}},
+    },
     # with the allocator's history recorded for its first 2 steps, so the OOM leaves memory_snapshot_rank0.pickle
     "forecast-oom": {
         "cutoff_factor": 32,
@@ -175,7 +200,15 @@ TARGETS: dict[str, dict[str, float]] = {
     "profile": {"other_compute_max_s": 0.25},
     "ctx32k": {"peak_max": 90.0},
     "ctx64k": {"peak_max": 125.0},
+    "ctx64k-offload": {"peak_max": 76.0},  # one 80 GB H100 (the offload issue)
+    "ctx128k-offload": {},  # one H200: it must succeed
 }
+# the offload issue: tokens/s with offload_inputs on against off at a length where both fit (16,384 tokens on an H100,
+# 32,768 on an H200), and at 4,096 tokens the default (auto, which must choose off) against off: the same speed and peak
+OFFLOAD_PAIRS = {"ctx16k-offload": "ctx16k-nooffload", "ctx32k-offload": "ctx32k-nooffload"}
+OFFLOAD_SPEED_MIN = 0.90
+DEFAULT_PATH_PAIR = ("on", "on-nooffload")
+DEFAULT_PATH_SPEED_MIN, DEFAULT_PATH_PEAK_GIB = 0.98, 0.1  # noise: 2 % of tokens/s, 0.1 GiB of peak
 PACKING_GAIN_MIN = 1.5  # supervised tokens/s of spread-packed over spread (the packing issue)
 # the fused-glue issue's last target, a packed 4,096-token row no slower than an unpacked 4,096-token step: the
 # target's key -> the packed variant and the unpacked one it is held against (same collation: in the training
@@ -394,6 +427,7 @@ def _proof_summary(run_dir: Path) -> dict[str, Any]:
         },
         "checkpoint_all_layers": {
             "status": ckpt.get("status"),
+            "offload_inputs": ckpt.get("offload_inputs"),
             **{k: first.get(k) for k in CENSUS_KEYS},
             "layer_plan": ckpt.get("layer_plan"),
             "plan_correction": ckpt.get("plan_correction"),
@@ -693,12 +727,55 @@ def targets(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
         row = packed_row_target(variants, packed, unpacked)
         if row:
             found[key] = row
+    found.update(offload_targets(variants))
     for name in ("spread", "short"):
         packed, unpacked = variants.get(f"{name}-packed"), variants.get(name)
         if packed and unpacked:
             keys = ("supervised_tokens_per_s", "supervised_tokens_per_s_minus_compile")
             found[f"{name}-packed"] = {key: _gain(packed.get(key), unpacked.get(key), PACKING_GAIN_MIN) for key in keys}
     return found
+
+
+def offload_targets(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The offload issue's pairs measured in this invocation: ``<on>-speed`` (tokens/s on over off, at least
+    ``OFFLOAD_SPEED_MIN``) and ``default-path`` (``on`` against ``on-nooffload``: auto chose off, the same speed within
+    ``DEFAULT_PATH_SPEED_MIN`` and the same peak within ``DEFAULT_PATH_PEAK_GIB``)."""
+    found: dict[str, Any] = {}
+    for on, off in OFFLOAD_PAIRS.items():
+        a, b = variants.get(on), variants.get(off)
+        if a and b:
+            found[f"{on}-speed"] = {
+                "tokens_per_s": _ratio(a.get("tokens_per_s"), b.get("tokens_per_s"), OFFLOAD_SPEED_MIN),
+                "peak_allocated_gib": {"on": a.get("peak_allocated_gib"), "off": b.get("peak_allocated_gib")},
+                "states": [a.get("state"), b.get("state")],
+            }
+    default, off = (variants.get(k) for k in DEFAULT_PATH_PAIR)
+    if default and off:
+        chosen = ((default.get("proof") or {}).get("checkpoint_all_layers") or {}).get("offload_inputs") or {}
+        peaks = default.get("peak_allocated_gib"), off.get("peak_allocated_gib")
+        found["default-path"] = {
+            "auto_chose": chosen.get("on"),
+            "reason": chosen.get("reason"),
+            "tokens_per_s": _ratio(default.get("tokens_per_s"), off.get("tokens_per_s"), DEFAULT_PATH_SPEED_MIN),
+            "peak_allocated_gib": {
+                "value": peaks[0],
+                "off": peaks[1],
+                "met": None not in peaks and abs(peaks[0] - peaks[1]) <= DEFAULT_PATH_PEAK_GIB,
+            },
+            "met": chosen.get("on") is False,
+        }
+    return found
+
+
+def _ratio(value: float | None, against: float | None, least: float) -> dict[str, Any]:
+    ratio = round(value / against, 3) if value and against else None
+    return {
+        "value": value,
+        "against": against,
+        "ratio": ratio,
+        "minimum": least,
+        "met": ratio is not None and ratio >= least,
+    }
 
 
 def round_key(variant: str, round_: int) -> str:

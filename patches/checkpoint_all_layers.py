@@ -34,6 +34,12 @@ What this patch does:
    second step's peak corrects it (``plan_correction``: narrowed, or widened from the third step, whose census
    and peak are recorded too, ``third_training_step`` and ``plan_recheck``). The default leaves every layer
    checkpointed.
+4. optionally keeps the inputs the checkpointed layers save for their backward in pinned host memory
+   (``offload_inputs``; ``patches.offload``): copied out and back on a side stream, the next layer's input
+   prefetched during the backward. ``true`` / ``false``, or ``auto`` (the default): on when the launcher's memory
+   forecast says the run would not fit the device without it and would with it (preflight decides and passes the
+   decision in the run's facts, ``offload_inputs``; without a decision it stays off). The setting, the decision and
+   its reason are recorded as ``offload_inputs``, with what the first step moved. Off, no hook is installed.
 
 When the patch is turned off, the first-step observation still runs (it only reads), so the record shows
 what LLaMA-Factory did by itself.
@@ -51,7 +57,7 @@ import logging
 import sys
 from dataclasses import asdict
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 from packaging.specifiers import SpecifierSet
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -71,6 +77,7 @@ from .checkpoint_budget import (
 from .checkpoint_census import StepObserver, checkpoint_layers, describe_checkpoint_func
 from .errors import PatchError
 from .layer_meter import InForwardMeter
+from .offload import MIN_BYTES, OffloadedCheckpoint, Offloader
 from .plan_ranks import agree_costs, agree_counts
 from .proof import ProofFile, utc_now
 from .versions import require_global_loads, require_symbols
@@ -91,12 +98,31 @@ class Options(BaseModel):
     enabled: bool = True
     uncheckpointed_layers: int | None = Field(None, ge=0)
     memory_budget_gib: float | None = Field(None, gt=0)
+    offload_inputs: bool | Literal["auto"] = "auto"
 
     @model_validator(mode="after")
     def _one_way(self) -> Options:
         if self.uncheckpointed_layers is not None and self.memory_budget_gib is not None:
             raise ValueError("set uncheckpointed_layers or memory_budget_gib, not both")
+        if not self.enabled and self.offload_inputs is True:
+            raise ValueError("offload_inputs: true needs the patch enabled (it offloads what its checkpointing saves)")
         return self
+
+
+def offload_decision(setting: bool | str, facts: dict[str, Any]) -> dict[str, Any]:
+    """``{"setting", "on", "reason"}``: ``offload_inputs`` as set, or for ``auto`` the launcher's decision from the
+    memory forecast (``facts["offload_inputs"]``, written by preflight), off when there is none."""
+    if setting is True or setting is False:
+        return {"setting": setting, "on": setting, "reason": f"offload_inputs: {str(setting).lower()} in the config"}
+    decided = facts.get("offload_inputs")
+    if isinstance(decided, dict) and isinstance(decided.get("on"), bool):
+        return {"setting": "auto", "on": decided["on"], "reason": str(decided.get("reason") or "")}
+    return {
+        "setting": "auto",
+        "on": False,
+        "reason": "auto: no decision from the memory forecast in this run's facts (preflight's memory row did not "
+        "run); left off",
+    }
 
 
 def check_symbols() -> None:
@@ -151,7 +177,7 @@ def _gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, use
             "launcher.patches.checkpoint_all_layers: false",
         )
     requested = dict(gradient_checkpointing_kwargs or {})
-    func = non_reentrant_checkpoint(**{k: v for k, v in requested.items() if k != "use_reentrant"})
+    func = _with_offload(non_reentrant_checkpoint(**{k: v for k, v in requested.items() if k != "use_reentrant"}))
     layers = checkpoint_every_layer(self, func)
     _state["func"] = func
     calls = _state.setdefault("enable_calls", [])
@@ -168,6 +194,18 @@ def _gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, use
 
 
 setattr(_gradient_checkpointing_enable, _MARKER, NAME)
+
+
+def _offloader(backend: str) -> Offloader:
+    """The run's offloader; on cpu every input is taken (the tiny test models' are below ``MIN_BYTES``), so that the
+    CPU tests drive the copies the accelerators make."""
+    return Offloader(backend, min_bytes=0 if backend == "cpu" else MIN_BYTES)
+
+
+def _with_offload(func):
+    """``func`` inside the offloader's hooks when ``offload_inputs`` is on; ``func`` itself otherwise."""
+    offloader = _state.get("offloader")
+    return OffloadedCheckpoint(func, offloader) if offloader is not None else func
 
 
 def _memory(backend: str):
@@ -191,11 +229,13 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
     if getattr(lf._gradient_checkpointing_enable, _MARKER, None) != NAME:
         _state["original"] = lf._gradient_checkpointing_enable
     lf._gradient_checkpointing_enable = _gradient_checkpointing_enable
+    offload = offload_decision(options.get("offload_inputs", "auto"), facts)
+    _state.update(offload=offload, offloader=_offloader(backend) if offload["on"] else None)
     _state.update(
         proof=proof,
         enabled=True,
         enable_calls=[],
-        func=non_reentrant_checkpoint(),
+        func=_with_offload(non_reentrant_checkpoint()),
         backend=backend,
         count=options.get("uncheckpointed_layers"),
         budget=options.get("memory_budget_gib"),
@@ -208,6 +248,7 @@ def apply(options: dict[str, Any], *, backend: str, proof: ProofFile, facts: dic
             "transformers.Trainer.training_step (first call)",
         ],
         "function": describe_checkpoint_func(_state["func"]),
+        "offload_inputs": offload,
     }
 
 
@@ -254,6 +295,8 @@ def _after_first_step(trainer, model) -> None:
     if observer is not None:
         census = observer.finish()
         _state["proof"].update(first_training_step={**_state["first_step_info"], **census, "recorded_at": utc_now()})
+    if _state.get("offloader") is not None:
+        _state["proof"].update(offload_inputs={**_state["offload"], "first_step": dict(_state["offloader"].stats)})
     if _state.get("meter") is not None:
         _finish_measuring(model)
 

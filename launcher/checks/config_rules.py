@@ -105,7 +105,7 @@ def check_run_config(
     if output:
         _check_output_root(config, out, elsewhere)
     if memory and model and not problems:
-        out.items.append(memory_finding(config, device_gib))
+        out.items.append(memory_finding(config, device_gib, host=not elsewhere))
     return out
 
 
@@ -118,10 +118,11 @@ def _check_output_root(config: RunConfig, out: Findings, elsewhere: bool) -> Non
     out.add("launcher.output_root", ERROR if status == "fail" else OK, f"launcher.output_root: {detail}")
 
 
-def memory_finding(config: RunConfig, device_gib: float | None) -> Finding:
+def memory_finding(config: RunConfig, device_gib: float | None, host: bool = True) -> Finding:
     """The memory forecast as a ``launcher check`` finding (``launcher.checks.memory``): an error when the run
-    will not fit, a warning when it is tight or cannot be forecast."""
+    will not fit (or its offloaded inputs not in this host's free memory, ``host``), a warning when it is tight or
+    cannot be forecast."""
     # `auto` names no device to read here (preflight resolves it on the server): the forecast without a verdict,
     # unless --device-memory gives one
-    status, detail = check_memory(config, config.llamafactory, config.launcher.backend, device_gib)
+    status, detail = check_memory(config, config.llamafactory, config.launcher.backend, device_gib, host=host)
     return Finding("memory", {"fail": ERROR, "warn": WARN}.get(status, OK), f"memory: {detail}")

@@ -15,7 +15,11 @@ The terms (GiB per device):
   its blocks) and either two decoder layers (in their backward) or ``lm_head`` (at the loss), whichever phase
   peaks higher; otherwise the whole root unit (embedding, ``lm_head``, the rest) and two decoder layers;
 - ``lora``: the LoRA parameters (float32), their gradients and Adam's two moments: 16 bytes a parameter;
-- ``checkpointed inputs``: what every checkpointed decoder layer keeps for its backward, its input;
+- ``checkpointed inputs``: what every checkpointed decoder layer keeps for its backward, its input. With
+  ``checkpoint_all_layers.offload_inputs`` on, the checkpointed layers' inputs live in pinned host memory and the
+  device keeps ``OFFLOAD_IN_FLIGHT`` of them (the layer being recomputed and the next one, prefetched) plus the
+  inputs of the layers left un-checkpointed; the host memory this takes (``host_gib``: per rank, times the ranks
+  on a node, in the allocator's chunks) is held against the host's free memory;
 - ``un-checkpointed layers``: the saved activations of the layers the run leaves un-checkpointed (LLaMA-Factory's
   own rule with ``checkpoint_all_layers`` off, ``uncheckpointed_layers``, or the ``memory_budget_gib`` plan),
   per layer kind: Gated DeltaNet and full attention save different widths;
@@ -27,7 +31,10 @@ The terms (GiB per device):
 - ``allocator slack``: what the caching allocator keeps reserved beyond the allocated peak.
 
 The verdict compares peak + slack with the device's memory: ``fits``, ``tight`` (the allocated peak fits, the
-slack does not) or ``will not fit``; it names the largest term and the option that shrinks it.
+slack does not) or ``will not fit``; it names the largest term and the option that shrinks it. The forecast is made
+with and without ``offload_inputs``; ``auto`` takes it when the run would not fit without it and would with it
+(``Forecast.offload`` says which and why; preflight passes that decision to the ranks). With ``--device-memory``
+the row also lists the ``cutoff_len`` values that fit, with and without it (``fitting_lengths``).
 """
 
 from __future__ import annotations
@@ -91,6 +98,13 @@ FSDP_GATHERED_LAYERS = 2
 # forecast adds 5 % of the peak on top of that, an allowance until a run records its reserved peak.
 SLACK_GIB = 1.0
 SLACK_SHARE = 0.05
+# offload_inputs: the inputs on the device at a time in the backward, the one being recomputed and the next,
+# prefetched (patches/offload.py); the host keeps them in chunks of this size (a power of two: the pinned
+# allocator rounds every allocation up to one, patches.offload.CHUNK_BYTES)
+OFFLOAD_IN_FLIGHT = 2
+OFFLOAD_CHUNK_BYTES = 64 * 1024**2
+# the cutoff_len values --device-memory reports as fitting or not: 1,024 to 262,144 tokens
+FIT_LENGTHS = tuple(1024 * 2**k for k in range(9))
 
 
 @dataclass(frozen=True)
@@ -263,6 +277,10 @@ class RunShape:
     budget_gib: float | None
     chunk_tokens: int | None  # None: the whole logits
     fused_glue: bool
+    offload: bool | str = False  # checkpoint_all_layers.offload_inputs: True, False or "auto"
+    node_ranks: int = 1  # training ranks on one node (they share its host memory)
+    cutoff: int = 0  # cutoff_len (tokens = cutoff x batch)
+    backend: str = "auto"
 
 
 def run_shape(
@@ -280,7 +298,9 @@ def run_shape(
     ranks = launcher.nproc_per_node * launcher.nnodes
     ckpt = patches.get("checkpoint_all_layers", {})
     kinds = shape.kinds()
-    if lf.get("gradient_checkpointing") is False or lf.get("disable_gradient_checkpointing"):
+    checkpointing = not (lf.get("gradient_checkpointing") is False or lf.get("disable_gradient_checkpointing"))
+    offload = ckpt.get("offload_inputs", "auto") if ckpt.get("enabled", True) and checkpointing else False
+    if not checkpointing:
         left = dict(kinds)  # nothing checkpointed
     elif not ckpt.get("enabled", True):
         # LLaMA-Factory 0.9.5 checkpoints only layers owning a trainable parameter (patches/checkpoint_all_layers.py)
@@ -310,6 +330,10 @@ def run_shape(
         budget_gib=ckpt.get("memory_budget_gib"),
         chunk_tokens=int(chunked.get("chunk_tokens", 512)) if chunked.get("enabled", True) else None,
         fused_glue=bool(glue),
+        offload=offload,
+        node_ranks=launcher.nproc_per_node,
+        cutoff=cutoff,
+        backend=launcher.backend,
     )
 
 
@@ -342,6 +366,11 @@ class Forecast:
     device_gib: float | None
     notes: list[str] = field(default_factory=list)
     fixes: dict[str, str] = field(default_factory=dict)
+    host_gib: float = 0.0  # pinned host memory per node for offloaded inputs (0: not offloaded)
+    offload: dict[str, Any] = field(default_factory=dict)  # setting, on, reason
+    other: Forecast | None = None  # the same run with offload_inputs the other way
+    offloaded: bool = False  # this forecast has the checkpointed inputs in host memory
+    lengths: dict[str, list[int]] = field(default_factory=dict)  # fitting_lengths, where asked for
 
     @property
     def peak(self) -> float:
@@ -372,6 +401,23 @@ class Forecast:
             "largest": self.largest,
             "fix": self.fixes.get(self.largest),
             "notes": self.notes,
+            "offload_inputs": self.offload_record(),
+        }
+
+    def offload_record(self) -> dict[str, Any]:
+        """The ``offload_inputs`` decision and the forecast both ways (``without`` / ``with``)."""
+        both = {("with" if f.offloaded else "without"): f for f in (self, self.other) if f is not None}
+        return {
+            **self.offload,
+            **{
+                key: {
+                    "terms_gib": {k: round(v, 2) for k, v in f.terms.items()},
+                    "peak_gib": round(f.peak, 2),
+                    "verdict": f.verdict,
+                    "host_gib_per_node": round(f.host_gib, 2),
+                }
+                for key, f in both.items()
+            },
         }
 
     def line(self) -> str:
@@ -381,6 +427,11 @@ class Forecast:
         text = f"forecast peak {_size(self.peak)} per device ({shown}; + slack {_size(self.slack)})"
         if self.eval_peak > self.step_peak or self.save_peak > self.step_peak:
             text += f"; evaluation {_size(self.eval_peak)}, final save {_size(self.save_peak)}"
+        if self.host_gib:
+            text += f"; checkpointed inputs offloaded: {_size(self.host_gib)} of pinned host memory per node"
+        if self.offload.get("reason"):
+            text += f"; offload_inputs {str(self.offload['setting']).lower()}: {'on' if self.offload['on'] else 'off'} "
+            text += f"({self.offload['reason']})"
         if self.device_gib is None:
             text += "; device memory not known here: give --device-memory GIB for a verdict"
         else:
@@ -395,8 +446,54 @@ def _size(gib: float) -> str:
     return f"{gib:.2f} GiB" if gib >= 0.1 else f"{gib * 1024:.1f} MiB"
 
 
-def forecast(shape: ModelShape, run: RunShape, lora_params: int, device_gib: float | None = None) -> Forecast:
-    """The per-device forecast of one training rank (see the module docstring for the terms)."""
+def forecast(
+    shape: ModelShape,
+    run: RunShape,
+    lora_params: int,
+    device_gib: float | None = None,
+    host_free_gib: float | None = None,
+) -> Forecast:
+    """The per-device forecast of one training rank (see the module docstring for the terms), with
+    ``offload_inputs`` as set or, for ``auto``, as decided here: on when the run will not fit ``device_gib``
+    without it and its allocated peak would with it (``fits`` or ``tight``), and the host's free memory
+    (``host_free_gib``, where known) holds the inputs.
+    ``Forecast.other`` is the forecast the other way."""
+    if run.offload is False:
+        return _forecast(shape, run, lora_params, device_gib, offload=False)
+    off = _forecast(shape, run, lora_params, device_gib, offload=False)
+    on = _forecast(shape, run, lora_params, device_gib, offload=True)
+    off.other, on.other = on, off
+    if run.offload is True:
+        on.offload = {"setting": True, "on": True, "reason": "set true in the config"}
+        return on
+    chosen, reason = off, ""
+    if run.backend == "cpu":
+        reason = "auto: the cpu backend keeps everything in host memory already"
+    elif device_gib is None:
+        reason = "auto: the device's memory is not known here"
+    elif off.verdict != "will not fit":
+        reason = f"auto: the run {off.verdict} without it ({_size(off.peak)} peak against {device_gib:.1f} GiB)"
+    elif on.verdict == "will not fit" or on.peak >= off.peak:
+        reason = f"auto: the run would not fit with it either ({_size(on.peak)} peak against {device_gib:.1f} GiB)"
+    elif host_free_gib is not None and on.host_gib > host_free_gib:
+        reason = (
+            f"auto: the run needs it ({_size(off.peak)} peak without it against {device_gib:.1f} GiB), but the "
+            f"host has {host_free_gib:.1f} GiB free for the {_size(on.host_gib)} it would pin"
+        )
+    else:
+        chosen = on
+        reason = (
+            f"auto: {_size(off.peak)} peak without it ({off.verdict}), {_size(on.peak)} with it against "
+            f"{device_gib:.1f} GiB"
+        )
+    chosen.offload = {"setting": "auto", "on": chosen is on, "reason": reason}
+    return chosen
+
+
+def _forecast(
+    shape: ModelShape, run: RunShape, lora_params: int, device_gib: float | None, *, offload: bool
+) -> Forecast:
+    """The forecast with the checkpointed layers' inputs offloaded to host memory, or not."""
     counts = parameter_counts(shape)
     b, shards = run.act_bytes, run.ranks if run.fsdp2 else 1
     weight_bytes = 4 if run.fp32_frozen else b
@@ -424,14 +521,28 @@ def forecast(shape: ModelShape, run: RunShape, lora_params: int, device_gib: flo
     terms["lora"] = lora_params * 16 / shards / GIB
     fixes["lora"] = "a lower lora_rank or fewer lora_target modules"
     layers = len(shape.layer_types)
-    terms["checkpointed inputs"] = run.tokens * layers * shape.hidden * b / GIB
-    fixes["checkpointed inputs"] = "a lower cutoff_len or per_device_train_batch_size"
+    one_input = run.tokens * shape.hidden * b  # bytes of one layer's input
+    terms["checkpointed inputs"] = one_input * (OFFLOAD_IN_FLIGHT if offload else layers) / GIB
+    fixes["checkpointed inputs"] = (
+        "a lower cutoff_len or per_device_train_batch_size"
+        if offload or run.offload is False
+        else "launcher.patches.checkpoint_all_layers.offload_inputs: true (keeps them in pinned host memory), or a "
+        "lower cutoff_len or per_device_train_batch_size"
+    )
     real = REAL_OVER_COUNTED * (FUSED_GLUE_LAYER_SHARE if run.fused_glue else 1.0)
     left = dict(run.uncheckpointed)
     notes = []
     if run.budget_gib is not None:
-        left, note = _budget_plan(shape, run, per_layer, terms, counts, max(real, 1.0))
+        # offloaded, a layer left un-checkpointed keeps its input on the device too
+        extra = one_input / GIB if offload else 0.0
+        left, note = _budget_plan(shape, run, per_layer, terms, counts, max(real, 1.0), extra)
         notes.append(note)
+    host_gib = 0.0
+    if offload:
+        kept = sum(left.values())
+        checkpointed = layers - kept
+        terms["checkpointed inputs"] = one_input * (min(OFFLOAD_IN_FLIGHT, checkpointed) + kept) / GIB
+        host_gib = checkpointed * _host_bytes(one_input) * run.node_ranks / GIB
     terms["un-checkpointed layers"] = sum(n * per_layer[k] * real for k, n in left.items())
     fixes["un-checkpointed layers"] = (
         "fewer un-checkpointed layers (a lower checkpoint_all_layers."
@@ -463,7 +574,36 @@ def forecast(shape: ModelShape, run: RunShape, lora_params: int, device_gib: flo
     if eval_peak > step:
         terms["evaluation"] = eval_peak - held
     slack = SLACK_GIB + SLACK_SHARE * max(step, eval_peak, save_peak)
-    return Forecast(terms, step, eval_peak, save_peak, slack, device_gib, notes, fixes)
+    return Forecast(terms, step, eval_peak, save_peak, slack, device_gib, notes, fixes, host_gib, offloaded=offload)
+
+
+def _host_bytes(nbytes: int) -> int:
+    """Pinned bytes one offloaded input takes: whole chunks, and the last one rounded up to a power of two."""
+    whole, rest = divmod(nbytes, OFFLOAD_CHUNK_BYTES)
+    return whole * OFFLOAD_CHUNK_BYTES + (1 << (rest - 1).bit_length() if rest else 0)
+
+
+def fitting_lengths(
+    shape: ModelShape, run: RunShape, lora_params: int, device_gib: float, lengths: tuple[int, ...] = FIT_LENGTHS
+) -> dict[str, list[int]]:
+    """The ``cutoff_len`` values (``lengths``) whose forecast ``fits`` ``device_gib``, without and with
+    ``offload_inputs`` (``{"without": [...], "with": [...]}``; ``with`` is empty when the run cannot offload), and
+    those only ``tight`` there (``without_tight``, ``with_tight``: the allocated peak fits, the slack does not)."""
+    from dataclasses import replace
+
+    found: dict[str, list[int]] = {"without": [], "with": [], "without_tight": [], "with_tight": []}
+    cutoff = run.cutoff or run.tokens
+    for length in lengths:
+        scaled_run = replace(
+            run, tokens=run.tokens * length // cutoff, eval_tokens=run.eval_tokens * length // cutoff, cutoff=length
+        )
+        for key, offload in (("without", False), ("with", True)):
+            if offload and run.offload is False:
+                continue
+            verdict = _forecast(shape, scaled_run, lora_params, device_gib, offload=offload).verdict
+            if verdict != "will not fit":
+                found[key if verdict == "fits" else f"{key}_tight"].append(length)
+    return found
 
 
 def _working_phase(
@@ -499,6 +639,7 @@ def _budget_plan(
     terms: dict[str, float],
     counts: dict[str, int],
     real: float,
+    extra_gib: float = 0.0,
 ) -> tuple[dict[str, int], str]:
     """The layers a ``memory_budget_gib`` plan leaves un-checkpointed from the third step on:
     ``patches.checkpoint_budget.plan`` on the forecast's counts priced at what a layer really costs (``real``), as
@@ -508,7 +649,9 @@ def _budget_plan(
 
     kinds = shape.kinds()
     costs = {
-        k: LayerCost(k, kinds[k], int(per_layer[k] * real * GIB), per_layer[k], run.tokens) for k in kinds if kinds[k]
+        k: LayerCost(k, kinds[k], int((per_layer[k] * real + extra_gib) * GIB), per_layer[k], run.tokens)
+        for k in kinds
+        if kinds[k]
     }
     (_, working), _, _ = _working_phase(shape, run, counts, per_layer)
     activations = terms["checkpointed inputs"] + working
@@ -570,31 +713,87 @@ def device_memory_gib(backend: str) -> float | None:
         return None
 
 
-def forecast_run(config, lf: dict[str, Any], device_gib: float | None) -> Forecast:
-    """The forecast of a run config; raises ``ValueError`` (``UnsupportedModel``) saying why it cannot be made."""
+def forecast_run(
+    config, lf: dict[str, Any], device_gib: float | None, host_free_gib: float | None = None, lengths: bool = False
+) -> Forecast:
+    """The forecast of a run config; raises ``ValueError`` (``UnsupportedModel``) saying why it cannot be made.
+    ``lengths``: also the ``cutoff_len`` values that fit ``device_gib`` (``Forecast.lengths``)."""
     from launcher.checks.model import read_config
 
     raw = read_config(Path(str(lf.get("model_name_or_path", ""))))
     shape = read_shape(raw)
     run = run_shape(shape, raw, config.launcher, config.patches, lf)
-    return forecast(shape, run, lora_parameters(shape, raw, lf), device_gib)
+    lora = lora_parameters(shape, raw, lf)
+    result = forecast(shape, run, lora, device_gib, host_free_gib)
+    if lengths and device_gib is not None:
+        result.lengths = fitting_lengths(shape, run, lora, device_gib)
+    return result
+
+
+def host_free_gib() -> float | None:
+    """The host's available memory now (``psutil.virtual_memory().available``), None where it cannot be read."""
+    try:
+        import psutil
+
+        return psutil.virtual_memory().available / GIB
+    except Exception:  # no psutil: the host check is not made
+        return None
+
+
+def _lengths_line(found: dict[str, list[int]], device_gib: float) -> str:
+    def most(values: list[int]) -> str:
+        return f"up to {max(values):,}" if values else f"none of {FIT_LENGTHS[0]:,} to {FIT_LENGTHS[-1]:,}"
+
+    def tight(key: str) -> str:
+        return f" ({', '.join(f'{n:,}' for n in found[key])} tight)" if found[key] else ""
+
+    text = f"cutoff_len that fits {device_gib:.1f} GiB: {most(found['without'])} tokens without offload_inputs"
+    text += tight("without_tight")
+    if found["with"] or found["with_tight"]:
+        text += f", {most(found['with'])} with it{tight('with_tight')}"
+    return text
 
 
 def check_memory(
-    config, lf: dict[str, Any], backend: str, device_gib: float | None = None, free_gib: float | None = None
+    config,
+    lf: dict[str, Any],
+    backend: str,
+    device_gib: float | None = None,
+    free_gib: float | None = None,
+    *,
+    host: bool = True,
+    out: dict[str, Any] | None = None,
 ) -> tuple[str, str]:
     """``(status, detail)`` of the ``memory`` row: ``fail`` for will not fit, ``warn`` for tight or when the
-    forecast cannot be made, ``ok`` otherwise. ``device_gib`` (``--device-memory``) overrides what torch reads;
-    ``free_gib``, the least free memory of the run's devices now (preflight's ``devices`` row), is held against
-    the peak too: a peak that fits the device but not what other processes leave of it fails."""
+    forecast cannot be made, ``ok`` otherwise. ``device_gib`` (``--device-memory``) overrides what torch reads, and
+    then the row lists the ``cutoff_len`` values that fit, with and without ``offload_inputs``; ``free_gib``, the
+    least free memory of the run's devices now (preflight's ``devices`` row), is held against the peak too: a peak
+    that fits the device but not what other processes leave of it fails. ``host``: the host's free memory is this
+    machine's (not a check for another machine): offloaded inputs that need more pinned memory than it has fail.
+    ``out`` gets the ``offload_inputs`` decision (``Forecast.offload``) for preflight to pass to the ranks."""
+    lengths = device_gib is not None
     if device_gib is None:
         device_gib = device_memory_gib(backend)
+    host_gib = host_free_gib() if host else None
     try:
-        result = forecast_run(config, lf, device_gib)
+        result = forecast_run(config, lf, device_gib, host_gib, lengths=lengths)
     except (ValueError, OSError) as err:
         return "warn", f"memory forecast not made: {err}"
+    if out is not None and result.offload:
+        out["offload_inputs"] = {k: result.offload[k] for k in ("setting", "on", "reason")}
     status = {"will not fit": "fail", "tight": "warn"}.get(result.verdict or "", "ok")
     line = result.line()
+    if result.lengths:
+        line += f"; {_lengths_line(result.lengths, device_gib)}"
+    if result.host_gib and host_gib is not None:
+        if result.host_gib > host_gib:
+            status = "fail"
+            line += (
+                f"; but the host has only {host_gib:.1f} GiB available for the {_size(result.host_gib)} of pinned "
+                "memory the offloaded inputs need: set offload_inputs: false, or free host memory"
+            )
+        else:
+            line += f"; {host_gib:.1f} GiB of host memory available"
     if free_gib is not None and status != "fail":
         if result.peak > free_gib:
             status = "fail"

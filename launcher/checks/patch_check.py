@@ -4,6 +4,7 @@
   ASFT losses (which read ``outputs.logits``) cannot run with it, nor the Trainer's ``label_smoothing_factor``
   (it takes the labels from the model and smooths the logits itself, so the patch would silently not run);
 - ``checkpoint_all_layers.memory_budget_gib`` needs a device that reports its peak memory (not ``cpu``);
+- ``checkpoint_all_layers.offload_inputs: true`` needs gradient checkpointing on;
 - packing (``packing``/``neat_packing``) keeps the samples of a row apart only for stage ``sft`` (LLaMA-Factory's
   neat packing), with attention through the 4D block mask (not ``flash_attn: fa2``, where LLaMA-Factory 0.9.5
   swaps in its own Qwen3.5 forwards calling FLA directly), and with ``deltanet_routing`` and ``packed_rows`` on
@@ -67,6 +68,15 @@ def patch_problems(
                     "npu); the backend is cpu: "
                     "use uncheckpointed_layers: N instead"
                 ),
+            )
+        )
+    checkpointing = not (lf.get("gradient_checkpointing") is False or lf.get("disable_gradient_checkpointing"))
+    if ckpt.get("enabled") and ckpt.get("offload_inputs") is True and not checkpointing:
+        problems.append(
+            (
+                f"{where}.offload_inputs",
+                f"{where}.offload_inputs: true moves what checkpointed layers save, but the LLaMA-Factory config "
+                "turns gradient checkpointing off; remove offload_inputs or turn checkpointing on",
             )
         )
     return problems + packing_problems(patches, lf)

@@ -16,7 +16,9 @@ Rows (status ``ok``, ``warn``, ``fail`` or ``skip``; only ``fail`` stops a run):
   at the run's shapes (``launcher.checks.kernel_choice``; the record is ``preflight.json``'s ``kernel_choice``), and
   a torch fallback fails the row unless ``launcher.patches.deltanet_routing.allow_torch_fallback: true``
 - ``model.*``: model type, layer pattern, weights, tokenizer, checksum manifest (``launcher.checks.model``)
-- ``memory``: the forecast peak per device, term by term, against the device's memory (``launcher.checks.memory``)
+- ``memory``: the forecast peak per device, term by term, against the device's memory (``launcher.checks.memory``);
+  it decides ``checkpoint_all_layers.offload_inputs: auto`` (the record is ``preflight.json``'s ``offload_inputs``,
+  which the ranks read) and fails when offloaded inputs need more pinned memory than the host has available
 - ``dataset``: datasets registered in ``dataset_info.json``, files present and readable (``launcher.checks.data_check``)
 - ``output``: the output root is writable and has enough free space (``launcher.checks.data_check``)
 
@@ -87,6 +89,7 @@ class PreflightReport:
     created: str = field(default_factory=now_iso)
     data_stats: dict[str, Any] | None = None  # the short token statistics, written as data_stats.json
     kernel_choice: dict[str, Any] | None = None  # on NPU: each DeltaNet component's kernel, what was refused
+    offload_inputs: dict[str, Any] | None = None  # the memory row's checkpoint_all_layers.offload_inputs decision
 
     @property
     def ok(self) -> bool:
@@ -174,7 +177,10 @@ def run_preflight(
         ),
         ("model", lambda: check_model(model_dir, skip)),
         ("devices", lambda: [_devices_row(prepared, stats)]),
-        ("memory", lambda: [("memory", *check_memory(config, lf, backend, device_gib, stats.get("free_gib")))]),
+        (
+            "memory",
+            lambda: [("memory", *check_memory(config, lf, backend, device_gib, stats.get("free_gib"), out=found))],
+        ),
         ("dataset", lambda: [check_dataset(lf)]),
         ("output", lambda: [check_output(Path(config.launcher.output_root), config.launcher.smoke)]),
         ("data_stats", lambda: [check_data_stats(config, stats)]),
@@ -195,6 +201,7 @@ def run_preflight(
         report.checks.extend(Check(n, s, d, elapsed) for n, s, d in rows)
     report.data_stats = stats.get("result")
     report.kernel_choice = found.get("kernel_choice")
+    report.offload_inputs = found.get("offload_inputs")
     return report
 
 

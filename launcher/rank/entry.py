@@ -89,13 +89,16 @@ def _leave_process_group() -> None:
 
 def run_facts(run_dir: Path, launch: dict) -> dict:
     """``launch.json``'s facts, plus the kernel choice preflight made on NPU (``preflight.json``'s
-    ``kernel_choice``), which ``deltanet_routing`` and ``fused_ops`` bind."""
+    ``kernel_choice``), which ``deltanet_routing`` and ``fused_ops`` bind, and its memory row's
+    ``offload_inputs`` decision, which ``checkpoint_all_layers`` takes for ``auto``."""
     from launcher.files import read_json_object
 
     facts = dict(launch.get("facts") or {})
     preflight = read_json_object(run_dir / PREFLIGHT_FILE)
     if isinstance(preflight, dict) and preflight.get("kernel_choice") is not None:
         facts["kernel_choice"] = preflight["kernel_choice"]
+    if isinstance(preflight, dict) and isinstance(preflight.get("offload_inputs"), dict):
+        facts["offload_inputs"] = preflight["offload_inputs"]
     return facts
 
 

@@ -90,7 +90,7 @@ def test_two_fsdp2_ranks_agree_on_a_budget_plan_and_on_its_correction(tmp_path, 
     assert corrections[0]["factor"] == 1.0 and corrections[1]["factor"] > 1000
     assert corrections[0]["widened"] == []  # rank 0's factor would widen, but its plan left every layer out already
     for proof, layer_plan, correction in zip(proofs, plans, corrections, strict=True):
-        assert proof["options"] == {"uncheckpointed_layers": None, "memory_budget_gib": 100.0}
+        assert proof["options"] == {"uncheckpointed_layers": None, "memory_budget_gib": 100.0, "offload_inputs": "auto"}
         assert layer_plan["this_rank_chose"] == layer_plan["uncheckpointed"] and layer_plan["ranks"] == 2
         assert layer_plan["detail"]["budget_gib"] == 100.0 and not layer_plan["errors"]
         assert _not_checkpointed(proof["second_training_step"]) == sorted(names)  # the plan held at step 2

@@ -13,7 +13,12 @@ import pytest
 import patches
 from patches.registry import PATCHES
 
-CHECKPOINT_DEFAULTS = {"enabled": True, "uncheckpointed_layers": None, "memory_budget_gib": None}
+CHECKPOINT_DEFAULTS = {
+    "enabled": True,
+    "uncheckpointed_layers": None,
+    "memory_budget_gib": None,
+    "offload_inputs": "auto",
+}
 DEFAULTS = {
     "deltanet_routing": {"enabled": True, "kernel": "auto", "allow_torch_fallback": False},
     "fused_ops": {"enabled": True, "conv": True, "rms_norm": True, "gated_norm": True, "swiglu": True},
