@@ -35,11 +35,13 @@ import yaml
 
 from launcher.errors import ExitCode
 from tests.support import fake_runs
-from tests.support.engine import BASE_IMAGE, ENABLE, IMAGE, ROOT, docker_cli, project_context
+from tests.support.engine import BASE_IMAGE, ENABLE, ROOT, compose_names, docker_cli, project_context
 
 # nothing tolerated: an engine error, or a status answer that is not JSON, is what these tests look at
 wait_for = partial(fake_runs.wait_for, tolerate=())
-CONTAINER = "deltanet-train-cpu"
+# compose's name for train-cpu's container in this checkout (<project>-train-cpu-1; compose.yaml, "Names on a
+# shared engine"): asked of compose only when these tests are on (compose may be absent otherwise)
+CONTAINER = compose_names()[1] if os.environ.get(ENABLE) == "1" else "<project>-train-cpu-1"
 NONROOT = (1000, 1000)
 DEMO = yaml.safe_load((ROOT / "configs" / "demo_cpu.yaml").read_text())
 
@@ -142,8 +144,8 @@ def launcher_on_host(
     )
 
 
-def test_up_trains_the_demo_to_succeeded(compose: Compose, engine) -> None:
-    digest = engine.images.get(IMAGE).id  # what the engine reports; compose passes it to the launcher
+def test_up_trains_the_demo_to_succeeded(compose: Compose, engine, cpu_image) -> None:
+    digest = engine.images.get(cpu_image).id  # what the engine reports; compose passes it to the launcher
     out = compose.cmd(
         "up", "--exit-code-from", "train-cpu", "train-cpu", env={"LAUNCHER_IMAGE_DIGEST": digest}, timeout=900
     )
@@ -160,7 +162,7 @@ def test_up_trains_the_demo_to_succeeded(compose: Compose, engine) -> None:
     assert any(r.get("current_steps") == DEMO["max_steps"] for r in steps)
     manifest = json.loads((run / "manifest.json").read_text())
     image = manifest["image"]
-    assert image["tag"] == IMAGE and image["base"] == BASE_IMAGE  # LAUNCHER_IMAGE, LAUNCHER_BASE_IMAGE
+    assert image["tag"] == cpu_image and image["base"] == BASE_IMAGE  # LAUNCHER_IMAGE, LAUNCHER_BASE_IMAGE
     assert image["digest"] == digest and manifest["container"]["image"]["digest"] == digest
     # readable by a user on the host who is not root: records, the adapter, the trainer log
     for path in (run / "status.json", adapter, run / "output" / "trainer_log.jsonl", run / "verify.json"):
