@@ -17,7 +17,10 @@
 #   docker compose --profile cann9 build train-cann9  # npu-cann9 (offline only, see above)
 #   docker compose --profile cuda build train-cuda  # cuda
 #   docker compose --profile cpu build train-cpu    # cpu
-#   docker build --target cuda -t deltanet-launcher:cuda .
+#   docker build --target cuda -t deltanet-launcher:cuda .   # then LAUNCHER_CUDA_IMAGE=deltanet-launcher:cuda for compose
+#
+# Compose tags each checkout's images deltanet-launcher:<project>-<target> (docs/containers.md, "Two checkouts on
+# one engine"); `docker compose config --images` names them.
 #
 # Offline (air-gapped server): make a wheelhouse for the lock and the server's platform on a connected
 # machine, copy it into this folder's wheelhouse/<name>/, and build with WHEELHOUSE=<name>:

@@ -17,7 +17,8 @@
 # mounted at the same paths in every container. The login node's commands find the cluster through
 # SLURM_CONF=DIR/slurm.conf (`start` prints it); `docker exec deltanet-slurm-ctl launcher submit ...` submits
 # with the image's own launcher. SLURM_CLUSTER_IMAGE: the image the nodes are built on
-# (default deltanet-launcher:cpu: `bash scripts/build-image.sh cpu`). SlurmdTimeout is 10 s, so that a lost
+# (default: the cpu image this checkout's compose builds, deltanet-launcher:<project>-cpu: `bash scripts/build-image.sh
+# cpu`; `docker compose --profile cpu config --images train-cpu` names it). SlurmdTimeout is 10 s, so that a lost
 # node is noticed fast; AuthInfo=cred_expire=60 (Slurm's default 120 s) is also how long 22.05 holds a requeued job
 # before it may start again (src/slurmctld/job_mgr.c: begin_time = now + the credential lifetime + 1), so a requeue
 # waits 61 s, past the old step's KillWait of 30 s; MinJobAge keeps ended jobs visible to `scontrol show job` for
@@ -29,11 +30,11 @@ CTLD_PORT=${SLURM_CTLD_PORT:-16817}
 NODE_PORTS=(16818 16819)
 NODES=(n1 n2)
 PREFIX=deltanet-slurm
-BASE_IMAGE=${SLURM_CLUSTER_IMAGE:-deltanet-launcher:cpu}
 NODE_IMAGE=deltanet-slurm-node
 KEY=/etc/munge/munge.key
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 if [[ -x /usr/bin/docker ]]; then DOCKER=/usr/bin/docker; else DOCKER=$(command -v docker || echo docker); fi
+BASE_IMAGE=${SLURM_CLUSTER_IMAGE:-$(cd "$HERE" && "$DOCKER" compose --profile cpu config --images train-cpu 2>/dev/null || true)}
 
 die() {
     echo "slurm-cluster: $*" >&2
@@ -129,6 +130,7 @@ start_munge() {
 
 node_image() {
     local base
+    [[ -n $BASE_IMAGE ]] || die "no cpu image named: docker compose does not answer here; set SLURM_CLUSTER_IMAGE"
     base=$("$DOCKER" image inspect -f '{{.Id}}' "$BASE_IMAGE" 2>/dev/null) ||
         die "no image $BASE_IMAGE to build the nodes on: bash scripts/build-image.sh cpu (or set SLURM_CLUSTER_IMAGE)"
     if [[ $("$DOCKER" image inspect -f '{{index .Config.Labels "deltanet.slurm.base"}}' "$NODE_IMAGE" 2>/dev/null) != "$base" ]]; then

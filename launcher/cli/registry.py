@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -84,29 +85,55 @@ def runs_root(ns: argparse.Namespace) -> Path:
     return default_root()
 
 
+def _when(epoch: float | None) -> str:
+    """An engine's start time, as the lock's owner file writes its own (UTC, seconds)."""
+    if epoch is None:
+        return "at an unknown time"
+    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="seconds")
+
+
 SETUP_WAIT_S = 600.0  # a run being set up (its config checked) gets its folder within this; then the newest run
 
 
 def run_dir(ns: argparse.Namespace) -> Path:
     """The run directory RUN names, or the newest under the runs folder; raises ``RunNotFound``.
 
-    Without RUN, while a run is being set up under the runs folder (its supervisor holds the lock and checks the
-    config: 40 to 100 s after ``docker compose up -d`` on a busy machine), the newest folder is the previous run:
-    this waits for the new run's folder instead, and says so on stderr.
+    Without RUN, while a run is being set up under the runs folder, the newest folder is the previous run: this
+    waits for the new run's folder instead, and says so on stderr. Being set up: a container the Docker engine
+    runs `launcher run` in, mounting the runs folder, that has not recorded its run yet (right after
+    ``docker compose up -d``, before its launcher holds the lock: ``launcher.state.starting``), or a supervisor
+    holding the lock and checking the config (40 to 100 s after ``docker compose up -d`` on a busy machine).
     """
     root = runs_root(ns)
     if ns.run is None:
         from launcher.run.lock import being_set_up, wait_for_run_id
+        from launcher.state.starting import starting_container, wait_for_container
 
         owner = being_set_up(root)
-        if owner is not None:
+        said = False
+        if owner is None and (starting := starting_container(root)) is not None:
             print(
-                f"waiting for the run being set up under {root} (supervisor pid {owner.get('pid')} on "
-                f"{owner.get('hostname')}, since {owner.get('since')}): its folder appears once its config is "
-                f"checked",
+                f"waiting for the run being set up under {root} (container {starting.name}, started "
+                f"{_when(starting.started)}): its folder appears once its config is checked",
                 file=sys.stderr,
                 flush=True,
             )
+            said = True
+            found = wait_for_container(root, starting, lambda: being_set_up(root) is not None)
+            if found is not None:
+                return found.resolve()
+            owner = being_set_up(root)
+            if owner is None:
+                print("warning: no run folder came of it; showing the newest run", file=sys.stderr, flush=True)
+        if owner is not None:
+            if not said:
+                print(
+                    f"waiting for the run being set up under {root} (supervisor pid {owner.get('pid')} on "
+                    f"{owner.get('hostname')}, since {owner.get('since')}): its folder appears once its config is "
+                    f"checked",
+                    file=sys.stderr,
+                    flush=True,
+                )
             run_id = wait_for_run_id(root, SETUP_WAIT_S)
             if run_id is not None:
                 return run_dir_for(run_id, root)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -163,12 +164,80 @@ def test_train_cpu_runs_the_demo_config_with_trains_settings() -> None:
     assert "devices" not in cpu and "ulimits" not in cpu and "network_mode" not in cpu
 
 
-def test_every_service_names_its_container_in_the_environment() -> None:
+# what each service's image is named after its project, the variant of the Dockerfile it is built from
+IMAGE_VARIANTS = {"train": "npu", "train-cann9": "npu-cann9", "train-cuda": "cuda", "train-cpu": "cpu"}
+
+
+def test_every_service_names_its_container_and_image_after_the_project() -> None:
+    """No fixed project, container or image name (two checkouts on one engine would share them): compose names the
+    project after the checkout's folder, the container <project>-<service>-1, and the image carries the project."""
+    assert "name" not in COMPOSE  # compose derives it: -p, COMPOSE_PROJECT_NAME, else the folder
     for name, svc in COMPOSE["services"].items():
         env = svc["environment"]
-        assert env["LAUNCHER_CONTAINER"] == svc["container_name"], name
+        assert "container_name" not in svc, name
+        assert env["LAUNCHER_CONTAINER"] == f"${{COMPOSE_PROJECT_NAME}}-{name}-1", name
+        assert svc["image"] == env["LAUNCHER_IMAGE"], name
+        assert svc["image"].endswith(f":-deltanet-launcher:${{COMPOSE_PROJECT_NAME}}-{IMAGE_VARIANTS[name]}}}"), name
         assert env["HF_HUB_OFFLINE"] == "1" and env["LAUNCHER_WRITABLE_DIRS"] == "/outputs /logs", name
         assert env["TRITON_CACHE_DIR"] == "/outputs/.cache/triton" and env["TRITON_CACHE_AUTOTUNING"] == "1", name
+
+
+def _compose_names(folder: Path, **env: str) -> tuple[str, str, str]:
+    """(project, train-cpu's container, its image) as the installed ``docker compose config`` resolves them in
+    ``folder``, with ``env`` over an environment without compose's own settings."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "LAUNCHER_"))}
+    out = subprocess.run(
+        [_docker_compose_cli(), "compose", "--profile", "cpu", "config", "--format", "json"],
+        cwd=folder,
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    config = json.loads(out.stdout)
+    cpu = config["services"]["train-cpu"]
+    assert cpu["environment"]["LAUNCHER_IMAGE"] == cpu["image"] and "container_name" not in cpu
+    return config["name"], cpu["environment"]["LAUNCHER_CONTAINER"], cpu["image"]
+
+
+def _docker_compose_cli() -> str:
+    """A docker CLI with the compose v2 plugin; the test is skipped without one (no engine is needed)."""
+    cli = "/usr/bin/docker" if os.access("/usr/bin/docker", os.X_OK) else shutil.which("docker")
+    if not cli or subprocess.run([cli, "compose", "version"], capture_output=True, timeout=60).returncode != 0:
+        pytest.skip("docker compose v2 is not installed here (bash scripts/docker-engine.sh install)")
+    return cli
+
+
+def test_two_checkouts_and_two_users_get_their_own_project_container_and_image(tmp_path) -> None:
+    """Two checkouts of compose.yaml (folder names as a user may give them) resolve to projects, containers and
+    images of their own; COMPOSE_PROJECT_NAME (a user's .env) separates two checkouts in folders of the same
+    name, and overrides of the image keep working."""
+    _docker_compose_cli()
+    folders = [tmp_path / "alice" / "deltanet-launcher", tmp_path / "bob" / "Launcher.Second_Copy"]
+    for folder in folders:
+        folder.mkdir(parents=True)
+        shutil.copy2(ROOT / "compose.yaml", folder / "compose.yaml")
+    first, second = (_compose_names(folder) for folder in folders)
+    assert first == ("deltanet-launcher", "deltanet-launcher-train-cpu-1", "deltanet-launcher:deltanet-launcher-cpu")
+    # compose lowercases the folder's name and drops what a project name cannot hold
+    assert second == (
+        "launchersecond_copy",
+        "launchersecond_copy-train-cpu-1",
+        "deltanet-launcher:launchersecond_copy-cpu",
+    )
+    # the same folder name for two users: COMPOSE_PROJECT_NAME (shell or .env) parts them
+    (folders[0] / ".env").write_text("COMPOSE_PROJECT_NAME=deltanet-alice\n")
+    assert _compose_names(folders[0]) == (
+        "deltanet-alice",
+        "deltanet-alice-train-cpu-1",
+        "deltanet-launcher:deltanet-alice-cpu",
+    )
+    assert _compose_names(folders[1], COMPOSE_PROJECT_NAME="bob")[1:] == (
+        "bob-train-cpu-1",
+        "deltanet-launcher:bob-cpu",
+    )
+    assert _compose_names(folders[1], LAUNCHER_CPU_IMAGE="mine:1")[2] == "mine:1"
 
 
 def test_the_anchors_are_what_the_services_use() -> None:

@@ -35,11 +35,13 @@ import yaml
 
 from launcher.errors import ExitCode
 from tests.support import fake_runs
-from tests.support.engine import BASE_IMAGE, ENABLE, IMAGE, ROOT, docker_cli, project_context
+from tests.support.engine import BASE_IMAGE, ENABLE, ROOT, compose_names, docker_cli, project_context
 
 # nothing tolerated: an engine error, or a status answer that is not JSON, is what these tests look at
 wait_for = partial(fake_runs.wait_for, tolerate=())
-CONTAINER = "deltanet-train-cpu"
+# compose's name for train-cpu's container in this checkout (<project>-train-cpu-1; compose.yaml, "Names on a
+# shared engine"): asked of compose only when these tests are on (compose may be absent otherwise)
+CONTAINER = compose_names()[1] if os.environ.get(ENABLE) == "1" else "<project>-train-cpu-1"
 NONROOT = (1000, 1000)
 DEMO = yaml.safe_load((ROOT / "configs" / "demo_cpu.yaml").read_text())
 
@@ -57,10 +59,11 @@ pytestmark = [
 
 
 class Compose:
-    """``docker compose --profile cpu ...`` in the repository, with this test's host folders."""
+    """``docker compose --profile cpu ...`` in the repository (or in ``checkout``, a folder holding the compose file),
+    with this test's host folders."""
 
-    def __init__(self, root: Path):
-        self.root = root
+    def __init__(self, root: Path, checkout: Path = ROOT):
+        self.root, self.checkout = root, checkout
         self.outputs, self.logs = root / "outputs", root / "logs"
         self.models, self.data = root / "models", root / "data"
         for folder in (self.outputs, self.logs, self.models, self.data):
@@ -81,7 +84,7 @@ class Compose:
     ) -> subprocess.CompletedProcess:
         full = [docker_cli(), "compose", "--profile", "cpu", *args]
         out = subprocess.run(
-            full, cwd=ROOT, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=timeout
+            full, cwd=self.checkout, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=timeout
         )
         if check:
             assert out.returncode == 0, f"{' '.join(args)}: {out.stdout[-3000:]}{out.stderr[-3000:]}"
@@ -142,8 +145,8 @@ def launcher_on_host(
     )
 
 
-def test_up_trains_the_demo_to_succeeded(compose: Compose, engine) -> None:
-    digest = engine.images.get(IMAGE).id  # what the engine reports; compose passes it to the launcher
+def test_up_trains_the_demo_to_succeeded(compose: Compose, engine, cpu_image) -> None:
+    digest = engine.images.get(cpu_image).id  # what the engine reports; compose passes it to the launcher
     out = compose.cmd(
         "up", "--exit-code-from", "train-cpu", "train-cpu", env={"LAUNCHER_IMAGE_DIGEST": digest}, timeout=900
     )
@@ -160,7 +163,7 @@ def test_up_trains_the_demo_to_succeeded(compose: Compose, engine) -> None:
     assert any(r.get("current_steps") == DEMO["max_steps"] for r in steps)
     manifest = json.loads((run / "manifest.json").read_text())
     image = manifest["image"]
-    assert image["tag"] == IMAGE and image["base"] == BASE_IMAGE  # LAUNCHER_IMAGE, LAUNCHER_BASE_IMAGE
+    assert image["tag"] == cpu_image and image["base"] == BASE_IMAGE  # LAUNCHER_IMAGE, LAUNCHER_BASE_IMAGE
     assert image["digest"] == digest and manifest["container"]["image"]["digest"] == digest
     # readable by a user on the host who is not root: records, the adapter, the trainer log
     for path in (run / "status.json", adapter, run / "output" / "trainer_log.jsonl", run / "verify.json"):
@@ -736,3 +739,99 @@ def test_a_host_run_and_a_container_run_see_each_others_leases(compose: Compose,
         subprocess.run([docker_cli(), "rm", "--force", "lease-holder-box"], capture_output=True, timeout=120)
     freed = lease_on_host(tmp_path, env, "once")
     assert freed.returncode == 0 and freed.stdout == "held\n", freed.stdout  # the container gone: its lease with it
+
+
+def _checkout(folder: Path) -> Path:
+    """A checkout as compose sees one: a folder holding compose.yaml and the configs it mounts (no build context: its
+    image is tagged, not built)."""
+    folder.mkdir(parents=True)
+    shutil.copy2(ROOT / "compose.yaml", folder / "compose.yaml")
+    shutil.copytree(ROOT / "configs", folder / "configs")
+    return folder
+
+
+def test_two_checkouts_up_side_by_side_each_reaching_its_own_container(cpu_image, engine, tmp_path) -> None:
+    """Two checkouts of the project on one engine (two folders, as two clones or two users' clones), each with its
+    own OUTPUTS_DIR, `up -d` side by side: compose names each project, container and image after its folder, so
+    the second `up` neither recreates nor retags the first one's. Right after each `up -d` returns, the host's
+    `status --root` shows that checkout's new run (it waits for the container the engine shows starting), never the
+    previous run; each run SUCCEEDS in its own container. While the longer run still trains, the host's `status`
+    and `stop` of the first checkout reach the first checkout's container only; the second is untouched.
+
+    On CPU there are no devices to lease, so the two runs share nothing; that two runs never take the same device
+    is tested by tests/run/test_device_lease.py and ``test_a_host_run_and_a_container_run_see_each_others_leases``.
+    """
+    started = time.monotonic()
+    tag = f"{os.getpid()}-{tmp_path.name[-1]}"
+    checkouts = [_checkout(tmp_path / f"checkout-{tag}-{n}") for n in ("a", "b")]
+    boxes = [Compose(tmp_path / f"host-{n}", checkout) for n, checkout in zip("ab", checkouts, strict=True)]
+    names = [compose_names(c.checkout, c.env) for c in boxes]
+    assert len({n[0] for n in names}) == len({n[1] for n in names}) == len({n[2] for n in names}) == 2, names
+    image = engine.images.get(cpu_image)
+    for _, _, own in names:  # each checkout's own tag, as its build would make it
+        image.tag(*own.rsplit(":", 1))
+    first, second = boxes
+    previous = fake_runs.write_record(  # the first checkout's earlier run: never shown once the new one starts
+        first.outputs / "runs" / "demo-cpu-20261207-000000", "demo-cpu-20261207-000000", state="SUCCEEDED", exit_code=0
+    )
+    short = "max_steps=2 save_steps=2 eval_steps=2"
+    long = "max_steps=100 save_steps=100 eval_steps=100"
+
+    def status(c: Compose, *more: str) -> subprocess.Popen:
+        argv = [sys.executable, "-m", "launcher", "status", "--root", str(c.outputs / "runs"), "--json", *more]
+        return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    try:
+        shown = []
+        for c, overrides in ((first, short), (second, long)):
+            c.cmd(
+                "up",
+                "--detach",
+                "--no-build",
+                "--pull",
+                "never",
+                "train-cpu",
+                env={"TRAIN_OVERRIDES": overrides},
+                check=True,
+            )
+            shown.append(status(c))  # at once: before the container's launcher holds the lock
+        containers = [engine.containers.get(n[1]) for n in names]
+        for c, asked, box in zip(boxes, shown, containers, strict=True):
+            out, err = asked.communicate(timeout=600)
+            assert asked.returncode == 0, out + err
+            (run,) = [p for p in c.runs() if p != previous]
+            info = json.loads(out)
+            assert info["run_id"] == run.name and info["container"]["id"] == box.id, (info, err)
+            assert err.startswith(f"waiting for the run being set up under {c.outputs / 'runs'}"), err
+        runs = [next(p for p in c.runs() if p != previous) for c in boxes]
+        wait_for("the short run to succeed", lambda: first.status(runs[0]).get("state") == "SUCCEEDED", timeout=600)
+        wait_for(
+            "its container to exit", lambda: engine.containers.get(containers[0].id).status == "exited", timeout=300
+        )
+        assert second.status(runs[1]).get("state") in ("PENDING", "RUNNING"), second.status(runs[1])
+        # the first checkout's host verbs: its own container (exited), never the second's (running)
+        stopped = launcher_on_host("stop", "--root", first.outputs / "runs", timeout=300)
+        said = stopped.stdout + stopped.stderr
+        assert stopped.returncode == 0 and f"run {runs[0].name} already ended: SUCCEEDED" in said, said
+        mine = json.loads(launcher_on_host("status", "--root", first.outputs / "runs", "--json").stdout)
+        assert mine["container_name"] == names[0][1] and mine["container_status"] == "Exited (0)", mine
+        theirs = json.loads(launcher_on_host("status", "--root", second.outputs / "runs", "--json").stdout)
+        assert theirs["container_name"] == names[1][1] and theirs["container_state"] == "running", theirs
+        for box in containers:
+            box.reload()
+        assert [b.status for b in containers] == ["exited", "running"]
+        wait_for("the long run to succeed", lambda: second.status(runs[1]).get("state") == "SUCCEEDED", timeout=900)
+        for c, run, (_, name, own), box in zip(boxes, runs, names, containers, strict=True):
+            status_ = c.status(run)
+            assert status_["container"] == {**status_["container"], "name": name, "id": box.id}, status_
+            manifest = json.loads((run / "manifest.json").read_text())
+            assert manifest["image"]["tag"] == own, manifest["image"]  # the project's own tag, the same image
+            assert engine.containers.get(box.id).attrs["Image"] == image.id
+        assert first.status(previous)["state"] == "SUCCEEDED"
+        print(f"\n[containers] two checkouts side by side in {time.monotonic() - started:.0f}s")
+    finally:
+        for c in boxes:
+            c.cmd("down", "--timeout", "30", "--remove-orphans")
+        for _, _, own in names:
+            subprocess.run([docker_cli(), "rmi", own], capture_output=True, check=False)  # the tag; the image stays
+        subprocess.run(["chown", "-R", f"{os.getuid()}:{os.getgid()}", str(tmp_path)], check=False)

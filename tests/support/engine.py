@@ -2,29 +2,60 @@
 
 ``LAUNCHER_DOCKER_TESTS=1`` (``.ci/run`` installs and starts an engine and sets it) switches the
 real-engine tests on; then an engine that does not answer is a failure, never a skip. ``cpu_image`` is
-built once per session with no registry, as the README says.
+built once per session with no registry, as the README says, under the name compose gives it in this checkout
+(``deltanet-launcher:<project>-cpu``, the project named after the checkout's folder: ``compose_names``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ENABLE = "LAUNCHER_DOCKER_TESTS"
 BASE_IMAGE = "local/debian-python:bookworm"
-IMAGE = "deltanet-launcher:cpu"
 
 
 def docker_cli() -> str:
     """Debian's client (it has BuildKit and finds the compose v2 plugin); any `docker` otherwise."""
     return "/usr/bin/docker" if os.access("/usr/bin/docker", os.X_OK) else (shutil.which("docker") or "docker")
+
+
+def compose_config(folder: Path = ROOT, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``docker compose --profile cpu config`` of the compose file in ``folder``, as compose resolves it there
+    (``env``: the environment; the process's own by default)."""
+    out = subprocess.run(
+        [docker_cli(), "compose", "--profile", "cpu", "config", "--format", "json"],
+        cwd=folder,
+        env=os.environ if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+def compose_names(folder: Path = ROOT, env: dict[str, str] | None = None) -> tuple[str, str, str]:
+    """The compose project, train-cpu's container and its image, as compose names them in ``folder``."""
+    config = compose_config(folder, env)
+    cpu = config["services"]["train-cpu"]
+    return config["name"], cpu["environment"]["LAUNCHER_CONTAINER"], cpu["image"]
+
+
+@cache
+def cpu_image_name() -> str:
+    """The cpu image this checkout's compose builds and runs (LAUNCHER_CPU_IMAGE of the environment, if set)."""
+    return compose_names()[2]
 
 
 def git_commit() -> str:
@@ -104,4 +135,4 @@ def cpu_image(engine) -> str:
         check=False,
     )
     print(f"\n[containers] base + wheelhouse + cpu image ready in {time.monotonic() - started:.0f}s")
-    return IMAGE
+    return cpu_image_name()

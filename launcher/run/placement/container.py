@@ -21,6 +21,7 @@ code is non-zero. An end is recorded here only once the engine says the containe
 from __future__ import annotations
 
 import math
+import re
 import shlex
 import sys
 import time
@@ -303,10 +304,18 @@ def resume_command(record: RunRecord, adapter_only: bool) -> list[str]:
     ]
 
 
+# compose.yaml's services; compose names a service's container <project>-<service>-<n> (a host resume's clone adds
+# -resume), and runs before the project carried the checkout's name were deltanet-<service>
+COMPOSE_SERVICES = ("train", "train-cann9", "train-cuda", "train-cpu")
+_SERVICE_IN_NAME = re.compile(rf"(?:^|-)({'|'.join(map(re.escape, COMPOSE_SERVICES))})(?:-\d+)?$")
+
+
 def _compose_service(record: RunRecord) -> tuple[list[str], str]:
-    """The ``--profile`` options and the compose service of the run's container: each service's container is named
-    ``deltanet-<service>`` (a resume's ``-resume`` more), and the cuda and cpu services need their profile."""
-    service = _label(record).removesuffix(RESUME_SUFFIX).removeprefix("deltanet-")
+    """The ``--profile`` options and the compose service of the run's container, from its recorded name
+    (``<project>-train-cpu-1``; the cuda, cann9 and cpu services need their profile). ``train`` when the name is
+    none of compose's."""
+    found = _SERVICE_IN_NAME.search(_label(record).removesuffix(RESUME_SUFFIX))
+    service = found.group(1) if found else "train"
     profile = service.removeprefix("train-") if service.startswith("train-") else None
     return (["--profile", profile] if profile else []), service
 
