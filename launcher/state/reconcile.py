@@ -12,6 +12,7 @@ Nothing here writes; callers that act on the answer record it through ``RunStore
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from launcher.procs import boot_id, pid_namespace
@@ -85,3 +86,14 @@ def first_look(record: RunRecord, live: list[Any], here: bool) -> Reconciled:
         result.state, result.live, result.liveness = RunState.NODE_LOST, [], "gone"
         result.note = "the host rebooted (boot id changed) since the run was recorded live"
     return result
+
+
+def engine_time(iso: Any) -> float | None:
+    """Docker's RFC 3339 time (nanoseconds, Z) as epoch seconds."""
+    if not isinstance(iso, str) or iso.startswith("0001-"):
+        return None
+    try:
+        head, _, frac = iso.rstrip("Z").partition(".")
+        return datetime.fromisoformat(head).replace(tzinfo=UTC).timestamp() + float(f"0.{frac or 0}")
+    except ValueError:
+        return None

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher.state.reconcile import _epoch, _restarted_since
+from launcher.state.reconcile import engine_time, restarted_since
 from launcher.state.record import RecordUnreadable, read_record
 from launcher.state.runs import STATUS_FILE, list_runs
 
@@ -82,7 +82,7 @@ def recorded_run(root: Path, starting: Starting) -> Path | None:
             record = read_record(run)
         except (OSError, RecordUnreadable):
             continue
-        if (record.container or {}).get("id") == starting.container.id and not _restarted_since(
+        if (record.container or {}).get("id") == starting.container.id and not restarted_since(
             record, starting.started
         ):
             return run
@@ -108,7 +108,7 @@ def starting_container(root: Path) -> Starting | None:
             except NotFound:  # it ended since the list
                 continue
             state = (container.attrs or {}).get("State") or {}
-            starting = Starting(container, str(container.name), _epoch(state.get("StartedAt")))
+            starting = Starting(container, str(container.name), engine_time(state.get("StartedAt")))
             if recorded_run(root, starting) is None:
                 return starting
     except (DockerException, OSError, KeyError, TypeError):

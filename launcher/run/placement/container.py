@@ -25,7 +25,6 @@ import re
 import shlex
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +33,14 @@ from launcher.procs import container_identity
 from launcher.run.placement.base import Placement, StopAsk, Supervise
 from launcher.run.placement.local import LocalPlacement
 from launcher.run.signals import drop_hold
-from launcher.state.reconcile import ContainerView, Reconciled, first_look, restarted_since, same_namespace
+from launcher.state.reconcile import (
+    ContainerView,
+    Reconciled,
+    engine_time,
+    first_look,
+    restarted_since,
+    same_namespace,
+)
 from launcher.state.record import RecordUnreadable, RunRecord, RunStore, read_record
 from launcher.state.runs import follow_up
 from launcher.state.states import RunState
@@ -106,7 +112,7 @@ def inspect_container(container: dict[str, Any] | None) -> ContainerView:
     code = state.get("ExitCode")
     view = ContainerView(
         str(found.status),
-        _epoch(state.get("StartedAt")),
+        engine_time(state.get("StartedAt")),
         name=getattr(found, "name", None),
         exit_code=code if found.status == "exited" and isinstance(code, int) else None,
     )
@@ -118,17 +124,6 @@ def inspect_container(container: dict[str, Any] | None) -> ContainerView:
         except (DockerException, OSError, KeyError, TypeError, ValueError, AttributeError):
             pass
     return view
-
-
-def _epoch(iso: Any) -> float | None:
-    """Docker's RFC 3339 time (nanoseconds, Z) as epoch seconds."""
-    if not isinstance(iso, str) or iso.startswith("0001-"):
-        return None
-    try:
-        head, _, frac = iso.rstrip("Z").partition(".")
-        return datetime.fromisoformat(head).replace(tzinfo=UTC).timestamp() + float(f"0.{frac or 0}")
-    except ValueError:
-        return None
 
 
 class ContainerPlacement(LocalPlacement):
