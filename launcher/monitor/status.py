@@ -280,7 +280,7 @@ def render(info: dict[str, Any]) -> str:
             rows.append(("snapshot", f"{oom['snapshot']} (open it in https://pytorch.org/memory_viz)"))
     if info["reason"] and info["reason"].strip():
         rows.append(("reason", info["reason"].strip().splitlines()[-1]))
-    if info["container"]:
+    if info.get("container_name"):  # what the placement says of a container the run lives in
         rows.append(("container", f"{info['container_name']} ({info['container_status']})"))
     if info.get("slurm_status"):
         rows.append(("slurm", info["slurm_status"]))

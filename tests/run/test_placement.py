@@ -147,3 +147,23 @@ def test_a_slurm_run_is_resumed_through_slurm_never_on_this_machine(tmp_path, mo
     assert "Slurm job 42" in said and "nothing was started" in said, said
     assert "launcher submit" in said and "--nodes 2" in said and "resume_from_checkpoint=" in said, said
     assert sorted(p.name for p in run_dir.rglob("*")) == before
+
+
+def test_status_of_a_slurm_run_whose_nodes_ran_in_containers_shows_the_job(tmp_path, monkeypatch):
+    """Each node of the Slurm run ran in a container (its record names one): status shows Slurm's row, and no
+    container row for a container the host cannot ask about."""
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm"))
+    run_dir = fr.write_record(
+        tmp_path / "job",
+        "job",
+        state="SUCCEEDED",
+        boot_id=boot_id(),
+        supervisor=OTHER_NS,
+        container={"name": None, "id": "c" * 64},
+        slurm={"job_id": "42", "nodes": 2},
+    )
+    from launcher.monitor.status import collect, render
+
+    info = collect(run_dir)
+    shown = render(info)
+    assert "job 42" in shown and "SUCCEEDED" in shown and "\ncontainer " not in shown, shown
