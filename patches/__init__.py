@@ -24,8 +24,8 @@ Each module's docstring says which upstream behaviour it changes, for which vers
 
 from __future__ import annotations
 
-from .errors import PatchError
-from .proof import proof_path, read_proof
+from .core.errors import PatchError
+from .core.proof import proof_path, read_proof
 from .registry import BACKENDS, PATCH_NAMES, apply_enabled, normalize_settings
 
 __all__ = ["BACKENDS", "PATCH_NAMES", "PatchError", "apply_enabled", "normalize_settings", "proof_path", "read_proof"]

@@ -56,8 +56,11 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from . import trainer_hook
-from .checkpoint_budget import (
+from .core import trainer_hook
+from .core.errors import PatchError
+from .core.proof import ProofFile, utc_now
+from .core.versions import require_global_loads, require_symbols
+from .planning.budget import (
     GIB,
     PRIOR_FACTOR,
     apply_plan,
@@ -68,12 +71,9 @@ from .checkpoint_budget import (
     scaled,
     shrink_plan,
 )
-from .checkpoint_census import StepObserver, checkpoint_layers, describe_checkpoint_func
-from .errors import PatchError
-from .layer_meter import InForwardMeter
-from .plan_ranks import agree_costs, agree_counts
-from .proof import ProofFile, utc_now
-from .versions import require_global_loads, require_symbols
+from .planning.census import StepObserver, checkpoint_layers, describe_checkpoint_func
+from .planning.meter import InForwardMeter
+from .planning.ranks import agree_costs, agree_counts
 
 logger = logging.getLogger(__name__)
 

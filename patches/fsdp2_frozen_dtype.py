@@ -52,11 +52,11 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from pydantic import BaseModel, ConfigDict
 
-from .errors import PatchError
-from .fsdp2_census import shard_census
-from .proof import ProofFile, utc_now
-from .versions import require_global_loads, require_symbols
-from .wrapping import MARKER, ORIGINAL, unwrap, wrap_once
+from .core.errors import PatchError
+from .core.proof import ProofFile, utc_now
+from .core.versions import require_global_loads, require_symbols
+from .core.wrapping import MARKER, ORIGINAL, unwrap, wrap_once
+from .planning.shards import shard_census
 
 NAME = "fsdp2_frozen_dtype"
 SUPPORTED = {"accelerate": SpecifierSet(">=1.11.0,<1.14"), "torch": SpecifierSet(">=2.7")}

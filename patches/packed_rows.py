@@ -103,12 +103,13 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import fused_ops, trainer_hook
-from .errors import PatchError
-from .kernel_recorder import KernelRecorder
-from .proof import ProofFile, utc_now
-from .versions import require_symbols
-from .wrapping import original_of, unwrap, wrap_once
+from . import fused_ops
+from .core import trainer_hook
+from .core.errors import PatchError
+from .core.proof import ProofFile, utc_now
+from .core.versions import require_symbols
+from .core.wrapping import original_of, unwrap, wrap_once
+from .kernels.recorder import KernelRecorder
 
 NAME = "packed_rows"
 SUPPORTED = {"transformers": SpecifierSet(">=5.6.0,<5.7"), "llamafactory": SpecifierSet(">=0.9.5,<0.9.6")}
@@ -1026,7 +1027,7 @@ def _make_text_forward(original):
 def _record_batch(found: Segments, numbers: bool) -> None:
     """Count a packed batch the model met, and record the first, in the training process: the collator may have run
     in a DataLoader worker, whose counts never reach the training process and which writes no proof
-    (``patches.proof``)."""
+    (``patches.core.proof``)."""
     _state["batches"] += 1
     _state["samples"] += sum(found.samples_per_row())
     _state["rows"] += found.rows

@@ -504,7 +504,7 @@ def _budget_plan(
     ``patches.checkpoint_budget.plan`` on the forecast's counts priced at what a layer really costs (``real``), as
     the patch's plan is once the second step's peak has narrowed or widened the first plan (priced at
     ``PRIOR_FACTOR`` times the count) to the real factor."""
-    from patches.checkpoint_budget import LayerCost, plan
+    from patches.planning.budget import LayerCost, plan
 
     kinds = shape.kinds()
     costs = {

@@ -29,12 +29,12 @@ from launcher import SOURCE_ROOT
 from launcher.config.run_config import RunConfig, load_run_config
 from launcher.errors import ExitCode, LauncherError
 from launcher.files import make_folder, read_yaml_mapping
-from launcher.procs import container_identity, find_live, terminate
 from launcher.run.container import resume_in_container, stop_container_run
 from launcher.run.resume import ResumePlan, plan_resume
 from launcher.run.signals import drop_hold
 from launcher.run.slurm import stop_slurm_run
 from launcher.run.supervisor import supervise
+from launcher.state.procs import container_identity, find_live, terminate
 from launcher.state.reconcile import reconcile, same_namespace
 from launcher.state.record import RecordUnreadable, RunStore, read_record
 from launcher.state.runs import CONFIG_COPY, OVERRIDES_FILE, SUPERVISOR_LOG, follow_up

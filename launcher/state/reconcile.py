@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from launcher.procs import boot_id, find_live, namespace_started, pid_namespace
+from launcher.state.procs import boot_id, find_live, namespace_started, pid_namespace
 from launcher.state.record import RunRecord
 from launcher.state.slurmjob import SlurmJobView, query_job
 from launcher.state.states import RunState

@@ -31,7 +31,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from .checkpoint_budget import LayerCost, layer_kind
+from .budget import LayerCost, layer_kind
 
 
 def _tensors(value: Any) -> list:

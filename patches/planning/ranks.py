@@ -17,7 +17,7 @@ reduces: the CPU for gloo, the rank's device for NCCL and HCCL.
 
 from __future__ import annotations
 
-from .checkpoint_budget import LayerCost
+from .budget import LayerCost
 
 
 def _world(backend: str):

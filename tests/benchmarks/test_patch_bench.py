@@ -549,7 +549,7 @@ def test_the_device_reads_the_allocators_retry_counter():
 
     import torch
 
-    from launcher.checks.kernel_cases import Device
+    from launcher.checks.kernels.cases import Device
 
     dev = Device(torch, "cpu")
     assert dev.alloc_retries() is None
@@ -677,7 +677,7 @@ def test_a_run_is_found_by_its_own_name_not_by_a_longer_one_that_starts_the_same
 
 def test_the_rank_kernel_check_names_cases_the_suites_have():
     """``BENCH_KERNEL_CASES`` is read in the rank on the device; an unknown name would only show there."""
-    from launcher.checks.kernels import SUITES
+    from launcher.checks.kernels.validate import SUITES
 
     for shape, spec in patch_bench.KERNEL_CASES.items():
         suite, _, names = spec.partition(":")

@@ -16,7 +16,7 @@ import pytest
 
 import patches
 from patches import packed_rows
-from patches.proof import read_proof
+from patches.core.proof import read_proof
 from tests.support.patch_fixtures import grouped_varlen_kernel, lora_model
 
 pytest_plugins = ["tests.support.patch_fixtures"]
@@ -136,7 +136,7 @@ def test_with_the_fla_convolution_the_packed_row_hands_it_cu_seqlens(tmp_path, d
     bounds to that kernel instead of recomputing the first K-1 tokens, the padding joined to the last sample; a row
     of one sample is one sequence and goes without them. The stand-in FLA convolution (fla-core's contract in plain
     torch, on CPU) convolves each ``cu_seqlens`` span alone, the whole row without them."""
-    from patches.fused_kernels import FlaConv
+    from patches.kernels.fused_kernels import FlaConv
 
     stub_fla(platform="cuda")
     from fla.modules.causal_conv1d import CALLS, causal_conv1d
@@ -175,8 +175,8 @@ def test_unpacked_batches_on_the_fla_route_hand_the_kernel_their_key_heads_unrep
     import torch
     from transformers import DynamicCache
 
-    from patches.fused_kernels import FlaConv
-    from patches.kernel_recorder import CallLog, KernelRecorder
+    from patches.kernels.fused_kernels import FlaConv
+    from patches.kernels.recorder import CallLog, KernelRecorder
 
     stub_fla(platform="cuda")
     from fla.modules.causal_conv1d import causal_conv1d
@@ -276,7 +276,7 @@ def test_a_packed_row_that_cannot_be_split_stops_the_run(tmp_path, demo_assets):
     import torch
     from transformers import DynamicCache
 
-    from patches.errors import PatchError
+    from patches.core.errors import PatchError
 
     patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path, facts={"packing": True})
     model = packing_model(demo_assets["model"])
@@ -366,7 +366,7 @@ def test_packed_attention_through_a_varlen_kernel_keeps_samples_apart_and_its_ch
     the tiny row's scale): the packed row still equals its samples alone, loss and LoRA gradients, and the first
     call's check against the block mask is recorded. A kernel that lets samples see each other (causal over the whole
     row) stops the run at that check."""
-    from patches.errors import PatchError
+    from patches.core.errors import PatchError
 
     seen = []
     monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: flash_stand_in(seen))
@@ -919,7 +919,7 @@ def test_the_fla_convolution_with_cu_seqlens_equals_the_segment_reset_convolutio
     from fla.modules.causal_conv1d import causal_conv1d
     from llamafactory.data.collator import prepare_4d_attention_mask
 
-    from patches.fused_kernels import FlaConv
+    from patches.kernels.fused_kernels import FlaConv
 
     torch.manual_seed(0)
     channels, lens = 10240, (700, 1100, 1300, 900)
@@ -1023,7 +1023,7 @@ def test_the_varlen_call_equals_the_kernel_run_per_sample():
     from llamafactory.data.collator import prepare_4d_attention_mask
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
-    from patches.kernel_recorder import CallLog, KernelRecorder
+    from patches.kernels.recorder import CallLog, KernelRecorder
 
     seen = []
 
@@ -1104,7 +1104,7 @@ def test_the_fla_route_takes_key_heads_unrepeated_and_pairs_them_as_transformers
     from llamafactory.data.collator import prepare_4d_attention_mask
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
-    from patches.kernel_recorder import CallLog, KernelRecorder
+    from patches.kernels.recorder import CallLog, KernelRecorder
 
     heads_seen = []
     grouped = grouped_varlen_kernel(seen=heads_seen)

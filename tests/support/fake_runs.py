@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 
 from launcher.files import write_json_atomic
-from launcher.procs import boot_id, identity
+from launcher.state.procs import boot_id, identity
 from launcher.state.record import SCHEMA_VERSION, RunRecord
 from launcher.state.states import RunState
 from tests.support.common import REPO, make_config

@@ -1,7 +1,7 @@
 """What a kernel case is and the pieces every case shares: shapes, model-like inputs, errors, the device.
 
-``launcher.checks.kernels`` (the chunk kernel, forward and backward) and ``launcher.checks.decode_kernels``
-(the recurrent kernel, step by step) build their checks from these; ``kernels`` re-exports them.
+``launcher.checks.kernels.validate`` (the chunk kernel, forward and backward) and ``launcher.checks.kernels.decode``
+(the recurrent kernel, step by step) build their checks from these; ``validate`` re-exports them.
 
 
 Import torch lazily: callers pass the ``torch`` module in.

@@ -1,7 +1,7 @@
 """The glue cases of ``launcher validate-kernels``: the fused convolution, norms and SwiGLU against fp32.
 
-Which kernel: the one training binds (``patches.fused_kernels.select_kernels``, as the ``fused_ops`` patch decides
-it before the model is built): FLA's Triton kernels on CUDA, FLA's triton-ascend kernels and
+Which kernel: the one training binds (``patches.kernels.fused_kernels.select_kernels``, as the ``fused_ops`` patch
+decides it before the model is built): FLA's Triton kernels on CUDA, FLA's triton-ascend kernels and
 ``torch_npu.npu_rms_norm`` on NPU, transformers' torch ops on CPU (then the "routed" op is the torch op in bf16
 and the errors are bf16 rounding only, so the comparison is live). Each op is called through the same adapter
 the patch installs (``FlaConv``, ``fused_kernels.rms_norm``, ``fused_kernels.gated_norm``).
@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from launcher.checks.kernel_cases import Case, CaseResult, Device, _FullPrecision, rel_error
+from launcher.checks.kernels.cases import Case, CaseResult, Device, _FullPrecision, rel_error
 
 GLUE_THRESHOLD = 0.01
 EPS = 1e-6
@@ -62,7 +62,7 @@ def torch_ops() -> dict[str, Callable]:
 def glue_kernel(op: str, kernel: str) -> Callable:
     """The callable training binds for ``op`` served by ``kernel`` (``fla``, ``torch_npu`` or ``torch``), through the
     adapter ``fused_ops`` installs."""
-    from patches import fused_kernels
+    from patches.kernels import fused_kernels
 
     if kernel == "torch":
         return torch_ops()[op]
@@ -78,7 +78,8 @@ def glue_kernel(op: str, kernel: str) -> Callable:
 
 def select_glue_kernels(backend: str) -> tuple[dict[str, Callable], dict[str, str]]:
     """The callables training binds for each op on ``backend`` (adapters included), and their descriptions."""
-    from patches import fused_kernels, fused_ops
+    from patches import fused_ops
+    from patches.kernels import fused_kernels
 
     choices = fused_kernels.select_kernels(
         backend,
@@ -123,7 +124,8 @@ def packed_conv(torch, fn: Callable, x, weight, seq_lens: tuple[int, ...], *, re
     takes the samples' boundaries (``FlaConv.varlen``, ``cu_seqlens`` on the device and on the host); any other
     route is ``packed_rows.segment_causal_conv`` (the row's torch convolution, then the first ``K - 1`` tokens of
     each sample again from that sample alone), whatever transformers' conv would be."""
-    from patches import fused_kernels, packed_rows
+    from patches import packed_rows
+    from patches.kernels import fused_kernels
 
     if reference:
         parts = x.split(list(seq_lens), dim=1)

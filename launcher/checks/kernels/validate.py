@@ -5,7 +5,7 @@
 (the command's arguments, table and JSON are in ``launcher.kernels_cli``; the checks are here)
 
 Which kernel: the one training routes to (``patches.deltanet_routing.select_route``, through
-``launcher.checks.kernel_check``): FLA's ``chunk_gated_delta_rule`` on NPU (triton-ascend) and CUDA, transformers'
+``launcher.checks.kernels.check``): FLA's ``chunk_gated_delta_rule`` on NPU (triton-ascend) and CUDA, transformers'
 ``torch_chunk_gated_delta_rule`` on CPU or with ``--kernel torch``. A routing refusal (FLA missing, FLA's
 Hopper guard) is reported as the answer; this command never lifts FLA's guard.
 
@@ -38,12 +38,12 @@ How each case is checked:
   against the torch fallback (forward+backward, bfloat16, the same inputs).
 
 - the glue cases (``conv``, ``rms_norm``, ``gated_norm``, ``swiglu`` and their ``_27b`` shapes) check the fused
-  kernels the ``fused_ops`` patch binds, forward and every gradient, against fp32 (``launcher.checks.glue_kernels``;
+  kernels the ``fused_ops`` patch binds, forward and every gradient, against fp32 (``launcher.checks.kernels.glue``;
   threshold 1 %).
 
 - ``decode`` checks the recurrent kernel that generation calls once per new token (FLA's
   ``fused_recurrent_gated_delta_rule`` on NPU and CUDA, transformers' torch loop on CPU), step by step from a
-  prompt's state, against the fp32 torch recurrence: outputs and final state (``launcher.checks.decode_kernels``).
+  prompt's state, against the fp32 torch recurrence: outputs and final state (``launcher.checks.kernels.decode``).
 
 On CPU the "routed" kernel *is* the torch reference, run in bfloat16: the errors are then bfloat16 rounding
 only, small but not zero, so the comparison is live (``tests/checks/test_validate_kernels.py`` shows broken
@@ -61,9 +61,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from launcher.backend import device_name
-from launcher.checks import decode_kernels, glue_kernels
-from launcher.checks.kernel_cases import Case, CaseResult, Device, _FullPrecision, make_inputs, rel_error
+from launcher.checks.kernels import decode as decode_kernels
+from launcher.checks.kernels import glue as glue_kernels
+from launcher.checks.kernels.cases import Case, CaseResult, Device, _FullPrecision, make_inputs, rel_error
+from launcher.config.backend import device_name
 
 __all__ = [
     "Case",
@@ -356,7 +357,7 @@ def select_kernel(backend: str, kernel: str):
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
     from patches.deltanet_routing import load_fla_kernels, select_route
-    from patches.fla_probe import probe_fla
+    from patches.kernels.fla_probe import probe_fla
 
     route = select_route(backend, kernel, probe_fla(backend))  # PatchError carries the reason and the fix
     if route.kernel == "torch":
@@ -367,7 +368,7 @@ def select_kernel(backend: str, kernel: str):
 def resolve_backend(device: str) -> str:
     if device != "auto":
         return device
-    from launcher.backend import resolve
+    from launcher.config.backend import resolve
 
     return resolve("auto").name
 
@@ -433,7 +434,7 @@ def validate(
 ) -> Report:
     """Run a suite against the kernels routed for ``backend`` (or ``kernel_fn``/``decode_fn``, for tests).
 
-    The ``decode`` case checks the recurrent kernel generation routes to (``launcher.checks.decode_kernels``);
+    The ``decode`` case checks the recurrent kernel generation routes to (``launcher.checks.kernels.decode``);
     it is skipped, with that reason, when ``kernel_fn`` is given without ``decode_fn``.
 
     Args:
