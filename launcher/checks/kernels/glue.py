@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from launcher.checks.kernels.cases import Case, CaseResult, Device, _FullPrecision, rel_error
+from launcher.checks.kernels.cases import Case, CaseResult, Device, _FullPrecision, rel_error, run_case
 
 GLUE_THRESHOLD = 0.01
 EPS = 1e-6
@@ -181,11 +181,10 @@ def _time(torch, case: Case, fn, inputs, dev: Device) -> float:
 
 
 def check_glue_case(torch, case: Case, fn: Callable, dev: Device, threshold: float) -> CaseResult:
-    """Run one glue case; never raises (an exception is a failed case with the error as its note)."""
-    started = time.monotonic()
+    """Run one glue case through ``run_case`` (never raises: an exception is a failed case)."""
     threshold = min(threshold, GLUE_THRESHOLD)
-    result = CaseResult(case.name, case.shape, None, "fail", cu_seqlens=case.cu_seqlens)
-    try:
+
+    def check(result: CaseResult) -> None:
         reference = torch_ops()[case.op]
         inputs = {n: x.to(dev.name) for n, x in make_glue_inputs(torch, case).items()}
         got = run_glue(torch, case.op, fn, inputs, device=dev.name, dtype=torch.bfloat16, seq_lens=case.seq_lens)
@@ -208,8 +207,5 @@ def check_glue_case(torch, case: Case, fn: Callable, dev: Device, threshold: flo
             if fn is not reference:
                 result.timing_ms["torch_ops"] = _time(torch, case, reference, inputs, dev)
         result.judge(threshold, case.about)
-    except Exception as err:  # a crashing kernel is a failed case, reported with the others
-        result.note = f"{type(err).__name__}: {err}"
-    finally:
-        result.seconds = round(time.monotonic() - started, 2)
-    return result
+
+    return run_case(CaseResult(case.name, case.shape, None, "fail", cu_seqlens=case.cu_seqlens), check)

@@ -63,7 +63,7 @@ from typing import Any
 
 from launcher.checks.kernels import decode as decode_kernels
 from launcher.checks.kernels import glue as glue_kernels
-from launcher.checks.kernels.cases import Case, CaseResult, Device, _FullPrecision, make_inputs, rel_error
+from launcher.checks.kernels.cases import Case, CaseResult, Device, _FullPrecision, make_inputs, rel_error, run_case
 from launcher.config.backend import device_name
 
 __all__ = [
@@ -299,17 +299,16 @@ def check_case(
     threshold: float,
     fallback: Callable | None = None,
 ) -> CaseResult:
-    """Run one case; never raises (an exception is a failed case with the error as its note)."""
-    started = time.monotonic()
-    result = CaseResult(case.name, case.shape, case.key_heads, "fail", cu_seqlens=case.cu_seqlens)
-    try:
+    """Run one case through ``run_case`` (never raises: an exception is a failed case)."""
+
+    def check(result: CaseResult) -> None:
         if case.seq_lens is not None and not accepts_cu_seqlens(kernel):
             result.status = "skip"
             result.note = (
                 "the routed kernel takes no cu_seqlens (transformers' torch chunk kernel); packed training "
                 "never routes there (LLaMA-Factory's packing calls FLA's varlen kernels)"
             )
-            return result
+            return
         # on the device once, so that timings hold no host-to-device copies
         inputs = {n: x.to(dev.name) for n, x in make_inputs(torch, case).items()}
         kw = {"device": dev.name}
@@ -337,11 +336,8 @@ def check_case(
             if fallback is not None and fallback is not kernel:
                 result.timing_ms["torch_fallback"] = time_fwd_bwd(torch, fallback, inputs, case, dev, torch.bfloat16)
         result.judge(threshold, case.about)
-    except Exception as err:  # a crashing kernel is a failed case, reported with the others
-        result.note = f"{type(err).__name__}: {err}"
-    finally:
-        result.seconds = round(time.monotonic() - started, 2)
-    return result
+
+    return run_case(CaseResult(case.name, case.shape, case.key_heads, "fail", cu_seqlens=case.cu_seqlens), check)
 
 
 # --- the suite ----------------------------------------------------------------------------------------
