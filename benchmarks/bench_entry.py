@@ -200,7 +200,7 @@ def real_tokens(mask, ids) -> int | None:
     if mask is None:
         return int(ids.numel()) if ids is not None else None
     if mask.dim() == 4:
-        from patches.packed_rows import diagonal_of
+        from patches.packing.masks import diagonal_of
 
         return int(diagonal_of(mask).sum())
     return int((mask != 0).sum())

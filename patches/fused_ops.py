@@ -247,9 +247,3 @@ def _unwrap_all() -> None:
     for module_name, prefix in PREFIX.items():
         for suffix, method in WRAPPED.values():
             unwrap(module_name, prefix + suffix, method, NAME)
-
-
-def conv_of(layer) -> fused_kernels.FlaConv | None:
-    """The FLA convolution a DeltaNet layer is bound to, or None (``packed_rows`` asks)."""
-    conv = getattr(layer, "causal_conv1d_fn", None)
-    return conv if isinstance(conv, fused_kernels.FlaConv) else None

@@ -95,7 +95,7 @@ def collator_of(model_dir: Path, data_dir: Path, dataset: str, cutoff: int, pack
 def samples_in(batch) -> int:
     """The samples of a one-row batch, as ``packed_rows`` reads them: off its sample numbers (2D: all ones unpacked,
     1, 1, 2, 2, 0 packed) or off its 4D mask."""
-    from patches.packed_rows import numbered_segments, segments
+    from patches.packing.masks import numbered_segments, segments
 
     mask = batch["attention_mask"]
     return (numbered_segments(mask) if mask.dim() == 2 else segments(mask)).samples_per_row()[0]

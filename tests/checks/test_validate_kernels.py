@@ -403,9 +403,9 @@ def test_glue_cases_catch_a_conv_read_the_wrong_way_round_and_a_norm_without_its
 def test_the_packed_conv_case_passes_the_segment_reset_torch_conv_and_fails_one_that_reads_across_samples(
     monkeypatch,
 ):
-    """Off an accelerator the packed-row convolution is ``packed_rows.segment_causal_conv``; the case compares it
+    """Off an accelerator the packed-row convolution is ``deltanet.segment_causal_conv``; the case compares it
     with each sample convolved alone in fp32, so the plain row convolution (no reset at a sample start) fails."""
-    from patches import packed_rows
+    from patches.packing import deltanet
 
     ops = glue_kernels.torch_ops()
     result = check_glue("conv_varlen", ops["conv"])
@@ -415,7 +415,7 @@ def test_the_packed_conv_case_passes_the_segment_reset_torch_conv_and_fails_one_
     def no_reset(x, weight, bias, found):
         return ops["conv"](x, weight[:, 0], bias, "silu")
 
-    monkeypatch.setattr(packed_rows, "segment_causal_conv", no_reset)
+    monkeypatch.setattr(deltanet, "segment_causal_conv", no_reset)
     result = check_glue("conv_varlen", ops["conv"])
     assert result.status == "fail" and result.max_error > 0.05, result
 

@@ -122,20 +122,20 @@ def packed_conv(torch, fn: Callable, x, weight, seq_lens: tuple[int, ...], *, re
 
     The reference runs ``fn`` on each sample alone. The routed op is what ``packed_rows`` calls: FLA's adapter
     takes the samples' boundaries (``FlaConv.varlen``, ``cu_seqlens`` on the device and on the host); any other
-    route is ``packed_rows.segment_causal_conv`` (the row's torch convolution, then the first ``K - 1`` tokens of
+    route is ``deltanet.segment_causal_conv`` (the row's torch convolution, then the first ``K - 1`` tokens of
     each sample again from that sample alone), whatever transformers' conv would be."""
-    from patches import packed_rows
     from patches.kernels import fused_kernels
+    from patches.packing import deltanet, masks
 
     if reference:
         parts = x.split(list(seq_lens), dim=1)
         return torch.cat([fn(part.transpose(1, 2), weight, None, "silu").transpose(1, 2) for part in parts], dim=1)
     bounds = [0, *itertools.accumulate(seq_lens)]
     spans = tuple((0, start, end, True) for start, end in itertools.pairwise(bounds))
-    found = packed_rows.Segments(rows=1, length=x.shape[1], spans=spans, position=None)
+    found = masks.Segments(rows=1, length=x.shape[1], spans=spans, position=None)
     if isinstance(fn, fused_kernels.FlaConv):  # the boundaries as training hands them to FLA
         return fn.varlen(x, weight, None, "silu", *found.cu_seqlens_tensors(x.device))
-    return packed_rows.segment_causal_conv(x.transpose(1, 2), weight.unsqueeze(1), None, found).transpose(1, 2)
+    return deltanet.segment_causal_conv(x.transpose(1, 2), weight.unsqueeze(1), None, found).transpose(1, 2)
 
 
 def run_glue(

@@ -30,9 +30,9 @@ How each case is checked:
   ``cu_seqlens``, so on CPU (and with ``--kernel torch``) this case is skipped with that reason: packed
   training never routes to the torch kernel. ``varlen_grouped`` is the same packed call with q and k handed to the
   routed kernel unrepeated (``H_k`` heads for ``H_v`` value heads), as packed rows call FLA
-  (``patches.packed_rows.value_heads``), against the reference fed the repeated heads: a kernel that pairs value
+  (``patches.packing.deltanet.value_heads``), against the reference fed the repeated heads: a kernel that pairs value
   head ``j`` with any key head but ``j // (H_v / H_k)`` fails. Its runs of each sequence alone are the call a packed
-  row of one sample makes (unrepeated, no ``cu_seqlens``: ``packed_rows.Segments.state_bounds``).
+  row of one sample makes (unrepeated, no ``cu_seqlens``: ``patches.packing.masks.Segments.state_bounds``).
 - ``qwen3_5_27b`` is the 27B model's linear-attention call, [1, 4096, 48, 128] fed from 16 key heads; it also
   reports peak device memory of the routed forward+backward and the median time of the routed kernel
   against the torch fallback (forward+backward, bfloat16, the same inputs).
