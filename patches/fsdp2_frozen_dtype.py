@@ -32,7 +32,7 @@ in ``accelerate.accelerator``):
    ``distribution: fsdp2`` silently ran DDP over gloo. torch's ``fully_shard`` works on a CPU mesh over gloo, so
    in an FSDP2 rank on ``cpu`` only the state is switched to FSDP with the plugin the Accelerator built; NPU and
    CUDA ranks never take this branch;
-5. records per rank (``fsdp2_census``): the dtype and local bytes of the frozen and the trainable shards, and for
+5. records per rank (``planning.shards``): the dtype and local bytes of the frozen and the trainable shards, and for
    each FSDP2 unit its local bytes against the whole unit's.
 
 Under ``distribution: ddp`` nothing calls the wrapped function and the record says so.

@@ -507,7 +507,7 @@ def kernel_row(backend: str, result: dict[str, Any], allow: bool = False) -> Row
 
 
 def _suite_summary(suite: dict[str, Any] | None) -> str:
-    """The quick ``launcher validate-kernels`` suite that kernel_check runs after its own check."""
+    """The quick ``launcher validate-kernels`` suite that ``kernels.check`` runs after its own check."""
     if not suite:
         return ""
     return "; validate-kernels quick: " + ", ".join(f"{name} {state}" for name, state in suite["cases"].items())

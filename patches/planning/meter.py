@@ -110,7 +110,7 @@ class SavedBytes:
 class InForwardMeter:
     """Leaves the first decoder layer of each kind un-checkpointed for one step and measures it there.
 
-    ``layers`` are ``(name, layer)`` pairs in model order (``checkpoint_census.checkpoint_layers``); only those
+    ``layers`` are ``(name, layer)`` pairs in model order (``census.checkpoint_layers``); only those
     with a ``layer_type`` (decoder layers) are planned. After the step, ``costs`` holds one ``LayerCost`` per kind
     measured, ``errors`` why a kind was not, ``measured`` the layer whose saved tensors were counted for each kind,
     ``timed`` the layer whose forward gave ``forward_s`` (the kind's second, where it has one: module docstring),

@@ -32,8 +32,8 @@ class Case:
     timing: bool = False
     memory: bool = False
     about: str = ""
-    prefill: int | None = None  # decode: prompt tokens before the seq_len one-token steps (decode_kernels)
-    op: str | None = None  # a glue op (glue_kernels): conv, rms_norm, gated_norm or swiglu
+    prefill: int | None = None  # decode: prompt tokens before the seq_len one-token steps (decode.py)
+    op: str | None = None  # a glue op (glue.py): conv, rms_norm, gated_norm or swiglu
     # the routed kernel takes the key heads as they are (packed rows on FLA: patches.packing.deltanet.value_heads), the
     # reference takes them repeated as Qwen3_5GatedDeltaNet.forward repeats them
     unrepeated: bool = False

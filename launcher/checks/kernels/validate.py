@@ -117,7 +117,7 @@ DECODE_CASE = Case(
 
 
 def glue_cases(quick: bool) -> tuple[Case, ...]:
-    """The fused glue ops (``glue_kernels``): small shapes with T != D and batch 2, or the 27B model's shapes
+    """The fused glue ops (``glue``): small shapes with T != D and batch 2, or the 27B model's shapes
     (conv over 2 x 16 x 128 + 48 x 128 channels, the hidden norm of 5120 and the 24-head q norm of 256, the
     gated norm of the 48 value heads of 128, SwiGLU over the MLP's 17408)."""
     if quick:
