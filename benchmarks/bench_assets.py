@@ -19,7 +19,15 @@ import random
 from pathlib import Path
 from typing import Any
 
-from launcher.demo import CLIENT, COUNSELOR, SYSTEM, TinyShape, build_model_config, build_processor, build_tokenizer
+from launcher.data.demo import (
+    CLIENT,
+    COUNSELOR,
+    SYSTEM,
+    TinyShape,
+    build_model_config,
+    build_processor,
+    build_tokenizer,
+)
 
 MARKER = "random_init.json"
 DATASET = "bench_long"

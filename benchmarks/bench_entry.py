@@ -42,7 +42,7 @@ from typing import Any
 from benchmarks import fsdp_init
 from launcher.files import write_json_atomic
 from launcher.rank import entry
-from patches.proof import utc_now
+from patches.core.proof import utc_now
 
 KERNEL_CASES_ENV = "BENCH_KERNEL_CASES"
 RECORD_ENV = "BENCH_RECORD_ENV"
@@ -88,7 +88,7 @@ def run_kernel_check(
     since when), so a run stopped inside the check says where its time went."""
     if not spec or spec == "none":
         return None
-    from launcher.checks.kernels import case_progress, select_cases, validate
+    from launcher.checks.kernels.validate import case_progress, select_cases, validate
 
     suite, _, names = spec.partition(":")
     cases = tuple(n for n in names.split(",") if n) or None
@@ -200,7 +200,7 @@ def real_tokens(mask, ids) -> int | None:
     if mask is None:
         return int(ids.numel()) if ids is not None else None
     if mask.dim() == 4:
-        from patches.packed_rows import diagonal_of
+        from patches.packing.masks import diagonal_of
 
         return int(diagonal_of(mask).sum())
     return int((mask != 0).sum())
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
 
-        from launcher.checks.kernels import Device
+        from launcher.checks.kernels.cases import Device
 
         dev = Device(torch, rank_device(backend))
         guard = None

@@ -38,7 +38,7 @@ SENTENCE_TOKENS = 20  # the demo sentences average about 20 tokens with the demo
 
 def synthesize(count: int, tokens: int, seed: int = 0) -> list[dict]:
     """``count`` alpaca-with-history records of about ``tokens`` tokens each, all text drawn at random."""
-    from launcher.demo import CLIENT, COUNSELOR, SYSTEM
+    from launcher.data.demo import CLIENT, COUNSELOR, SYSTEM
 
     rng = random.Random(seed)
     turns = 5  # history pairs; plus the query and the reply: 12 messages
@@ -67,8 +67,8 @@ def cpu_busy_seconds() -> float:
 
 
 def write_inputs(work: Path, samples: int, tokens: int) -> Path:
+    from launcher.data.demo import build_demo_assets
     from launcher.data.soulchat import dataset_info_entry
-    from launcher.demo import build_demo_assets
 
     assets = build_demo_assets(work / "demo", force=True)
     data = work / "data"

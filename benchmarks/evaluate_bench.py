@@ -8,8 +8,8 @@ In one invocation:
 
 1. assets: the shape's model folder (config, tokenizer and the random-init marker: ``benchmarks.bench_assets``) and
    the demo's counselling-style dataset with a held-out test split of ``--test`` conversations, each opening with a
-   different client turn (``launcher.demo.write_dataset``, recorded as ``launcher data prepare --test-size`` records
-   one): ``launcher evaluate`` answers each distinct opening once, so each of the first ``--max-prompts`` test
+   different client turn (``launcher.data.demo.write_dataset``, recorded as ``launcher data prepare --test-size``
+   records one): ``launcher evaluate`` answers each distinct opening once, so each of the first ``--max-prompts`` test
    conversations is a prompt;
 2. a short training run through ``launcher run`` (``benchmarks.patch_bench``'s ``on`` config on that data: LoRA r8 on
    q/k/v/o, bf16 off the CPU, ``--steps`` optimizer steps, a checkpoint at the last), so there is a real run with a
@@ -63,7 +63,7 @@ TRAIN_SAMPLES, EVAL_SAMPLES = 16, 4
 
 def bench_config(out: Path, shape: str, backend: str, steps: int) -> dict[str, Any]:
     """``patch_bench``'s ``on`` config on the demo data, a checkpoint at the last step."""
-    from launcher.demo import DATASET_TRAIN
+    from launcher.data.demo import DATASET_TRAIN
 
     config = patch_bench.run_config(out, "on", shape, backend, steps)
     config["launcher"]["run_name"] = f"evaluate-bench-{shape}"
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         ns.batch_size = batch_size_setting(ns.batch_size)
     except LauncherError as err:
         parser.error(str(err))
-    from launcher.demo import OPENINGS
+    from launcher.data.demo import OPENINGS
 
     if ns.test > len(OPENINGS):
         parser.error(
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--reuse: {why}; run once without --reuse to train it")
         return _evaluate(out, run_dir, results, command, ns)
     from benchmarks.bench_assets import write_model_dir
-    from launcher.demo import write_dataset
+    from launcher.data.demo import write_dataset
 
     shutil.rmtree(out / "model", ignore_errors=True)
     write_model_dir(out / "model", ns.shape)

@@ -24,7 +24,7 @@ from typing import Any
 
 from benchmarks.bench_entry import Recorder, install_random_init, rank_device
 from launcher.rank import evaluate
-from patches.proof import utc_now
+from patches.core.proof import utc_now
 
 RECORD = "evaluate.json"  # in the run directory's bench/, beside the training rank's record
 

@@ -8,7 +8,7 @@ The measuring H200 has Triton 3.6.0 and no newer one could be installed, so meas
 measuring process, and the same process checks the kernel against the fp32 reference
 (``launcher validate-kernels`` here, the 27B-shape case in ``bench_entry``), so the numbers come with the
 evidence that the gradients are right on that machine. Product code never does this: ``patches`` and
-``launcher`` only read the flags (``patches.fla_probe``), and the CUDA image pins a Triton FLA accepts.
+``launcher`` only read the flags (``patches.kernels.fla_probe``), and the CUDA image pins a Triton FLA accepts.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The offloader (``patches/offload.py``) alone on a device: the same gradients to the bit, the memory it saves, the
-time it costs. A minute's check before the launcher runs (``benchmarks.patch_bench``'s offload variants).
+"""The offloader (``patches/planning/offload.py``) alone on a device: the same gradients to the bit, the memory it
+saves, the time it costs. A minute's check before the launcher runs (``benchmarks.patch_bench``'s offload variants).
 
     python -m benchmarks.offload_check --out DIR [--tokens 16384] [--layers 16] [--hidden 5120] [--repeats 3]
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.utils.checkpoint import checkpoint
 
-    from patches.offload import OffloadedCheckpoint, Offloader
+    from patches.planning.offload import OffloadedCheckpoint, Offloader
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.offload_check", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)

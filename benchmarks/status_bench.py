@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks import results_schema  # noqa: E402
 from launcher.files import write_json_atomic  # noqa: E402
-from launcher.procs import boot_id, identity  # noqa: E402  (the repository root must be importable first)
+from launcher.state.procs import boot_id, identity  # noqa: E402  (the repository root must be importable first)
 from launcher.state.record import SCHEMA_VERSION  # noqa: E402
 
 LIMIT_S = 0.3

@@ -2,12 +2,14 @@
 
 Layout (docs/architecture.md has the whole picture), lowest layer first:
 
-- ``errors``, ``files``, ``procs``, ``backend``: the base every other part may use;
-- ``state/``: run states, the typed run record and its one writer, reconcile, trainer log, checkpoints;
-- ``data/``, ``results/``: data tools; verify, report, curves, the adapter reader;
+- ``errors``, ``files``: the base every other part may use;
+- ``state/``, ``config/``: run states, the typed run record and its one writer, reconcile, trainer log, checkpoints,
+  process identity (``state.procs``); the backends (``config.backend``) and the run config's schema and loading;
+- ``data/``, ``results/``: data tools and the tiny demo model (``data.demo``); verify, report, curves, the adapter
+  reader;
 - ``checks/``, ``monitor/``: the rules about a run config (``checks.config_rules``), preflight and kernel checks;
   status, list and logs;
-- ``run/``: the config's schema and loading, setup, run directory, lock, supervisor, job, stop and resume;
+- ``run/``: setup, run directory, lock, supervisor, job, stop and resume;
 - ``cli/``: the verb registry and every argparse line; ``entry``: what each training rank runs.
 """
 

@@ -20,12 +20,18 @@ of LoRA inputs under autocast), ``packed_rows`` (samples of a packed row kept ap
 keeps the frozen base in its load dtype), ``fsdp2_resume_adapter`` (an FSDP2 resume restores every rank's LoRA
 shards) and ``gc_freeze`` (full garbage collections skip the objects alive after the first optimizer step).
 Each module's docstring says which upstream behaviour it changes, for which versions, and when it can be deleted.
+
+Layout: the patches at the top of this package, one module each, and ``registry`` (their order and how one is
+applied); below them their machinery by role, none of which imports a patch: ``core/`` (errors, proof records,
+settings, version and symbol checks, wrapping, the Trainer hook), ``kernels/`` (what FLA can do here, the fused and
+AscendC kernels, the kernel recorder), ``planning/`` (the measured layer plan and the FSDP2 shard census) and
+``packing/`` (the machinery of ``packed_rows``).
 """
 
 from __future__ import annotations
 
-from .errors import PatchError
-from .proof import proof_path, read_proof
+from .core.errors import PatchError
+from .core.proof import proof_path, read_proof
 from .registry import BACKENDS, PATCH_NAMES, apply_enabled, normalize_settings
 
 __all__ = ["BACKENDS", "PATCH_NAMES", "PatchError", "apply_enabled", "normalize_settings", "proof_path", "read_proof"]

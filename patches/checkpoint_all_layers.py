@@ -22,20 +22,20 @@ What this patch does:
    and the requested value is recorded. ``use_unsloth_gc: true`` is refused (it is a different mechanism).
 2. at the first real ``Trainer.training_step`` (``trainer_hook``), applies the same again to the model the
    Trainer hands over (PEFT/DDP/FSDP wrappers included), unless the LLaMA-Factory config asked for no
-   checkpointing at all, and records what the step actually did (``checkpoint_census``), including the
+   checkpointing at all, and records what the step actually did (``planning.census``), including the
    number of FSDP units.
 
 3. optionally leaves some layers un-checkpointed, chosen from costs measured on this model at this run's
-   sequence length (``checkpoint_budget``): ``uncheckpointed_layers: N``, or ``memory_budget_gib: G`` for the
+   sequence length (``planning.budget``): ``uncheckpointed_layers: N``, or ``memory_budget_gib: G`` for the
    step's peak allocated memory (CUDA and NPU, which report it). The first layer of each kind is measured
-   inside the model's own forward in the first step (``layer_meter``), so the same mechanism serves one
-   process, DDP and FSDP2; the ranks agree on one plan (``plan_ranks``). The plan is made at the end of the
+   inside the model's own forward in the first step (``planning.meter``), so the same mechanism serves one
+   process, DDP and FSDP2; the ranks agree on one plan (``planning.ranks``). The plan is made at the end of the
    first step and holds from the second, whose census is recorded as ``second_training_step``; with a budget the
    second step's peak corrects it (``plan_correction``: narrowed, or widened from the third step, whose census
    and peak are recorded too, ``third_training_step`` and ``plan_recheck``). The default leaves every layer
    checkpointed.
 4. optionally keeps the inputs the checkpointed layers save for their backward in pinned host memory
-   (``offload_inputs``; ``patches.offload``): copied out and back on a side stream, the next layer's input
+   (``offload_inputs``; ``patches.planning.offload``): copied out and back on a side stream, the next layer's input
    prefetched during the backward. ``true`` / ``false``, or ``auto`` (the default): on when the launcher's memory
    forecast says the run would not fit the device without it and would with it (preflight decides and passes the
    decision in the run's facts, ``offload_inputs``; without a decision it stays off). The setting, the decision and
@@ -62,8 +62,11 @@ from typing import Any, Literal
 from packaging.specifiers import SpecifierSet
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from . import trainer_hook
-from .checkpoint_budget import (
+from .core import trainer_hook
+from .core.errors import PatchError
+from .core.proof import ProofFile, utc_now
+from .core.versions import require_global_loads, require_symbols
+from .planning.budget import (
     GIB,
     PRIOR_FACTOR,
     apply_plan,
@@ -74,13 +77,10 @@ from .checkpoint_budget import (
     scaled,
     shrink_plan,
 )
-from .checkpoint_census import StepObserver, checkpoint_layers, describe_checkpoint_func
-from .errors import PatchError
-from .layer_meter import InForwardMeter
-from .offload import MIN_BYTES, OffloadedCheckpoint, Offloader
-from .plan_ranks import agree_costs, agree_counts
-from .proof import ProofFile, utc_now
-from .versions import require_global_loads, require_symbols
+from .planning.census import StepObserver, checkpoint_layers, describe_checkpoint_func
+from .planning.meter import InForwardMeter
+from .planning.offload import MIN_BYTES, OffloadedCheckpoint, Offloader
+from .planning.ranks import agree_costs, agree_counts
 
 logger = logging.getLogger(__name__)
 
@@ -303,7 +303,7 @@ def _after_first_step(trainer, model) -> None:
 
 def _start_measuring(model, info: dict[str, Any]) -> None:
     """Leave the first layer of each kind un-checkpointed in the first step and measure it inside the model's
-    forward (``layer_meter``), and the step's peak where the device tells it."""
+    forward (``planning.meter``), and the step's peak where the device tells it."""
     meter = InForwardMeter(checkpoint_layers(model))
     _state["meter"] = meter
     memory = _memory(_state["backend"])
@@ -315,7 +315,7 @@ def _start_measuring(model, info: dict[str, Any]) -> None:
 
 def _finish_measuring(model) -> None:
     """Make the plan from what the first step measured, agree on it with every rank, apply it, and watch the
-    second step. Every rank reaches both agreements whatever it measured (``plan_ranks``)."""
+    second step. Every rank reaches both agreements whatever it measured (``planning.ranks``)."""
     meter = _state.pop("meter")
     meter.close()
     checkpoint_every_layer(model, _state["func"])  # the measured layers too; the plan picks again

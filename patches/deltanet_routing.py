@@ -25,7 +25,7 @@ any      torch         transformers' torch reference    torch / torch / torch
 
 On NPU with ``auto``, preflight has tried FLA's kernel, then fla_npu's AscendC kernels (``ascendc_gdn``, where
 installed), then the torch loop, each through the validation cases at the run's shapes, and recorded the first
-that passed in ``preflight.json`` (``launcher.checks.kernel_choice``); each rank reads it from its facts and binds
+that passed in ``preflight.json`` (``launcher.checks.kernels.choice``); each rank reads it from its facts and binds
 that kernel (decoding keeps FLA's recurrent kernel only when the chunk kernel is FLA's). Without a choice (the
 kernel row skipped) FLA is required, as with ``fla``. The proof records the choice.
 
@@ -62,12 +62,13 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict
 
-from . import ascendc_gdn, trainer_hook
-from .errors import PatchError
-from .fla_probe import FLA_SUPPORTED, FlaFacts, fla_presence, probe_fla
-from .kernel_recorder import CallLog, KernelRecorder, qualified_name
-from .proof import ProofFile, utc_now
-from .versions import require_global_loads, require_symbols
+from .core import trainer_hook
+from .core.errors import PatchError
+from .core.proof import ProofFile, utc_now
+from .core.versions import require_global_loads, require_symbols
+from .kernels import ascendc_gdn
+from .kernels.fla_probe import FLA_SUPPORTED, FlaFacts, fla_presence, probe_fla
+from .kernels.recorder import CallLog, KernelRecorder, qualified_name
 
 NAME = "deltanet_routing"
 SUPPORTED = {"transformers": SpecifierSet(">=5.6.0,<5.7")}
@@ -86,7 +87,7 @@ TORCH_KERNEL_FIX = "or set launcher.patches.deltanet_routing.kernel: torch to tr
 
 class Options(BaseModel):
     """``launcher.patches.deltanet_routing``: ``kernel`` is auto (per backend), fla, or torch. On NPU, ``auto`` takes
-    the kernels preflight chose by validation (``launcher.checks.kernel_choice``); a choice that fell back to torch
+    the kernels preflight chose by validation (``launcher.checks.kernels.choice``); a choice that fell back to torch
     stops the run at preflight unless ``allow_torch_fallback`` (about 8x slower a 27B step)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -133,7 +134,7 @@ def _torch_route(reason: str) -> Route:
 
 def select_route(backend: str, kernel: str, fla: FlaFacts, chosen: dict[str, Any] | None = None) -> Route:
     """Decide the route from the backend, the configured ``kernel``, what FLA offers and, on NPU with ``auto``, the
-    chunk kernel preflight chose (``chosen``: the ``chunk`` entry of ``launcher.checks.kernel_choice``'s record) (pure
+    chunk kernel preflight chose (``chosen``: the ``chunk`` entry of ``launcher.checks.kernels.choice``'s record) (pure
     logic).
 
     Raises:

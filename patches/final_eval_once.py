@@ -29,9 +29,9 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from pydantic import BaseModel, ConfigDict
 
-from .proof import ProofFile, utc_now
-from .versions import require_symbols
-from .wrapping import unwrap, wrap_once
+from .core.proof import ProofFile, utc_now
+from .core.versions import require_symbols
+from .core.wrapping import unwrap, wrap_once
 
 NAME = "final_eval_once"
 SUPPORTED = {"transformers": SpecifierSet(">=5.6.0,<5.7"), "llamafactory": SpecifierSet(">=0.9.5,<0.9.6")}

@@ -32,7 +32,7 @@ in ``accelerate.accelerator``):
    ``distribution: fsdp2`` silently ran DDP over gloo. torch's ``fully_shard`` works on a CPU mesh over gloo, so
    in an FSDP2 rank on ``cpu`` only the state is switched to FSDP with the plugin the Accelerator built; NPU and
    CUDA ranks never take this branch;
-5. records per rank (``fsdp2_census``): the dtype and local bytes of the frozen and the trainable shards, and for
+5. records per rank (``planning.shards``): the dtype and local bytes of the frozen and the trainable shards, and for
    each FSDP2 unit its local bytes against the whole unit's.
 
 Under ``distribution: ddp`` nothing calls the wrapped function and the record says so.
@@ -52,11 +52,11 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from pydantic import BaseModel, ConfigDict
 
-from .errors import PatchError
-from .fsdp2_census import shard_census
-from .proof import ProofFile, utc_now
-from .versions import require_global_loads, require_symbols
-from .wrapping import MARKER, ORIGINAL, unwrap, wrap_once
+from .core.errors import PatchError
+from .core.proof import ProofFile, utc_now
+from .core.versions import require_global_loads, require_symbols
+from .core.wrapping import MARKER, ORIGINAL, unwrap, wrap_once
+from .planning.shards import shard_census
 
 NAME = "fsdp2_frozen_dtype"
 SUPPORTED = {"accelerate": SpecifierSet(">=1.11.0,<1.14"), "torch": SpecifierSet(">=2.7")}

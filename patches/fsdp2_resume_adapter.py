@@ -50,10 +50,10 @@ from pydantic import BaseModel, ConfigDict
 
 from launcher.state.runs import ADAPTER_FILE
 
-from .errors import PatchError
-from .proof import ProofFile, utc_now
-from .versions import require_global_loads, require_symbols
-from .wrapping import MARKER, ORIGINAL, wrap_once
+from .core.errors import PatchError
+from .core.proof import ProofFile, utc_now
+from .core.versions import require_global_loads, require_symbols
+from .core.wrapping import MARKER, ORIGINAL, wrap_once
 
 NAME = "fsdp2_resume_adapter"
 SUPPORTED = {

@@ -22,7 +22,7 @@ What this patch does, per op (``fused_kernels.select_kernels``; each has an off 
 
 On CUDA every op is FLA's Triton kernel; on NPU FLA's triton-ascend kernels, except the plain RMSNorm, which
 goes to ``torch_npu.npu_rms_norm`` (``fused_kernels`` says why), and the convolution and the gated norm where
-preflight's kernel choice refused FLA's kernel at a validation case (``launcher.checks.kernel_choice``: then
+preflight's kernel choice refused FLA's kernel at a validation case (``launcher.checks.kernels.choice``: then
 transformers' torch op, with the refusal recorded); on CPU nothing changes (the patch records why).
 ``launcher validate-kernels`` checks each op against an fp32 reference at the 27B shapes.
 Proof per rank: the kernel and reason per op, and at the first training step how many modules of each kind
@@ -44,12 +44,13 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict
 
-from . import fused_kernels, trainer_hook
+from .core import trainer_hook
+from .core.proof import ProofFile, utc_now
+from .core.versions import require_global_loads, require_symbols
+from .core.wrapping import unwrap, wrap_once
 from .deltanet_routing import refusals
-from .fla_probe import FLA_SUPPORTED, probe_fla
-from .proof import ProofFile, utc_now
-from .versions import require_global_loads, require_symbols
-from .wrapping import unwrap, wrap_once
+from .kernels import fused_kernels
+from .kernels.fla_probe import FLA_SUPPORTED, probe_fla
 
 NAME = "fused_ops"
 SUPPORTED = {"transformers": SpecifierSet(">=5.6.0,<5.7")}
@@ -246,9 +247,3 @@ def _unwrap_all() -> None:
     for module_name, prefix in PREFIX.items():
         for suffix, method in WRAPPED.values():
             unwrap(module_name, prefix + suffix, method, NAME)
-
-
-def conv_of(layer) -> fused_kernels.FlaConv | None:
-    """The FLA convolution a DeltaNet layer is bound to, or None (``packed_rows`` asks)."""
-    conv = getattr(layer, "causal_conv1d_fn", None)
-    return conv if isinstance(conv, fused_kernels.FlaConv) else None

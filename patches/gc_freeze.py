@@ -33,10 +33,10 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from pydantic import BaseModel, ConfigDict
 
-from . import trainer_hook
-from .errors import PatchError
-from .proof import ProofFile, utc_now
-from .versions import require_symbols
+from .core import trainer_hook
+from .core.errors import PatchError
+from .core.proof import ProofFile, utc_now
+from .core.versions import require_symbols
 
 NAME = "gc_freeze"
 SUPPORTED = {"transformers": SpecifierSet(">=5.6.0,<5.7")}

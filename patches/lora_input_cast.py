@@ -26,11 +26,11 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from pydantic import BaseModel, ConfigDict
 
-from . import trainer_hook
-from .errors import PatchError
-from .proof import ProofFile, utc_now
-from .versions import require_symbols
-from .wrapping import unwrap, wrap_once
+from .core import trainer_hook
+from .core.errors import PatchError
+from .core.proof import ProofFile, utc_now
+from .core.versions import require_symbols
+from .core.wrapping import unwrap, wrap_once
 
 NAME = "lora_input_cast"
 SUPPORTED = {"peft": SpecifierSet(">=0.18.1,<0.19")}

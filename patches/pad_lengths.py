@@ -25,9 +25,9 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from pydantic import BaseModel, ConfigDict, Field
 
-from .proof import ProofFile, utc_now
-from .versions import require_symbols
-from .wrapping import unwrap, wrap_once
+from .core.proof import ProofFile, utc_now
+from .core.versions import require_symbols
+from .core.wrapping import unwrap, wrap_once
 
 NAME = "pad_lengths"
 SUPPORTED = {"llamafactory": SpecifierSet(">=0.9.5,<0.9.6")}
@@ -50,7 +50,7 @@ def check_symbols() -> None:
     """The collator class exists and pads through ``pad_to_multiple_of`` (transformers' DataCollatorForSeq2Seq)."""
     module = require_symbols(NAME, MODULE, (CLASS,), "llamafactory")
     if "pad_to_multiple_of" not in getattr(getattr(module, CLASS), "__dataclass_fields__", {}):
-        from .errors import PatchError
+        from .core.errors import PatchError
 
         raise PatchError(
             NAME,

@@ -63,13 +63,12 @@ from . import (
     lora_input_cast,
     packed_rows,
     pad_lengths,
-    settings,
     text_only_batches,
-    trainer_hook,
 )
-from .errors import PatchError
-from .proof import ProofFile, RankInfo
-from .versions import check_versions
+from .core import settings, trainer_hook
+from .core.errors import PatchError
+from .core.proof import ProofFile, RankInfo
+from .core.versions import check_versions
 
 logger = logging.getLogger(__name__)
 

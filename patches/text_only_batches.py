@@ -37,10 +37,10 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from pydantic import BaseModel, ConfigDict
 
-from .errors import PatchError
-from .proof import ProofFile, utc_now
-from .versions import require_symbols
-from .wrapping import original_of, unwrap, wrap_once
+from .core.errors import PatchError
+from .core.proof import ProofFile, utc_now
+from .core.versions import require_symbols
+from .core.wrapping import original_of, unwrap, wrap_once
 
 NAME = "text_only_batches"
 SUPPORTED = {"llamafactory": SpecifierSet(">=0.9.5,<0.9.6")}

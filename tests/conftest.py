@@ -13,6 +13,6 @@ from tests.support.engine import cpu_image, engine  # noqa: F401  (session fixtu
 @pytest.fixture(scope="session")
 def demo_assets(tmp_path_factory) -> dict[str, Path]:
     """The tiny random Qwen3.5 model and demo dataset, built from scratch once per test session."""
-    from launcher.demo import build_demo_assets
+    from launcher.data.demo import build_demo_assets
 
     return build_demo_assets(tmp_path_factory.mktemp("demo"))

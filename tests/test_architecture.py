@@ -27,14 +27,11 @@ LAYERS: dict[str, int] = {
     "launcher": 0,
     "launcher.errors": 0,
     "launcher.files": 0,
-    "launcher.procs": 0,
-    "launcher.backend": 0,
     "launcher.state": 1,
     "launcher.config": 1,  # the run config's schema, loading and load rules: below checks/ and run/
     "patches": 1,  # beside state/: imports only the base (launcher.files); imported by entry, checks, run
     "launcher.data": 2,
     "launcher.results": 2,
-    "launcher.demo": 2,
     "launcher.checks": 3,
     "launcher.monitor": 4,  # status, list, logs: ask each run's placement (run/placement/)
     "launcher.rank": 3,  # inside the training and evaluation processes
@@ -201,8 +198,8 @@ def test_every_module_has_a_layer():
 
 def test_relative_imports_count():
     graph = import_graph()
-    assert {"patches.errors", "patches.proof", "patches.registry"} <= graph["patches"]
-    assert "launcher.files" in graph["patches.proof"]
+    assert {"patches.core.errors", "patches.core.proof", "patches.registry"} <= graph["patches"]
+    assert "launcher.files" in graph["patches.core.proof"]
 
 
 def test_no_layer_imports_a_higher_one():
@@ -228,6 +225,26 @@ def test_patches_use_only_the_launchers_base():
                 t for t in targets if t.split(".")[0] != "patches" and layer_of(t) > 0 and t not in PATCHES_MAY_IMPORT
             ]
             assert not wrong, (module, wrong)
+
+
+# what each support package of patches/ may import from patches/: the patches sit at the top, their machinery below
+PATCH_SUPPORT_MAY_IMPORT = {
+    "patches.core": ("patches.core",),
+    "patches.kernels": ("patches.core", "patches.kernels"),
+    "patches.planning": ("patches.core", "patches.planning"),
+    "patches.packing": ("patches.core", "patches.kernels", "patches.packing"),
+}
+
+
+def test_patch_support_imports_no_patch():
+    """``patches/core``, ``kernels``, ``planning`` and ``packing`` hold what the patches use; none imports a patch."""
+    for module, targets in import_graph().items():
+        support = module.split(".")[:2]
+        allowed = PATCH_SUPPORT_MAY_IMPORT.get(".".join(support))
+        if allowed is None:
+            continue
+        wrong = [t for t in targets if t.split(".")[0] == "patches" and not t.startswith(allowed)]
+        assert not wrong, (module, wrong)
 
 
 def test_the_run_folder_map_imports_only_the_base():
@@ -270,9 +287,9 @@ def test_the_checks_catch_a_planted_violation(wrong):
     elif wrong == "patches-import-benchmarks":
         packages = project()[1]
         planted = ast.parse("def measure():\n    from benchmarks import patch_bench\n    import benchmarks.fla_guard")
-        graph["patches.proof"] = imports_of("patches.proof", planted, packages)
-        assert graph["patches.proof"] == {"benchmarks.fla_guard", "benchmarks.patch_bench"}
-        assert "patches.proof (layer 1) imports benchmarks.patch_bench (layer 6)" in layer_violations(graph)
+        graph["patches.core.proof"] = imports_of("patches.core.proof", planted, packages)
+        assert graph["patches.core.proof"] == {"benchmarks.fla_guard", "benchmarks.patch_bench"}
+        assert "patches.core.proof (layer 1) imports benchmarks.patch_bench (layer 6)" in layer_violations(graph)
     elif wrong == "type-hint-up":  # a hint under TYPE_CHECKING counts as an import (the exemption is gone)
         packages = project()[1]
         planted = ast.parse(
@@ -284,7 +301,10 @@ def test_the_checks_catch_a_planted_violation(wrong):
         graph["launcher.files"] = graph["launcher.files"] | {"launcher.state.record"}
         assert any({"launcher.files", "launcher.state.record"} <= set(loop) for loop in import_loops(graph))
     else:
-        planted = {"launcher.state.record": ast.parse(PLANTED_PRIVATE), "patches.proof": ast.parse("from . import _x")}
+        planted = {
+            "launcher.state.record": ast.parse(PLANTED_PRIVATE),
+            "patches.core.proof": ast.parse("from . import _x"),
+        }
         assert private_crossings(planted, project()[1]) == [
             "launcher.state.record uses launcher.files._tmp",
             "launcher.state.record uses launcher.run.rundir._layout",

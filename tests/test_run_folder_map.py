@@ -223,8 +223,8 @@ def test_the_spelling_check_leaves_words_that_are_no_path():
 
 def test_patches_take_their_names_from_the_map():
     """patches/ imports launcher (proof.py: launcher.files), so it takes its run-folder names from the map too."""
+    import patches.core.proof as proof
     import patches.fsdp2_resume_adapter as resume
-    import patches.proof as proof
     from launcher.state import runs
 
     assert resume.ADAPTER_FILE == runs.ADAPTER_FILE

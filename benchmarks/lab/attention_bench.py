@@ -11,9 +11,9 @@ row of ``--tokens`` tokens, forward and backward, for every route of ``--routes`
   ``enable_gqa``; torch picks the backend), and ``sdpa-flash`` / ``sdpa-cudnn``: the same call held to one
   backend;
 - ``varlen``: a packed row (the samples of ``--samples``, padding up to ``--tokens``) through
-  ``patches.packed_rows.varlen_attention`` with ``TORCH_VARLEN`` (``torch.nn.attention.varlen.varlen_attn``,
+  ``patches.packing.varlen.varlen_attention`` with ``TORCH_VARLEN`` (``torch.nn.attention.varlen.varlen_attn``,
   FlashAttention 2 with the row's ``cu_seqlens``, key heads repeated where it cannot share them), the padding cut
-  into segments of ``--padding-piece`` tokens (``packed_rows.PADDING_PIECE`` by default; 0: the padding one
+  into segments of ``--padding-piece`` tokens (``patches.packing.varlen.PADDING_PIECE`` by default; 0: the padding one
   segment, the product before that cut);
 - ``aten-flash``: the packed row through the product's CUDA route (``ATEN_FLASH``: ``aten._flash_attention_forward``,
   the operator ``varlen_attn`` wraps, key heads shared);
@@ -32,7 +32,7 @@ the real tokens. A route that fails records its error and the others go on.
 
 Also timed (``mask``): LLaMA-Factory's ``prepare_4d_attention_mask`` of the row on the CPU (what its collator
 does for every packed batch unless ``packed_rows.device_mask``) and its copy to the device, against
-``packed_rows.block_causal_mask`` on the device.
+``patches.packing.masks.block_causal_mask`` on the device.
 
 Results go to ``DIR/attention.json``, rewritten after every route; interrupted (Ctrl-C, ``timeout``, SIGTERM), it
 keeps the routes done and names the one it was in (``interrupted_in``). Measurement only: nothing of the product's
@@ -111,7 +111,7 @@ def route_call(torch, route: str, mask4d, piece: int, samples: list[int] | None 
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    from patches import packed_rows
+    from patches.packing import masks, varlen
 
     scale = HEAD_DIM**-0.5
     if route.startswith("sdpa"):
@@ -128,11 +128,11 @@ def route_call(torch, route: str, mask4d, piece: int, samples: list[int] | None 
         return call
     if route == "per-sample":
         return per_sample_call(torch, samples or [], bucket)
-    found = packed_rows.segments(mask4d)
+    found = masks.segments(mask4d)
     if route == "masked":
         return lambda q, k, v: sdpa(q, k, v, attn_mask=mask4d, scale=scale, enable_gqa=True)[0].transpose(0, 1)
-    kernel = packed_rows.ATEN_FLASH if route == "aten-flash" else packed_rows.TORCH_VARLEN
-    return lambda q, k, v: packed_rows.varlen_attention(kernel, q, k, v, found, scale, piece)[0]
+    kernel = varlen.ATEN_FLASH if route == "aten-flash" else varlen.TORCH_VARLEN
+    return lambda q, k, v: varlen.varlen_attention(kernel, q, k, v, found, scale, piece)[0]
 
 
 def reference(torch, q, k, v, numbered) -> Any:
@@ -158,7 +158,7 @@ def measure_route(
 ) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
-    from patches import packed_rows
+    from patches.packing import masks
 
     device = "cuda"
     torch.manual_seed(0)
@@ -166,7 +166,7 @@ def measure_route(
     k, v = (torch.randn(1, KEY_HEADS, tokens, HEAD_DIM, device=device, dtype=torch.bfloat16) for _ in range(2))
     packed = not route.startswith("sdpa")
     numbered = numbered_row(torch, tokens, samples if packed else [tokens]).to(device)
-    mask4d = packed_rows.block_causal_mask(numbered, torch.bfloat16)
+    mask4d = masks.block_causal_mask(numbered, torch.bfloat16)
     call = route_call(torch, route, mask4d, piece, samples, bucket)
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     grad = torch.randn(tokens, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
@@ -215,7 +215,7 @@ def measure_mask(torch, tokens: int, samples: list[int], repeats: int) -> dict[s
     """LLaMA-Factory's CPU mask and its copy to the device, against the mask built on the device."""
     from llamafactory.data.collator import prepare_4d_attention_mask
 
-    from patches.packed_rows import block_causal_mask
+    from patches.packing.masks import block_causal_mask
 
     numbered = numbered_row(torch, tokens, samples)
     cpu, copy = [], []
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    from patches.packed_rows import PADDING_PIECE
+    from patches.packing.varlen import PADDING_PIECE
 
     samples = counts_of(args.samples)
     piece = PADDING_PIECE if args.padding_piece is None else args.padding_piece

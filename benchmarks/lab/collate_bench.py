@@ -19,7 +19,7 @@ multimodal rotary positions), for three cases:
 Every case runs with the collator patches the product applies to text-only data (``text_only_batches``: no dummy
 image; ``packed_rows`` where packed), which this process applies and removes around the case.
 
-The model is the tiny demo model (``launcher.demo``): the collator reads its rotary-position function, whose host
+The model is the tiny demo model (``launcher.data.demo``): the collator reads its rotary-position function, whose host
 cost depends on the tokens, not on the model's width, so the figures hold for the 27B shape's host work on the same
 CPU. The model and both datasets are written afresh into ``DIR`` at ``--cutoff``. Per case: every row collated
 once untimed, then ``--repeats`` passes over the first ``--rows`` rows (all of them by default), the median and the
@@ -95,7 +95,7 @@ def collator_of(model_dir: Path, data_dir: Path, dataset: str, cutoff: int, pack
 def samples_in(batch) -> int:
     """The samples of a one-row batch, as ``packed_rows`` reads them: off its sample numbers (2D: all ones unpacked,
     1, 1, 2, 2, 0 packed) or off its 4D mask."""
-    from patches.packed_rows import numbered_segments, segments
+    from patches.packing.masks import numbered_segments, segments
 
     mask = batch["attention_mask"]
     return (numbered_segments(mask) if mask.dim() == 2 else segments(mask)).samples_per_row()[0]
@@ -132,7 +132,7 @@ def measure(case: str, out: Path, cutoff: int, count: int, repeats: int) -> dict
     image) and, packed, ``packed_rows`` (``device_mask`` off for ``packed-cpu-mask``)."""
     from benchmarks import bench_assets
     from patches import packed_rows, text_only_batches
-    from patches.proof import ProofFile
+    from patches.core.proof import ProofFile
 
     packed = case != "unpacked"
     data, dataset = ("data-spread", bench_assets.SPREAD) if packed else ("data-reply70", bench_assets.DATASET)
@@ -158,7 +158,7 @@ def measure(case: str, out: Path, cutoff: int, count: int, repeats: int) -> dict
 def write_assets(out: Path, cutoff: int) -> None:
     """The tiny demo model and both datasets at ``cutoff``, written afresh (the benchmark's own folders in ``out``)."""
     from benchmarks import bench_assets
-    from launcher.demo import build_model_dir
+    from launcher.data.demo import build_model_dir
 
     for folder in ("model", "data-spread", "data-reply70", "lf"):
         shutil.rmtree(out / folder, ignore_errors=True)

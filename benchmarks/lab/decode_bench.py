@@ -60,7 +60,7 @@ def build_model(torch, model_dir: Path, device: str, dtype):
 def apply_route(route: str, backend: str, proof_dir: Path) -> dict[str, Any]:
     """Install the routing patch for ``route`` (only that patch; nothing of LLaMA-Factory is needed here)."""
     from patches import deltanet_routing
-    from patches.proof import ProofFile
+    from patches.core.proof import ProofFile
 
     options = deltanet_routing.Options(kernel="auto" if route == "routed" else "torch").model_dump()
     proof = ProofFile(proof_dir, deltanet_routing.NAME, 0)
@@ -223,8 +223,8 @@ def run(
     import torch
 
     from benchmarks.bench_assets import write_model_dir
-    from launcher.backend import device_name
-    from launcher.checks.kernels import Device, environment
+    from launcher.checks.kernels.validate import Device, environment
+    from launcher.config.backend import device_name
 
     out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {

@@ -12,13 +12,13 @@ and backward:
 - ``conv-per-sample``: the same kernel without ``cu_seqlens``, called once on each segment's slice of the row
   and the outputs joined (``torch.cat``): another way for a packed row to keep its samples apart, priced
   against ``conv``'s varlen call (0.50 ms more than the plain one a checkpointed layer on an H100);
-- ``chunk``: FLA's ``chunk_gated_delta_rule`` with the key heads as they are (``packed_rows.value_heads`` hands
+- ``chunk``: FLA's ``chunk_gated_delta_rule`` with the key heads as they are (``packing.deltanet.value_heads`` hands
   them so), q and k L2-normed in the kernel;
 - ``chunk-repeated``: the same with the key heads first repeated for the value heads, as transformers' forward
   does in an unpacked step (the copies and their backward timed with the kernel).
 
 Each is called ``plain``, without ``cu_seqlens`` (an unpacked step; a packed row of one sample since
-``packed_rows.Segments.state_bounds``), and ``conv`` and ``chunk`` also ``varlen``, with the ``cu_seqlens`` of the
+``packing.masks.Segments.state_bounds``), and ``conv`` and ``chunk`` also ``varlen``, with the ``cu_seqlens`` of the
 ``--samples`` segments, the last running to the end of the row (``state_bounds`` joins a row's padding to the
 sample before it): ``--samples 2482,1614`` is a row of one 2,482-token sample with its padding as a segment of its
 own, the bounds the product gave such a row before ``state_bounds``; ``--samples 1200,1700,1196`` three samples.

@@ -68,7 +68,7 @@ def set_way(way: str, proof_dir: Path, device: str) -> None:
     """``skip``: the product's patch applied (as on a rank: it also hooks the Trainer's first step, unused here);
     ``cast``: PEFT as it ships."""
     from patches import lora_input_cast
-    from patches.proof import ProofFile
+    from patches.core.proof import ProofFile
 
     lora_input_cast.restore()
     if way == "skip":

@@ -9,11 +9,11 @@ For each norm of the 27B shape (``q``: the attention's query norm over ``[1, T, 
 over ``[1, T, 48, 128]`` with its gate), each kernel and each length T of
 ``--lengths`` in order: the seconds of the first call (forward and the input's backward; the weight frozen, as under
 LoRA), then the median ms of R timed calls (CUDA events). ``fla`` is FLA's ``rms_norm`` as training binds it: through
-the product's adapter (``patches.fused_kernels.rms_norm``), its narrow kernels tuned once per width
+the product's adapter (``patches.kernels.fused_kernels.rms_norm``), its narrow kernels tuned once per width
 (``fused_kernels.tune_by_width``), and FLA's ``rms_norm_gated`` likewise; ``fla-own`` the same kernels with FLA's
 own autotune keys, which tune them again at every bucket of rows for widths of 512 or fewer (2,048 rows, 65,536 for
 the gated norm); ``torch`` transformers' arithmetic
-(``launcher.checks.glue_kernels``). Kernels run in the order given (``fla`` before ``fla-own``: the compiled kernels
+(``launcher.checks.kernels.glue``). Kernels run in the order given (``fla`` before ``fla-own``: the compiled kernels
 stay in the process, so the first pays each compile). A length given twice (the defaults end with a repeat) shows
 what a length met before costs. Run it with an empty ``TRITON_CACHE_DIR`` to see what a fresh machine pays.
 
@@ -49,14 +49,14 @@ def kernel_of(name: str):
     """``(x, weight, eps, gate) -> y`` for ``name`` (the gated norm where ``gate`` is given): the product's FLA
     adapters (``fla``: tuned by width, ``fla-own``: FLA's own tuning; this process's FLA kernels keep that choice
     until the next call), or transformers' arithmetic."""
-    from launcher.checks import glue_kernels
+    from launcher.checks.kernels import glue as glue_kernels
 
     if name == "torch":
         ops = glue_kernels.torch_ops()
         return lambda x, weight, eps, gate: (
             ops["rms_norm"](x, weight, eps) if gate is None else ops["gated_norm"](x, gate, weight, eps)
         )
-    from patches import fused_kernels
+    from patches.kernels import fused_kernels
 
     fla_norm, fla_gated = fused_kernels.load("rms_norm", "fla"), fused_kernels.load("gated_norm", "fla")
     fused_kernels.restore_tuning()

@@ -24,13 +24,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from launcher import backend as backends
 from launcher.checks.config_check import ERROR, OK, SKIPPED, WARN, Finding, Findings, check_llamafactory
 from launcher.checks.data_check import check_output
 from launcher.checks.memory import check_memory
 from launcher.checks.patch_check import patch_problems
+from launcher.config import backend as backends
 from launcher.state.runs import OUTPUT_SUBDIR
-from patches.versions import installed_version
+from patches.core.versions import installed_version
 
 if TYPE_CHECKING:
     from launcher.config.run_config import RunConfig

@@ -94,13 +94,13 @@ DECODE_MEASURED_PROMPT = 512
 # fsdp2-embedding-units-h200.json).
 FSDP_GATHERED_LAYERS = 2
 # The caching allocator's reserved memory beyond the allocated peak: not recorded in the H200 runs. The layer
-# plan leaves 1 GiB under a budget for fragmentation and the optimizer step (patches/checkpoint_budget.py); the
+# plan leaves 1 GiB under a budget for fragmentation and the optimizer step (patches/planning/budget.py); the
 # forecast adds 5 % of the peak on top of that, an allowance until a run records its reserved peak.
 SLACK_GIB = 1.0
 SLACK_SHARE = 0.05
 # offload_inputs: the inputs on the device at a time in the backward, the one being recomputed and the next,
-# prefetched (patches/offload.py); the host keeps them in chunks of this size (a power of two: the pinned
-# allocator rounds every allocation up to one, patches.offload.CHUNK_BYTES)
+# prefetched (patches/planning/offload.py); the host keeps them in chunks of this size (a power of two: the pinned
+# allocator rounds every allocation up to one, patches.planning.offload.CHUNK_BYTES)
 OFFLOAD_IN_FLIGHT = 2
 OFFLOAD_CHUNK_BYTES = 64 * 1024**2
 # the cutoff_len values --device-memory reports as fitting or not: 1,024 to 262,144 tokens
@@ -642,10 +642,10 @@ def _budget_plan(
     extra_gib: float = 0.0,
 ) -> tuple[dict[str, int], str]:
     """The layers a ``memory_budget_gib`` plan leaves un-checkpointed from the third step on:
-    ``patches.checkpoint_budget.plan`` on the forecast's counts priced at what a layer really costs (``real``), as
+    ``patches.planning.budget.plan`` on the forecast's counts priced at what a layer really costs (``real``), as
     the patch's plan is once the second step's peak has narrowed or widened the first plan (priced at
     ``PRIOR_FACTOR`` times the count) to the real factor."""
-    from patches.checkpoint_budget import LayerCost, plan
+    from patches.planning.budget import LayerCost, plan
 
     kinds = shape.kinds()
     costs = {

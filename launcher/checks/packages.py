@@ -20,7 +20,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from launcher import SOURCE_ROOT as PROJECT_ROOT
-from patches.versions import installed_version
+from patches.core.versions import installed_version
 
 LOCK_FILES = {"npu": "requirements.lock", "cuda": "requirements-cuda.lock", "cpu": "requirements-cpu.lock"}
 # An image built from another lock of its backend names it (the Dockerfile's npu-cann9 target:

@@ -34,7 +34,7 @@ def patch_problems(
     problems = []
     fsdp = patches.get("fsdp2_frozen_dtype", {})
     if distribution == "fsdp2" and fsdp.get("enabled") and torch_version is not None:
-        from patches.errors import PatchError
+        from patches.core.errors import PatchError
         from patches.fsdp2_frozen_dtype import trainable_units_mode
 
         try:

@@ -11,9 +11,9 @@ Rows (status ``ok``, ``warn``, ``fail`` or ``skip``; only ``fail`` stops a run):
 - ``driver``: the host driver version (mounted read-only) against the HDK lines the image's CANN supports
 - ``packages``: installed versions against the lock file the image was built from
 - ``triton``: community triton absent next to triton-ascend (npu); a Triton FLA accepts on Hopper (cuda)
-- ``kernel``: the Gated DeltaNet kernel runs on the device, forward and backward (``launcher.checks.kernel_check``);
+- ``kernel``: the Gated DeltaNet kernel runs on the device, forward and backward (``launcher.checks.kernels.check``);
   on NPU with ``kernel: auto`` the chunk kernel, the convolution and the gated norm are chosen there by validation
-  at the run's shapes (``launcher.checks.kernel_choice``; the record is ``preflight.json``'s ``kernel_choice``), and
+  at the run's shapes (``launcher.checks.kernels.choice``; the record is ``preflight.json``'s ``kernel_choice``), and
   a torch fallback fails the row unless ``launcher.patches.deltanet_routing.allow_torch_fallback: true``
 - ``model.*``: model type, layer pattern, weights, tokenizer, checksum manifest (``launcher.checks.model``)
 - ``memory``: the forecast peak per device, term by term, against the device's memory (``launcher.checks.memory``);
@@ -43,12 +43,12 @@ from typing import TYPE_CHECKING, Any
 
 from packaging.version import InvalidVersion, Version
 
-from launcher import backend as backends
 from launcher.checks import model as modelcheck
 from launcher.checks import packages
 from launcher.checks.data_check import check_dataset, check_output
 from launcher.checks.devices import check_devices
 from launcher.checks.memory import check_memory
+from launcher.config import backend as backends
 from launcher.config.run_config import cutoff_len
 from launcher.files import write_json_atomic
 from launcher.state.record import now_iso
@@ -439,7 +439,7 @@ def _allow_torch(prepared: Prepared) -> bool:
 def _run_shapes(prepared: Prepared, model_dir: Path) -> dict[str, int]:
     """The run's DeltaNet shapes for the kernel choice: the model's config (the 27B model's if unreadable) and the
     run's ``cutoff_len``."""
-    from launcher.checks.kernel_choice import run_shapes
+    from launcher.checks.kernels.choice import run_shapes
 
     seq_len = cutoff_len(prepared.config.llamafactory)
     try:
@@ -457,7 +457,7 @@ def check_kernel(
     allow: bool = False,
     out: dict[str, Any] | None = None,
 ) -> Row:
-    """Run ``launcher.checks.kernel_check`` in a child process (see its docstring for why); ``out`` gets the kernel
+    """Run ``launcher.checks.kernels.check`` in a child process (see its docstring for why); ``out`` gets the kernel
     choice record when the child made one."""
     env = backends.child_env(backends.BACKENDS[backend])
     cmd = [sys.executable, "-m", "launcher", "_kernel-check", "--backend", backend, "--kernel", kernel, "--glue", glue]
@@ -485,7 +485,7 @@ def kernel_row(backend: str, result: dict[str, Any], allow: bool = False) -> Row
     record = result.get("kernel_choice")
     chosen = ""
     if record is not None:
-        from launcher.checks.kernel_choice import ALLOW_KEY, summary
+        from launcher.checks.kernels.choice import ALLOW_KEY, summary
 
         chosen = f"kernel choice: {summary(record)}; "
         fallbacks = [name for name, c in record["components"].items() if c.get("chosen") == "torch"]
@@ -514,7 +514,7 @@ def kernel_row(backend: str, result: dict[str, Any], allow: bool = False) -> Row
 
 
 def _suite_summary(suite: dict[str, Any] | None) -> str:
-    """The quick ``launcher validate-kernels`` suite that kernel_check runs after its own check."""
+    """The quick ``launcher validate-kernels`` suite that ``kernels.check`` runs after its own check."""
     if not suite:
         return ""
     return "; validate-kernels quick: " + ", ".join(f"{name} {state}" for name, state in suite["cases"].items())

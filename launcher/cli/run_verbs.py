@@ -261,7 +261,7 @@ def _args_kernel_check(p: argparse.ArgumentParser) -> None:
 
 def _cmd_kernel_check(ns: argparse.Namespace) -> int:
     """One JSON line on stdout (preflight reads it); 0 when the kernel passed."""
-    from launcher.checks.kernel_check import check
+    from launcher.checks.kernels.check import check
 
     glue = tuple(op for op in ns.glue.split(",") if op and op != "none")
     shapes = json.loads(ns.shapes) if ns.shapes else None

@@ -12,7 +12,7 @@ from launcher.errors import ExitCode, LauncherError
 
 
 def _args_validate_kernels(p: argparse.ArgumentParser) -> None:
-    from launcher.checks.kernels import DEFAULT_THRESHOLD, SUITES
+    from launcher.checks.kernels.validate import DEFAULT_THRESHOLD, SUITES
 
     p.add_argument(
         "--device",
@@ -60,7 +60,7 @@ def _render_kernels(report, file=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from launcher.checks.kernels import GRAD_NAMES, SUITES
+    from launcher.checks.kernels.validate import GRAD_NAMES, SUITES
 
     console = Console(file=file or sys.stdout, width=160)
     if report.error:
@@ -110,7 +110,7 @@ def _render_kernels(report, file=None) -> None:
 
 def _cmd_validate_kernels(ns: argparse.Namespace) -> int:
     """``launcher validate-kernels``: 0 when every case passed (or was skipped with a reason), 1 otherwise."""
-    from launcher.checks.kernels import case_progress, resolve_backend, select_cases, validate
+    from launcher.checks.kernels.validate import case_progress, resolve_backend, select_cases, validate
 
     backend = resolve_backend(ns.device)
     suite = ns.suite or ("quick" if backend == "cpu" else "full")
@@ -146,7 +146,7 @@ def _args_demo_assets(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_demo_assets(ns: argparse.Namespace) -> int:
-    from launcher.demo import build_demo_assets
+    from launcher.data.demo import build_demo_assets
 
     try:
         paths = build_demo_assets(ns.out, force=ns.force)

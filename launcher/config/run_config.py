@@ -32,7 +32,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 import patches
-from launcher.backend import Backend
+from launcher.config.backend import Backend
 from launcher.config.tuning import Tuning
 from launcher.errors import ExitCode, LauncherError, did_you_mean
 from launcher.files import MAX_YAML_BYTES, Unreadable, load_yaml, read_regular, shown

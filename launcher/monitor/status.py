@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from launcher.checks.kernel_choice import summary as kernel_summary
+from launcher.checks.kernels.choice import summary as kernel_summary
 from launcher.errors import ExitCode
 from launcher.files import FileFollower, read_json_object, shown, tail_lines
 from launcher.rank.oomtrack import summary

@@ -108,7 +108,7 @@ def _first_turns(aligned, limit: int) -> list[dict[str, Any]]:
 def routed_bindings(model) -> dict[str, int]:
     """How many DeltaNet layers are bound to the routing patch's recorders (the training run checks this at its
     first step; generation has no training step, so it is counted here and written into evaluate.json)."""
-    from patches.kernel_recorder import KernelRecorder
+    from patches.kernels.recorder import KernelRecorder
 
     layers = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
     return {
@@ -119,7 +119,7 @@ def routed_bindings(model) -> dict[str, int]:
 
 
 def _device(backend: str):
-    from launcher.backend import device_name
+    from launcher.config.backend import device_name
 
     return device_name(backend)
 
@@ -234,7 +234,7 @@ def generate(
 def evaluate(request: dict[str, Any]) -> dict[str, Any]:
     """Run the whole evaluation of ``request`` (see ``launcher.run.evaluate``) and return the raw results."""
     import patches
-    from patches.proof import RankInfo, read_proof
+    from patches.core.proof import RankInfo, read_proof
 
     backend = request["backend"]
     work = Path(request["work_dir"])

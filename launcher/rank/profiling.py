@@ -13,7 +13,7 @@ What each part is (``split_step``), per profiled step:
   (the short convolution, the norms and SwiGLU where a named kernel runs them: FLA's, ``conv_depthwise2d``,
   ``npu_rms_norm``; unfused elementwise ops stay other compute), attention, matmul, communication (NCCL/HCCL
   all-gather, reduce-scatter, all-reduce, ...), optimizer (the fused/foreach optimizer kernels), other compute;
-  on CPU the operators' own time inside our ``deltanet::`` ranges (``patches/kernel_recorder.py``), attention,
+  on CPU the operators' own time inside our ``deltanet::`` ranges (``patches/kernels/recorder.py``), attention,
   matmul and communication operators, the optimizer's ``Optimizer.step`` range, and the rest;
 - time the device idles (CPU: no operator runs), split by what the host was doing then: loading data (the
   DataLoader's ``__next__``), the optimizer step, compiling or autotuning Triton kernels (``launcher::compile``

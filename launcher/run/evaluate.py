@@ -26,12 +26,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from launcher.backend import BACKENDS, child_env
+from launcher.config.backend import BACKENDS, child_env
+from launcher.data.demo import is_demo_model
 from launcher.data.privacy import log_examples_wanted
-from launcher.demo import is_demo_model
 from launcher.errors import ExitCode, LauncherError
 from launcher.files import read_json_object, sha256_file, write_json_atomic, write_text_atomic
-from launcher.procs import terminate, tree
 from launcher.results.curves import read_trainer_state
 from launcher.results.evaluate import (
     build_document,
@@ -44,6 +43,7 @@ from launcher.run.placement import placement_of
 from launcher.run.placement.container import compose_run_command, container_mounts
 from launcher.run.signals import STOP_SIGNALS, interrupt_on_signal
 from launcher.state.checkpoints import scan_checkpoints
+from launcher.state.procs import terminate, tree
 from launcher.state.runfiles import Manifest, RunFiles, eval_dataset_names, load_run_files, read_launch
 from launcher.state.runs import (
     ADAPTER_FILE,

@@ -18,7 +18,7 @@ from filelock import FileLock, Timeout
 
 from launcher.errors import ExitCode, LauncherError
 from launcher.files import make_folder, read_json_object, shown, type_problem, write_json_atomic
-from launcher.procs import boot_id, find_live, pid_namespace, self_identity
+from launcher.state.procs import boot_id, find_live, pid_namespace, self_identity
 from launcher.state.record import Identity, now_iso
 from launcher.state.runs import STATUS_FILE
 

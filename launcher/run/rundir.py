@@ -18,10 +18,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from launcher.backend import Backend
+from launcher.config.backend import Backend
 from launcher.config.run_config import cutoff_len
 from launcher.files import make_folder, sha256_file, write_text_atomic
-from launcher.procs import container_identity
+from launcher.state.procs import container_identity
 from launcher.state.runs import (
     ACCELERATE_YAML,
     CONFIG_COPY,

@@ -8,15 +8,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from launcher import backend as backends
 from launcher.checks.config_check import WARN
 from launcher.checks.config_rules import check_run_config
+from launcher.config import backend as backends
 from launcher.config.run_config import ConfigError, Prepared, RunConfig
 from launcher.errors import ExitCode, LauncherError
-from launcher.procs import find_live
 from launcher.run.placement import placement_of
 from launcher.state.devices import DeviceError, run_devices
 from launcher.state.lease import DeviceLease
+from launcher.state.procs import find_live
 from launcher.state.record import RecordUnreadable, RunStore
 from launcher.state.runs import list_runs
 from launcher.state.states import RunState

@@ -34,12 +34,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from launcher.backend import child_env
+from launcher.config.backend import child_env
 from launcher.config.run_config import RunConfig
 from launcher.config.tuning import tuning_env
 from launcher.errors import ExitCode, LauncherError
 from launcher.files import share_readable, shown
-from launcher.procs import boot_id, container_identity, find_live, identity, self_identity, terminate, tree
 from launcher.rank.oomtrack import looks_like_oom
 from launcher.run.job import Job, NodeSpec, job_command
 from launcher.run.lock import RunLock
@@ -58,6 +57,7 @@ from launcher.run.setup import Prepared, check_earlier_runs, lease_devices, prep
 from launcher.run.signals import Received, StopRequested, StopSignals, end_hold_guard
 from launcher.state.checkpoints import last_complete_checkpoint
 from launcher.state.lease import DeviceLease
+from launcher.state.procs import boot_id, container_identity, find_live, identity, self_identity, terminate, tree
 from launcher.state.record import RunStore, now_iso, parse_time
 from launcher.state.runs import TRAINER_LOG
 from launcher.state.states import RunState, end_state, run_exit_code

@@ -15,7 +15,7 @@ uses the first ``nproc_per_node``. Where the tool is missing, a device is known 
 (``Device.note``).
 
 Index order: CUDA numbers GPUs fastest first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, while ``nvidia-smi`` numbers
-them by PCI bus; the job's environment gets ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (``launcher.backend.child_env``) so
+them by PCI bus; the job's environment gets ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (``launcher.config.backend.child_env``) so
 that both agree. Output formats: nvidia-smi's CSV is documented (``nvidia-smi --help-query-gpu``); npu-smi's table
 as printed by npu-smi 23.0 to 26.0 (docs/devices.md shows the lines read).
 """

@@ -29,8 +29,8 @@ from typing import Any
 
 from launcher.errors import ExitCode, LauncherError
 from launcher.files import read_json_object, shown, write_json_atomic
-from launcher.procs import container_identity, find_live, pid_namespace, self_identity
 from launcher.state.devices import Device
+from launcher.state.procs import container_identity, find_live, pid_namespace, self_identity
 from launcher.state.record import now_iso
 
 BUSY_WAIT_S = 1.0  # a held lock is tried again this long: `list --devices` probes each lock for an instant

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from launcher.procs import boot_id, pid_namespace
+from launcher.state.procs import boot_id, pid_namespace
 from launcher.state.record import RunRecord
 from launcher.state.slurmjob import SlurmJobView
 from launcher.state.states import RunState

@@ -45,9 +45,9 @@ SUPERVISOR_LOG = "supervisor.log"  # what a detached supervisor printed (preflig
 # written by the ranks (rank/: entry.py, oomtrack.py, profiling.py; patches/)
 ERRORS_DIR = "errors"  # errors/rank<N>.json: the traceback of each rank that raised
 ERROR_RECORD = "rank{rank}.json"  # in ERRORS_DIR, by rank/entry.py: a rank's exception and traceback (rootcause)
-PROOF_DIR = "proof"  # proof/rank<N>/<patch>.json: patches/proof.py, per rank and patch, the proof that it took effect
-PROOF_RANK = "rank{rank}"  # in PROOF_DIR: one rank's folder of proof records (patches/proof.py)
-PROOF_FILE = "{patch}.json"  # in PROOF_RANK: one patch's proof record on that rank (patches/proof.py)
+PROOF_DIR = "proof"  # proof/rank<N>/<patch>.json: patches/core/proof.py, per rank and patch, the proof it took effect
+PROOF_RANK = "rank{rank}"  # in PROOF_DIR: one rank's folder of proof records (patches/core/proof.py)
+PROOF_FILE = "{patch}.json"  # in PROOF_RANK: one patch's proof record on that rank (patches/core/proof.py)
 MEMORY_SNAPSHOT = "memory_snapshot_rank{rank}.pickle"  # rank/oomtrack.py (memory_history_steps): the allocator on OOM
 PROFILE_DIR = "profile"  # `launcher profile`: rank/profiling.py writes, results/profile_report.py reads
 PROFILE_RECORD = "rank{rank}.json"  # in PROFILE_DIR, by rank/profiling.py: one rank's measured steps and their parts

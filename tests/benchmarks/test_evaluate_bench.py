@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 from benchmarks import evaluate_bench  # noqa: E402
 from benchmarks.results_schema import Results  # noqa: E402
-from launcher.demo import OPENINGS  # noqa: E402
+from launcher.data.demo import OPENINGS  # noqa: E402
 from launcher.state.runs import EVALUATE_JSON  # noqa: E402
 
 

@@ -236,7 +236,7 @@ def test_a_step_counts_the_tokens_of_every_kind_of_mask():
     the non-zero numbers, not their sum (which counted a row's second sample twice, its third three times)."""
     import torch
 
-    from patches.packed_rows import block_causal_mask
+    from patches.packing.masks import block_causal_mask
 
     numbers = torch.tensor([[1, 1, 2, 2, 2, 3, 0, 0]], dtype=torch.int32)
     assert bench_entry.real_tokens(numbers, None) == 6
@@ -248,7 +248,7 @@ def test_a_step_counts_the_tokens_of_every_kind_of_mask():
 def test_a_step_counts_its_samples_from_a_packed_rows_numbers_or_one_a_row():
     import torch
 
-    from patches.packed_rows import block_causal_mask
+    from patches.packing.masks import block_causal_mask
 
     numbers = torch.tensor([[1, 1, 2, 2, 2, 3, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0]], dtype=torch.int32)
     assert bench_entry.row_samples(numbers) == 4  # three in the first row, one in the second
@@ -549,7 +549,7 @@ def test_the_device_reads_the_allocators_retry_counter():
 
     import torch
 
-    from launcher.checks.kernel_cases import Device
+    from launcher.checks.kernels.cases import Device
 
     dev = Device(torch, "cpu")
     assert dev.alloc_retries() is None
@@ -677,7 +677,7 @@ def test_a_run_is_found_by_its_own_name_not_by_a_longer_one_that_starts_the_same
 
 def test_the_rank_kernel_check_names_cases_the_suites_have():
     """``BENCH_KERNEL_CASES`` is read in the rank on the device; an unknown name would only show there."""
-    from launcher.checks.kernels import SUITES
+    from launcher.checks.kernels.validate import SUITES
 
     for shape, spec in patch_bench.KERNEL_CASES.items():
         suite, _, names = spec.partition(":")

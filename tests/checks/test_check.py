@@ -580,7 +580,7 @@ def test_a_bad_packed_rows_option_is_the_one_error_of_a_packing_config(tmp_path,
 
 
 def test_the_layer_plan_is_accepted_under_fsdp2(tmp_path, demo_assets):
-    """The plan is measured inside the model's own forward (patches/layer_meter.py), so FSDP2 takes it too."""
+    """The plan is measured inside the model's own forward (patches/planning/meter.py), so FSDP2 takes it too."""
     plan = {
         "distribution": "fsdp2",
         "nproc_per_node": 2,

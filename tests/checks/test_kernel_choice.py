@@ -1,4 +1,4 @@
-"""The kernel choice on NPU (``launcher.checks.kernel_choice``): order, fall-through, the torch-fallback rule, records.
+"""The kernel choice on NPU (``launcher.checks.kernels.choice``): order, fall-through, the torch-fallback rule, records.
 
 There is no NPU here. Every test runs the real validation machinery (``check_case``, ``check_glue_case``: forward
 and backward against the fp32 reference) on the CPU, with stand-ins for the NPU kernels: transformers' torch chunk
@@ -13,8 +13,8 @@ import json
 
 import pytest
 
-from launcher.checks import kernel_choice
-from launcher.checks.kernel_choice import choose, run_cases
+from launcher.checks.kernels import choice as kernel_choice
+from launcher.checks.kernels.choice import choose, run_cases
 from launcher.checks.preflight import PreflightReport, kernel_row
 from tests.support.patch_fixtures import grouped_varlen_kernel
 
@@ -49,7 +49,7 @@ def not_installed():
 
 
 def glue(op: str):
-    from launcher.checks.glue_kernels import torch_ops
+    from launcher.checks.kernels.glue import torch_ops
 
     return torch_ops()[op]
 
@@ -181,7 +181,7 @@ def test_the_kernel_check_on_npu_chooses_then_reports_one_row(monkeypatch) -> No
     """``kernel_check.check`` on a simulated NPU: the device is the CPU and the candidates are stand-ins (a broken
     FLA chunk kernel, a missing fla_npu, torch; a correct FLA convolution and gated norm), as there is no NPU here.
     The child's result carries the choice; the preflight row made from it refuses the torch fallback."""
-    from launcher.checks import kernel_check
+    from launcher.checks.kernels import check as kernel_check
 
     candidates = {
         "chunk": [

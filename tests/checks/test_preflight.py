@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from launcher.backend import BACKENDS
 from launcher.checks import model as modelcheck
 from launcher.checks import packages as lockfile
 from launcher.checks import preflight
+from launcher.config.backend import BACKENDS
 from launcher.config.run_config import load_run_config
 
 ROOT = Path(__file__).resolve().parents[2]

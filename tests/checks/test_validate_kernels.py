@@ -16,7 +16,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from launcher.checks import decode_kernels, glue_kernels, kernel_check, kernels  # noqa: E402
+from launcher.checks.kernels import check as kernel_check  # noqa: E402
+from launcher.checks.kernels import decode as decode_kernels  # noqa: E402
+from launcher.checks.kernels import glue as glue_kernels  # noqa: E402
+from launcher.checks.kernels import validate as kernels  # noqa: E402
 from launcher.cli import main  # noqa: E402
 from tests.support.patch_fixtures import fla_pairing, grouped_varlen_kernel  # noqa: E402
 
@@ -212,7 +215,7 @@ def test_cli_reports_a_refused_route_with_its_fix(tmp_path, capsys):
 
 
 def test_the_fp32_reference_runs_without_tf32_in_matmuls_and_cudnn_convolutions():
-    from launcher.checks.kernel_cases import _FullPrecision
+    from launcher.checks.kernels.cases import _FullPrecision
 
     before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = True  # torch's default: cuDNN convolutions in TF32
@@ -366,7 +369,8 @@ def test_glue_cases_pass_the_torch_ops_in_bf16_with_every_gradient():
 def test_on_cuda_the_norm_case_checks_flas_norm_at_each_width(monkeypatch):
     """FLA's norm for the hidden norms and the narrow q/k norms alike, its norms tuned once per width, as ``fused_ops``
     binds them on CUDA. A stand-in: no CUDA or FLA here; the FLA kernel and the tuning are recorders."""
-    from patches import fused_kernels, fused_ops
+    from patches import fused_ops
+    from patches.kernels import fused_kernels
 
     seen, tuned = [], []
     monkeypatch.setattr(fused_ops, "fla_usable", lambda backend: None)
@@ -399,9 +403,9 @@ def test_glue_cases_catch_a_conv_read_the_wrong_way_round_and_a_norm_without_its
 def test_the_packed_conv_case_passes_the_segment_reset_torch_conv_and_fails_one_that_reads_across_samples(
     monkeypatch,
 ):
-    """Off an accelerator the packed-row convolution is ``packed_rows.segment_causal_conv``; the case compares it
+    """Off an accelerator the packed-row convolution is ``deltanet.segment_causal_conv``; the case compares it
     with each sample convolved alone in fp32, so the plain row convolution (no reset at a sample start) fails."""
-    from patches import packed_rows
+    from patches.packing import deltanet
 
     ops = glue_kernels.torch_ops()
     result = check_glue("conv_varlen", ops["conv"])
@@ -411,7 +415,7 @@ def test_the_packed_conv_case_passes_the_segment_reset_torch_conv_and_fails_one_
     def no_reset(x, weight, bias, found):
         return ops["conv"](x, weight[:, 0], bias, "silu")
 
-    monkeypatch.setattr(packed_rows, "segment_causal_conv", no_reset)
+    monkeypatch.setattr(deltanet, "segment_causal_conv", no_reset)
     result = check_glue("conv_varlen", ops["conv"])
     assert result.status == "fail" and result.max_error > 0.05, result
 
@@ -420,7 +424,7 @@ def test_the_packed_conv_case_hands_fla_the_boundaries_and_fails_a_kernel_that_i
     """On CUDA and NPU the case calls FLA's convolution through the adapter packed rows use (``FlaConv.varlen``).
     FLA needs an accelerator: here the stand-in ``fla`` (fla-core 0.6.0's contract in plain torch) serves it, and a
     kernel that drops ``cu_seqlens`` (one convolution over the whole row) must fail."""
-    from patches.fused_kernels import FlaConv
+    from patches.kernels.fused_kernels import FlaConv
 
     stub_fla(platform="cuda")
     from fla.modules.causal_conv1d import CALLS, causal_conv1d

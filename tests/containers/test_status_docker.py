@@ -16,9 +16,9 @@ from docker.errors import DockerException, NotFound
 
 from launcher.errors import ExitCode, LauncherError
 from launcher.monitor.status import collect, render
-from launcher.procs import boot_id, identity
 from launcher.run.control import stop_run
 from launcher.run.placement.container import END_MARGIN_S
+from launcher.state.procs import boot_id, identity
 from launcher.state.record import RunStore
 from launcher.state.states import RunState
 from tests.support.fake_runs import read_status, spawn, write_record

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from launcher.demo import (
+from launcher.data.demo import (
     ADDED_TOKENS,
     DATASET_EVAL,
     DATASET_TRAIN,

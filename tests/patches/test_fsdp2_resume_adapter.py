@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from patches import fsdp2_resume_adapter as patch
-from patches.errors import PatchError
+from patches.core.errors import PatchError
 
 pytest_plugins = ["tests.support.patch_fixtures"]
 
@@ -125,8 +125,8 @@ def test_the_switch_wraps_and_unwraps_the_trainers_load_and_the_guards_refuse_wh
     from transformers import Trainer, trainer
 
     import patches
-    from patches import versions
-    from patches.wrapping import MARKER, original_of
+    from patches.core import versions
+    from patches.core.wrapping import MARKER, original_of
 
     upstream = original_of(trainer.load_fsdp_model)
     patches.apply_enabled({}, backend="cpu", proof_dir=tmp_path)

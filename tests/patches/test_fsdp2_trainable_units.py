@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from patches import fsdp2_frozen_dtype
-from patches.errors import PatchError
-from patches.proof import ProofFile
+from patches.core.errors import PatchError
+from patches.core.proof import ProofFile
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,9 @@ import types
 import pytest
 
 import patches
-from patches import fused_kernels, fused_ops, lora_input_cast
-from patches.proof import read_proof
+from patches import fused_ops, lora_input_cast
+from patches.core.proof import read_proof
+from patches.kernels import fused_kernels
 from tests.support.patch_fixtures import EVAL_EVERY_STEP_SGD, lora_model, trainer_log
 
 pytest_plugins = ["tests.support.patch_fixtures"]

@@ -66,8 +66,8 @@ def step(stack):
 
 
 def test_the_meter_counts_what_a_layer_keeps_inside_the_forward_and_changes_nothing():
-    from patches.checkpoint_census import checkpoint_layers
-    from patches.layer_meter import InForwardMeter
+    from patches.planning.census import checkpoint_layers
+    from patches.planning.meter import InForwardMeter
 
     reference = step(planted_stack())
     stack = planted_stack()
@@ -96,9 +96,9 @@ def test_the_forward_is_timed_on_the_second_layer_of_a_kind_not_on_the_first_whi
     and every later call 50 s (a recompute in the backward, the second step). The kind with two layers is timed
     on its second, in the first step's forward only; the kind with one layer on that layer; the first layer's own
     time is kept beside."""
-    import patches.layer_meter as layer_meter
-    from patches.checkpoint_census import checkpoint_layers
-    from patches.layer_meter import InForwardMeter
+    import patches.planning.meter as layer_meter
+    from patches.planning.census import checkpoint_layers
+    from patches.planning.meter import InForwardMeter
 
     class Clock:
         now = 0.0
@@ -133,8 +133,8 @@ def test_the_meter_leaves_out_parameters_gathered_during_the_forward_and_measure
     parameter. A forward without gradients (evaluation) is not measured."""
     import torch
 
-    from patches.checkpoint_census import checkpoint_layers
-    from patches.layer_meter import InForwardMeter
+    from patches.planning.census import checkpoint_layers
+    from patches.planning.meter import InForwardMeter
 
     stack = planted_stack(("deltanet",))
     layer = stack.layers[0]
@@ -157,7 +157,7 @@ def test_a_meter_that_counted_the_weight_would_be_caught():
     """The exact sizes above can fail: the same layer's saved tensors with the weight counted are more."""
     import torch
 
-    from patches.layer_meter import SavedBytes
+    from patches.planning.meter import SavedBytes
 
     stack = planted_stack(("deltanet",))
     x = torch.randn(ROWS, SEQ, WIDTH, requires_grad=True)
@@ -169,8 +169,8 @@ def test_a_meter_that_counted_the_weight_would_be_caught():
 
 @pytest.mark.usefixtures("restore_patches")
 def test_a_single_process_agrees_with_itself():
-    from patches.checkpoint_budget import LayerCost
-    from patches.plan_ranks import agree_costs, agree_counts
+    from patches.planning.budget import LayerCost
+    from patches.planning.ranks import agree_costs, agree_counts
 
     costs = {"a": LayerCost("a", 3, 1000, 0.5, 10)}
     agreed, seq = agree_costs(costs, {"a": 3, "b": 1}, 10, "cpu")
@@ -183,8 +183,8 @@ pytest_plugins = ["tests.support.patch_fixtures"]
 RANK_SCRIPT = r"""
 import json, os, sys
 import torch.distributed as dist
-from patches.checkpoint_budget import LayerCost, plan
-from patches.plan_ranks import agree_costs, agree_counts
+from patches.planning.budget import LayerCost, plan
+from patches.planning.ranks import agree_costs, agree_counts
 
 rank = int(os.environ["RANK"])
 dist.init_process_group("gloo")

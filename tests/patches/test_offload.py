@@ -11,12 +11,12 @@ is tests/patches/test_offload_training.py.
 from __future__ import annotations
 
 import pytest
+from patches.proof import read_proof
 
 import patches
 from patches import checkpoint_all_layers
-from patches.checkpoint_census import StepObserver
-from patches.offload import OffloadedCheckpoint, Offloader
-from patches.proof import read_proof
+from patches.planning.census import StepObserver
+from patches.planning.offload import OffloadedCheckpoint, Offloader
 
 pytest_plugins = ["tests.support.patch_fixtures"]
 

@@ -3,7 +3,8 @@
 Two trainings of the demo model (``torchrun -m launcher.entry``, two steps of two micro-batches, SGD, evaluated at
 every step), the option forced on and off: the losses, the evaluation losses and the LoRA weights after the SGD steps
 (minus the learning rate times the summed gradients) must be the same to the bit. On CPU the offloader copies each
-checkpointed input out to host chunks and back into a new buffer (``patches/offload.py``); pinned memory and side
+checkpointed input out to host chunks and back into a new buffer (``patches/planning/offload.py``); pinned memory
+and side
 streams need an accelerator and are not exercised here. Then a run with it on through ``launcher start``, stopped
 with ``launcher stop`` (a checkpoint at the stop) and continued with ``launcher resume``, evaluating as it goes.
 """
@@ -13,8 +14,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from patches.proof import read_proof
+
 from tests.support import fake_runs as fr
 from tests.support.common import make_config, read_jsonl
 from tests.support.patch_fixtures import EVAL_EVERY_STEP_SGD, trainer_log

@@ -16,7 +16,8 @@ import pytest
 
 import patches
 from patches import packed_rows
-from patches.proof import read_proof
+from patches.core.proof import read_proof
+from patches.packing import batches, deltanet, masks, varlen
 from tests.support.patch_fixtures import grouped_varlen_kernel, lora_model
 
 pytest_plugins = ["tests.support.patch_fixtures"]
@@ -136,7 +137,7 @@ def test_with_the_fla_convolution_the_packed_row_hands_it_cu_seqlens(tmp_path, d
     bounds to that kernel instead of recomputing the first K-1 tokens, the padding joined to the last sample; a row
     of one sample is one sequence and goes without them. The stand-in FLA convolution (fla-core's contract in plain
     torch, on CPU) convolves each ``cu_seqlens`` span alone, the whole row without them."""
-    from patches.fused_kernels import FlaConv
+    from patches.kernels.fused_kernels import FlaConv
 
     stub_fla(platform="cuda")
     from fla.modules.causal_conv1d import CALLS, causal_conv1d
@@ -175,15 +176,15 @@ def test_unpacked_batches_on_the_fla_route_hand_the_kernel_their_key_heads_unrep
     import torch
     from transformers import DynamicCache
 
-    from patches.fused_kernels import FlaConv
-    from patches.kernel_recorder import CallLog, KernelRecorder
+    from patches.kernels.fused_kernels import FlaConv
+    from patches.kernels.recorder import CallLog, KernelRecorder
 
     stub_fla(platform="cuda")
     from fla.modules.causal_conv1d import causal_conv1d
 
     model = packing_model(demo_assets["model"])
     layers = [m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet"]
-    assert not packed_rows.unrepeated(layers[0])  # transformers' torch reference takes them repeated
+    assert not deltanet.unrepeated(layers[0])  # transformers' torch reference takes them repeated
     for layer in layers:
         layer.requires_grad_(True)
     heads: list[tuple[int, int, int]] = []
@@ -255,15 +256,15 @@ def test_a_planted_leak_fails_the_comparison(tmp_path, demo_assets, monkeypatch,
 
     def one_segment(found):
         rows = tuple((row, 0, found.length, True) for row in range(found.rows))
-        return packed_rows.Segments(found.rows, found.length, rows, found.position)
+        return masks.Segments(found.rows, found.length, rows, found.position)
 
     name = "segment_causal_conv" if leak == "conv_not_reset" else "chunk_per_segment"
-    real = getattr(packed_rows, name)
+    real = getattr(deltanet, name)
 
     def leaking(*args):  # the same function, told that each row is one sequence
         return real(*args[:-1], one_segment(args[-1]))
 
-    monkeypatch.setattr(packed_rows, name, leaking)
+    monkeypatch.setattr(deltanet, name, leaking)
     loss_gap, grad_gap = compare(model, parts)
     assert not (loss_gap < 1e-4 and grad_gap < 1e-4) and grad_gap > 5e-4, (leak, loss_gap, grad_gap)
 
@@ -276,7 +277,7 @@ def test_a_packed_row_that_cannot_be_split_stops_the_run(tmp_path, demo_assets):
     import torch
     from transformers import DynamicCache
 
-    from patches.errors import PatchError
+    from patches.core.errors import PatchError
 
     patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path, facts={"packing": True})
     model = packing_model(demo_assets["model"])
@@ -366,31 +367,31 @@ def test_packed_attention_through_a_varlen_kernel_keeps_samples_apart_and_its_ch
     the tiny row's scale): the packed row still equals its samples alone, loss and LoRA gradients, and the first
     call's check against the block mask is recorded. A kernel that lets samples see each other (causal over the whole
     row) stops the run at that check."""
-    from patches.errors import PatchError
+    from patches.core.errors import PatchError
 
     seen = []
-    monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: flash_stand_in(seen))
-    monkeypatch.setattr(packed_rows, "varlen_kernel", lambda query, scaling, dropout: packed_rows.ATEN_FLASH)
-    monkeypatch.setattr(packed_rows, "PADDING_PIECE", 4)
+    monkeypatch.setattr(varlen, "aten_flash_op", lambda: flash_stand_in(seen))
+    monkeypatch.setattr(varlen, "varlen_kernel", lambda query, scaling, dropout: varlen.ATEN_FLASH)
+    monkeypatch.setattr(varlen, "PADDING_PIECE", 4)
     patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)
     model = packing_model(demo_assets["model"])
     parts = samples(model.config.text_config.vocab_size)
     loss_gap, grad_gap = compare(model, parts)
     assert loss_gap < 1e-4 and grad_gap < 1e-4, (loss_gap, grad_gap)
     attention = read_proof(tmp_path, "packed_rows")["first_packed_attention"]
-    assert attention["kernel"] == packed_rows.ATEN_FLASH and attention["checked_against"] == packed_rows.MASKED
+    assert attention["kernel"] == varlen.ATEN_FLASH and attention["checked_against"] == packed_rows.MASKED
     assert attention["relative_l2_difference"] < 1e-5
     padding = ROW - sum(LENGTHS)
     assert padding > 4 and any(len(call["bounds"]) == len(LENGTHS) + 1 + -(-padding // 4) for call in seen), seen
 
     def leaking(kernel, query, key, value, found, scaling):
-        whole = packed_rows.Segments(
+        whole = masks.Segments(
             found.rows, found.length, tuple((r, 0, found.length, True) for r in range(found.rows)), found.position
         )
         return attention_per_segment(query, key, value, whole, scaling)
 
     packed_rows.restore()
-    monkeypatch.setattr(packed_rows, "varlen_attention", leaking)
+    monkeypatch.setattr(varlen, "varlen_attention", leaking)
     patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path / "leak")
     import torch
 
@@ -428,8 +429,8 @@ def test_a_row_of_one_sample_takes_causal_sdpa_over_the_row_where_sdpa_would_use
         return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spied)
-    monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: flash_stand_in(seen))
-    monkeypatch.setattr(packed_rows, "varlen_kernel", lambda query, scaling, dropout: packed_rows.ATEN_FLASH)
+    monkeypatch.setattr(varlen, "aten_flash_op", lambda: flash_stand_in(seen))
+    monkeypatch.setattr(varlen, "varlen_kernel", lambda query, scaling, dropout: varlen.ATEN_FLASH)
     monkeypatch.setattr(packed_rows, "sdpa_uses_cudnn", lambda query, key, value, scaling: backend["cudnn"])
     patches.apply_enabled(ON, backend="cpu", proof_dir=tmp_path)
     model = packing_model(demo_assets["model"])
@@ -507,33 +508,33 @@ def test_the_cuda_attention_route_is_varlen_from_compute_capability_8_in_half_pr
     capability = {"major": 9}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability["major"], 0))
     monkeypatch.setattr(
-        packed_rows, "torch_varlen_options", lambda: {"causal": {"is_causal": True}, "scale": True, "gqa": False}
+        varlen, "torch_varlen_options", lambda: {"causal": {"is_causal": True}, "scale": True, "gqa": False}
     )
-    monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: "the operator")
-    assert packed_rows.varlen_kernel(query, None, 0.0) == packed_rows.ATEN_FLASH  # varlen_attn would repeat key heads
-    assert packed_rows.varlen_kernel(query, None, 0.1) is None
+    monkeypatch.setattr(varlen, "aten_flash_op", lambda: "the operator")
+    assert varlen.varlen_kernel(query, None, 0.0) == varlen.ATEN_FLASH  # varlen_attn would repeat key heads
+    assert varlen.varlen_kernel(query, None, 0.1) is None
     gqa = {"causal": {"window_size": (-1, 0)}, "scale": True, "gqa": True}
-    monkeypatch.setattr(packed_rows, "torch_varlen_options", lambda: gqa)
-    assert packed_rows.varlen_kernel(query, 0.5, 0.0) == packed_rows.ATEN_FLASH  # varlen_attn wraps the same call
-    monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: None)  # a torch whose operator changed its arguments
-    assert packed_rows.varlen_kernel(query, 0.5, 0.0) == packed_rows.TORCH_VARLEN
-    monkeypatch.setattr(packed_rows, "torch_varlen_options", lambda: {**gqa, "gqa": False})
-    assert packed_rows.varlen_kernel(query, 0.5, 0.0) == packed_rows.TORCH_VARLEN
-    monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: "the operator")
+    monkeypatch.setattr(varlen, "torch_varlen_options", lambda: gqa)
+    assert varlen.varlen_kernel(query, 0.5, 0.0) == varlen.ATEN_FLASH  # varlen_attn wraps the same call
+    monkeypatch.setattr(varlen, "aten_flash_op", lambda: None)  # a torch whose operator changed its arguments
+    assert varlen.varlen_kernel(query, 0.5, 0.0) == varlen.TORCH_VARLEN
+    monkeypatch.setattr(varlen, "torch_varlen_options", lambda: {**gqa, "gqa": False})
+    assert varlen.varlen_kernel(query, 0.5, 0.0) == varlen.TORCH_VARLEN
+    monkeypatch.setattr(varlen, "aten_flash_op", lambda: "the operator")
     fp32 = types.SimpleNamespace(**{**vars(query), "dtype": torch.float32})
-    assert packed_rows.varlen_kernel(fp32, None, 0.0) is None
+    assert varlen.varlen_kernel(fp32, None, 0.0) is None
     # a torch without varlen_attn (before 2.10, as in the images), or one whose varlen_attn takes no scale when the
     # layer has its own: the FlashAttention operator itself; neither: the mask
-    monkeypatch.setattr(packed_rows, "torch_varlen_options", lambda: None)
-    assert packed_rows.varlen_kernel(query, None, 0.0) == packed_rows.ATEN_FLASH
+    monkeypatch.setattr(varlen, "torch_varlen_options", lambda: None)
+    assert varlen.varlen_kernel(query, None, 0.0) == varlen.ATEN_FLASH
     monkeypatch.setattr(
-        packed_rows, "torch_varlen_options", lambda: {"causal": {"is_causal": True}, "scale": False, "gqa": False}
+        varlen, "torch_varlen_options", lambda: {"causal": {"is_causal": True}, "scale": False, "gqa": False}
     )
-    assert packed_rows.varlen_kernel(query, 0.5, 0.0) == packed_rows.ATEN_FLASH
-    monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: None)
-    assert packed_rows.varlen_kernel(query, 0.5, 0.0) is None
+    assert varlen.varlen_kernel(query, 0.5, 0.0) == varlen.ATEN_FLASH
+    monkeypatch.setattr(varlen, "aten_flash_op", lambda: None)
+    assert varlen.varlen_kernel(query, 0.5, 0.0) is None
     capability["major"] = 7
-    assert packed_rows.varlen_kernel(query, None, 0.0) is None
+    assert varlen.varlen_kernel(query, None, 0.0) is None
 
 
 @pytest.mark.usefixtures("restore_patches")
@@ -655,7 +656,7 @@ def test_a_packed_row_cut_after_its_last_sample_trains_as_the_whole_row(tmp_path
         numbered[0, at : at + len(ids)] = index + 1
         at += len(ids)
     whole = {**packed_row(parts), "attention_mask": numbered}
-    cut = packed_rows.cut_padding(dict(whole), packed_rows.numbered_segments(numbered), 8)
+    cut = batches.cut_padding(dict(whole), masks.numbered_segments(numbered), 8)
     assert {name: tuple(value.shape) for name, value in cut.items()} == {
         "input_ids": (1, 56),
         "labels": (1, 56),
@@ -690,8 +691,8 @@ def test_the_padding_is_cut_after_the_fullest_rows_last_sample_token_rounded_up(
             "rope_deltas": torch.zeros(2, 1),
             "scalar": torch.tensor(10),
         }
-        found = packed_rows.numbered_segments(numbered)
-        out = packed_rows.cut_padding(batch, found, multiple)
+        found = masks.numbered_segments(numbered)
+        out = batches.cut_padding(batch, found, multiple)
         assert out["input_ids"].shape == (2, length) and out["position_ids"].shape == (3, 2, length)
         assert torch.equal(out["input_ids"], torch.arange(20).view(2, 10)[:, :length])
         assert torch.equal(
@@ -717,8 +718,8 @@ def test_a_batch_the_cut_could_change_is_left_whole_and_the_proof_says_so(tmp_pa
         batch["unknown"] = torch.ones(1, 10)
     else:
         batch["labels"][0, 9] = 0
-    found = packed_rows.numbered_segments(numbered)
-    out = packed_rows.cut_padding(batch, found, 4)
+    found = masks.numbered_segments(numbered)
+    out = batches.cut_padding(batch, found, 4)
     assert out["input_ids"].shape == (1, 10) and out["labels"].shape == (1, 10)
     patches.apply_enabled({**ON, "packed_rows": {"cut_padding": 4}}, backend="cpu", proof_dir=tmp_path)
     try:
@@ -767,7 +768,7 @@ def test_the_torch_varlen_call_fits_each_releases_arguments(monkeypatch, release
     2.11 (``window_size``, ``scale``; neither has ``enable_gqa``) checks how it is called and computes causal
     attention per ``cu_seq_q`` segment, which is its definition; key heads arrive repeated for the query heads."""
     import torch
-    import torch.nn.attention.varlen as varlen
+    import torch.nn.attention.varlen as torch_varlen
     from llamafactory.data.collator import prepare_4d_attention_mask
 
     seen = {}
@@ -796,21 +797,21 @@ def test_the_torch_varlen_call_fits_each_releases_arguments(monkeypatch, release
         ):
             return per_segment(query, key, value, cu_seq_q, max_q, window_size == (-1, 0), scale)
 
-    monkeypatch.setattr(varlen, "varlen_attn", varlen_attn)
-    packed_rows.torch_varlen_options.cache_clear()
+    monkeypatch.setattr(torch_varlen, "varlen_attn", varlen_attn)
+    varlen.torch_varlen_options.cache_clear()
     try:
-        options = packed_rows.torch_varlen_options()
+        options = varlen.torch_varlen_options()
         assert options["gqa"] is False and options["scale"] is (release == "2.11")
         torch.manual_seed(0)
         numbered = torch.tensor([[1] * 9 + [2] * 20 + [0] * 3, [1] * 16 + [2] * 16])
-        found = packed_rows.segments(prepare_4d_attention_mask(numbered, torch.float32))
+        found = masks.segments(prepare_4d_attention_mask(numbered, torch.float32))
         query, key, value = torch.randn(2, 6, 32, 8), torch.randn(2, 2, 32, 8), torch.randn(2, 2, 32, 8)
-        ours = packed_rows.varlen_attention(packed_rows.TORCH_VARLEN, query, key, value, found, 8**-0.5)
+        ours = varlen.varlen_attention(varlen.TORCH_VARLEN, query, key, value, found, 8**-0.5)
         assert seen["bounds"] == [0, 9, 29, 32, 48, 64]
         expected = attention_per_segment(query, key, value, found, 8**-0.5)
         torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
     finally:
-        packed_rows.torch_varlen_options.cache_clear()
+        varlen.torch_varlen_options.cache_clear()
 
 
 def test_the_flash_operator_is_called_with_cumulative_lengths_and_the_key_heads_unrepeated(monkeypatch):
@@ -821,16 +822,16 @@ def test_the_flash_operator_is_called_with_cumulative_lengths_and_the_key_heads_
     import torch
     from llamafactory.data.collator import prepare_4d_attention_mask
 
-    uncached = packed_rows.aten_flash_op.__wrapped__
+    uncached = varlen.aten_flash_op.__wrapped__
     if torch.backends.cuda.is_flash_attention_available():  # a CUDA build: its operator has the arguments, in order
         assert uncached() is not None
     seen = []
-    monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: flash_stand_in(seen))
+    monkeypatch.setattr(varlen, "aten_flash_op", lambda: flash_stand_in(seen))
     torch.manual_seed(0)
     numbered = torch.tensor([[1] * 9 + [2] * 20 + [0] * 3, [1] * 16 + [2] * 16])
-    found = packed_rows.segments(prepare_4d_attention_mask(numbered, torch.float32))
+    found = masks.segments(prepare_4d_attention_mask(numbered, torch.float32))
     query, key, value = torch.randn(2, 6, 32, 8), torch.randn(2, 2, 32, 8), torch.randn(2, 2, 32, 8)
-    ours = packed_rows.varlen_attention(packed_rows.ATEN_FLASH, query, key, value, found, 0.3)
+    ours = varlen.varlen_attention(varlen.ATEN_FLASH, query, key, value, found, 0.3)
     assert seen == [{"bounds": [0, 9, 29, 32, 48, 64], "scale": 0.3, "heads": (6, 2, 2)}]  # key heads unrepeated
     torch.testing.assert_close(ours, attention_per_segment(query, key, value, found, 0.3), rtol=1e-5, atol=1e-6)
     monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: False)
@@ -844,17 +845,17 @@ def test_the_padding_reaches_the_varlen_kernel_in_pieces_and_leaves_the_samples_
     segment (FlashAttention's definition; it runs only on CUDA)."""
     import torch
 
-    piece = packed_rows.PADDING_PIECE
+    piece = varlen.PADDING_PIECE
     seen = []
-    monkeypatch.setattr(packed_rows, "aten_flash_op", lambda: flash_stand_in(seen))
+    monkeypatch.setattr(varlen, "aten_flash_op", lambda: flash_stand_in(seen))
     length = 2 * piece + 300
     numbered = torch.tensor([[1] * 300 + [0] * (2 * piece), [1] * 200 + [2] * (length - 200)])
-    found = packed_rows.numbered_segments(numbered)
+    found = masks.numbered_segments(numbered)
     assert found.cu_seqlens() == [0, 300, length, length + 200, 2 * length]  # the DeltaNet layers' bounds
     torch.manual_seed(0)
     query, key, value = torch.randn(2, 6, length, 8), torch.randn(2, 2, length, 8), torch.randn(2, 2, length, 8)
-    cut = packed_rows.varlen_attention(packed_rows.ATEN_FLASH, query, key, value, found, 0.3)
-    whole = packed_rows.varlen_attention(packed_rows.ATEN_FLASH, query, key, value, found, 0.3, padding_piece=0)
+    cut = varlen.varlen_attention(varlen.ATEN_FLASH, query, key, value, found, 0.3)
+    whole = varlen.varlen_attention(varlen.ATEN_FLASH, query, key, value, found, 0.3, padding_piece=0)
     assert [call["bounds"] for call in seen] == [
         [0, 300, 300 + piece, length, length + 200, 2 * length],
         found.cu_seqlens(),
@@ -863,7 +864,7 @@ def test_the_padding_reaches_the_varlen_kernel_in_pieces_and_leaves_the_samples_
     torch.testing.assert_close(cut[real], whole[real], rtol=0, atol=0)
     torch.testing.assert_close(cut[real], attention_per_segment(query, key, value, found, 0.3)[real])
     assert found.longest(piece) == found.longest() == length - 200
-    padded_alone = packed_rows.numbered_segments(torch.tensor([[1] * 10 + [0] * (piece + 1)]))
+    padded_alone = masks.numbered_segments(torch.tensor([[1] * 10 + [0] * (piece + 1)]))
     assert padded_alone.cu_seqlens(piece) == [0, 10, 10 + piece, 11 + piece]
     assert padded_alone.longest(piece) == piece and padded_alone.longest() == piece + 1
     with pytest.raises(ValueError, match="a padding piece of -1 tokens"):
@@ -904,9 +905,9 @@ def test_the_npu_varlen_call_passes_tnd_layout_cumulative_lengths_and_the_causal
     monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu_fusion_attention=npu_fusion_attention))
     torch.manual_seed(0)
     numbered = torch.tensor([[1] * 9 + [2] * 20 + [0] * 3, [1] * 16 + [2] * 16])
-    found = packed_rows.segments(prepare_4d_attention_mask(numbered, torch.float32))
+    found = masks.segments(prepare_4d_attention_mask(numbered, torch.float32))
     query, key, value = torch.randn(2, 6, 32, 8), torch.randn(2, 2, 32, 8), torch.randn(2, 2, 32, 8)
-    ours = packed_rows.varlen_attention(packed_rows.NPU_VARLEN, query, key, value, found, 0.3)
+    ours = varlen.varlen_attention(varlen.NPU_VARLEN, query, key, value, found, 0.3)
     assert seen == {"layout": "TND", "sparse_mode": 3, "ends": [9, 29, 32, 48, 64], "heads": 6}
     torch.testing.assert_close(ours, attention_per_segment(query, key, value, found, 0.3), rtol=1e-5, atol=1e-6)
 
@@ -919,12 +920,12 @@ def test_the_fla_convolution_with_cu_seqlens_equals_the_segment_reset_convolutio
     from fla.modules.causal_conv1d import causal_conv1d
     from llamafactory.data.collator import prepare_4d_attention_mask
 
-    from patches.fused_kernels import FlaConv
+    from patches.kernels.fused_kernels import FlaConv
 
     torch.manual_seed(0)
     channels, lens = 10240, (700, 1100, 1300, 900)
     numbered = torch.cat([torch.full((n,), i + 1) for i, n in enumerate(lens)] + [torch.zeros(96, dtype=torch.long)])
-    found = packed_rows.segments(prepare_4d_attention_mask(numbered[None], torch.float32))
+    found = masks.segments(prepare_4d_attention_mask(numbered[None], torch.float32))
     x = torch.randn(1, numbered.numel(), channels, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = (torch.randn(channels, 4, device="cuda") * 0.5).to(torch.bfloat16).requires_grad_(True)
     grad = torch.randn_like(x)
@@ -933,14 +934,14 @@ def test_the_fla_convolution_with_cu_seqlens_equals_the_segment_reset_convolutio
     ours.backward(grad)
     got = (ours.detach(), x.grad.clone(), weight.grad.clone())
     x.grad, weight.grad = None, None
-    ref = packed_rows.segment_causal_conv(x.float().transpose(1, 2), weight.float()[:, None], None, found)
+    ref = deltanet.segment_causal_conv(x.float().transpose(1, 2), weight.float()[:, None], None, found)
     ref.transpose(1, 2).backward(grad.float())
     for a, b in zip(got, (ref.transpose(1, 2), x.grad, weight.grad), strict=True):
         assert float((a.float() - b.float()).norm() / b.float().norm()) < 0.01
 
 
 @pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="FlashAttention's varlen kernel needs CUDA")
-@pytest.mark.parametrize("kernel", [packed_rows.ATEN_FLASH, packed_rows.TORCH_VARLEN])
+@pytest.mark.parametrize("kernel", [varlen.ATEN_FLASH, varlen.TORCH_VARLEN])
 def test_the_cuda_varlen_kernel_equals_the_block_mask_forward_and_backward(kernel):
     """Each CUDA varlen route on the 27B attention shape (24 query heads, 4 key heads, head dim 256, bf16) against
     SDPA under LLaMA-Factory's block mask: outputs and the gradients of q, k, v on real tokens, on rows whose padding
@@ -950,27 +951,27 @@ def test_the_cuda_varlen_kernel_equals_the_block_mask_forward_and_backward(kerne
     from llamafactory.data.collator import prepare_4d_attention_mask
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if kernel == packed_rows.TORCH_VARLEN and packed_rows.torch_varlen_options() is None:
+    if kernel == varlen.TORCH_VARLEN and varlen.torch_varlen_options() is None:
         pytest.skip("this torch has no varlen_attn (before 2.10)")
-    if kernel == packed_rows.ATEN_FLASH and packed_rows.aten_flash_op() is None:
+    if kernel == varlen.ATEN_FLASH and varlen.aten_flash_op() is None:
         pytest.skip("this torch has no FlashAttention operator with the expected arguments")
     torch.manual_seed(0)
-    padding = 3 * packed_rows.PADDING_PIECE + 40
+    padding = 3 * varlen.PADDING_PIECE + 40
     numbered = torch.tensor([[1] * 700 + [2] * (2048 - 700 - padding) + [0] * padding, [1] * 1748 + [0] * 300])
     mask = prepare_4d_attention_mask(numbered, torch.bfloat16).cuda()
-    found = packed_rows.segments(mask)
-    assert len(found.cu_seqlens(packed_rows.PADDING_PIECE)) == len(found.cu_seqlens()) + 3 + 2
+    found = masks.segments(mask)
+    assert len(found.cu_seqlens(varlen.PADDING_PIECE)) == len(found.cu_seqlens()) + 3 + 2
     module = types_module = __import__("types").SimpleNamespace(is_causal=True, num_key_value_groups=6, training=True)
     del types_module
     query = torch.randn(2, 24, 2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     key = torch.randn(2, 4, 2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     value = torch.randn(2, 4, 2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    if packed_rows.aten_flash_op() is not None:
-        assert packed_rows.varlen_kernel(query, 256**-0.5, 0.0) == packed_rows.ATEN_FLASH
+    if varlen.aten_flash_op() is not None:
+        assert varlen.varlen_kernel(query, 256**-0.5, 0.0) == varlen.ATEN_FLASH
     results = []
     for run in ("varlen", "mask"):
         if run == "varlen":
-            out = packed_rows.varlen_attention(kernel, query, key, value, found, 256**-0.5)
+            out = varlen.varlen_attention(kernel, query, key, value, found, 256**-0.5)
         else:
             out = sdpa_attention_forward(module, query, key, value, mask, scaling=256**-0.5)[0]
         real = found.real_tokens("cuda").reshape(2, 2048)
@@ -978,7 +979,7 @@ def test_the_cuda_varlen_kernel_equals_the_block_mask_forward_and_backward(kerne
         results.append((out.detach(), [t.grad.clone() for t in (query, key, value)]))
         for t in (query, key, value):
             t.grad = None
-    assert packed_rows.agreement(results[0][0], results[1][0], found) < packed_rows.VARLEN_AGREEMENT
+    assert varlen.agreement(results[0][0], results[1][0], found) < packed_rows.VARLEN_AGREEMENT
     for ours, reference in zip(results[0][1], results[1][1], strict=True):
         assert float((ours.float() - reference.float()).norm() / reference.float().norm()) < 5e-2
 
@@ -992,11 +993,11 @@ def test_segments_are_read_off_the_mask_with_padding_as_its_own_segment():
     numbered = torch.tensor([[1, 1, 2, 2, 2, 3, 0, 0], [1, 1, 1, 1, 2, 2, 2, 2]])
     for dtype in (torch.float32, torch.bfloat16):
         mask = prepare_4d_attention_mask(numbered, dtype)
-        assert torch.equal(packed_rows.block_causal_mask(numbered.to(torch.int32), dtype), mask)
-        on_meta = packed_rows.block_causal_mask(numbered.to("meta", torch.int32), dtype)  # no tensor left on the CPU
+        assert torch.equal(masks.block_causal_mask(numbered.to(torch.int32), dtype), mask)
+        on_meta = masks.block_causal_mask(numbered.to("meta", torch.int32), dtype)  # no tensor left on the CPU
         assert on_meta.device.type == "meta" and on_meta.shape == mask.shape and on_meta.dtype == dtype
-        found = packed_rows.segments(mask)
-        from_numbers = packed_rows.numbered_segments(numbered)
+        found = masks.segments(mask)
+        from_numbers = masks.numbered_segments(numbered)
         assert from_numbers.spans == found.spans and torch.equal(from_numbers.position, found.position)
         assert found.spans == (
             (0, 0, 2, True),
@@ -1009,10 +1010,10 @@ def test_segments_are_read_off_the_mask_with_padding_as_its_own_segment():
         assert found.samples_per_row() == [3, 2]
         assert found.cu_seqlens() == [0, 2, 5, 6, 8, 12, 16]
         assert found.position.tolist() == [[0, 1, 0, 1, 2, 0, 0, 1], [0, 1, 2, 3, 0, 1, 2, 3]]
-        assert packed_rows.block_causal_mismatch(mask, found) == 0
+        assert masks.block_causal_mismatch(mask, found) == 0
     leaky = prepare_4d_attention_mask(torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]]), torch.float32)
     leaky[0, 0, 3, 1] = torch.finfo(torch.float32).min  # a hole inside a sample: not block-diagonal causal
-    assert packed_rows.block_causal_mismatch(leaky, packed_rows.segments(leaky)) == 1
+    assert masks.block_causal_mismatch(leaky, masks.segments(leaky)) == 1
 
 
 def test_the_varlen_call_equals_the_kernel_run_per_sample():
@@ -1023,7 +1024,7 @@ def test_the_varlen_call_equals_the_kernel_run_per_sample():
     from llamafactory.data.collator import prepare_4d_attention_mask
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
-    from patches.kernel_recorder import CallLog, KernelRecorder
+    from patches.kernels.recorder import CallLog, KernelRecorder
 
     seen = []
 
@@ -1048,7 +1049,7 @@ def test_the_varlen_call_equals_the_kernel_run_per_sample():
         ([[1] * 29 + [0] * 3], None),
     ):
         seen.clear()
-        found = packed_rows.segments(prepare_4d_attention_mask(torch.tensor(numbered), torch.float32))
+        found = masks.segments(prepare_4d_attention_mask(torch.tensor(numbered), torch.float32))
         rows = found.rows
         inputs = [
             torch.randn(rows, 32, 2, 16),
@@ -1061,7 +1062,7 @@ def test_the_varlen_call_equals_the_kernel_run_per_sample():
         results = []
         for kernel, label in ((varlen, "fla"), (torch_chunk_gated_delta_rule, "torch")):
             leaves = [t.clone().requires_grad_() for t in inputs]
-            out = packed_rows.chunk_per_segment(recorder(kernel, label), *leaves, found)
+            out = deltanet.chunk_per_segment(recorder(kernel, label), *leaves, found)
             (out[real] ** 2).sum().backward()  # the loss reads the samples' tokens only
             results.append((out.detach(), [t.grad for t in leaves]))
         assert seen == [(1, bounds, bounds)]
@@ -1078,7 +1079,7 @@ def test_the_deltanet_bounds_join_the_padding_to_the_sample_before_it():
     import torch
 
     def found(numbered):
-        return packed_rows.numbered_segments(torch.tensor(numbered, dtype=torch.int32))
+        return masks.numbered_segments(torch.tensor(numbered, dtype=torch.int32))
 
     two_rows = found([[1, 1, 2, 2, 2, 3, 0, 0], [1, 1, 1, 1, 2, 2, 2, 2]])
     assert two_rows.cu_seqlens() == [0, 2, 5, 6, 8, 12, 16]
@@ -1104,7 +1105,7 @@ def test_the_fla_route_takes_key_heads_unrepeated_and_pairs_them_as_transformers
     from llamafactory.data.collator import prepare_4d_attention_mask
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
-    from patches.kernel_recorder import CallLog, KernelRecorder
+    from patches.kernels.recorder import CallLog, KernelRecorder
 
     heads_seen = []
     grouped = grouped_varlen_kernel(seen=heads_seen)
@@ -1115,19 +1116,19 @@ def test_the_fla_route_takes_key_heads_unrepeated_and_pairs_them_as_transformers
         )
 
     torch.manual_seed(0)
-    found = packed_rows.segments(prepare_4d_attention_mask(torch.tensor([[1] * 12 + [2] * 20]), torch.float32))
+    found = masks.segments(prepare_4d_attention_mask(torch.tensor([[1] * 12 + [2] * 20]), torch.float32))
     q, k = torch.randn(1, 32, 2, 16), torch.randn(1, 32, 2, 16)
     v, g, beta = torch.randn(1, 32, 6, 16), -torch.rand(1, 32, 6), torch.rand(1, 32, 6)
     fla_kernel, torch_kernel = recorder(grouped, "fla"), recorder(torch_chunk_gated_delta_rule, "torch")
-    fla_q, fla_k = packed_rows.value_heads(fla_kernel, q, k, 3)
+    fla_q, fla_k = deltanet.value_heads(fla_kernel, q, k, 3)
     assert fla_q is q and fla_k is k  # no copy on the FLA route
-    fla = packed_rows.chunk_per_segment(fla_kernel, fla_q, fla_k, v, g, beta, found)
+    fla = deltanet.chunk_per_segment(fla_kernel, fla_q, fla_k, v, g, beta, found)
     assert heads_seen == [(2, 2, 6)]
-    reference = packed_rows.chunk_per_segment(
-        torch_kernel, *packed_rows.value_heads(torch_kernel, q, k, 3), v, g, beta, found
+    reference = deltanet.chunk_per_segment(
+        torch_kernel, *deltanet.value_heads(torch_kernel, q, k, 3), v, g, beta, found
     )
     torch.testing.assert_close(fla, reference, rtol=1e-5, atol=1e-6)
-    other_pairing = packed_rows.chunk_per_segment(
+    other_pairing = deltanet.chunk_per_segment(
         torch_kernel, q.repeat(1, 1, 3, 1), k.repeat(1, 1, 3, 1), v, g, beta, found
     )
     assert not torch.allclose(fla, other_pairing, rtol=1e-3, atol=1e-4)
@@ -1141,8 +1142,8 @@ def test_the_segment_convolution_equals_the_convolution_of_each_sample_alone():
     conv = torch.nn.Conv1d(6, 6, kernel_size=4, groups=6, padding=3, bias=True)
     x = torch.randn(2, 6, 12)
     numbered = torch.tensor([[1] * 5 + [2] * 2 + [3] * 5, [1] * 1 + [2] * 8 + [0] * 3])
-    found = packed_rows.segments(prepare_4d_attention_mask(numbered, torch.float32))
-    ours = packed_rows.segment_causal_conv(x, conv.weight, conv.bias, found)
+    found = masks.segments(prepare_4d_attention_mask(numbered, torch.float32))
+    ours = deltanet.segment_causal_conv(x, conv.weight, conv.bias, found)
     with torch.no_grad():
         alone = torch.zeros_like(ours)
         for row, start, end, _ in found.spans:

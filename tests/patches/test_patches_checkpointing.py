@@ -12,10 +12,11 @@ from types import SimpleNamespace
 import pytest
 
 import patches
-from patches import checkpoint_all_layers, trainer_hook
-from patches.checkpoint_census import StepObserver, describe_checkpoint_func, fsdp_units
-from patches.errors import PatchError
-from patches.proof import read_proof
+from patches import checkpoint_all_layers
+from patches.core import trainer_hook
+from patches.core.errors import PatchError
+from patches.core.proof import read_proof
+from patches.planning.census import StepObserver, describe_checkpoint_func, fsdp_units
 
 pytest_plugins = ["tests.support.patch_fixtures"]
 pytestmark = pytest.mark.usefixtures("restore_patches")

@@ -17,8 +17,8 @@ import pytest
 
 import patches
 from patches import chunked_loss
-from patches.checkpoint_budget import LayerCost, plan
-from patches.proof import read_proof
+from patches.core.proof import read_proof
+from patches.planning.budget import LayerCost, plan
 from tests.support.common import read_jsonl
 from tests.support.patch_fixtures import EVAL_EVERY_STEP_SGD, lora_model, trainer_log
 
@@ -141,7 +141,7 @@ def test_a_budget_takes_the_kind_with_the_most_recompute_per_byte_first_and_scal
 
 
 def test_the_second_step_corrects_a_count_that_missed_memory_and_takes_layers_back():
-    from patches.checkpoint_budget import correction, scaled
+    from patches.planning.budget import correction, scaled
 
     costs = {"deltanet": cost("deltanet", 48, 0.5, 0.010), "attention": cost("attention", 16, 0.5, 0.020)}
     first = plan(costs, budget_gib=90.0, peak_gib=60.0, held_gib=50.0, seq_len=1000, cutoff_len=1000)
@@ -174,7 +174,7 @@ def test_the_second_step_corrects_a_count_that_missed_memory_and_takes_layers_ba
 
 
 def test_a_plan_that_cost_less_than_priced_is_widened_to_the_plan_at_the_real_factor_whole():
-    from patches.checkpoint_budget import PRIOR_FACTOR, projected_peak_gib, revised, scaled
+    from patches.planning.budget import PRIOR_FACTOR, projected_peak_gib, revised, scaled
 
     # DeltaNet first (more recompute per byte), 1.207 GiB a layer, attention 1.115 GiB: the 27B's unfused counts
     costs = {"deltanet": cost("deltanet", 48, 1.207, 0.0084), "attention": cost("attention", 16, 1.115, 0.0074)}
@@ -414,7 +414,7 @@ def test_the_wrapped_forward_keeps_its_signature_and_applying_twice_keeps_one_ch
     from llamafactory.data.collator import MultiModalDataCollatorForSeq2Seq
     from transformers import Qwen3_5ForConditionalGeneration
 
-    from patches.wrapping import ORIGINAL
+    from patches.core.wrapping import ORIGINAL
 
     settings = {"pad_lengths": {"multiple": 64}}
     patches.apply_enabled(settings, backend="cpu", proof_dir=tmp_path)

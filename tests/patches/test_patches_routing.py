@@ -11,11 +11,11 @@ import pytest
 
 import patches
 from patches import deltanet_routing
+from patches.core.errors import PatchError
+from patches.core.proof import read_proof
 from patches.deltanet_routing import select_route
-from patches.errors import PatchError
-from patches.fla_probe import FlaFacts
-from patches.kernel_recorder import CallLog, KernelRecorder
-from patches.proof import read_proof
+from patches.kernels.fla_probe import FlaFacts
+from patches.kernels.recorder import CallLog, KernelRecorder
 
 pytest_plugins = ["tests.support.patch_fixtures"]
 
@@ -248,7 +248,7 @@ def test_simulated_npu_decodes_with_fla_recurrent(tmp_path, stub_fla):
 
 
 def _choice(chunk: str, conv: str = "fla", gated_norm: str = "fla") -> dict:
-    """A ``launcher.checks.kernel_choice`` record as preflight writes it into preflight.json (each refusal with its
+    """A ``launcher.checks.kernels.choice`` record as preflight writes it into preflight.json (each refusal with its
     failing case)."""
     refused = {
         "ascendc": [{"kernel": "fla", "case": "layout", "note": "dg differs by 40.00% (threshold 5%)"}],
@@ -278,7 +278,7 @@ def test_simulated_npu_binds_the_ascendc_kernel_preflight_chose_and_records_the_
     loads it at its first call, which no test makes: there is no NPU)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
-    from patches import ascendc_gdn
+    from patches.kernels import ascendc_gdn
 
     stub_fla(platform="npu")
     choice = _choice("ascendc")

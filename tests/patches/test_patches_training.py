@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from patches.proof import read_proof
+from patches.core.proof import read_proof
 
 pytest_plugins = ["tests.support.patch_fixtures"]
 pytestmark = pytest.mark.slow

@@ -1,6 +1,6 @@
 """Version guards and symbol checks: an enabled patch that cannot apply stops the run, saying why.
 
-The installed versions are simulated by replacing ``patches.versions.installed_version``; everything else
+The installed versions are simulated by replacing ``patches.core.versions.installed_version``; everything else
 (the registry, the checks, the proof files) is the real code.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 import patches
-from patches import versions
-from patches.errors import PatchError
-from patches.proof import read_proof
+from patches.core import versions
+from patches.core.errors import PatchError
+from patches.core.proof import read_proof
 
 pytest_plugins = ["tests.support.patch_fixtures"]
 pytestmark = pytest.mark.usefixtures("restore_patches")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from patches.proof import ProofFile, in_loader_worker
+from patches.core.proof import ProofFile, in_loader_worker
 
 
 class _Recording:

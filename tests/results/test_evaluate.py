@@ -338,7 +338,7 @@ def test_several_checkpoints_load_the_base_model_once(prepared_run, monkeypatch,
 def test_the_child_gets_the_runs_levers_where_the_caller_has_none(tmp_path, monkeypatch):
     """The evaluation's child (a real process) gets the environment levers of the run's job, the caller's own value
     of a variable winning; its whole output goes to the log."""
-    from launcher.backend import BACKENDS
+    from launcher.config.backend import BACKENDS
     from launcher.run.evaluate import _run_child
 
     monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "0")
@@ -362,7 +362,7 @@ def test_an_interrupted_evaluation_stops_its_child_and_keeps_the_earlier_log(tmp
         textwrap.dedent("""
         import sys
         from pathlib import Path
-        from launcher.backend import BACKENDS
+        from launcher.config.backend import BACKENDS
         from launcher.run.evaluate import _run_child
         folder = Path(sys.argv[1])
         waits = "import time; print('evaluate: started', flush=True); time.sleep(600)"

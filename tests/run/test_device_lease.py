@@ -2,7 +2,7 @@
 torchrun, fake ranks, the lease's kernel locks, signals.
 
 No GPU is here, so two things are stood in for, and only these: the GPUs torch would count (a ``sitecustomize``
-on the launcher's PYTHONPATH makes ``launcher.backend.device_count("cuda")`` answer 4), and nvidia-smi (a script
+on the launcher's PYTHONPATH makes ``launcher.config.backend.device_count("cuda")`` answer 4), and nvidia-smi (a script
 answering the launcher's two queries from recorded output, tests/support/files). The ranks are fake (they use no
 device), so a run that trains to its end ends FAILED_ACCEPTANCE (its adapter is a stand-in), as every fake run does.
 """
@@ -33,7 +33,7 @@ from tests.support.fake_runs import (
 
 GPUS = "\n".join(
     [
-        "import launcher.backend as _b",
+        "import launcher.config.backend as _b",
         "_count = _b.device_count",
         "_b.device_count = lambda name: 4 if name == 'cuda' else _count(name)",
         "",

@@ -125,7 +125,7 @@ RANK_PROBE = r"""
 import json, sys
 from pathlib import Path
 from launcher.rank import entry
-from patches.proof import ProofFile
+from patches.core.proof import ProofFile
 from tests.support.fake_runs import fill_disk
 
 root = Path(sys.argv[1])

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from launcher.procs import boot_id, self_identity
 from launcher.run import placement as placement_package
 from launcher.run.control import stop_run
 from launcher.run.placement import PLACEMENTS, placement_of
 from launcher.run.placement.container import ContainerPlacement
 from launcher.run.placement.local import LocalPlacement
 from launcher.run.placement.slurm import END_MARGIN_S, SlurmPlacement
+from launcher.state.procs import boot_id, self_identity
 from launcher.state.record import RunStore, read_record
 from launcher.state.states import RunState
 from launcher.state.stop import DEFAULT_STOP_GRACE_S, stop_grace

@@ -16,8 +16,8 @@ import pytest
 
 from launcher.cli import main
 from launcher.errors import ExitCode
-from launcher.procs import identity
 from launcher.state import trainer_log
+from launcher.state.procs import identity
 from launcher.state.record import RecordUnreadable, read_record
 from tests.support.fake_runs import crafted_run, launcher, spawn
 
@@ -368,7 +368,7 @@ def test_every_host_verb_answers_a_wrong_typed_side_record(tmp_path: Path, capsy
 @pytest.mark.parametrize("damage", ["{not json", "[" * 5000 + "]" * 5000, "[1, 2]", "\udcff"])
 def test_a_damaged_proof_record_is_written_whole_again_at_the_next_update(tmp_path, damage):
     """The rank reads its proof record back before merging an update; a damaged one counts as none."""
-    from patches.proof import ProofFile
+    from patches.core.proof import ProofFile
 
     proof = ProofFile(tmp_path / "proof", "demo_patch", 0)
     proof.path.parent.mkdir(parents=True)

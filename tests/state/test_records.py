@@ -19,9 +19,9 @@ import pytest
 
 import launcher.state.trainer_log as trainer_log
 from launcher.errors import LauncherError
-from launcher.procs import identity
 from launcher.run.rootcause import rank_failure, root_cause
 from launcher.run.setup import check_earlier_runs
+from launcher.state.procs import identity
 from launcher.state.record import SCHEMA_VERSION, RunStore, read_record
 from launcher.state.trainer_log import TrainerLogFollower, read_trainer_log_tail
 from tests.support.common import REPO

@@ -11,8 +11,8 @@ import time
 import psutil
 import pytest
 
-from launcher.procs import boot_id, identity, self_identity
 from launcher.run.placement import reconcile
+from launcher.state.procs import boot_id, identity, self_identity
 from launcher.state.record import SCHEMA_VERSION, RecordUnreadable, RunRecord, RunStore, read_record
 from launcher.state.states import (
     RESUMABLE,
@@ -242,7 +242,7 @@ def test_under_the_lock_a_run_from_a_vanished_container_is_node_lost(tmp_path, m
 def test_a_restarted_container_is_node_lost_although_its_namespace_id_came_back(tmp_path):
     """`docker compose up` after `docker kill` restarts the same container: same id, and the kernel may hand
     the new pid namespace the old one's number. A supervisor older than this namespace's init is gone."""
-    from launcher.procs import namespace_started
+    from launcher.state.procs import namespace_started
 
     started = namespace_started()
     write_record(

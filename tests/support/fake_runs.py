@@ -20,9 +20,9 @@ from typing import Any
 import psutil
 
 from launcher.files import write_json_atomic
-from launcher.procs import boot_id, identity
 from launcher.run.placement import reconcile
 from launcher.run.resume import ResumePlan, plan_resume
+from launcher.state.procs import boot_id, identity
 from launcher.state.record import SCHEMA_VERSION, RunRecord, read_record
 from launcher.state.states import RunState
 from tests.support.common import REPO, make_config

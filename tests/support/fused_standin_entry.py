@@ -16,7 +16,8 @@ from pathlib import Path
 
 
 def main() -> int:
-    from patches import fused_kernels, fused_ops
+    from patches import fused_ops
+    from patches.kernels import fused_kernels
     from tests.support.patch_fixtures import write_stub_fla
 
     sys.path.insert(0, str(write_stub_fla(Path(sys.argv[1]).resolve() / "stub_fla", platform="cuda")))

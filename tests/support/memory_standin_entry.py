@@ -42,7 +42,7 @@ class StandInCounter:
 
 def _budget_from_room(module, room_layers: float) -> None:
     """Make every budget plan of ``module`` against one budget fixed at its first plan (see the docstring)."""
-    from patches.checkpoint_budget import MARGIN_GIB, PRIOR_FACTOR, length_scale
+    from patches.planning.budget import MARGIN_GIB, PRIOR_FACTOR, length_scale
 
     plan, fixed = module.plan, {}
 

@@ -63,7 +63,7 @@ def main() -> int:
             time.sleep(float(spec["seconds"]))
             return original(self, features)
 
-        slow.__deltanet_launcher_original__ = original  # patches/wrapping.py: the patches check the upstream code
+        slow.__deltanet_launcher_original__ = original  # patches/core/wrapping.py: the patches check the upstream code
         collator.MultiModalDataCollatorForSeq2Seq.__call__ = slow
     return entry.main(sys.argv[1:])
 

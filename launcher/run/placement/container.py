@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from launcher.errors import ExitCode, LauncherError
-from launcher.procs import container_identity
 from launcher.run.placement.base import Placement, StopAsk, Supervise
 from launcher.run.placement.local import LocalPlacement
 from launcher.run.signals import drop_hold
+from launcher.state.procs import container_identity
 from launcher.state.reconcile import (
     ContainerView,
     Reconciled,

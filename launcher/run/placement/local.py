@@ -32,8 +32,8 @@ import psutil
 from launcher import SOURCE_ROOT
 from launcher.errors import ExitCode, LauncherError
 from launcher.files import make_folder, read_yaml_mapping
-from launcher.procs import find_live, namespace_started, terminate
 from launcher.run.placement.base import Placement, StopAsk, Supervise
+from launcher.state.procs import find_live, namespace_started, terminate
 from launcher.state.reconcile import Reconciled, first_look, restarted_since, same_namespace
 from launcher.state.record import RecordUnreadable, RunRecord, RunStore, read_record
 from launcher.state.runs import CONFIG_COPY, OVERRIDES_FILE, SUPERVISOR_LOG, follow_up

@@ -13,7 +13,7 @@ def test_the_routes_agree_with_the_per_sample_reference_on_the_cpu(monkeypatch):
     not (it is the unpacked step)."""
     import torch
 
-    from patches import packed_rows
+    from patches.packing import masks, varlen
 
     monkeypatch.setattr(attention_bench, "HEADS", 6)
     monkeypatch.setattr(attention_bench, "KEY_HEADS", 2)
@@ -21,11 +21,11 @@ def test_the_routes_agree_with_the_per_sample_reference_on_the_cpu(monkeypatch):
     numbered = attention_bench.numbered_row(torch, 64, [20, 30])
     assert attention_bench.sample_windows([20, 30], 48) == [(0, 20, 48), (20, 30, 48)]
     q, k, v = torch.randn(1, 6, 64, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
-    mask = packed_rows.block_causal_mask(numbered, torch.float32)
+    mask = masks.block_causal_mask(numbered, torch.float32)
     expected = attention_bench.reference(torch, q, k, v, numbered)
     real = numbered[0] != 0
     masked, whole_row, per_sample = (
-        attention_bench.route_call(torch, route, mask, packed_rows.PADDING_PIECE, [20, 30], 48)
+        attention_bench.route_call(torch, route, mask, varlen.PADDING_PIECE, [20, 30], 48)
         for route in ("masked", "sdpa", "per-sample")
     )
     assert attention_bench.relative(masked(q, k, v), expected, real) < 1e-5

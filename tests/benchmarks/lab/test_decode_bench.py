@@ -116,7 +116,7 @@ def test_a_first_difference_is_measured_on_the_one_at_a_time_logits(tmp_path):
     import torch
 
     from benchmarks.bench_assets import write_model_dir
-    from launcher.checks.kernels import Device
+    from launcher.checks.kernels.cases import Device
 
     model = decode_bench.build_model(torch, write_model_dir(tmp_path / "model", "tiny"), "cpu", torch.float32)
     context = list(range(10, 30))
@@ -154,7 +154,7 @@ def test_compare_measures_the_margin_where_a_planted_batched_answer_differs(tmp_
     import torch
 
     from benchmarks.bench_assets import write_model_dir
-    from launcher.checks.kernels import Device
+    from launcher.checks.kernels.cases import Device
     from launcher.rank import evaluate_decode
 
     real = evaluate_decode.greedy_batched

@@ -33,7 +33,7 @@ def test_a_reading_runs_both_ways_and_the_skip_leaves_the_update_as_it_was(tmp_p
     assert found["skip"]["casts_skipped"] == 3
     assert found["gap"] == 0.0
     assert lora_input_cast._state == {}  # restored: PEFT as it ships
-    from patches import trainer_hook
+    from patches.core import trainer_hook
 
     assert not trainer_hook.is_installed()
 

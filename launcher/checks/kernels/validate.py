@@ -5,7 +5,7 @@
 (the command's arguments, table and JSON are in ``launcher.kernels_cli``; the checks are here)
 
 Which kernel: the one training routes to (``patches.deltanet_routing.select_route``, through
-``launcher.checks.kernel_check``): FLA's ``chunk_gated_delta_rule`` on NPU (triton-ascend) and CUDA, transformers'
+``launcher.checks.kernels.check``): FLA's ``chunk_gated_delta_rule`` on NPU (triton-ascend) and CUDA, transformers'
 ``torch_chunk_gated_delta_rule`` on CPU or with ``--kernel torch``. A routing refusal (FLA missing, FLA's
 Hopper guard) is reported as the answer; this command never lifts FLA's guard.
 
@@ -30,20 +30,20 @@ How each case is checked:
   ``cu_seqlens``, so on CPU (and with ``--kernel torch``) this case is skipped with that reason: packed
   training never routes to the torch kernel. ``varlen_grouped`` is the same packed call with q and k handed to the
   routed kernel unrepeated (``H_k`` heads for ``H_v`` value heads), as packed rows call FLA
-  (``patches.packed_rows.value_heads``), against the reference fed the repeated heads: a kernel that pairs value
+  (``patches.packing.deltanet.value_heads``), against the reference fed the repeated heads: a kernel that pairs value
   head ``j`` with any key head but ``j // (H_v / H_k)`` fails. Its runs of each sequence alone are the call a packed
-  row of one sample makes (unrepeated, no ``cu_seqlens``: ``packed_rows.Segments.state_bounds``).
+  row of one sample makes (unrepeated, no ``cu_seqlens``: ``patches.packing.masks.Segments.state_bounds``).
 - ``qwen3_5_27b`` is the 27B model's linear-attention call, [1, 4096, 48, 128] fed from 16 key heads; it also
   reports peak device memory of the routed forward+backward and the median time of the routed kernel
   against the torch fallback (forward+backward, bfloat16, the same inputs).
 
 - the glue cases (``conv``, ``rms_norm``, ``gated_norm``, ``swiglu`` and their ``_27b`` shapes) check the fused
-  kernels the ``fused_ops`` patch binds, forward and every gradient, against fp32 (``launcher.checks.glue_kernels``;
+  kernels the ``fused_ops`` patch binds, forward and every gradient, against fp32 (``launcher.checks.kernels.glue``;
   threshold 1 %).
 
 - ``decode`` checks the recurrent kernel that generation calls once per new token (FLA's
   ``fused_recurrent_gated_delta_rule`` on NPU and CUDA, transformers' torch loop on CPU), step by step from a
-  prompt's state, against the fp32 torch recurrence: outputs and final state (``launcher.checks.decode_kernels``).
+  prompt's state, against the fp32 torch recurrence: outputs and final state (``launcher.checks.kernels.decode``).
 
 On CPU the "routed" kernel *is* the torch reference, run in bfloat16: the errors are then bfloat16 rounding
 only, small but not zero, so the comparison is live (``tests/checks/test_validate_kernels.py`` shows broken
@@ -61,9 +61,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from launcher.backend import device_name
-from launcher.checks import decode_kernels, glue_kernels
-from launcher.checks.kernel_cases import Case, CaseResult, Device, _FullPrecision, make_inputs, rel_error
+from launcher.checks.kernels import decode as decode_kernels
+from launcher.checks.kernels import glue as glue_kernels
+from launcher.checks.kernels.cases import Case, CaseResult, Device, _FullPrecision, make_inputs, rel_error, run_case
+from launcher.config.backend import device_name
 
 __all__ = [
     "Case",
@@ -116,7 +117,7 @@ DECODE_CASE = Case(
 
 
 def glue_cases(quick: bool) -> tuple[Case, ...]:
-    """The fused glue ops (``glue_kernels``): small shapes with T != D and batch 2, or the 27B model's shapes
+    """The fused glue ops (``glue``): small shapes with T != D and batch 2, or the 27B model's shapes
     (conv over 2 x 16 x 128 + 48 x 128 channels, the hidden norm of 5120 and the 24-head q norm of 256, the
     gated norm of the 48 value heads of 128, SwiGLU over the MLP's 17408)."""
     if quick:
@@ -298,17 +299,16 @@ def check_case(
     threshold: float,
     fallback: Callable | None = None,
 ) -> CaseResult:
-    """Run one case; never raises (an exception is a failed case with the error as its note)."""
-    started = time.monotonic()
-    result = CaseResult(case.name, case.shape, case.key_heads, "fail", cu_seqlens=case.cu_seqlens)
-    try:
+    """Run one case through ``run_case`` (never raises: an exception is a failed case)."""
+
+    def check(result: CaseResult) -> None:
         if case.seq_lens is not None and not accepts_cu_seqlens(kernel):
             result.status = "skip"
             result.note = (
                 "the routed kernel takes no cu_seqlens (transformers' torch chunk kernel); packed training "
                 "never routes there (LLaMA-Factory's packing calls FLA's varlen kernels)"
             )
-            return result
+            return
         # on the device once, so that timings hold no host-to-device copies
         inputs = {n: x.to(dev.name) for n, x in make_inputs(torch, case).items()}
         kw = {"device": dev.name}
@@ -336,11 +336,8 @@ def check_case(
             if fallback is not None and fallback is not kernel:
                 result.timing_ms["torch_fallback"] = time_fwd_bwd(torch, fallback, inputs, case, dev, torch.bfloat16)
         result.judge(threshold, case.about)
-    except Exception as err:  # a crashing kernel is a failed case, reported with the others
-        result.note = f"{type(err).__name__}: {err}"
-    finally:
-        result.seconds = round(time.monotonic() - started, 2)
-    return result
+
+    return run_case(CaseResult(case.name, case.shape, case.key_heads, "fail", cu_seqlens=case.cu_seqlens), check)
 
 
 # --- the suite ----------------------------------------------------------------------------------------
@@ -356,7 +353,7 @@ def select_kernel(backend: str, kernel: str):
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
     from patches.deltanet_routing import load_fla_kernels, select_route
-    from patches.fla_probe import probe_fla
+    from patches.kernels.fla_probe import probe_fla
 
     route = select_route(backend, kernel, probe_fla(backend))  # PatchError carries the reason and the fix
     if route.kernel == "torch":
@@ -367,7 +364,7 @@ def select_kernel(backend: str, kernel: str):
 def resolve_backend(device: str) -> str:
     if device != "auto":
         return device
-    from launcher.backend import resolve
+    from launcher.config.backend import resolve
 
     return resolve("auto").name
 
@@ -433,7 +430,7 @@ def validate(
 ) -> Report:
     """Run a suite against the kernels routed for ``backend`` (or ``kernel_fn``/``decode_fn``, for tests).
 
-    The ``decode`` case checks the recurrent kernel generation routes to (``launcher.checks.decode_kernels``);
+    The ``decode`` case checks the recurrent kernel generation routes to (``launcher.checks.kernels.decode``);
     it is skipped, with that reason, when ``kernel_fn`` is given without ``decode_fn``.
 
     Args:

@@ -1,7 +1,7 @@
 """The glue cases of ``launcher validate-kernels``: the fused convolution, norms and SwiGLU against fp32.
 
-Which kernel: the one training binds (``patches.fused_kernels.select_kernels``, as the ``fused_ops`` patch decides
-it before the model is built): FLA's Triton kernels on CUDA, FLA's triton-ascend kernels and
+Which kernel: the one training binds (``patches.kernels.fused_kernels.select_kernels``, as the ``fused_ops`` patch
+decides it before the model is built): FLA's Triton kernels on CUDA, FLA's triton-ascend kernels and
 ``torch_npu.npu_rms_norm`` on NPU, transformers' torch ops on CPU (then the "routed" op is the torch op in bf16
 and the errors are bf16 rounding only, so the comparison is live). Each op is called through the same adapter
 the patch installs (``FlaConv``, ``fused_kernels.rms_norm``, ``fused_kernels.gated_norm``).
@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from launcher.checks.kernel_cases import Case, CaseResult, Device, _FullPrecision, rel_error
+from launcher.checks.kernels.cases import Case, CaseResult, Device, _FullPrecision, rel_error, run_case
 
 GLUE_THRESHOLD = 0.01
 EPS = 1e-6
@@ -62,7 +62,7 @@ def torch_ops() -> dict[str, Callable]:
 def glue_kernel(op: str, kernel: str) -> Callable:
     """The callable training binds for ``op`` served by ``kernel`` (``fla``, ``torch_npu`` or ``torch``), through the
     adapter ``fused_ops`` installs."""
-    from patches import fused_kernels
+    from patches.kernels import fused_kernels
 
     if kernel == "torch":
         return torch_ops()[op]
@@ -78,7 +78,8 @@ def glue_kernel(op: str, kernel: str) -> Callable:
 
 def select_glue_kernels(backend: str) -> tuple[dict[str, Callable], dict[str, str]]:
     """The callables training binds for each op on ``backend`` (adapters included), and their descriptions."""
-    from patches import fused_kernels, fused_ops
+    from patches import fused_ops
+    from patches.kernels import fused_kernels
 
     choices = fused_kernels.select_kernels(
         backend,
@@ -121,19 +122,20 @@ def packed_conv(torch, fn: Callable, x, weight, seq_lens: tuple[int, ...], *, re
 
     The reference runs ``fn`` on each sample alone. The routed op is what ``packed_rows`` calls: FLA's adapter
     takes the samples' boundaries (``FlaConv.varlen``, ``cu_seqlens`` on the device and on the host); any other
-    route is ``packed_rows.segment_causal_conv`` (the row's torch convolution, then the first ``K - 1`` tokens of
+    route is ``deltanet.segment_causal_conv`` (the row's torch convolution, then the first ``K - 1`` tokens of
     each sample again from that sample alone), whatever transformers' conv would be."""
-    from patches import fused_kernels, packed_rows
+    from patches.kernels import fused_kernels
+    from patches.packing import deltanet, masks
 
     if reference:
         parts = x.split(list(seq_lens), dim=1)
         return torch.cat([fn(part.transpose(1, 2), weight, None, "silu").transpose(1, 2) for part in parts], dim=1)
     bounds = [0, *itertools.accumulate(seq_lens)]
     spans = tuple((0, start, end, True) for start, end in itertools.pairwise(bounds))
-    found = packed_rows.Segments(rows=1, length=x.shape[1], spans=spans, position=None)
+    found = masks.Segments(rows=1, length=x.shape[1], spans=spans, position=None)
     if isinstance(fn, fused_kernels.FlaConv):  # the boundaries as training hands them to FLA
         return fn.varlen(x, weight, None, "silu", *found.cu_seqlens_tensors(x.device))
-    return packed_rows.segment_causal_conv(x.transpose(1, 2), weight.unsqueeze(1), None, found).transpose(1, 2)
+    return deltanet.segment_causal_conv(x.transpose(1, 2), weight.unsqueeze(1), None, found).transpose(1, 2)
 
 
 def run_glue(
@@ -179,11 +181,10 @@ def _time(torch, case: Case, fn, inputs, dev: Device) -> float:
 
 
 def check_glue_case(torch, case: Case, fn: Callable, dev: Device, threshold: float) -> CaseResult:
-    """Run one glue case; never raises (an exception is a failed case with the error as its note)."""
-    started = time.monotonic()
+    """Run one glue case through ``run_case`` (never raises: an exception is a failed case)."""
     threshold = min(threshold, GLUE_THRESHOLD)
-    result = CaseResult(case.name, case.shape, None, "fail", cu_seqlens=case.cu_seqlens)
-    try:
+
+    def check(result: CaseResult) -> None:
         reference = torch_ops()[case.op]
         inputs = {n: x.to(dev.name) for n, x in make_glue_inputs(torch, case).items()}
         got = run_glue(torch, case.op, fn, inputs, device=dev.name, dtype=torch.bfloat16, seq_lens=case.seq_lens)
@@ -206,8 +207,5 @@ def check_glue_case(torch, case: Case, fn: Callable, dev: Device, threshold: flo
             if fn is not reference:
                 result.timing_ms["torch_ops"] = _time(torch, case, reference, inputs, dev)
         result.judge(threshold, case.about)
-    except Exception as err:  # a crashing kernel is a failed case, reported with the others
-        result.note = f"{type(err).__name__}: {err}"
-    finally:
-        result.seconds = round(time.monotonic() - started, 2)
-    return result
+
+    return run_case(CaseResult(case.name, case.shape, None, "fail", cu_seqlens=case.cu_seqlens), check)

@@ -1,7 +1,7 @@
 """The AscendC gated-delta-rule kernels of flash-linear-attention-npu (``fla_npu``) behind FLA's call contract.
 
 On an Ascend NPU, ``launcher preflight`` tries these after FLA's triton-ascend kernel and before transformers' torch
-loop (``launcher.checks.kernel_choice``); training binds them only when they passed the validation cases at the
+loop (``launcher.checks.kernels.choice``); training binds them only when they passed the validation cases at the
 run's shapes there. Written from upstream's documentation and never run here (no NPU): the validation cases, not
 this module, are what let it serve a run.
 

@@ -31,7 +31,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from .checkpoint_budget import LayerCost, layer_kind
+from .budget import LayerCost, layer_kind
 
 
 def _tensors(value: Any) -> list:
@@ -110,7 +110,7 @@ class SavedBytes:
 class InForwardMeter:
     """Leaves the first decoder layer of each kind un-checkpointed for one step and measures it there.
 
-    ``layers`` are ``(name, layer)`` pairs in model order (``checkpoint_census.checkpoint_layers``); only those
+    ``layers`` are ``(name, layer)`` pairs in model order (``census.checkpoint_layers``); only those
     with a ``layer_type`` (decoder layers) are planned. After the step, ``costs`` holds one ``LayerCost`` per kind
     measured, ``errors`` why a kind was not, ``measured`` the layer whose saved tensors were counted for each kind,
     ``timed`` the layer whose forward gave ``forward_s`` (the kind's second, where it has one: module docstring),

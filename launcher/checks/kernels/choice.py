@@ -1,16 +1,16 @@
 """On NPU, ``deltanet_routing.kernel: auto`` chooses each DeltaNet kernel at preflight, by validation, first pass wins.
 
 For each component, candidates in order (``ORDER``): the chunk kernel (FLA on triton-ascend, then fla_npu's
-AscendC kernels where installed, ``patches.ascendc_gdn``, then transformers' torch loop), the short convolution
+AscendC kernels where installed, ``patches.kernels.ascendc_gdn``, then transformers' torch loop), the short convolution
 and the gated norm (FLA's triton-ascend kernel, then torch). Each candidate that loads runs the validation cases of
 ``launcher validate-kernels`` for its component (the quick suite's, then the same checks at the run's shapes, read
 from the model's config and ``cutoff_len``, ``run_cases``); the first whose cases all pass (a skip with its reason
 counts as a pass, as in ``validate-kernels``) is chosen. A candidate that does not load, or fails a case, is
 recorded as refused with that case and its note. A torch choice carries the expected slowdown (``SLOWDOWN``).
 
-The machinery is ``launcher.checks.kernels.check_case`` and ``launcher.checks.glue_kernels.check_glue_case``, the
+The machinery is ``launcher.checks.kernels.check_case`` and ``launcher.checks.kernels.glue.check_glue_case``, the
 same checks as ``launcher validate-kernels``; this module only orders candidates and keeps the record. It runs in
-preflight's kernel child (``launcher.checks.kernel_check``); the record lands in ``preflight.json``
+preflight's kernel child (``launcher.checks.kernels.check``); the record lands in ``preflight.json``
 (``kernel_choice``), each rank's routing and fused_ops proofs, and ``launcher status``. Training binds the chosen
 kernels (``patches.deltanet_routing`` and ``patches.fused_ops`` get the record in their facts: each rank's entry,
 ``launcher.rank.entry.run_facts``, adds it from ``preflight.json``).
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from launcher.checks.kernel_cases import Case
+from launcher.checks.kernels.cases import Case
 
 ORDER = {"npu": {"chunk": ("fla", "ascendc", "torch"), "conv": ("fla", "torch"), "gated_norm": ("fla", "torch")}}
 ALLOW_KEY = "launcher.patches.deltanet_routing.allow_torch_fallback"
@@ -66,10 +66,6 @@ class KernelChoice:
     def torch_fallbacks(self) -> list[str]:
         return [name for name, c in self.components.items() if c.chosen == "torch"]
 
-    @property
-    def unresolved(self) -> list[str]:
-        return [name for name, c in self.components.items() if c.chosen is None]
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "backend": self.backend,
@@ -109,7 +105,7 @@ def run_cases(shapes: dict[str, int]) -> dict[str, tuple[Case, ...]]:
     head size only: fla_npu's K = 128): the quick suite's layouts (batch 2 with T not a multiple of the chunk,
     grouped heads, three samples packed with ``cu_seqlens``, given repeated and unrepeated), then one sequence of the
     run's ``seq_len`` tokens and the same packed into three samples; the glue ops' quick cases and the run's shapes."""
-    from launcher.checks.kernels import SUITES
+    from launcher.checks.kernels.validate import SUITES
 
     t, hk, hv, d = shapes["seq_len"], shapes["key_heads"], shapes["value_heads"], shapes["head_dim"]
     lens, quick = (t // 4, t // 2, t - t // 4 - t // 2), SUITES["quick"]
@@ -175,9 +171,9 @@ def choose(
     """
     import torch
 
-    from launcher.checks import glue_kernels
-    from launcher.checks.kernel_cases import Device
-    from launcher.checks.kernels import check_case, torch_reference
+    from launcher.checks.kernels import glue as glue_kernels
+    from launcher.checks.kernels.cases import Device
+    from launcher.checks.kernels.validate import check_case, torch_reference
 
     dev = Device(torch, device)
     choice = KernelChoice(backend, shapes)
@@ -214,11 +210,11 @@ def choose(
 
 def npu_candidates() -> dict[str, list[tuple[str, Loader]]]:
     """The candidates of ``ORDER["npu"]``, each a loader of the very callable training binds for it."""
-    from launcher.checks import glue_kernels
-    from patches import ascendc_gdn
+    from launcher.checks.kernels import glue as glue_kernels
     from patches.deltanet_routing import load_fla_kernels, select_route
-    from patches.fla_probe import probe_fla
     from patches.fused_ops import callable_name, fla_usable
+    from patches.kernels import ascendc_gdn
+    from patches.kernels.fla_probe import probe_fla
 
     def fla_chunk():
         route = select_route("npu", "fla", probe_fla("npu"))  # PatchError: FLA missing, not on triton-ascend...
@@ -231,7 +227,7 @@ def npu_candidates() -> dict[str, list[tuple[str, Loader]]]:
         return ascendc_gdn.chunk_gated_delta_rule, ascendc_gdn.LABEL
 
     def torch_chunk():
-        from launcher.checks.kernels import torch_reference
+        from launcher.checks.kernels.validate import torch_reference
 
         return torch_reference(), "transformers torch_chunk_gated_delta_rule"
 

@@ -1,7 +1,7 @@
 """The decoding case of ``launcher validate-kernels``: the routed recurrent kernel against a float32 reference.
 
 Generation runs the Gated DeltaNet layers twice over: the prompt through the chunk kernel (checked by the other
-cases of ``launcher.checks.kernels``), then every new token through ``recurrent_gated_delta_rule`` with the
+cases of ``launcher.checks.kernels.validate``), then every new token through ``recurrent_gated_delta_rule`` with the
 state the previous step left in the cache (``Qwen3_5GatedDeltaNet.forward``, transformers 5.6.0, when
 ``cache_params`` has a previous state and ``seq_len == 1``). The routing patch binds FLA's
 ``fused_recurrent_gated_delta_rule`` there on NPU and CUDA, transformers' ``torch_recurrent_gated_delta_rule``
@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from launcher.checks.kernel_cases import Case, CaseResult, Device, _FullPrecision, make_inputs, rel_error
+from launcher.checks.kernels.cases import Case, CaseResult, Device, _FullPrecision, make_inputs, rel_error, run_case
 
 
 def select_decode_kernel(backend: str, kernel: str) -> tuple[Callable, str]:
@@ -36,7 +36,7 @@ def select_decode_kernel(backend: str, kernel: str) -> tuple[Callable, str]:
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
     from patches.deltanet_routing import load_fla_kernels, select_route
-    from patches.fla_probe import probe_fla
+    from patches.kernels.fla_probe import probe_fla
 
     route = select_route(backend, kernel, probe_fla(backend))
     if route.recurrent == "torch":
@@ -113,14 +113,13 @@ def time_decode(torch, kernel: Callable, inputs, state, case: Case, dev: Device,
 def check_decode_case(
     torch, case: Case, kernel: Callable | None, dev: Device, threshold: float, fallback: Callable | None = None
 ) -> CaseResult:
-    """Run one decode case; never raises (an exception is a failed case with the error as its note)."""
-    started = time.monotonic()
-    result = CaseResult(case.name, case.shape, case.key_heads, "fail")
-    try:
+    """Run one decode case through ``run_case`` (never raises: an exception is a failed case)."""
+
+    def check(result: CaseResult) -> None:
         if kernel is None:
             result.status = "skip"
             result.note = "no recurrent kernel given (a caller that checks the training kernel only)"
-            return result
+            return
         inputs = {n: x.to(dev.name) for n, x in make_inputs(torch, case).items() if n != "grad_out"}
         state = starting_state(torch, case, dev.name)
         got_out, got_state = run_decode(torch, kernel, inputs, state.clone(), case, dtype=torch.bfloat16)
@@ -139,8 +138,5 @@ def check_decode_case(
             f"final state within {result.errors['state']:.2%}; {case.about}",
             non_finite="non-finite output or state",
         )
-    except Exception as err:  # a crashing kernel is a failed case, reported with the others
-        result.note = f"{type(err).__name__}: {err}"
-    finally:
-        result.seconds = round(time.monotonic() - started, 2)
-    return result
+
+    return run_case(CaseResult(case.name, case.shape, case.key_heads, "fail"), check)

@@ -1,7 +1,9 @@
 """What a kernel case is and the pieces every case shares: shapes, model-like inputs, errors, the device.
 
-``launcher.checks.kernels`` (the chunk kernel, forward and backward) and ``launcher.checks.decode_kernels``
-(the recurrent kernel, step by step) build their checks from these; ``kernels`` re-exports them.
+``launcher.checks.kernels.validate`` (the chunk kernel, forward and backward), ``launcher.checks.kernels.decode``
+(the recurrent kernel, step by step) and ``launcher.checks.kernels.glue`` (the fused glue ops) build their checks from
+these; ``validate`` re-exports them. Every kind of case runs through the one runner, ``run_case``: the check fills the
+case's result in, the runner times it and turns an exception into a failed case.
 
 
 Import torch lazily: callers pass the ``torch`` module in.
@@ -10,6 +12,8 @@ Import torch lazily: callers pass the ``torch`` module in.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,9 +32,9 @@ class Case:
     timing: bool = False
     memory: bool = False
     about: str = ""
-    prefill: int | None = None  # decode: prompt tokens before the seq_len one-token steps (decode_kernels)
-    op: str | None = None  # a glue op (glue_kernels): conv, rms_norm, gated_norm or swiglu
-    # the routed kernel takes the key heads as they are (packed rows on FLA: patches.packed_rows.value_heads), the
+    prefill: int | None = None  # decode: prompt tokens before the seq_len one-token steps (decode.py)
+    op: str | None = None  # a glue op (glue.py): conv, rms_norm, gated_norm or swiglu
+    # the routed kernel takes the key heads as they are (packed rows on FLA: patches.packing.deltanet.value_heads), the
     # reference takes them repeated as Qwen3_5GatedDeltaNet.forward repeats them
     unrepeated: bool = False
 
@@ -78,6 +82,19 @@ class CaseResult:
             self.note = f"{name} differs by {value:.2%} (threshold {threshold * 100:g}%)"
         else:
             self.note = passed
+
+
+def run_case(result: CaseResult, check: Callable[[CaseResult], None]) -> CaseResult:
+    """Run one case's ``check``, which fills ``result`` in (its errors, its verdict, or a skip with the reason); never
+    raises: an exception is a failed case with the error as its note. ``result.seconds`` is the check's wall time."""
+    started = time.monotonic()
+    try:
+        check(result)
+    except Exception as err:  # a crashing kernel is a failed case, reported with the others
+        result.note = f"{type(err).__name__}: {err}"
+    finally:
+        result.seconds = round(time.monotonic() - started, 2)
+    return result
 
 
 def make_inputs(torch, case: Case, seed: int = 0) -> dict[str, Any]:

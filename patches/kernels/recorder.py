@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .errors import PatchError
+from ..core.errors import PatchError
 
 
 def qualified_name(func: Any) -> str:

@@ -5,7 +5,7 @@
 Preflight runs this in a child process so that the supervisor itself never holds a device context
 (which would keep HBM on device 0 for the whole run) and a kernel crash cannot take the supervisor down.
 
-Which kernel: the one training will route to (``launcher.checks.kernels.select_kernel``, the routing
+Which kernel: the one training will route to (``launcher.checks.kernels.validate.select_kernel``, the routing
 patch's own decision from the backend and ``launcher.patches.deltanet_routing.kernel``): FLA's
 ``chunk_gated_delta_rule`` (on NPU through triton-ascend) or transformers' pure-torch
 ``torch_chunk_gated_delta_rule``. A refusal (FLA missing, FLA's Hopper guard, community triton on NPU)
@@ -15,8 +15,9 @@ The result is compared with ``reference_gated_delta_rule`` below, the step-by-st
 on the CPU (written here rather than taken from transformers, whose recurrent function newer releases
 route to hub kernels), for the output and the gradients of q, k, v, g and beta.
 T is not a multiple of the 64-token chunk, so padding is exercised too.
-When that passes, the same kernel runs the quick suite of ``launcher validate-kernels`` (``launcher.checks.kernels``:
-bf16 against the fp32 torch chunk reference, T != H, grouped heads, packed sequences); ``--no-suite`` skips it.
+When that passes, the same kernel runs the quick suite of ``launcher validate-kernels``
+(``launcher.checks.kernels.validate``: bf16 against the fp32 torch chunk reference, T != H, grouped heads, packed
+sequences); ``--no-suite`` skips it.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from launcher.backend import device_name
-from launcher.checks.kernels import select_kernel
+from launcher.checks.kernels.validate import select_kernel
+from launcher.config.backend import device_name
 
 SHAPE = (1, 96, 2, 64)  # [B, T, H, D]: FLA's layout
 TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2}
@@ -89,7 +90,7 @@ def _quick_suite(
     fp32 torch reference with T != H, grouped heads and packed sequences (skipped for kernels without
     ``cu_seqlens``), and the glue cases of the ops in ``glue_ops`` (those the run's ``fused_ops`` binds: an op
     the config turned off is not checked, so a broken kernel can be worked around)."""
-    from launcher.checks.kernels import SUITES, validate
+    from launcher.checks.kernels.validate import SUITES, validate
 
     ops = {c.name: c.op for c in SUITES["quick"] if (c.op is None and not glue_only) or c.op in glue_ops}
     report = validate(backend, suite="quick", kernel_fn=kernel_fn, kernel_name=name, cases=tuple(ops))
@@ -111,9 +112,9 @@ def _quick_suite(
 
 
 def choose_kernels(backend: str, glue_ops: tuple[str, ...], shapes: dict[str, int]) -> dict[str, Any]:
-    """``launcher.checks.kernel_choice`` for the components the run binds (the convolution and the gated norm only
+    """``launcher.checks.kernels.choice`` for the components the run binds (the convolution and the gated norm only
     where ``fused_ops`` leaves them on); returns its record."""
-    from launcher.checks import kernel_choice
+    from launcher.checks.kernels import choice as kernel_choice
 
     candidates = {c: opts for c, opts in kernel_choice.npu_candidates().items() if c == "chunk" or c in glue_ops}
     choice = kernel_choice.choose(backend, candidates, kernel_choice.run_cases(shapes), device_name(backend), shapes)
@@ -122,7 +123,7 @@ def choose_kernels(backend: str, glue_ops: tuple[str, ...], shapes: dict[str, in
 
 def chosen_chunk(record: dict[str, Any]):
     """The chunk kernel a ``kernel_choice`` record chose, loaded, and its description (None when none passed)."""
-    from launcher.checks import kernel_choice
+    from launcher.checks.kernels import choice as kernel_choice
 
     chunk = record["components"]["chunk"]
     for name, loader in kernel_choice.npu_candidates()["chunk"]:
@@ -135,7 +136,7 @@ def _choose_then_check(backend: str, glue_ops: tuple[str, ...], shapes: dict[str
     """The kernel choice, then the quick suite's cases of the glue ops the choice does not cover (rms_norm, swiglu)
     with their routed kernels. The choice's own cases replace the fixed-shape check above: they run at the run's
     head size, the only one some kernels take."""
-    from launcher.checks.kernel_choice import run_shapes
+    from launcher.checks.kernels.choice import run_shapes
 
     record = choose_kernels(backend, glue_ops, shapes or run_shapes(None, 4096))
     found: dict[str, Any] = {"kernel_choice": record, "ok": False}

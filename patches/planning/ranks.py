@@ -1,6 +1,6 @@
 """Every rank applies the same layer plan.
 
-Each rank measures its own layers on its own batch (``layer_meter``), so the costs differ a little (the
+Each rank measures its own layers on its own batch (``meter``), so the costs differ a little (the
 sequence length, the timing) and a budget plan differs with each rank's peak. Two all-reduces make the plan one:
 
 1. ``agree_costs`` (end of step 1): per kind, the largest bytes and seconds per token any rank measured
@@ -17,7 +17,7 @@ reduces: the CPU for gloo, the rank's device for NCCL and HCCL.
 
 from __future__ import annotations
 
-from .checkpoint_budget import LayerCost
+from .budget import LayerCost
 
 
 def _world(backend: str):

@@ -214,7 +214,7 @@ def scaled(costs: dict[str, LayerCost], factor: float) -> dict[str, LayerCost]:
 
 def shrink_plan(model, names: list[str], keep: dict[str, int]) -> list[str]:
     """Checkpoint again the layers of ``names`` beyond ``keep[kind]`` per kind (the last ones); their names."""
-    from .checkpoint_census import checkpoint_layers
+    from .census import checkpoint_layers
 
     layers = dict(checkpoint_layers(model))
     kept: dict[str, int] = {}
@@ -230,7 +230,7 @@ def shrink_plan(model, names: list[str], keep: dict[str, int]) -> list[str]:
 
 def apply_plan(model, chosen: dict[str, int]) -> list[str]:
     """Turn checkpointing off on the first ``chosen[kind]`` layers of each kind; their names, in order."""
-    from .checkpoint_census import checkpoint_layers
+    from .census import checkpoint_layers
 
     left = dict(chosen)
     names = []

@@ -141,6 +141,12 @@ class FlaConv:
 _rekeyed: dict[str, tuple[Any, list[str]]] = {}  # kernel -> (its autotuner, the keys FLA gave it)
 
 
+def conv_of(layer) -> FlaConv | None:
+    """The FLA convolution a DeltaNet layer is bound to (by the ``fused_ops`` patch), or None (``packed_rows`` asks)."""
+    conv = getattr(layer, "causal_conv1d_fn", None)
+    return conv if isinstance(conv, FlaConv) else None
+
+
 def autotuner_of(module_name: str, name: str) -> Any | None:
     """The Triton ``Autotuner`` behind FLA's kernel ``module_name.name`` (heuristics may wrap it), or None."""
     from triton.runtime.autotuner import Autotuner

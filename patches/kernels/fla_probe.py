@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 from packaging.specifiers import SpecifierSet
 
-from .versions import installed_version
+from ..core.versions import installed_version
 
 logger = logging.getLogger(__name__)
 
