@@ -11,10 +11,10 @@ is tests/patches/test_offload_training.py.
 from __future__ import annotations
 
 import pytest
-from patches.proof import read_proof
 
 import patches
 from patches import checkpoint_all_layers
+from patches.core.proof import read_proof
 from patches.planning.census import StepObserver
 from patches.planning.offload import OffloadedCheckpoint, Offloader
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from patches.proof import read_proof
 
+from patches.core.proof import read_proof
 from tests.support import fake_runs as fr
 from tests.support.common import make_config, read_jsonl
 from tests.support.patch_fixtures import EVAL_EVERY_STEP_SGD, trainer_log
