@@ -5,13 +5,13 @@ un-checkpointed saves its recompute (about 1.5 % of a 27B step per layer on one 
 activations (about 1 GiB per layer at 4,096 tokens there; docs/lab/2026-12-01-performance-options.md).
 The right number depends on the device, the model and the sequence length, so it is measured, not tabled:
 
-1. ``layer_meter.InForwardMeter`` leaves the first decoder layer of each kind (class and ``layer_type``: a
+1. ``planning.meter.InForwardMeter`` leaves the first decoder layer of each kind (class and ``layer_type``: a
    DeltaNet and a full-attention decoder layer differ) un-checkpointed in the first training step and counts,
    inside the model's own forward, the bytes autograd keeps for its backward (parameters and the layer's own
    inputs left out: a checkpointed layer keeps its inputs too), and times the forward of the kind's second layer
    (the first pays its kernels' first call, and their compile on an empty cache). That is the cost of leaving
    one such layer un-checkpointed at this step's sequence length, and the recompute it would save.
-   The ranks agree on the costs and on the plan (``plan_ranks``).
+   The ranks agree on the costs and on the plan (``planning.ranks``).
 2. ``plan`` turns the costs into the layers to leave un-checkpointed: by a count, or by a budget for the
    step's peak allocated memory, projected to the run's longest sequence (``cutoff_len``): activations grow
    linearly with length (the chunked loss and the attention kernels keep nothing quadratic), so the step's
@@ -95,7 +95,7 @@ def plan(
     """Choose how many layers of each measured kind to leave un-checkpointed.
 
     Args:
-        costs: per kind, from ``layer_meter.InForwardMeter`` (agreed by ``plan_ranks``).
+        costs: per kind, from ``planning.meter.InForwardMeter`` (agreed by ``planning.ranks``).
         count: leave this many layers un-checkpointed (ignores the budget arguments).
         budget_gib: keep the projected peak allocated memory of a step at or under this.
         peak_gib, held_gib: the first step's peak, and what was allocated before it (weights, optimizer).
